@@ -1,0 +1,1 @@
+"""Triton kernels of qsfa (installed as ``qsfa.kernels``)."""

@@ -1,0 +1,90 @@
+"""qsfa: golden oracle, dispatch API and kernels for quantised sparse MLA attention on Ascend NPUs.
+
+The public operators take ``backend="reference" | "npu" | "triton"`` and the parameter names of
+torch_npu. ``qsfa.reference`` is the NumPy + ml_dtypes oracle; ``qsfa.formats`` the number formats;
+``qsfa.layouts`` the byte layouts of the caches.
+
+Submodules and operators are imported lazily, so ``import qsfa`` stays cheap and never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ._errors import (
+    BackendError,
+    BackendUnavailable,
+    InvalidArgument,
+    InvalidDtype,
+    NotImplementedByBackend,
+    UnknownBackend,
+    UnsupportedByBackend,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    # dispatch
+    "backends": "qsfa._dispatch",
+    "register_backend": "qsfa._dispatch",
+    "unregister_backend": "qsfa._dispatch",
+    "register_impl": "qsfa._dispatch",
+    "Backend": "qsfa._dispatch",
+    "operators": "qsfa._dispatch",
+    # quantisation
+    "dynamic_block_quant": "qsfa.ops.quant",
+    # cache writers
+    "kv_rmsnorm_rope_cache": "qsfa.ops.cache",
+    "kv_rmsnorm_rope_cache_v2": "qsfa.ops.cache",
+    "kv_compress_epilog": "qsfa.ops.cache",
+    "c8_cache_write": "qsfa.ops.cache",
+    "scatter_by_slot": "qsfa.ops.cache",
+    # attention
+    "attention": "qsfa.ops.attention",
+    "kv_quant_sparse_flash_attention": "qsfa.ops.attention",
+    "sparse_flash_attention": "qsfa.ops.attention",
+    "lightning_indexer": "qsfa.ops.attention",
+    "quant_lightning_indexer": "qsfa.ops.attention",
+    "merge_attention_lse": "qsfa.ops.attention",
+    "attention_error_budget": "qsfa.ops.attention",
+    "c8_pipeline": "qsfa.ops.attention",
+}
+
+_SUBMODULES = {
+    "formats",
+    "layouts",
+    "reference",
+    "strategies",
+    "conformance",
+    "golden",
+    "compare",
+    "npu",
+    "ops",
+}
+
+__all__ = sorted(set(_LAZY) | _SUBMODULES | {
+    "BackendError",
+    "BackendUnavailable",
+    "InvalidArgument",
+    "InvalidDtype",
+    "NotImplementedByBackend",
+    "UnknownBackend",
+    "UnsupportedByBackend",
+})
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        mod = importlib.import_module(f"qsfa.{name}")
+        globals()[name] = mod
+        return mod
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'qsfa' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

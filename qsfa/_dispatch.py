@@ -1,0 +1,305 @@
+"""One dispatch path for every operator and every backend.
+
+``run(op, args, backend)``:
+
+1. resolves the backend by name (unknown name -> the list of known ones; unusable -> why);
+2. checks that the backend implements the operator;
+3. detects the caller's array kind (NumPy, or torch on one device);
+4. validates the arguments once against the operator's :class:`~qsfa._contract.Contract` (plus the
+   backend's chip-specific rules and kernel limits) on host NumPy views - nothing has been written yet;
+5. hands the normalised arguments to the backend in the array kind it computes in;
+6. copies in-place buffers back where the backend computed on a copy, and returns results in the
+   caller's kind (NumPy in, NumPy out; torch in, torch out on the caller's device).
+
+Backends only compute. Adding one means registering a :class:`Backend` and its implementations.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ._arrays import caller_kind, is_torch, to_numpy, to_torch
+from ._contract import Args, Constraint, Contract
+from ._errors import (
+    BackendUnavailable,
+    NotImplementedByBackend,
+    UnknownBackend,
+    UnsupportedByBackend,
+)
+
+__all__ = [
+    "Operator",
+    "Backend",
+    "BackendStatus",
+    "define_operator",
+    "operator",
+    "operators",
+    "register_backend",
+    "unregister_backend",
+    "register_impl",
+    "get_backend",
+    "backends",
+    "run",
+]
+
+
+@dataclass
+class Operator:
+    """A public operator: its contract, the names of its outputs and its implementations."""
+
+    name: str
+    contract: Contract
+    outputs: tuple[str, ...]
+    impls: dict[str, Callable] = field(default_factory=dict)
+    doc: str = ""
+
+
+_OPERATORS: dict[str, Operator] = {}
+
+
+def define_operator(name: str, contract: Contract, outputs: tuple[str, ...], reference: Callable,
+                    doc: str = "") -> Operator:
+    """Declare an operator with its reference implementation (called with the normalised args)."""
+    if name in _OPERATORS:
+        raise RuntimeError(f"operator {name!r} defined twice")
+    op = Operator(name, contract, tuple(outputs), {"reference": reference}, doc)
+    _OPERATORS[name] = op
+    return op
+
+
+def operator(name: str) -> Operator:
+    _load_all_operators()
+    try:
+        return _OPERATORS[name]
+    except KeyError:
+        raise KeyError(f"unknown operator {name!r}; known: {sorted(_OPERATORS)}") from None
+
+
+def operators() -> dict[str, Operator]:
+    _load_all_operators()
+    return dict(_OPERATORS)
+
+
+# Modules that define operators; importing them registers the operators.
+_OPERATOR_MODULES = (
+    "qsfa.formats",
+    "qsfa.ops.quant",
+    "qsfa.ops.cache",
+    "qsfa.ops.attention",
+)
+
+
+def _load_all_operators():
+    for m in _OPERATOR_MODULES:
+        try:
+            importlib.import_module(m)
+        except ModuleNotFoundError as e:  # a group not written yet must not break the others
+            if e.name != m:
+                raise
+
+
+@dataclass
+class BackendStatus:
+    name: str
+    usable: bool
+    reason: str
+    description: str
+    operators: tuple[str, ...]
+
+    def __str__(self):
+        state = "usable" if self.usable else f"unusable: {self.reason}"
+        return f"{self.name}: {state}"
+
+
+class Backend:
+    """A place where operators run.
+
+    Subclasses (or instances with the attributes set) provide:
+
+    name:        registry key.
+    array_kind:  "numpy" (implementations get NumPy arrays) or "torch" (tensors on ``device()``).
+    module:      optional module imported before the first call; it registers implementations with
+                 :func:`register_impl` (keeps heavy imports out of ``import qsfa``).
+    availability() -> (usable, reason).
+    chip() -> chip family ("A2", "A3", "950") whose hardware limits apply, or None.
+    device() -> torch device for array_kind "torch".
+    limits(op) -> list of :class:`Constraint` the backend's kernels add (checked after the contract;
+                 a violation raises :class:`UnsupportedByBackend`).
+    """
+
+    name: str = ""
+    array_kind: str = "numpy"
+    module: str | None = None
+    description: str = ""
+
+    def availability(self) -> tuple[bool, str]:
+        return True, ""
+
+    def chip(self) -> str | None:
+        return None
+
+    def device(self):
+        return "cpu"
+
+    def limits(self, op: str) -> list[Constraint]:
+        return []
+
+    def load(self):
+        if self.module:
+            importlib.import_module(self.module)
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
+    if not backend.name:
+        raise ValueError("a backend needs a name")
+    if backend.name in _BACKENDS and not replace:
+        raise ValueError(f"backend {backend.name!r} is already registered")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def unregister_backend(name: str):
+    _BACKENDS.pop(name, None)
+    for op in _OPERATORS.values():
+        op.impls.pop(name, None)
+
+
+def register_impl(backend: str, op: str, fn: Callable | None = None):
+    """Register ``fn`` as ``backend``'s implementation of ``op`` (usable as a decorator)."""
+
+    def deco(f):
+        operator(op).impls[backend] = f
+        return f
+
+    return deco(fn) if fn is not None else deco
+
+
+def _known() -> str:
+    return ", ".join(repr(n) for n in sorted(_BACKENDS))
+
+
+def get_backend(name: str, *, require_usable: bool = True) -> Backend:
+    _ensure_builtin_backends()
+    if not isinstance(name, str) or name not in _BACKENDS:
+        raise UnknownBackend(f"unknown backend {name!r}; known backends: {_known()}")
+    be = _BACKENDS[name]
+    if require_usable:
+        ok, why = be.availability()
+        if not ok:
+            raise BackendUnavailable(f"backend {name!r} is not usable here: {why}")
+        be.load()
+    return be
+
+
+def backends() -> dict[str, BackendStatus]:
+    """Every registered backend, whether it is usable here and, if not, why."""
+    _ensure_builtin_backends()
+    _load_all_operators()
+    out = {}
+    for name, be in sorted(_BACKENDS.items()):
+        ok, why = be.availability()
+        if ok:
+            try:
+                be.load()
+            except Exception as e:  # a backend whose module fails to import is not usable
+                ok, why = False, f"loading {be.module} failed: {type(e).__name__}: {e}"
+        ops = tuple(sorted(n for n, op in _OPERATORS.items() if name in op.impls)) if ok else ()
+        out[name] = BackendStatus(name, ok, why, be.description, ops)
+    return out
+
+
+_BUILTINS_DONE = False
+
+
+def _ensure_builtin_backends():
+    global _BUILTINS_DONE
+    if _BUILTINS_DONE:
+        return
+    _BUILTINS_DONE = True
+    from . import _builtin_backends  # noqa: F401  (registers reference, npu, triton)
+
+
+def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
+    """Validate ``args`` once and run ``op_name`` on ``backend``; see the module docstring."""
+    op = operator(op_name)
+    be = get_backend(backend)
+    impl = op.impls.get(be.name)
+    if impl is None:
+        raise NotImplementedByBackend(f"backend {be.name!r} does not implement {op_name}")
+
+    names = list(args)
+    kind = caller_kind([args[n] for n in names], names)
+
+    # Host NumPy views for validation (zero-copy for CPU tensors).
+    host = Args({n: (to_numpy(v) if is_torch(v) else v) for n, v in args.items()})
+    normalised = op.contract.validate(host, chip=be.chip())
+    for c in be.limits(op_name):
+        actual = c.check(normalised)
+        if actual is not None:
+            raise UnsupportedByBackend(be.name, str(c.error(actual)), constraint_id=c.id)
+
+    # Arguments in the backend's array kind; remember in-place buffers that need copying back.
+    call_args: dict[str, Any] = {}
+    copy_back: dict[str, tuple[Any, Any]] = {}
+    for n, v in normalised.items():
+        orig = args.get(n)
+        inplace = n in op.contract.inplace and orig is not None
+        if be.array_kind == "numpy":
+            call_args[n] = v
+            if inplace and is_torch(orig) and orig.device.type != "cpu":
+                copy_back[n] = (orig, v)
+        else:  # torch backend
+            dev = be.device()
+            if is_torch(orig) and orig is not None and _same_device(orig.device, dev) and v is host.get(n):
+                call_args[n] = orig
+            elif isinstance(v, np.ndarray):
+                call_args[n] = to_torch(v, device=dev)
+                if inplace:
+                    copy_back[n] = (orig, call_args[n])
+            else:
+                call_args[n] = v
+
+    result = impl(**call_args)
+
+    for n, (orig, computed) in copy_back.items():
+        _copy_into(orig, computed)
+
+    single = not isinstance(result, tuple)
+    results = (result,) if single else result
+    if len(results) != len(op.outputs):
+        raise RuntimeError(
+            f"backend {be.name!r} returned {len(results)} outputs for {op_name}, expected {len(op.outputs)}"
+        )
+    out = []
+    for name, r in zip(op.outputs, results):
+        if name in op.contract.inplace and args.get(name) is not None:
+            out.append(args[name])  # the caller's own buffer, updated in place
+        else:
+            out.append(kind.wrap(r))
+    return out[0] if single else tuple(out)
+
+
+def _same_device(a, b) -> bool:
+    return str(a) == str(b) or (str(b) == "cpu" and a.type == "cpu")
+
+
+def _copy_into(orig, computed):
+    """Write ``computed`` (NumPy or tensor) into the caller's buffer ``orig`` in place."""
+    if is_torch(orig):
+        src = computed if is_torch(computed) else to_torch(np.asarray(computed))
+        orig.copy_(src.to(orig.device).view(orig.dtype) if src.dtype != orig.dtype else src.to(orig.device))
+    else:
+        src = to_numpy(computed) if is_torch(computed) else np.asarray(computed)
+        np.copyto(orig, src.view(orig.dtype) if src.dtype != orig.dtype else src)
+
+
+def signature_of(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)

@@ -1,0 +1,57 @@
+"""Every constraint of every operator contract is violated once and must fire - alone and before any write.
+
+The contracts are data (qsfa/ops/*.py); this module iterates over them, so adding a constraint without
+a way to break it (``violate``) or one that never fires fails here.
+"""
+
+import numpy as np
+import pytest
+
+from qsfa._contract import Args
+from qsfa._dispatch import operators, run
+from qsfa._errors import InvalidArgument, InvalidDtype
+
+
+def _cases():
+    for name, op in sorted(operators().items()):
+        for c in op.contract.constraints:
+            yield pytest.param(name, c.id, id=c.id)
+
+
+def _snapshot(args, names):
+    return {n: np.asarray(args[n]).tobytes() for n in names if args.get(n) is not None}
+
+
+@pytest.mark.parametrize("op_name", sorted(operators()))
+def test_example_is_valid(op_name):
+    op = operators()[op_name]
+    assert op.contract.example is not None, f"{op_name} has no example argument set"
+    args = op.contract.example(np.random.default_rng(0))
+    assert op.contract.first_violation(Args(args)) is None
+    for chip in ("A2", "A3", "950"):
+        hit = op.contract.first_violation(Args(op.contract.example(np.random.default_rng(0))), chip)
+        # an example may exceed one chip's limits, but never a rule of the operator itself
+        assert hit is None or hit[0].chips is not None
+
+
+@pytest.mark.parametrize("op_name,cid", list(_cases()))
+def test_constraint_fires_alone_and_first(op_name, cid):
+    op = operators()[op_name]
+    c = op.contract.constraint(cid)
+    assert c.violate is not None, f"constraint {cid} has no violate function"
+    base = op.contract.example(np.random.default_rng(0))
+    bad = c.violate(base)
+    chip = None if c.chips is None else sorted(c.chips)[0]
+    before = _snapshot(bad, op.contract.inplace)
+    with pytest.raises((InvalidArgument, InvalidDtype)) as ei:
+        if chip is None:
+            run(op_name, bad, backend="reference")
+        else:
+            op.contract.validate(bad, chip=chip)
+    err = ei.value
+    assert err.constraint_id == cid, f"expected {cid} to fire, got {err.constraint_id}: {err}"
+    msg = str(err)
+    assert msg.startswith("Invalid ") and f" for {c.param}, actual: " in msg and "reason: " in msg
+    assert isinstance(err, InvalidDtype) == c.dtype
+    # nothing written
+    assert _snapshot(bad, op.contract.inplace) == before
