@@ -1,0 +1,249 @@
+"""Comparing a backend's (or kernel's) results with the oracle: SPEC.md section 4.
+
+* Byte outputs (format codes, packed rows, caches) are compared byte for byte. The report names the
+  first differing positions and, when the format is known, their decoded values. Never a tolerance.
+* Float outputs (attention, LSE) use the FlashMLA-style criterion: non-finite masks must match; an element
+  passes if ``abs_err < atol`` **or** ``rel_err = |a - r| / (|r| + 1e-6) < rtol``; and the whole tensor
+  needs ``cos_diff = 1 - 2*sum(a*r) / sum(a^2 + r^2)`` (float64) ``<= cos_tol``. Per-dtype atol/rtol are the
+  vLLM-Ascend ones (bf16 6e-2 / 7.8125e-3, fp16 2.5e-5 / 5e-3).
+* Ascend (msprobe) statistics are reported beside the verdict: the share of elements whose relative error
+  exceeds 0.1% ("dual thousandths") and 1% ("dual hundredths"), and the ULP distance histogram.
+
+The cos_diff thresholds and the fp32 atol/rtol are qsfa's choice (SPEC.md names none): 1e-5 for 16-bit
+outputs and 1e-7 for fp32 (FlashMLA's test uses 1e-5 for bf16 decode and 1e-7 for its sparse kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+import ml_dtypes
+import numpy as np
+
+from ._arrays import dtype_name, is_torch, to_numpy
+
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "CompareResult",
+    "compare_bytes",
+    "compare_float",
+    "compare",
+    "assert_bytes_equal",
+    "assert_close",
+    "cos_diff",
+    "ulp_distance",
+]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    cos_tol: float
+
+
+#: Per output dtype. bf16/fp16 atol/rtol from vLLM-Ascend's QSFA test; cos_tol and fp32 are qsfa's.
+TOLERANCES = {
+    "bfloat16": Tolerance(atol=6e-2, rtol=7.8125e-3, cos_tol=1e-5),
+    "float16": Tolerance(atol=2.5e-5, rtol=5e-3, cos_tol=1e-5),
+    "float32": Tolerance(atol=1e-5, rtol=1e-5, cos_tol=1e-7),
+}
+
+
+@dataclass
+class CompareResult:
+    name: str
+    kind: str  # "bytes" or "float"
+    passed: bool
+    shape: tuple
+    dtype: str
+    n: int
+    n_fail: int
+    message: str = ""
+    max_abs: float | None = None
+    max_rel: float | None = None
+    cos_diff: float | None = None
+    share_rel_gt_1e3: float | None = None  # "dual thousandths" statistic
+    share_rel_gt_1e2: float | None = None  # "dual hundredths" statistic
+    max_ulp: int | None = None
+    ulp_histogram: dict = field(default_factory=dict)
+    tolerance: dict | None = None
+    worst: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    def __str__(self):
+        verdict = "PASS" if self.passed else "FAIL"
+        head = f"{verdict} {self.name or '<tensor>'} [{self.kind}] shape={self.shape} dtype={self.dtype}"
+        lines = [head, f"  {self.message}"] if self.message else [head]
+        for w in self.worst:
+            lines.append("  " + ", ".join(f"{k}={_fmt(v)}" for k, v in w.items()))
+        return "\n".join(lines)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.9g}"
+    return str(v)
+
+
+def _host(x) -> np.ndarray:
+    return to_numpy(x) if is_torch(x) else np.asarray(x)
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8).reshape(a.shape + (a.dtype.itemsize,)) if a.dtype.itemsize > 1 else a.view(np.uint8)
+
+
+def compare_bytes(actual, golden, *, name: str = "", fmt: str | None = None, max_report: int = 10) -> CompareResult:
+    """Byte-for-byte comparison; ``fmt`` (a qsfa.formats name) adds decoded values to the report."""
+    a, g = _host(actual), _host(golden)
+    dt = dtype_name(g)
+    if a.shape != g.shape or a.dtype.itemsize != g.dtype.itemsize:
+        return CompareResult(name, "bytes", False, tuple(g.shape), dt, int(g.size), int(g.size),
+                             message=f"shape/itemsize mismatch: actual {a.shape} {dtype_name(a)}, "
+                                     f"golden {g.shape} {dt}")
+    ab, gb = _as_bytes(a), _as_bytes(g)
+    diff = ab != gb
+    if diff.ndim > g.ndim:
+        diff = diff.any(axis=-1)
+    n_fail = int(diff.sum())
+    res = CompareResult(name, "bytes", n_fail == 0, tuple(g.shape), dt, int(g.size), n_fail)
+    if n_fail:
+        idx = np.argwhere(diff)[:max_report]
+        decoded = None
+        if fmt is not None:
+            from .reference import formats as F
+
+            decoded = lambda c: float(F.decode(np.asarray([c]).astype(np.uint8), fmt)[0])  # noqa: E731
+        for ix in idx:
+            t = tuple(int(i) for i in ix)
+            gv, av = g[t], a[t]
+            w = {"index": list(t), "golden": _scalar(gv), "actual": _scalar(av)}
+            if decoded is not None and g.dtype.itemsize == 1:
+                w["golden_decoded"] = decoded(gv.view(np.uint8) if hasattr(gv, "view") else gv)
+                w["actual_decoded"] = decoded(av.view(np.uint8) if hasattr(av, "view") else av)
+            res.worst.append(w)
+        first = res.worst[0]["index"]
+        res.message = f"{n_fail} of {g.size} elements differ; first at index {first}"
+    else:
+        res.message = f"all {g.size} elements identical"
+    return res
+
+
+def _scalar(v):
+    v = np.asarray(v)
+    if v.dtype.kind in "iu":
+        return int(v)
+    if v.dtype.itemsize == 1 and v.dtype.kind == "V":
+        return int(v.view(np.uint8))
+    return float(v.astype(np.float64))
+
+
+def cos_diff(actual, golden) -> float:
+    """``1 - 2*sum(a*r) / sum(a^2 + r^2)`` in float64 over finite elements (0 for two all-zero tensors)."""
+    a = _host(actual).astype(np.float64)
+    r = _host(golden).astype(np.float64)
+    fin = np.isfinite(a) & np.isfinite(r)
+    a, r = a[fin], r[fin]
+    den = float((a * a + r * r).sum())
+    if den == 0.0:
+        return 0.0
+    return 1.0 - 2.0 * float((a * r).sum()) / den
+
+
+_ULP_INT = {"bfloat16": np.int16, "float16": np.int16, "float32": np.int32, "float64": np.int64}
+
+
+def ulp_distance(actual, golden, dtype: str) -> np.ndarray:
+    """Distance in units in the last place of ``dtype`` (both sides rounded to it first, RNE)."""
+    np_dt = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
+             "float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}[dtype]
+    it = _ULP_INT[dtype]
+
+    def ordered(x):
+        b = np.ascontiguousarray(_host(x).astype(np_dt)).view(it).astype(np.int64)
+        sign_bit = np.int64(1) << (np.dtype(it).itemsize * 8 - 1)
+        # map sign-magnitude to a monotone integer line (-0 and +0 coincide)
+        return np.where(b < 0, -(b + sign_bit), b)
+
+    return np.abs(ordered(actual) - ordered(golden))
+
+
+def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | None = None,
+                  name: str = "", max_report: int = 10) -> CompareResult:
+    """The SPEC.md section 4 criterion for float outputs (see module docstring)."""
+    a_in, g_in = _host(actual), _host(golden)
+    dt = dtype or dtype_name(g_in)
+    tol = tol or TOLERANCES.get(dt, TOLERANCES["float32"])
+    res = CompareResult(name, "float", False, tuple(g_in.shape), dt, int(g_in.size), int(g_in.size),
+                        tolerance=asdict(tol))
+    if a_in.shape != g_in.shape:
+        res.message = f"shape mismatch: actual {a_in.shape}, golden {g_in.shape}"
+        return res
+    a = a_in.astype(np.float64)
+    g = g_in.astype(np.float64)
+    fin_a, fin_g = np.isfinite(a), np.isfinite(g)
+    mask_bad = (fin_a != fin_g) | (~fin_g & ~fin_a & ~((np.isnan(a) & np.isnan(g)) | (a == g)))
+    both = fin_a & fin_g
+    abs_err = np.where(both, np.abs(a - g), 0.0)
+    rel_err = np.where(both, abs_err / (np.abs(g) + 1e-6), 0.0)
+    elem_fail = mask_bad | (both & ~((abs_err < tol.atol) | (rel_err < tol.rtol)))
+    res.n_fail = int(elem_fail.sum())
+    res.max_abs = float(abs_err.max()) if abs_err.size else 0.0
+    res.max_rel = float(rel_err.max()) if rel_err.size else 0.0
+    res.cos_diff = cos_diff(a, g)
+    n = max(int(both.sum()), 1)
+    res.share_rel_gt_1e3 = float((rel_err > 1e-3).sum()) / n
+    res.share_rel_gt_1e2 = float((rel_err > 1e-2).sum()) / n
+    if dt in _ULP_INT and both.any():
+        u = ulp_distance(np.where(both, a, 0.0), np.where(both, g, 0.0), dt)
+        res.max_ulp = int(u.max())
+        vals, counts = np.unique(np.minimum(u, 64), return_counts=True)
+        res.ulp_histogram = {(f"{int(v)}" if v < 64 else ">=64"): int(c) for v, c in zip(vals, counts)}
+    res.passed = res.n_fail == 0 and res.cos_diff <= tol.cos_tol
+    # worst elements: failing ones first, then by abs error
+    score = np.where(elem_fail, np.inf, abs_err).reshape(-1)
+    order = np.argsort(-score, kind="stable")[:max_report]
+    for flat in order:
+        if score[flat] == 0:
+            break
+        t = tuple(int(i) for i in np.unravel_index(flat, g.shape))
+        res.worst.append({"index": list(t), "golden": float(g[t]), "actual": float(a[t]),
+                          "abs_err": float(abs_err[t]), "rel_err": float(rel_err[t]),
+                          "fails": bool(elem_fail[t])})
+    parts = [f"{res.n_fail} of {res.n} elements outside atol={tol.atol:g} / rtol={tol.rtol:g}",
+             f"cos_diff={res.cos_diff:.3e} (limit {tol.cos_tol:g})",
+             f"max_abs={res.max_abs:.3e}", f"max_rel={res.max_rel:.3e}",
+             f"rel>0.1%: {100 * res.share_rel_gt_1e3:.3f}%"]
+    if int(mask_bad.sum()):
+        parts.insert(0, f"{int(mask_bad.sum())} non-finite mismatches")
+    res.message = "; ".join(parts)
+    return res
+
+
+def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tolerance | None = None) -> CompareResult:
+    """Bytes for integer/8-bit outputs, the float criterion for 16/32/64-bit floats."""
+    g = _host(golden)
+    dt = dtype_name(g)
+    if dt in ("float16", "bfloat16", "float32", "float64"):
+        return compare_float(actual, golden, dtype=dt, tol=tol, name=name)
+    return compare_bytes(actual, golden, name=name, fmt=fmt)
+
+
+def assert_bytes_equal(actual, golden, *, name: str = "", fmt: str | None = None):
+    res = compare_bytes(actual, golden, name=name, fmt=fmt)
+    if not res.passed:
+        raise AssertionError(str(res))
+
+
+def assert_close(actual, golden, *, dtype: str | None = None, tol: Tolerance | None = None, name: str = ""):
+    res = compare_float(actual, golden, dtype=dtype, tol=tol, name=name)
+    if not res.passed:
+        raise AssertionError(str(res))
+    return res
+
