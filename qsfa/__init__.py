@@ -36,9 +36,9 @@ _LAZY = {
     "dynamic_block_quant": "qsfa.ops.quant",
     # cache writers
     "kv_rmsnorm_rope_cache": "qsfa.ops.cache",
-    "kv_rmsnorm_rope_cache_v2": "qsfa.ops.cache",
     "kv_compress_epilog": "qsfa.ops.cache",
     "c8_cache_write": "qsfa.ops.cache",
+    "c8_rmsnorm_rope_cache": "qsfa.ops.cache",
     "scatter_by_slot": "qsfa.ops.cache",
     # attention
     "attention": "qsfa.ops.attention",
