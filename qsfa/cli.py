@@ -1,0 +1,81 @@
+"""The ``qsfa`` command line.
+
+Subcommands live in their own modules and are loaded on demand; each module provides
+``register(subparsers)`` which adds its parser and sets ``func`` (``func(args) -> exit status``).
+
+    qsfa backends                      which backends are usable here, and why not
+    qsfa golden ...                    golden tensor sets (qsfa.golden.cli)
+    qsfa conformance ...               hypothesis conformance runs (qsfa.conformance.cli)
+
+Exit status: 0 success, 1 a check failed, 2 bad usage or bad input (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ._errors import BackendError, InvalidArgument, InvalidDtype
+
+#: subcommand -> module providing register(subparsers)
+SUBCOMMAND_MODULES = {
+    "golden": "qsfa.golden.cli",
+    "conformance": "qsfa.conformance.cli",
+}
+
+
+class UsageError(Exception):
+    """Raised by subcommands for bad user input: printed as one line, exit status 2."""
+
+
+def _cmd_backends(args) -> int:
+    from . import backends
+
+    for name, st in backends().items():
+        state = "usable" if st.usable else "unusable"
+        why = f" ({st.reason})" if st.reason else ""
+        print(f"{name:10s} {state}{why}")
+        if st.usable and args.verbose:
+            print(f"{'':10s} operators: {', '.join(st.operators) or '-'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="qsfa", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"qsfa {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    b = sub.add_parser("backends", help="list backends and whether they are usable here")
+    b.add_argument("-v", "--verbose", action="store_true", help="also list each backend's operators")
+    b.set_defaults(func=_cmd_backends)
+    for name, mod in SUBCOMMAND_MODULES.items():
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        module.register(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, InvalidArgument, InvalidDtype, BackendError, FileNotFoundError) as e:
+        print(f"qsfa {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
