@@ -1,0 +1,86 @@
+"""Rounding helpers shared by the qsfa Triton kernels, exact on every Triton target.
+
+Why these exist (measured with triton 3.9; see tests/test_triton_kernels.py::test_rounding_helpers_*):
+
+* ``x.to(tl.bfloat16)`` from fp32 is RNE on a GPU (LLVM ``fptrunc``) but the CPU interpreter
+  (``TRITON_INTERPRET=1``) *truncates* (its ``_convert_float`` drops the low 16 bits), so results differ by
+  up to one bf16 ulp. :func:`f32_to_bf16_rne` rounds explicitly on the fp32 bit pattern (integer add of
+  ``0x7FFF + lsb`` then shift), which is the same on every target. Finite inputs only (the kernels never
+  feed it inf/nan); overflow past the largest bf16 correctly becomes inf.
+* ``x.to(tl.float16)`` from fp32 is RNE everywhere (numpy ``astype`` in the interpreter, ``cvt.rn`` on a
+  GPU). :func:`f32_to_f16_round` gives round-half-away-from-zero (SPEC.md "ROUND") on top of it by
+  detecting exact ties: ``d = x - rne(x)`` is exact, and ``x`` is a tie iff ``rne(x) + 2d`` is the other
+  fp16 neighbour.
+* RINT of an fp32 value of magnitude < 2**22 is ``(y + 1.5*2**23) - 1.5*2**23`` (the add rounds to an
+  integer with ties to even because the sum's ulp is 1). It needs no libdevice (the interpreter has
+  none) and no fast-math; Triton never reassociates float adds. :func:`rint_small`.
+* ``tl.dot`` under the interpreter multiplies bf16 operands as their raw uint16 bit patterns (it calls
+  ``np.matmul`` on the storage), so kernels upcast dot operands to fp32 when :func:`interpreting` is true.
+  bf16*bf16 and fp16*fp16 products are exact in fp32, so this changes nothing but speed.
+* fp32 division: ``/`` may lower to an approximate division on a GPU; the kernels use
+  ``tl.math.div_rn`` (correctly rounded on a GPU, ``np.divide`` in the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+__all__ = ["interpreting", "f32_to_bf16_rne", "f32_to_f16_round", "f32_to_f16_rne", "round_to_dtype",
+           "rint_small", "ROUND_RINT", "ROUND_AWAY"]
+
+#: rounding-mode codes used as constexpr kernel arguments
+ROUND_RINT = 0  # round half to even
+ROUND_AWAY = 1  # round half away from zero ("ROUND" in SPEC.md)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def f32_to_bf16_rne(x):
+    """fp32 -> bf16, round half to even, via the fp32 bit pattern (finite inputs)."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + (0x7FFF + ((b >> 16) & 1))
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def f32_to_f16_rne(x):
+    """fp32 -> fp16, round half to even (native conversion; RNE on every target)."""
+    return x.to(tl.float16)
+
+
+@triton.jit
+def f32_to_f16_round(x):
+    """fp32 -> fp16, round half away from zero (exact tie detection on top of the RNE conversion)."""
+    r16 = x.to(tl.float16)
+    r = r16.to(tl.float32)
+    d = x - r
+    other = r + 2.0 * d
+    is_tie = (d != 0.0) & (other.to(tl.float16).to(tl.float32) == other)
+    away = is_tie & (tl.abs(x) > tl.abs(r))
+    return tl.where(away, other.to(tl.float16), r16)
+
+
+@triton.jit
+def round_to_dtype(x, IS_BF16: tl.constexpr, MODE: tl.constexpr):
+    """fp32 -> the query dtype (bf16 when IS_BF16 else fp16) with rounding MODE (ROUND_RINT / ROUND_AWAY)."""
+    if IS_BF16:
+        # bf16 ROUND is not used by any kernel path; RNE is the only bf16 mode SPEC.md names.
+        return f32_to_bf16_rne(x)
+    else:
+        if MODE == 1:
+            return f32_to_f16_round(x)
+        else:
+            return f32_to_f16_rne(x)
+
+
+@triton.jit
+def rint_small(y):
+    """Round half to even for |y| < 2**22 (fp32), without libdevice."""
+    return (y + 12582912.0) - 12582912.0

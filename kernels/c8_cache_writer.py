@@ -1,0 +1,129 @@
+"""Triton kernel: the QSFA C8 cache writer (quantise + pack + scatter by slot), SPEC.md 3.2 / 3.5 / 2.
+
+One program per token, one launch per batch. For token t with slot s = slot_mapping[t] (s = -1: nothing
+is written), the packed row ``kv_cache[s // block_size, s % block_size, 0, :]`` receives
+
+* bytes [0, 512): int8 NoPE, per 1x128 tile j: ``amax = max|x|`` (fp32), ``s_j = amax / 127`` (fp32,
+  correctly rounded division), ``q = clamp(RINT(x / s_j), -127, 127)``; an all-zero tile gives s_j = 0 and
+  q = 0 (SPEC.md 2: OPEN on hardware, qsfa's definition);
+* bytes [512, 640): the raw 16-bit RoPE bytes (rope 64 only);
+* bytes [640, 656) (or [512, 528) at rope 0): s_0..s_3 as little-endian fp32.
+
+Bytes outside written rows are never touched. Exactness on every target: divisions are
+``tl.math.div_rn``; RINT is the magic-number add (|x / s| <= 127.00001 < 2**22); amax is an exact fp32
+max; the scale bytes are the fp32 bit pattern split by shifts. See kernels/_common.py for the
+interpreter-vs-GPU notes.
+
+``scale_order`` (SPEC.md 2, OPEN): ``"divide"`` (default, aclnn doc) quantises ``x / s``;
+``"multiply"`` quantises ``(x * 127) / amax`` (the op-plugin test golden's order).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import rint_small
+
+__all__ = ["c8_cache_write_kernel", "launch_c8_cache_write", "SCALE_ORDERS"]
+
+SCALE_ORDERS = ("divide", "multiply")
+
+NOPE = 512
+TILE = 128
+N_TILES = NOPE // TILE
+ROPE_BYTES = 128  # 64 x 16-bit
+
+
+@triton.jit
+def c8_cache_write_kernel(
+    nope_ptr, stride_nt, stride_nd,          # k_nope [T, 512] fp16/bf16 (element strides)
+    rope_ptr, stride_rt,                     # k_rope viewed as uint8 [T, 128] (row stride in bytes)
+    slot_ptr,                                # slot_mapping [T] int32/int64
+    cache_ptr, stride_cb, stride_cr,         # kv_cache as uint8 [block_num, block_size, 1, W]; byte strides
+    stride_cc,                               # byte stride of the last (column) dim
+    block_size,
+    HAS_ROPE: tl.constexpr,
+    MULTIPLY_ORDER: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // block_size
+        row = slot % block_size
+        row_ptr = cache_ptr + blk * stride_cb + row * stride_cr
+
+        tiles = tl.arange(0, 4)  # N_TILES
+        cols = tl.arange(0, 128)  # TILE
+        d = tiles[:, None] * 128 + cols[None, :]
+        x = tl.load(nope_ptr + t.to(tl.int64) * stride_nt + d * stride_nd).to(tl.float32)  # exact upcast
+        amax = tl.max(tl.abs(x), axis=1)  # [4]
+        zero = amax == 0.0
+        safe_amax = tl.where(zero, 1.0, amax)
+        s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+        safe_s = tl.where(zero, 1.0, s)
+        if MULTIPLY_ORDER:
+            y = tl.math.div_rn(x * 127.0, tl.broadcast_to(safe_amax[:, None], x.shape))
+        else:
+            y = tl.math.div_rn(x, tl.broadcast_to(safe_s[:, None], x.shape))
+        q = rint_small(y)
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        q = tl.where(zero[:, None], 0.0, q)
+        qb = q.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True)
+        tl.store(row_ptr + d * stride_cc, qb)
+
+        if HAS_ROPE:
+            rb = tl.arange(0, 128)
+            rbytes = tl.load(rope_ptr + t.to(tl.int64) * stride_rt + rb)
+            tl.store(row_ptr + (512 + rb) * stride_cc, rbytes)
+            scale_off = 640
+        else:
+            scale_off = 512
+
+        # 4 fp32 scales, little-endian bytes: byte k of scale j at scale_off + 4*j + k
+        sbits = tl.where(zero, 0.0, s).to(tl.uint32, bitcast=True)  # [4]
+        k = tl.arange(0, 4)
+        sb = ((sbits[:, None] >> (8 * k[None, :]).to(tl.uint32)) & 0xFF).to(tl.uint8)  # [4 tiles, 4 bytes]
+        tl.store(row_ptr + (scale_off + tiles[:, None] * 4 + k[None, :]) * stride_cc, sb)
+
+
+def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, scale_order: str = "divide"):
+    """Quantise, pack and scatter ``k_nope`` / ``k_rope`` rows into ``kv_cache`` in place (one launch).
+
+    Parameters (torch tensors on one device; validated by the operator contract beforehand):
+      k_nope:       ``[T, 512]`` float16 / bfloat16 (any strides).
+      k_rope:       ``[T, 64]`` of the same 16-bit dtype, or None (rope 0, 528-byte rows).
+      slot_mapping: ``[T]`` int32 / int64; -1 = skip; otherwise unique and < block_num * block_size.
+      kv_cache:     ``[block_num, block_size, 1, 656 | 528]`` uint8 / int8 (any strides); written in place.
+      scale_order:  ``"divide"`` (``x / s``, default) or ``"multiply"`` (``x * 127 / amax``); SPEC.md 2 OPEN.
+    Returns ``kv_cache``.
+    """
+    import torch
+
+    if scale_order not in SCALE_ORDERS:
+        raise ValueError(f"scale_order must be one of {SCALE_ORDERS}, got {scale_order!r}")
+    T = int(k_nope.shape[0])
+    if T == 0:
+        return kv_cache
+    cache_u8 = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
+    slots = slot_mapping.reshape(-1)
+    if not slots.is_contiguous():
+        slots = slots.contiguous()
+    if k_rope is not None:
+        r = k_rope if k_rope.stride(-1) == 1 else k_rope.contiguous()
+        rope_u8 = r.view(torch.uint8)  # [T, 128] raw bytes, little-endian 16-bit values
+        stride_rt = rope_u8.stride(0)
+    else:
+        rope_u8 = cache_u8  # unused
+        stride_rt = 0
+    block_size = int(kv_cache.shape[1])
+    c8_cache_write_kernel[(T,)](
+        k_nope, k_nope.stride(0), k_nope.stride(1),
+        rope_u8, stride_rt,
+        slots,
+        cache_u8, cache_u8.stride(0), cache_u8.stride(1), cache_u8.stride(3),
+        block_size,
+        HAS_ROPE=k_rope is not None,
+        MULTIPLY_ORDER=scale_order == "multiply",
+    )
+    return kv_cache

@@ -1,0 +1,364 @@
+"""Triton kernel: QSFA (kv_quant_sparse_flash_attention) decode and prefill, SPEC.md 3.6.
+
+Work split: one program per (query row, block of BLOCK_H heads, block of BLOCK_DV output columns). All
+Q_N heads share the single KV head, so one gathered K/V tile serves BLOCK_H heads (the decode speed-up).
+Per program:
+
+1. walk the row's selected token positions in chunks of BLOCK_N: position p -> index entry e = p // sbs,
+   token ``sparse_indices[row, e] * sbs + p % sbs``; a token is valid when it lies in ``[0, limit)``
+   (``limit = min(actKV, threshold)``); positions stop after ``n_read`` entries (the host computes
+   ``n_read = min(sparse_size, ceil(threshold / sbs), first -1)``; 0 for rows that see nothing);
+2. gather the packed rows (PA_BSND through block_table, or BSND / TND), dequantise the int8 NoPE with its
+   tile scale in fp32 and round to the query dtype (bf16 RNE; fp16 RNE or half-away, ``K_ROUND``); RoPE
+   bf16/fp16 as stored;
+3. scores = scale_value * (q . k) with fp32 accumulation; invalid tokens are excluded (probability
+   exactly 0, the effect of the reference's -2e38 score);
+4. online softmax in fp32 (running max m, running sum l of the fp32 exponentials), probabilities rounded
+   to the query dtype (``P_ROUND``) before P @ V with fp32 accumulation;
+5. out = acc / l rounded to the query dtype (RNE); softmax_max = m, softmax_sum = l; a row without a valid
+   token writes out = 0, m = l = 0.
+
+The interpreter's ``tl.dot`` is wrong for bf16 operands (raw uint16 bits), so under ``TRITON_INTERPRET=1``
+dot operands are upcast to fp32 (exact products; see _common.py). On a GPU the dots take the 16-bit
+operands directly.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import ROUND_AWAY, ROUND_RINT, interpreting, round_to_dtype
+
+__all__ = ["qsfa_attention_kernel", "launch_qsfa_attention", "KernelConfig", "default_config"]
+
+NOPE = 512
+
+
+@triton.jit
+def _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX: tl.constexpr,
+                  IS_BF16: tl.constexpr, K_ROUND: tl.constexpr):
+    """[BLOCK_N, len(cols)] dequantised NoPE columns ``cols`` of the rows at byte offsets ``row_off``."""
+    q8 = tl.load(kv_i8_ptr + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    sc = tl.load(kv_f32_ptr + (row_off // 4)[:, None] + SCALE_IDX + (cols // 128)[None, :],
+                 mask=valid[:, None], other=0.0)
+    return round_to_dtype(q8.to(tl.float32) * sc, IS_BF16, K_ROUND)
+
+
+@triton.jit
+def qsfa_attention_kernel(
+    q_ptr, stride_qr, stride_qh,               # query rows [R, Q_N, Q_D] (element strides, last dim dense)
+    kv_i8_ptr, kv_16_ptr, kv_f32_ptr,          # the key buffer viewed as int8 / 16-bit / fp32
+    stride_kb, stride_kt,                      # byte strides: batch-or-block, token-row
+    bt_ptr, stride_bt,                         # block_table [B, max_blocks] (PA only)
+    idx_ptr, stride_ir,                        # sparse_indices rows [R, sparse_size] int32
+    meta_ptr,                                  # int64 [R, 4]: kv_b, kv_off, limit, n_pos
+    out_ptr, stride_or, stride_oh,             # out [R, Q_N, 512]
+    max_ptr, sum_ptr,                          # fp32 [R, Q_N] (only when WRITE_LSE)
+    scale_value,
+    Q_N, block_size,
+    SBS: tl.constexpr,
+    SCALE_IDX: tl.constexpr,                   # fp32 index of the first scale in a row: 160 (rope 64), 128
+    IS_PA: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    K_ROUND: tl.constexpr,
+    P_ROUND: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    pid_v = tl.program_id(2)
+
+    kv_b = tl.load(meta_ptr + row * 4 + 0)
+    kv_off = tl.load(meta_ptr + row * 4 + 1)
+    limit = tl.load(meta_ptr + row * 4 + 2)
+    n_pos = tl.load(meta_ptr + row * 4 + 3)
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < Q_N
+    cols = tl.arange(0, 512)
+    q_row = q_ptr + row * stride_qr + heads.to(tl.int64)[:, None] * stride_qh
+    q_nope = tl.load(q_row + cols[None, :], mask=hmask[:, None], other=0.0)
+    if DOT_F32:
+        q_nope = q_nope.to(tl.float32)
+    rcols = tl.arange(0, 64)
+    if HAS_ROPE:
+        q_rope = tl.load(q_row + 512 + rcols[None, :], mask=hmask[:, None], other=0.0)
+        if DOT_F32:
+            q_rope = q_rope.to(tl.float32)
+    vcols = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+
+    for p0 in range(0, n_pos, BLOCK_N):
+        pos = p0 + tl.arange(0, BLOCK_N)
+        in_range = pos < n_pos
+        entry = pos // SBS
+        idx = tl.load(idx_ptr + row * stride_ir + entry, mask=in_range, other=-1).to(tl.int64)
+        tok = idx * SBS + (pos % SBS)
+        valid = in_range & (idx >= 0) & (tok < limit)
+        tok = tl.where(valid, tok, 0)
+        if IS_PA:
+            blk = tl.load(bt_ptr + kv_b * stride_bt + tok // block_size, mask=valid, other=0).to(tl.int64)
+            row_off = blk * stride_kb + (tok % block_size) * stride_kt
+        else:
+            row_off = kv_b * stride_kb + (kv_off + tok) * stride_kt
+
+        k_nope = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX, IS_BF16, K_ROUND)
+        if DOT_F32:
+            s = tl.dot(q_nope, tl.trans(k_nope.to(tl.float32)))
+        else:
+            s = tl.dot(q_nope, tl.trans(k_nope))
+        if HAS_ROPE:
+            k_rope = tl.load(kv_16_ptr + (row_off // 2)[:, None] + 256 + rcols[None, :],
+                             mask=valid[:, None], other=0.0)
+            if DOT_F32:
+                k_rope = k_rope.to(tl.float32)
+            s += tl.dot(q_rope, tl.trans(k_rope))
+        s = s * scale_value
+        s = tl.where(valid[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        if BLOCK_DV == 512:
+            v = k_nope
+        else:
+            v = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, vcols, SCALE_IDX, IS_BF16, K_ROUND)
+        p16 = round_to_dtype(p, IS_BF16, P_ROUND)
+        if DOT_F32:
+            pv = tl.dot(p16.to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p16, v)
+        acc = acc * alpha[:, None] + pv
+
+    has = l_i > 0.0
+    inv = tl.where(has, l_i, 1.0)
+    o = tl.where(has[:, None], acc / inv[:, None], 0.0)
+    o16 = round_to_dtype(o, IS_BF16, 0)
+    tl.store(out_ptr + row * stride_or + heads.to(tl.int64)[:, None] * stride_oh + vcols[None, :], o16,
+             mask=hmask[:, None])
+    if WRITE_LSE:
+        if pid_v == 0:
+            tl.store(max_ptr + row * Q_N + heads, tl.where(has, m_i, 0.0), mask=hmask)
+            tl.store(sum_ptr + row * Q_N + heads, l_i, mask=hmask)
+
+
+class KernelConfig:
+    """Launch parameters of the attention kernel (tiling; no effect on results beyond fp32 summation order).
+
+    block_h:  heads per program (>= 16 for tl.dot on GPUs; heads beyond Q_N are masked).
+    block_n:  selected tokens per step (>= 16).
+    block_dv: output columns per program (512, 256 or 128); smaller values cut registers but recompute
+              the scores once per column block.
+    """
+
+    def __init__(self, block_h: int = 64, block_n: int = 32, block_dv: int = 512, num_warps: int = 8,
+                 num_stages: int = 1):
+        if block_dv not in (128, 256, 512):
+            raise ValueError(f"block_dv must be 128, 256 or 512, got {block_dv}")
+        for name, v in (("block_h", block_h), ("block_n", block_n)):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        self.block_h, self.block_n, self.block_dv = block_h, block_n, block_dv
+        self.num_warps, self.num_stages = num_warps, num_stages
+
+    def __repr__(self):
+        return (f"KernelConfig(block_h={self.block_h}, block_n={self.block_n}, block_dv={self.block_dv}, "
+                f"num_warps={self.num_warps}, num_stages={self.num_stages})")
+
+
+def default_config(q_n: int) -> KernelConfig:
+    """Tiling used when none is given: small tiles under the interpreter, 64-head tiles on a GPU."""
+    if interpreting():
+        return KernelConfig(block_h=16, block_n=16, block_dv=512, num_warps=1, num_stages=1)
+    return KernelConfig(block_h=64 if q_n >= 64 else 16 if q_n <= 16 else 32, block_n=32, block_dv=256,
+                        num_warps=8, num_stages=2)
+
+
+def _row_metadata(query, sparse_indices, *, layout_query, layout_kv, sparse_mode, sparse_block_size,
+                  act_q, act_kv):
+    """Per query row (BSND b*Q_S+s, or TND token t): kv_b, kv_off, limit, n_pos, as int64 [R, 4]."""
+    import torch
+
+    dev = query.device
+    if layout_query == "TND":
+        R = int(query.shape[0])
+        cu_q = act_q.to(torch.int64)
+        B = int(cu_q.shape[0])
+        t = torch.arange(R, device=dev, dtype=torch.int64)
+        b = torch.searchsorted(cu_q, t, right=True).clamp_(max=max(B - 1, 0))
+        start_q = torch.cat([cu_q.new_zeros(1), cu_q[:-1]])
+        len_q = cu_q - start_q
+        i = t - start_q[b]
+        row_ok = t < cu_q[-1] if B else torch.zeros_like(t, dtype=torch.bool)
+    else:
+        B, Q_S = int(query.shape[0]), int(query.shape[1])
+        R = B * Q_S
+        r = torch.arange(R, device=dev, dtype=torch.int64)
+        b, i = r // Q_S, r % Q_S
+        len_q = act_q.to(torch.int64)
+        row_ok = i < len_q[b]
+
+    kvl = act_kv.to(torch.int64)
+    if layout_kv == "TND":
+        start_kv = torch.cat([kvl.new_zeros(1), kvl[:-1]])
+        len_kv = kvl - start_kv
+        kv_off = start_kv[b]
+        kv_b = torch.zeros_like(b)
+    else:
+        len_kv = kvl
+        kv_off = torch.zeros_like(b)
+        kv_b = b
+
+    akv = len_kv[b]
+    if sparse_mode == 3:
+        thr = akv - len_q[b] + i + 1
+    else:
+        thr = akv.clone()
+    thr = torch.where(row_ok, thr, torch.zeros_like(thr))
+    limit = torch.minimum(akv, thr).clamp_(min=0)
+    sbs = int(sparse_block_size)
+    K = int(sparse_indices.shape[-1])
+    n_lim = torch.clamp((thr + sbs - 1) // sbs, min=0, max=K)
+    idx = sparse_indices.reshape(R, K)
+    is_stop = idx == -1
+    first_stop = torch.where(is_stop.any(dim=1), is_stop.to(torch.int8).argmax(dim=1).to(torch.int64),
+                             torch.full_like(n_lim, K))
+    n_read = torch.minimum(n_lim, first_stop)
+    meta = torch.stack([kv_b, kv_off, limit, n_read * sbs], dim=1).contiguous()
+    return meta, idx
+
+
+def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_table=None,
+                          actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
+                          layout_query="BSND", layout_kv="BSND", sparse_mode=3, rope_head_dim=64,
+                          return_softmax_lse=False, k_round=None, p_round="rint",
+                          config: KernelConfig | None = None):
+    """Run the QSFA kernel on validated arguments (torch tensors on one device).
+
+    query:  BSND ``[B, Q_S, Q_N, 512 + rope]`` or TND ``[Q_T, Q_N, 512 + rope]``, float16 / bfloat16.
+    key:    packed int8 rows, BSND ``[B, KV_S, 1, W]``, TND ``[KV_T, 1, W]`` or PA_BSND
+            ``[block_num, block_size, 1, W]``, W = 656 (rope 64) or 528 (rope 0); int8 / uint8.
+    sparse_indices: ``[B, Q_S, 1, K]`` / ``[Q_T, 1, K]`` int32.
+    actual_seq_lengths_query / _kv: int tensors ``[B]`` (TND: prefix sums); None = full lengths (BSND).
+    k_round / p_round: rounding of the dequantised K and of P to the query dtype: "rint" or "round"
+            (half away from zero; fp16 only, bf16 always rounds half to even). k_round None = SPEC.md 3.6
+            (bf16 RINT, fp16 ROUND).
+    Returns ``(attention_out, softmax_max, softmax_sum)``; the LSE tensors are empty ``[0]`` unless
+    ``return_softmax_lse``.
+    """
+    import torch
+
+    cfg = config or default_config(int(query.shape[-2]))
+    dev = query.device
+    is_bf16 = query.dtype == torch.bfloat16
+    modes = {"rint": ROUND_RINT, "round": ROUND_AWAY}
+    if k_round is None:
+        k_round = "rint" if is_bf16 else "round"
+    if k_round not in modes or p_round not in modes:
+        raise ValueError(f"k_round / p_round must be 'rint' or 'round', got {k_round!r} / {p_round!r}")
+
+    q_n = int(query.shape[-2])
+    q_rows = query.reshape(-1, q_n, query.shape[-1])
+    if q_rows.stride(-1) != 1:
+        q_rows = q_rows.contiguous()
+    R = int(q_rows.shape[0])
+    kv_s = int(key.shape[1]) if layout_kv in ("BSND", "PA_BSND") else int(key.shape[0])
+
+    if actual_seq_lengths_query is None:
+        act_q = torch.full((int(query.shape[0]),), int(query.shape[1]), dtype=torch.int64, device=dev)
+    else:
+        act_q = torch.as_tensor(actual_seq_lengths_query, device=dev).reshape(-1)
+    if actual_seq_lengths_kv is None:
+        B = int(act_q.shape[0])
+        act_kv = torch.full((B,), kv_s, dtype=torch.int64, device=dev)
+    else:
+        act_kv = torch.as_tensor(actual_seq_lengths_kv, device=dev).reshape(-1)
+
+    meta, idx = _row_metadata(query, sparse_indices, layout_query=layout_query, layout_kv=layout_kv,
+                              sparse_mode=sparse_mode, sparse_block_size=sparse_block_size,
+                              act_q=act_q, act_kv=act_kv)
+    idx = idx.to(torch.int32)
+    if idx.stride(-1) != 1:
+        idx = idx.contiguous()
+
+    # key views: int8 (NoPE), 16-bit in the query dtype (RoPE), fp32 (scales); byte strides
+    k8 = key.view(torch.int8) if key.dtype != torch.int8 else key
+    if layout_kv == "TND":
+        k8 = k8.reshape(k8.shape[0], 1, k8.shape[-1]) if k8.dim() == 3 else k8
+        stride_kb, stride_kt = 0, k8.stride(0)
+    else:
+        stride_kb, stride_kt = k8.stride(0), k8.stride(1)
+    if k8.stride(-1) != 1 or stride_kb % 4 or stride_kt % 4 or k8.storage_offset() % 4:
+        k8 = k8.contiguous()
+        stride_kb = k8.stride(0) if layout_kv != "TND" else 0
+        stride_kt = k8.stride(1) if layout_kv != "TND" else k8.stride(0)
+    k16 = k8.view(query.dtype)
+    k32 = k8.view(torch.float32)
+    # the 16-bit / fp32 views share k8's base address: the kernel indexes them with byte offsets // 2, // 4
+
+    if layout_kv == "PA_BSND":
+        bt = block_table.to(torch.int32)
+        if bt.stride(-1) != 1:
+            bt = bt.contiguous()
+        stride_bt, bsz = bt.stride(0), int(key.shape[1])
+    else:
+        bt, stride_bt, bsz = idx, 0, 1
+
+    out = torch.empty((R, q_n, NOPE), dtype=query.dtype, device=dev)
+    if return_softmax_lse:
+        smax = torch.empty((R, q_n), dtype=torch.float32, device=dev)
+        ssum = torch.empty((R, q_n), dtype=torch.float32, device=dev)
+    else:
+        smax = ssum = torch.empty((1,), dtype=torch.float32, device=dev)
+
+    grid = (R, triton.cdiv(q_n, cfg.block_h), NOPE // cfg.block_dv)
+    if R > 0:
+        qsfa_attention_kernel[grid](
+            q_rows, q_rows.stride(0), q_rows.stride(1),
+            k8, k16, k32, stride_kb, stride_kt,
+            bt, stride_bt,
+            idx, idx.stride(0),
+            meta,
+            out, out.stride(0), out.stride(1),
+            smax, ssum,
+            float(scale_value),
+            q_n, bsz,
+            SBS=int(sparse_block_size),
+            SCALE_IDX=160 if int(rope_head_dim) == 64 else 128,
+            IS_PA=layout_kv == "PA_BSND",
+            HAS_ROPE=int(rope_head_dim) == 64,
+            IS_BF16=is_bf16,
+            K_ROUND=modes[k_round],
+            P_ROUND=modes[p_round],
+            WRITE_LSE=bool(return_softmax_lse),
+            DOT_F32=interpreting(),
+            BLOCK_H=cfg.block_h,
+            BLOCK_N=cfg.block_n,
+            BLOCK_DV=cfg.block_dv,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+
+    out_shape = tuple(query.shape[:-1]) + (NOPE,)
+    attention_out = out.reshape(out_shape)
+    if return_softmax_lse:
+        if layout_query == "TND":
+            lse_shape = (1, R, q_n)
+        else:
+            lse_shape = (int(query.shape[0]), 1, int(query.shape[1]), q_n)
+        return attention_out, smax.reshape(lse_shape), ssum.reshape(lse_shape)
+    empty = torch.empty((0,), dtype=torch.float32, device=dev)
+    return attention_out, empty, empty.clone()
