@@ -1,0 +1,463 @@
+"""From qsfa's normalised operator arguments to the torch_npu / vLLM-Ascend call, and back.
+
+One pure function per operator: ``map_<op>(args, ctx) -> NpuCall``. ``args`` are the operator's
+normalised arguments (tensors already on the device, Python scalars); ``ctx`` says which chip family and
+which vLLM-Ascend custom ops are present. The result names the callable (``target``, a dotted path such as
+``"torch_npu.npu_kv_quant_sparse_flash_attention"``), its positional ``args`` and keyword ``kwargs``, and
+``unpack(result)`` which turns the callable's return value into the operator's outputs in qsfa's order.
+An ``NpuCall`` unpacks like the triple ``target, args, kwargs = call``.
+
+The functions do no device work: they only reinterpret dtypes (``tensor.view(dtype)``, which shares
+storage, so in-place caches stay the caller's memory), reshape, and cast small index tensors to the
+dtype the kernel documents. They never compute results. tests/test_npu_mapping.py binds every call they
+produce to the signatures recorded in ``signatures.json`` (:mod:`qsfa.npu.signatures`).
+
+Routing (settled from public sources):
+
+* ``kv_quant_sparse_flash_attention``: vLLM-Ascend (``vllm_ascend/device/device_op.py`` at 182b75e) calls
+  ``torch.ops._C_ascend.npu_kv_quant_sparse_flash_attention`` on Atlas A2/A3 (BaseDeviceAdaptor; it has
+  ``return_softmax_lse``) and ``torch_npu.npu_kv_quant_sparse_flash_attention`` on Ascend 950
+  (A5DeviceAdaptor; no LSE outputs - it raises when they are asked for). torch_npu's function documents
+  ``rope_head_dim`` 64 only and returns ``attention_out`` alone. So: ``rope_head_dim == 0`` or
+  ``return_softmax_lse`` -> the custom op (required); a HiFloat8 key -> torch_npu (only it takes
+  ``key_dtype=torch_npu.hifloat8``); otherwise the custom op on A2/A3 when it is loaded (as vLLM-Ascend),
+  else torch_npu. When torch_npu is the target, ``softmax_max``/``softmax_sum`` come back as empty ``[0]``
+  float32 tensors, like every kernel that was not asked for them.
+* ``kv_rmsnorm_rope_cache``: Ascend 950 -> ``torch_npu.npu_kv_rmsnorm_rope_cache_v2`` (caches written in
+  place, ``k_cache_dtype``/``ckv_cache_dtype`` codes for HiFloat8; the op-plugin doc lists only the 950 for
+  it); other chips -> ``torch_npu.npu_kv_rmsnorm_rope_cache`` (what vLLM-Ascend's sfa_v1.py calls).
+* dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
+  TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
+  hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
+  torch_npu enumeration the op-plugin docs list for ``dst_type``). ``key_dtype``/``k_cache_dtype``-style
+  arguments are passed only for HiFloat8 (torch_npu: "pass it only when the tensor is not a native PyTorch
+  dtype"); int8 / float8 tensors carry their dtype themselves.
+
+Operators with no torch_npu or vLLM-Ascend callable are listed in :data:`NOT_MAPPED` with the reason; the
+npu backend does not implement them (nothing is emulated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+__all__ = [
+    "NpuContext",
+    "NpuCall",
+    "MAPPINGS",
+    "NOT_MAPPED",
+    "IGNORED",
+    "DTYPE_CODES",
+    "HIFLOAT8_CODE",
+    "QSFA_TORCH_NPU",
+    "QSFA_CUSTOM_OP",
+    "qsfa_target",
+    "map_call",
+]
+
+QSFA_TORCH_NPU = "torch_npu.npu_kv_quant_sparse_flash_attention"
+QSFA_CUSTOM_OP = "torch.ops._C_ascend.npu_kv_quant_sparse_flash_attention"
+QSFA_CUSTOM_NAME = "npu_kv_quant_sparse_flash_attention"
+
+#: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
+DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
+HIFLOAT8_CODE = DTYPE_CODES["hifloat8"]
+
+#: qsfa format name of an 8-bit payload -> torch dtype attribute its tensor must have for torch_npu.
+_TORCH_BYTE_DTYPE = {"int8": "int8", "uint8": "uint8", "hifloat8": "uint8", "float8_e4m3fn": "float8_e4m3fn",
+                     "float8_e5m2": "float8_e5m2"}
+
+
+@dataclass(frozen=True)
+class NpuContext:
+    """What the mapping may depend on besides the arguments: the chip family and the loaded custom ops."""
+
+    chip: str | None = None
+    custom_ops: frozenset = frozenset()
+
+
+@dataclass(frozen=True)
+class NpuCall:
+    """One call of a torch_npu function or custom op, and how to read its result back.
+
+    target:    dotted name of the callable (a key of ``signatures.json``).
+    args, kwargs: the call's arguments.
+    unpack:    ``unpack(result) -> tuple`` in the operator's output order.
+    writeback: ``(result index, tensor)`` pairs: after the call, copy item ``result index`` of the raw
+               result into ``tensor`` unless it already is that tensor's memory (for functions that return
+               the updated caches instead of declaring them in place).
+    """
+
+    target: str
+    args: tuple
+    kwargs: dict
+    unpack: Callable[[Any], tuple]
+    writeback: tuple = field(default=())
+
+    def __iter__(self):
+        return iter((self.target, self.args, self.kwargs))
+
+
+#: Parameters of our operators that no torch_npu call takes, and why dropping them is right.
+IGNORED = {
+    "chunk_size": "memory bound of the NumPy reference only",
+    "scale_order": "OPEN fact of the reference model (SPEC.md 2); the device does what it does - run both "
+                   "reference variants against backend='npu' to settle it",
+    "pad_to": "OPEN fact of the reference model; the device does what it does",
+    "fp4_nibble_order": "OPEN fact of the reference model; the device does what it does",
+    "lse_includes_sink": "OPEN fact of the reference model (SPEC.md 3.6); the device does what it does",
+    "tie_break": "OPEN fact of the reference model (SPEC.md 3.7); the device does what it does",
+    "precision": "reference precision mode; backend_limits accepts only 'faithful' on the device",
+}
+
+#: Operators the npu backend does not implement, with the reason (reported by the backend).
+NOT_MAPPED = {
+    "kv_compress_epilog": (
+        "torch_npu 2.14.0 exposes no KvCompressEpilog function (absent from op_plugin/meta/_meta_registrations.py "
+        "and the codegen yaml); vLLM-Ascend's torch.ops._C_ascend.kv_compress_epilog (csrc/torch_binding.cpp, "
+        "Ascend 950) is a different variant - quant_mode 1 = FP8 with fp32 scales per 128, 2 = MXFP8, rows padded "
+        "to 128 bytes, no x_scale, an FP8-typed cache - not the mode 0/1/2 row layout of this operator (seed 002)"),
+    "c8_cache_write": (
+        "no single torch_npu or vLLM-Ascend callable: vLLM-Ascend quantises (Triton custom_kv_rmsnorm_rope), "
+        "concatenates the row with torch.cat and scatters it with torch_npu.npu_scatter_nd_update_; run the "
+        "device stages as qsfa.dynamic_block_quant and qsfa.scatter_by_slot with backend='npu'"),
+    "c8_rmsnorm_rope_cache": (
+        "no single torch_npu or vLLM-Ascend callable (vLLM-Ascend uses its Triton custom_kv_rmsnorm_rope plus "
+        "torch_npu.npu_scatter_nd_update_)"),
+    "merge_attention_lse": (
+        "torch_npu's npu_attention_update merges partial results from lse = max + log(sum); no callable takes "
+        "(out, softmax_max, softmax_sum) as this operator does"),
+    "formats.encode": "no torch_npu function takes a format name with saturate/rounding options",
+    "formats.decode": "no torch_npu function decodes raw format codes to float32",
+    "formats.pack_fp4": "no torch_npu function packs FP4 codes",
+    "formats.unpack_fp4": "no torch_npu function unpacks FP4 codes",
+    "attention_error_budget": "reference-only analysis (faithful minus exact)",
+    "c8_pipeline": "a composition of operators; call it with backend='npu' stage by stage",
+}
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _check_params(op: str, a: Mapping, consumed) -> None:
+    unknown = sorted(set(a) - set(consumed) - set(IGNORED))
+    if unknown:
+        raise TypeError(f"qsfa.npu.mapping for {op} does not know the parameter(s) {unknown}: map them or list "
+                        f"them in IGNORED with the reason")
+
+
+def _fmt_of(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _as_format(t, fmt: str):
+    """Reinterpret a 1-byte tensor as the torch dtype that carries ``fmt`` (shares storage)."""
+    if t is None:
+        return None
+    torch = _torch()
+    want = getattr(torch, _TORCH_BYTE_DTYPE[fmt])
+    if t.dtype == want:
+        return t
+    if t.element_size() != 1:
+        raise TypeError(f"expected a 1-byte tensor to carry {fmt}, got {t.dtype}")
+    return t.view(want)
+
+
+def _int32(t):
+    """Index / length tensors as int32 (the kernels document int32); None stays None."""
+    if t is None:
+        return None
+    torch = _torch()
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def _empty_f32(like):
+    torch = _torch()
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+def _dtype_code(v):
+    """A torch_npu dtype code from a format name, an integer code or a torch dtype."""
+    if isinstance(v, bool):
+        raise TypeError(f"not a dtype: {v!r}")
+    if isinstance(v, int):
+        return v
+    name = v if isinstance(v, str) else str(v).replace("torch.", "")
+    try:
+        return DTYPE_CODES[name]
+    except KeyError:
+        raise TypeError(f"no torch_npu dtype code for {v!r}; known: {sorted(DTYPE_CODES)}") from None
+
+
+# ------------------------------------------------------------------------ kv_quant_sparse_flash_attention
+
+_QSFA_PARAMS = (
+    "query", "key", "value", "sparse_indices", "scale_value", "key_quant_mode", "value_quant_mode",
+    "key_dequant_scale", "value_dequant_scale", "block_table", "actual_seq_lengths_query",
+    "actual_seq_lengths_kv", "sparse_block_size", "layout_query", "layout_kv", "sparse_mode", "pre_tokens",
+    "next_tokens", "attention_mode", "quant_scale_repo_mode", "tile_size", "rope_head_dim",
+    "return_softmax_lse", "key_dtype",
+)
+
+
+def _qsfa_key_format(a) -> str:
+    fmt = a.get("key_dtype") or "int8"
+    key = a.get("key")
+    if key is not None and _fmt_of(key) in ("float8_e4m3fn",):
+        fmt = "float8_e4m3fn"
+    return fmt
+
+
+def qsfa_target(a: Mapping, ctx: NpuContext) -> str:
+    """Which callable runs ``kv_quant_sparse_flash_attention`` for these arguments (see module docstring)."""
+    custom = QSFA_CUSTOM_NAME in ctx.custom_ops
+    needs_custom = a.get("rope_head_dim", 64) == 0 or bool(a.get("return_softmax_lse", False))
+    if _qsfa_key_format(a) == "hifloat8":
+        if needs_custom:
+            raise ValueError("a HiFloat8 key runs only through torch_npu, which has rope_head_dim 64 and no "
+                             "return_softmax_lse")
+        return QSFA_TORCH_NPU
+    if needs_custom:
+        if not custom:
+            raise ValueError(f"rope_head_dim 0 / return_softmax_lse need {QSFA_CUSTOM_OP}, which is not loaded")
+        return QSFA_CUSTOM_OP
+    if custom and ctx.chip in ("A2", "A3"):
+        return QSFA_CUSTOM_OP
+    return QSFA_TORCH_NPU
+
+
+def map_kv_quant_sparse_flash_attention(a: Mapping, ctx: NpuContext) -> NpuCall:
+    _check_params("kv_quant_sparse_flash_attention", a, _QSFA_PARAMS)
+    target = qsfa_target(a, ctx)
+    fmt = _qsfa_key_format(a)
+    key = _as_format(a["key"], fmt)
+    value = a.get("value")
+    if value is not None and value.element_size() == 1:
+        value = _as_format(value, fmt)
+    args = (a["query"], key, value, a["sparse_indices"], float(a["scale_value"]))
+    kw = dict(
+        key_quant_mode=int(a.get("key_quant_mode", 2)),
+        value_quant_mode=int(a.get("value_quant_mode", 2)),
+        key_dequant_scale=a.get("key_dequant_scale"),
+        value_dequant_scale=a.get("value_dequant_scale"),
+        block_table=_int32(a.get("block_table")),
+        actual_seq_lengths_query=_int32(a.get("actual_seq_lengths_query")),
+        actual_seq_lengths_kv=_int32(a.get("actual_seq_lengths_kv")),
+        sparse_block_size=int(a.get("sparse_block_size", 1)),
+        layout_query=str(a.get("layout_query", "BSND")),
+        layout_kv=str(a.get("layout_kv", "BSND")),
+        sparse_mode=int(a.get("sparse_mode", 3)),
+        pre_tokens=int(a.get("pre_tokens", 2**63 - 1)),
+        next_tokens=int(a.get("next_tokens", 2**63 - 1)),
+        attention_mode=int(a.get("attention_mode", 2)),
+        quant_scale_repo_mode=int(a.get("quant_scale_repo_mode", 1)),
+        tile_size=int(a.get("tile_size", 128)),
+        rope_head_dim=int(a.get("rope_head_dim", 64)),
+    )
+    if target == QSFA_CUSTOM_OP:
+        kw["return_softmax_lse"] = bool(a.get("return_softmax_lse", False))
+        return NpuCall(target, args, kw, unpack=lambda r: tuple(r))
+    if fmt == "hifloat8":
+        kw["key_dtype"] = HIFLOAT8_CODE
+        kw["value_dtype"] = HIFLOAT8_CODE
+    return NpuCall(target, args, kw, unpack=lambda out: (out, _empty_f32(out), _empty_f32(out)))
+
+
+# ------------------------------------------------------------------------------ sparse_flash_attention
+
+_SFA_PARAMS = (
+    "query", "key", "value", "sparse_indices", "scale_value", "block_table", "actual_seq_lengths_query",
+    "actual_seq_lengths_kv", "query_rope", "key_rope", "sparse_block_size", "layout_query", "layout_kv",
+    "sparse_mode", "pre_tokens", "next_tokens", "attention_mode", "return_softmax_lse", "sinks",
+)
+
+
+def map_sparse_flash_attention(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch_npu.npu_sparse_flash_attention``: the public torch_npu API has every parameter (LSE, sinks)."""
+    _check_params("sparse_flash_attention", a, _SFA_PARAMS)
+    args = (a["query"], a["key"], a.get("value"), a["sparse_indices"], float(a["scale_value"]))
+    kw = dict(
+        block_table=_int32(a.get("block_table")),
+        actual_seq_lengths_query=_int32(a.get("actual_seq_lengths_query")),
+        actual_seq_lengths_kv=_int32(a.get("actual_seq_lengths_kv")),
+        query_rope=a.get("query_rope"),
+        key_rope=a.get("key_rope"),
+        sparse_block_size=int(a.get("sparse_block_size", 1)),
+        layout_query=str(a.get("layout_query", "BSND")),
+        layout_kv=str(a.get("layout_kv", "BSND")),
+        sparse_mode=int(a.get("sparse_mode", 3)),
+        pre_tokens=int(a.get("pre_tokens", 2**63 - 1)),
+        next_tokens=int(a.get("next_tokens", 2**63 - 1)),
+        attention_mode=int(a.get("attention_mode", 2)),
+        return_softmax_lse=bool(a.get("return_softmax_lse", False)),
+        sinks=a.get("sinks"),
+    )
+    return NpuCall("torch_npu.npu_sparse_flash_attention", args, kw, unpack=lambda r: tuple(r))
+
+
+# ------------------------------------------------------------------------------------ lightning indexer
+
+_LI_PARAMS = (
+    "query", "key", "weights", "actual_seq_lengths_query", "actual_seq_lengths_key", "block_table",
+    "layout_query", "layout_key", "sparse_count", "sparse_mode", "pre_tokens", "next_tokens", "return_value",
+)
+
+
+def _li_kwargs(a):
+    return dict(
+        actual_seq_lengths_query=_int32(a.get("actual_seq_lengths_query")),
+        actual_seq_lengths_key=_int32(a.get("actual_seq_lengths_key")),
+        block_table=_int32(a.get("block_table")),
+        layout_query=str(a.get("layout_query", "BSND")),
+        layout_key=str(a.get("layout_key", "BSND")),
+        sparse_count=int(a.get("sparse_count", 2048)),
+        sparse_mode=int(a.get("sparse_mode", 3)),
+        pre_tokens=int(a.get("pre_tokens", 2**63 - 1)),
+        next_tokens=int(a.get("next_tokens", 2**63 - 1)),
+    )
+
+
+def map_lightning_indexer(a: Mapping, ctx: NpuContext) -> NpuCall:
+    _check_params("lightning_indexer", a, _LI_PARAMS)
+    kw = _li_kwargs(a)
+    kw["return_value"] = bool(a.get("return_value", False))
+    return NpuCall("torch_npu.npu_lightning_indexer", (a["query"], a["key"], a["weights"]), kw,
+                   unpack=lambda r: tuple(r))
+
+
+_QLI_PARAMS = _LI_PARAMS[:-1] + (
+    "query_dequant_scale", "key_dequant_scale", "query_quant_mode", "key_quant_mode", "query_dtype", "key_dtype",
+)
+
+
+def map_quant_lightning_indexer(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch_npu.npu_quant_lightning_indexer``; HiFloat8 query/key (uint8) get the dtype code 290."""
+    _check_params("quant_lightning_indexer", a, _QLI_PARAMS)
+    kw = _li_kwargs(a)
+    for tensor_name, code_name in (("query", "query_dtype"), ("key", "key_dtype")):
+        fmt = a.get(code_name)
+        kw[code_name] = HIFLOAT8_CODE if fmt == "hifloat8" or fmt == HIFLOAT8_CODE else None
+    q_fmt = "hifloat8" if kw["query_dtype"] else None
+    k_fmt = "hifloat8" if kw["key_dtype"] else None
+    query = _as_format(a["query"], q_fmt) if q_fmt else a["query"]
+    key = _as_format(a["key"], k_fmt) if k_fmt else a["key"]
+    args = (query, key, a["weights"], a["query_dequant_scale"], a["key_dequant_scale"],
+            int(a.get("query_quant_mode", 0)), int(a.get("key_quant_mode", 0)))
+    return NpuCall("torch_npu.npu_quant_lightning_indexer", args, kw, unpack=lambda r: (r,))
+
+
+# ------------------------------------------------------------------------------------ dynamic_block_quant
+
+_DBQ_PARAMS = ("x", "min_scale", "round_mode", "dst_type", "row_block_size", "col_block_size", "dst_type_max")
+
+
+def map_dynamic_block_quant(a: Mapping, ctx: NpuContext) -> NpuCall:
+    _check_params("dynamic_block_quant", a, _DBQ_PARAMS)
+    kw = dict(
+        min_scale=float(a.get("min_scale", 0.0)),
+        round_mode=str(a.get("round_mode", "rint")),
+        dst_type=_dtype_code(a.get("dst_type", "int8")),
+        row_block_size=int(a.get("row_block_size", 1)),
+        col_block_size=int(a.get("col_block_size", 128)),
+        dst_type_max=float(a.get("dst_type_max", 0.0)),
+    )
+    return NpuCall("torch_npu.npu_dynamic_block_quant", (a["x"],), kw, unpack=lambda r: tuple(r))
+
+
+# ------------------------------------------------------------------------------- kv_rmsnorm_rope_cache
+
+_KRRC_PARAMS = (
+    "kv", "gamma", "cos", "sin", "index", "k_cache", "ckv_cache", "k_rope_scale", "c_kv_scale",
+    "k_rope_offset", "c_kv_offset", "v", "epsilon", "cache_mode", "is_output_kv", "k_cache_dtype",
+    "ckv_cache_dtype",
+)
+
+
+def map_kv_rmsnorm_rope_cache(a: Mapping, ctx: NpuContext) -> NpuCall:
+    _check_params("kv_rmsnorm_rope_cache", a, _KRRC_PARAMS)
+    k_cache, ckv_cache = a["k_cache"], a["ckv_cache"]
+    k_fmt, ckv_fmt = a.get("k_cache_dtype"), a.get("ckv_cache_dtype")
+    if k_fmt is not None and k_cache.element_size() == 1:
+        k_cache = _as_format(k_cache, k_fmt)
+    if ckv_fmt is not None and ckv_cache.element_size() == 1:
+        ckv_cache = _as_format(ckv_cache, ckv_fmt)
+    args = (a["kv"], a["gamma"], a["cos"], a["sin"], a["index"], k_cache, ckv_cache)
+    kw = dict(
+        k_rope_scale=a.get("k_rope_scale"),
+        c_kv_scale=a.get("c_kv_scale"),
+        k_rope_offset=a.get("k_rope_offset"),
+        c_kv_offset=a.get("c_kv_offset"),
+        v=a.get("v"),
+        epsilon=float(a.get("epsilon", 1e-5)),
+        cache_mode=str(a.get("cache_mode", "Norm")),
+        is_output_kv=bool(a.get("is_output_kv", False)),
+    )
+    is_output_kv = kw["is_output_kv"]
+
+    def outputs(k_rope, c_kv):
+        return (a["k_cache"], a["ckv_cache"], k_rope if is_output_kv else None, c_kv if is_output_kv else None)
+
+    if ctx.chip == "950":
+        kw["k_cache_dtype"] = HIFLOAT8_CODE if k_fmt == "hifloat8" else None
+        kw["ckv_cache_dtype"] = HIFLOAT8_CODE if ckv_fmt == "hifloat8" else None
+        return NpuCall("torch_npu.npu_kv_rmsnorm_rope_cache_v2", args, kw, unpack=lambda r: outputs(r[0], r[1]))
+    if "hifloat8" in (k_fmt, ckv_fmt):
+        raise ValueError("HiFloat8 caches need torch_npu.npu_kv_rmsnorm_rope_cache_v2 (Ascend 950)")
+    return NpuCall("torch_npu.npu_kv_rmsnorm_rope_cache", args, kw, unpack=lambda r: outputs(r[2], r[3]),
+                   writeback=((0, k_cache), (1, ckv_cache)))
+
+
+# ------------------------------------------------------------------------------------ scatter_by_slot
+
+
+def map_scatter_by_slot(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch_npu.npu_scatter_nd_update_`` with ``[block, row]`` indices; -1 slots are dropped first.
+
+    npu_scatter_nd_update_ does not accept out-of-range indices (its doc), so the -1 ("skip") slots are
+    removed from the index and update tensors here; 1-byte caches of other dtypes (uint8, float8) are
+    scattered through an int8 view of the same memory (the op lists int8, not uint8).
+    """
+    _check_params("scatter_by_slot", a, ("cache", "rows", "slot_mapping"))
+    torch = _torch()
+    cache, rows, slots = a["cache"], a["rows"], a["slot_mapping"]
+    if cache.element_size() == 1:
+        cache = _as_format(cache, "int8")
+        rows = _as_format(rows, "int8")
+    block_size = cache.shape[1]
+    flat = slots.reshape(-1).to(torch.int64)
+    keep = flat >= 0
+    kept = flat[keep]
+    indices = torch.stack((kept // block_size, kept % block_size), dim=-1)
+    updates = rows.reshape((flat.shape[0],) + tuple(cache.shape[2:]))[keep]
+    return NpuCall("torch_npu.npu_scatter_nd_update_", (cache, indices, updates), {},
+                   unpack=lambda r: (a["cache"],))
+
+
+#: operator name -> mapping function
+MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
+    "kv_quant_sparse_flash_attention": map_kv_quant_sparse_flash_attention,
+    "sparse_flash_attention": map_sparse_flash_attention,
+    "lightning_indexer": map_lightning_indexer,
+    "quant_lightning_indexer": map_quant_lightning_indexer,
+    "dynamic_block_quant": map_dynamic_block_quant,
+    "kv_rmsnorm_rope_cache": map_kv_rmsnorm_rope_cache,
+    "scatter_by_slot": map_scatter_by_slot,
+}
+
+
+def map_call(op: str, args: Mapping, ctx: NpuContext) -> NpuCall:
+    """The call for ``op``; ``KeyError`` with the reason for operators in :data:`NOT_MAPPED`."""
+    try:
+        return MAPPINGS[op](args, ctx)
+    except KeyError:
+        if op in MAPPINGS:
+            raise
+        reason = NOT_MAPPED.get(op, "no mapping written")
+        raise KeyError(f"no npu mapping for {op}: {reason}") from None
