@@ -1,0 +1,46 @@
+"""Public byte-layout helpers of the quantised KV caches.
+
+* Packed QSFA rows (SPEC.md 3.2): :func:`packed_head_dim`, :func:`row_offsets`, :func:`pack_rows`,
+  :func:`unpack_rows`, :func:`dequant_rows`.
+* FlashMLA V32 interop (FP8 NoPE | 4 fp32 scales | 64 bf16 RoPE): :func:`qsfa_to_flashmla_v32`,
+  :func:`flashmla_v32_to_qsfa` - lossless byte moves.
+* NZ fractal storage of paged caches (SPEC.md 3.3): :func:`nz_columns`, :func:`nz_view`,
+  :func:`nz_to_nd`, :func:`nd_to_nz`.
+* Slot addressing of paged caches (SPEC.md 3.5): :func:`slot_positions`.
+
+All functions take and return NumPy arrays; see :mod:`qsfa.reference.packing` for the layouts in detail.
+"""
+
+from __future__ import annotations
+
+from .reference.packing import (
+    SCALE_BYTES,
+    dequant_rows,
+    flashmla_v32_to_qsfa,
+    nd_to_nz,
+    nz_columns,
+    nz_to_nd,
+    nz_view,
+    pack_rows,
+    packed_head_dim,
+    qsfa_to_flashmla_v32,
+    row_offsets,
+    unpack_rows,
+)
+from .reference.scatter import slot_positions
+
+__all__ = [
+    "SCALE_BYTES",
+    "packed_head_dim",
+    "row_offsets",
+    "pack_rows",
+    "unpack_rows",
+    "dequant_rows",
+    "qsfa_to_flashmla_v32",
+    "flashmla_v32_to_qsfa",
+    "nz_columns",
+    "nz_view",
+    "nz_to_nd",
+    "nd_to_nz",
+    "slot_positions",
+]
