@@ -1,0 +1,136 @@
+"""Dynamic block quantisation (``npu_dynamic_block_quant``, SPEC.md 3.1) and the int8 per-tile rule.
+
+Per block (``row_block_size x col_block_size`` elements of the last two dimensions; edge blocks are
+partial and take the amax over the elements that exist)::
+
+    amax  = max |x|                                  (fp32; inf/nan excluded, see below)
+    scale = amax / TYPE_MAX                          (fp32 division)
+    scale = min(scale, 1 / min_scale)                (only when min_scale > 0; 1/min_scale in fp32)
+    y     = cast(clamp(x / scale, -TYPE_MAX_FINITE, +TYPE_MAX_FINITE))   (fp32 division, then encode)
+
+TYPE_MAX: INT8 127, FP8 E4M3FN 448, FP8 E5M2 57344, HiFloat8 32768, or ``dst_type_max`` when it is
+non-zero (torch_npu: only for HiFloat8 destinations, values 15, 56, 224, 32768; it replaces HiF8_MAX in
+the scale). The clamp is to the destination's own largest finite value (127 for INT8, so INT8 codes lie
+in [-127, 127]); the cast rounds with ``round_mode`` ("rint" = half to even, "round" = half away from
+zero) and saturates.
+
+Special values, as in the CANN golden of DynamicBlockQuant (cann ops-nn quant/dynamic_block_quant
+tests): inf/nan do not enter the amax; +-inf quantise to +-TYPE_MAX_FINITE and nan to 0. An all-zero
+block has scale 0 and codes 0 (0/0 is treated as 0).
+
+``scale_order`` (SPEC.md 2, **OPEN**): ``"divide"`` (default; the aclnn doc) quantises ``x / scale``;
+``"multiply"`` quantises ``x * fp32(TYPE_MAX / amax)`` (the op-plugin test golden
+test/test_custom_ops/test_npu_dynamic_block_quant.py multiplies by the fp32 reciprocal ``127.0 / amax``;
+the two differ by one code at rare ties). "multiply" is only defined when ``min_scale == 0``.
+
+The scale arithmetic is :func:`qsfa.reference.scales.dynamic_block_scale`.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .scales import dynamic_block_scale
+
+__all__ = ["TYPE_MAX", "FINITE_MAX", "SCALE_ORDERS", "dynamic_block_quant", "int8_tile_quant", "block_amax"]
+
+#: the two quantisation orders of SPEC.md 2 (OPEN): x / scale, or x * fp32(TYPE_MAX / amax)
+SCALE_ORDERS = ("divide", "multiply")
+
+#: TYPE_MAX of the scale rule per destination format
+TYPE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "hifloat8": 32768.0}
+#: largest finite value of each destination (the clamp before the cast)
+FINITE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "hifloat8": 32768.0}
+
+_OUT_DTYPES = {
+    "int8": np.dtype(np.int8),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "hifloat8": np.dtype(np.uint8),
+}
+
+
+def block_amax(a: np.ndarray, row_block_size: int, col_block_size: int) -> np.ndarray:
+    """Max over ``row x col`` blocks of the last two dims of a non-negative fp32 array ``[B, M, N]``.
+
+    Partial edge blocks are padded with zeros (which cannot raise a max of absolute values).
+    Returns ``[B, ceil(M/rb), ceil(N/cb)]``.
+    """
+    b, m, n = a.shape
+    mb, nb = -(-m // row_block_size), -(-n // col_block_size)
+    pm, pn = mb * row_block_size - m, nb * col_block_size - n
+    if pm or pn:
+        a = np.pad(a, ((0, 0), (0, pm), (0, pn)))
+    return a.reshape(b, mb, row_block_size, nb, col_block_size).max(axis=(2, 4))
+
+
+def _expand(s: np.ndarray, m: int, n: int, rb: int, cb: int) -> np.ndarray:
+    """Broadcast a per-block array ``[B, Mb, Nb]`` back to elements ``[B, M, N]``."""
+    return np.repeat(np.repeat(s, rb, axis=1), cb, axis=2)[:, :m, :n]
+
+
+def _cast(y: np.ndarray, dst_type: str, round_mode: str) -> np.ndarray:
+    """Encode clamped fp32 values ``y`` (finite, |y| <= FINITE_MAX) to ``dst_type`` codes/values."""
+    if dst_type == "int8":
+        r = np.rint(y) if round_mode == "rint" else np.sign(y) * np.floor(np.abs(y) + np.float32(0.5))
+        return np.clip(r, -127, 127).astype(np.int8)
+    from . import formats
+
+    codes = np.asarray(formats.encode(y, dst_type, saturate=True, rounding=round_mode), dtype=np.uint8)
+    return codes.view(_OUT_DTYPES[dst_type])
+
+
+def dynamic_block_quant(x: np.ndarray, *, min_scale: float = 0.0, round_mode: str = "rint",
+                        dst_type: str = "int8", row_block_size: int = 1, col_block_size: int = 128,
+                        dst_type_max: float = 0.0, scale_order: str = "divide"):
+    """Block-wise dynamic quantisation (see the module docstring for the exact rule).
+
+    x:        ``[M, N]`` or ``[B, M, N]`` float16 / bfloat16 / float32.
+    dst_type: "int8", "float8_e4m3fn", "float8_e5m2" or "hifloat8" (a name; the operator front door
+              also maps torch_npu's integer codes).
+    Returns ``(y, scale)``: ``y`` has x's shape and is int8, ml_dtypes float8_e4m3fn / float8_e5m2, or
+    uint8 HiFloat8 codes; ``scale`` is float32 ``[(B,) ceil(M/rb), ceil(N/cb)]``.
+    """
+    x = np.asarray(x)
+    two_d = x.ndim == 2
+    xf = x.astype(np.float32)
+    if two_d:
+        xf = xf[None]
+    b, m, n = xf.shape
+    rb, cb = int(row_block_size), int(col_block_size)
+    type_max = np.float32(dst_type_max if dst_type_max else TYPE_MAX[dst_type])
+    finite_max = np.float32(FINITE_MAX[dst_type])
+
+    finite = np.isfinite(xf)
+    amax = block_amax(np.where(finite, np.abs(xf), np.float32(0)), rb, cb).astype(np.float32)
+    scale = np.asarray(dynamic_block_scale(amax, type_max, min_scale), dtype=np.float32)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # 0/0 and x/0 are handled below
+        if scale_order == "divide":
+            y = xf / _expand(scale, m, n, rb, cb)
+        elif scale_order == "multiply":
+            assert not min_scale, "scale_order='multiply' needs min_scale == 0"
+            y = xf * _expand((type_max / amax).astype(np.float32), m, n, rb, cb)
+        else:
+            raise ValueError(f"unknown scale_order {scale_order!r}")
+    y = np.where(np.isnan(y), np.float32(0), y)  # nan inputs and 0/0 -> 0
+    y = np.clip(y, -finite_max, finite_max).astype(np.float32)  # +-inf -> +-max
+    q = _cast(y, dst_type, round_mode)
+    if two_d:
+        q, scale = q[0], scale[0]
+    return q, scale
+
+
+def int8_tile_quant(x: np.ndarray, tile_size: int = 128, scale_order: str = "divide"):
+    """The int8 dynamic rule of SPEC.md 2 over 1 x ``tile_size`` tiles of the last dimension.
+
+    ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero tile gives ``s = 0`` and
+    ``q = 0`` (qsfa's definition; OPEN on hardware). ``x``: ``[..., D]`` with ``D % tile_size == 0``.
+    Returns ``(q int8 [..., D], s float32 [..., D / tile_size])``.
+    """
+    x = np.asarray(x)
+    lead, d = x.shape[:-1], x.shape[-1]
+    q, s = dynamic_block_quant(x.reshape(-1, 1, d), dst_type="int8", row_block_size=1,
+                               col_block_size=tile_size, scale_order=scale_order)
+    return q.reshape(*lead, d), s.reshape(*lead, d // tile_size)

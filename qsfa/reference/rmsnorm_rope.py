@@ -1,0 +1,63 @@
+"""RMSNorm and interleave RoPE in float32, with the kernels' operation order (SPEC.md 3.3).
+
+Both follow the Ascend kernels of KvRmsNormRopeCache ([OT] posembedding/kv_rms_norm_rope_cache/op_kernel,
+``RmsNormWithQuant`` / ``RopeBasicComputeVF``): every step is one float32 operation, nothing is fused.
+
+RMSNorm over the last axis (length n)::
+
+    ss   = sum(x * x)                 squares in fp32; the sum is taken exactly (float64) and rounded
+                                      once to fp32 - a kernel sums in its own tree order, so the last
+                                      bit of ``ss`` can differ there (the only non-reproducible step)
+    ms   = ss * fp32(1 / n)           the kernel multiplies by the tiling's fp32 reciprocal
+    rms  = sqrt(ms + fp32(eps))       fp32 add, fp32 sqrt (correctly rounded)
+    y    = gamma * (x / rms)          fp32 divide, then fp32 multiply
+
+Interleave RoPE (``x1 = x[..., 0::2]``, ``x2 = x[..., 1::2]``, output in half-split order)::
+
+    out = cat(x1, x2) * cos + cat(-x2, x1) * sin     two fp32 products, one fp32 add (no FMA)
+
+Rounding to the model dtype (bf16 / fp16, round half to even) is left to the caller: the writers say
+where it happens.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["rms_norm_f32", "interleave_rope_f32", "round_to_dtype", "MODEL_DTYPES"]
+
+MODEL_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def rms_norm_f32(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray:
+    """RMSNorm of the last axis of ``x`` in float32 (see the module docstring); returns float32."""
+    xf = np.asarray(x).astype(np.float32)
+    g = np.asarray(gamma).astype(np.float32)
+    n = xf.shape[-1]
+    sq = xf * xf  # fp32 products
+    ss = sq.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32)
+    ms = ss * np.float32(1.0 / n)
+    rms = np.sqrt(ms + np.float32(epsilon)).astype(np.float32)
+    return (g * (xf / rms)).astype(np.float32)
+
+
+def interleave_rope_f32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Interleave RoPE of the last axis of ``x`` in float32; ``cos``/``sin`` broadcast against ``x``.
+
+    Returns float32 in half-split order: ``out[..., :d/2]`` rotates the even elements, ``out[..., d/2:]``
+    the odd ones.
+    """
+    xf = np.asarray(x).astype(np.float32)
+    c = np.asarray(cos).astype(np.float32)
+    s = np.asarray(sin).astype(np.float32)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    part1 = np.concatenate([x1, x2], axis=-1)
+    part2 = np.concatenate([-x2, x1], axis=-1)
+    return ((part1 * c).astype(np.float32) + (part2 * s).astype(np.float32)).astype(np.float32)
+
+
+def round_to_dtype(x: np.ndarray, dtype) -> np.ndarray:
+    """Round float32 ``x`` to a 16-bit model dtype (name or dtype) with round-half-to-even."""
+    dt = MODEL_DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
+    return np.asarray(x, dtype=np.float32).astype(dt)
