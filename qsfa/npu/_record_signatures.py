@@ -277,7 +277,7 @@ def extract_custom_ops(binding_source: str, commit: str, names=CUSTOM_OPS,
         schema = re.sub(r"\(\s+", "(", schema)
         op = schema.split("(", 1)[0].strip()
         if op in names and op not in out:
-            line = binding_source.count("\n", 0, m.start()) + 2  # the first schema line follows ops.def(
+            line = binding_source.count("\n", 0, m.start(1)) + 1  # line of the schema's first literal
             parsed = parse_schema(schema)
             out[f"torch.ops._C_ascend.{op}"] = {
                 "source": {"origin": "vLLM-Ascend custom op (TORCH_LIBRARY _C_ascend)",
