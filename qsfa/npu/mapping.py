@@ -399,10 +399,14 @@ def map_kv_rmsnorm_rope_cache(a: Mapping, ctx: NpuContext) -> NpuCall:
         cache_mode=str(a.get("cache_mode", "Norm")),
         is_output_kv=bool(a.get("is_output_kv", False)),
     )
-    is_output_kv = kw["is_output_kv"]
+    # k_rope / c_kv are outputs only where is_output_kv takes effect (the reference's rule: PA* modes, or
+    # Norm with v and a quantised cache); elsewhere the kernel's tensors are not results.
+    quant = ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8")
+    quantised = (k_fmt or _fmt_of(a["k_cache"])) in quant or (ckv_fmt or _fmt_of(a["ckv_cache"])) in quant
+    effective = kw["is_output_kv"] and (kw["cache_mode"] != "Norm" or (kw["v"] is not None and quantised))
 
     def outputs(k_rope, c_kv):
-        return (a["k_cache"], a["ckv_cache"], k_rope if is_output_kv else None, c_kv if is_output_kv else None)
+        return (a["k_cache"], a["ckv_cache"], k_rope if effective else None, c_kv if effective else None)
 
     if ctx.chip == "950":
         kw["k_cache_dtype"] = HIFLOAT8_CODE if k_fmt == "hifloat8" else None
@@ -417,19 +421,26 @@ def map_kv_rmsnorm_rope_cache(a: Mapping, ctx: NpuContext) -> NpuCall:
 # ------------------------------------------------------------------------------------ scatter_by_slot
 
 
+_SCATTER_NATIVE = ("float32", "float16", "bfloat16", "bool", "int64", "int8")
+
+
 def map_scatter_by_slot(a: Mapping, ctx: NpuContext) -> NpuCall:
     """``torch_npu.npu_scatter_nd_update_`` with ``[block, row]`` indices; -1 slots are dropped first.
 
     npu_scatter_nd_update_ does not accept out-of-range indices (its doc), so the -1 ("skip") slots are
-    removed from the index and update tensors here; 1-byte caches of other dtypes (uint8, float8) are
-    scattered through an int8 view of the same memory (the op lists int8, not uint8).
+    removed from the index and update tensors here. It takes float32/float16/bfloat16/bool/int64/int8
+    tensors (its doc); other 1-byte caches (uint8, float8) are scattered through an int8 view of the same
+    memory, other dtypes through a trailing byte dimension (``unsqueeze(-1).view(int8)``) - bit for bit.
     """
     _check_params("scatter_by_slot", a, ("cache", "rows", "slot_mapping"))
     torch = _torch()
     cache, rows, slots = a["cache"], a["rows"], a["slot_mapping"]
-    if cache.element_size() == 1:
-        cache = _as_format(cache, "int8")
-        rows = _as_format(rows, "int8")
+    dt = _fmt_of(cache)
+    if dt not in _SCATTER_NATIVE:
+        if cache.element_size() == 1:
+            cache, rows = cache.view(torch.int8), rows.view(torch.int8)
+        else:
+            cache, rows = cache.unsqueeze(-1).view(torch.int8), rows.unsqueeze(-1).view(torch.int8)
     block_size = cache.shape[1]
     flat = slots.reshape(-1).to(torch.int64)
     keep = flat >= 0

@@ -1,0 +1,468 @@
+"""qsfa.npu.mapping against the recorded torch_npu / vLLM-Ascend signatures, on CPU tensors.
+
+For every operator the npu backend maps, hypothesis draws the parameters that change the call (layouts,
+rope 0/64, LSE on/off, cache modes, dtypes, optional tensors present/absent, chip, custom op loaded) with
+small local strategies (a later engineer swaps in qsfa.strategies), and each produced call must
+
+* bind to the recorded signature of the callable it names, with every value of the schema's type;
+* name the callable the routing rules choose (the expected target is worked out independently here);
+* reinterpret byte tensors as views of the caller's memory (in-place caches stay the caller's buffers);
+* agree with qsfa.npu.device.backend_limits: a combination the limits reject is exactly one the mapping
+  cannot call;
+* unpack a result shaped like the recorded return tuple into the operator's outputs.
+
+The shapes here are small and only as consistent as the mapping needs; the operators' own contracts are
+exercised in test_npu_backend.py with the real example argument sets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qsfa._contract import Args
+from qsfa.npu import device, mapping, signatures
+from qsfa.npu.mapping import NpuContext
+
+torch = pytest.importorskip("torch")
+
+CHIPS = st.sampled_from([None, "A2", "A3", "950"])
+QSFA = "kv_quant_sparse_flash_attention"
+
+
+def _fake_result(target, like):
+    """A return value shaped like the recorded return types (tensors on CPU)."""
+    rets = signatures.record(target)["returns"]
+    outs = tuple(torch.zeros(2, dtype=torch.float32) + i for i in range(len(rets)))
+    return outs[0] if len(rets) == 1 else outs
+
+
+def _same_memory(a, b):
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _assert_binds(call):
+    assert signatures.type_problems(call.target, call.args, call.kwargs) == []
+    tgt, args, kwargs = call  # an NpuCall unpacks as the (target, args, kwargs) triple
+    assert (tgt, args, kwargs) == (call.target, call.args, call.kwargs)
+
+
+def _limits_fire(op, a, ctx):
+    return [c.id for c in device.backend_limits(op, chip=ctx.chip, custom_ops=ctx.custom_ops)
+            if c.check(Args(a)) is not None]
+
+
+def _ctx(chip, custom):
+    return NpuContext(chip=chip, custom_ops=frozenset({mapping.QSFA_CUSTOM_NAME}) if custom else frozenset())
+
+
+# ----------------------------------------------------------------------------------- QSFA
+
+
+@st.composite
+def qsfa_args(draw):
+    layout_q = draw(st.sampled_from(["BSND", "TND"]))
+    layout_kv = draw(st.sampled_from(["PA_BSND", layout_q]))
+    rope = draw(st.sampled_from([0, 64]))
+    fmt = draw(st.sampled_from(["int8", "float8_e4m3fn", "hifloat8"]))
+    storage = draw(st.sampled_from(["uint8", "int8", "native"]))
+    qdt = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    n = draw(st.sampled_from([1, 2, 4]))
+    b, s, k = 2, draw(st.integers(1, 2)), draw(st.sampled_from([1, 3]))
+    row = 512 + 2 * rope + 16
+    query = torch.zeros((b, s, n, 512 + rope) if layout_q == "BSND" else (b * s, n, 512 + rope), dtype=qdt)
+    kv_shape = {"PA_BSND": (3, 16, 1, row), "BSND": (b, 5, 1, row), "TND": (b * 5, 1, row)}[layout_kv]
+    byte_dt = {"uint8": torch.uint8, "int8": torch.int8,
+               "native": {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "hifloat8": torch.uint8}[fmt]}
+    key = torch.zeros(kv_shape, dtype=byte_dt[storage])
+    value = draw(st.sampled_from(["same", "copy"]))
+    value = key if value == "same" else key.clone()
+    idx_shape = (b, s, 1, k) if layout_q == "BSND" else (b * s, 1, k)
+    lens_dt = draw(st.sampled_from([torch.int32, torch.int64]))
+    with_lens = draw(st.booleans()) or layout_q == "TND" or layout_kv != "BSND"
+    a = dict(
+        query=query, key=key, value=value,
+        sparse_indices=torch.zeros(idx_shape, dtype=torch.int32),
+        scale_value=draw(st.sampled_from([0.0416, 1.0])),
+        key_quant_mode=2, value_quant_mode=2, key_dequant_scale=None, value_dequant_scale=None,
+        block_table=torch.zeros((b, 2), dtype=lens_dt) if layout_kv == "PA_BSND" else None,
+        actual_seq_lengths_query=torch.ones(b, dtype=lens_dt) if with_lens else None,
+        actual_seq_lengths_kv=torch.ones(b, dtype=lens_dt) if with_lens else None,
+        sparse_block_size=draw(st.sampled_from([1, 2, 16])), layout_query=layout_q, layout_kv=layout_kv,
+        sparse_mode=draw(st.sampled_from([0, 3])), pre_tokens=2**63 - 1, next_tokens=2**63 - 1,
+        attention_mode=2, quant_scale_repo_mode=1, tile_size=128, rope_head_dim=rope,
+        return_softmax_lse=draw(st.booleans()), key_dtype=fmt, precision="faithful",
+    )
+    if draw(st.booleans()):
+        a["chunk_size"] = 64  # a reference-only knob the mapping must ignore
+    return a
+
+
+def _expected_qsfa_target(a, ctx):
+    """The routing table, written out independently of qsfa.npu.mapping (None = no callable)."""
+    custom = mapping.QSFA_CUSTOM_NAME in ctx.custom_ops
+    needs_custom = a["rope_head_dim"] == 0 or a["return_softmax_lse"]
+    hif8 = a["key_dtype"] == "hifloat8"
+    if hif8:
+        return None if needs_custom else mapping.QSFA_TORCH_NPU
+    if needs_custom:
+        return mapping.QSFA_CUSTOM_OP if custom else None
+    if custom and ctx.chip in ("A2", "A3"):  # vLLM-Ascend BaseDeviceAdaptor
+        return mapping.QSFA_CUSTOM_OP
+    return mapping.QSFA_TORCH_NPU  # vLLM-Ascend A5DeviceAdaptor, or no custom op
+
+
+@given(a=qsfa_args(), chip=CHIPS, custom=st.booleans())
+def test_qsfa_mapping_routes_binds_and_views(a, chip, custom):
+    ctx = _ctx(chip, custom)
+    expected = _expected_qsfa_target(a, ctx)
+    fired = _limits_fire(QSFA, a, ctx)
+    if expected is None:
+        assert fired, "the limits must reject a combination without a callable"
+        with pytest.raises(ValueError):
+            mapping.map_call(QSFA, a, ctx)
+        return
+    assert fired == []
+    call = mapping.map_call(QSFA, a, ctx)
+    assert call.target == expected
+    _assert_binds(call)
+    q, key, value, idx, scale = call.args
+    assert q is a["query"] and idx is a["sparse_indices"] and scale == a["scale_value"]
+    want_dt = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "hifloat8": torch.uint8}[a["key_dtype"]]
+    if a["key"].dtype == torch.float8_e4m3fn:
+        want_dt = torch.float8_e4m3fn
+    assert key.dtype == want_dt and _same_memory(key, a["key"])
+    assert value.dtype == want_dt and _same_memory(value, a["value"])
+    kw = call.kwargs
+    for p in ("rope_head_dim", "layout_query", "layout_kv", "sparse_mode", "sparse_block_size", "tile_size",
+              "attention_mode", "quant_scale_repo_mode", "key_quant_mode", "value_quant_mode", "pre_tokens"):
+        assert kw[p] == a[p], p  # passed explicitly: the two callables' defaults differ
+    for p in ("actual_seq_lengths_query", "actual_seq_lengths_kv", "block_table"):
+        if a[p] is None:
+            assert kw[p] is None
+        else:
+            assert kw[p].dtype == torch.int32 and torch.equal(kw[p].to(a[p].dtype), a[p])
+    if expected == mapping.QSFA_CUSTOM_OP:
+        assert kw["return_softmax_lse"] == a["return_softmax_lse"] and "key_dtype" not in kw
+        result = _fake_result(expected, q)
+        out = call.unpack(result)
+        assert len(out) == 3 and all(o is r for o, r in zip(out, result))
+    else:
+        assert "return_softmax_lse" not in kw
+        code = mapping.HIFLOAT8_CODE if a["key_dtype"] == "hifloat8" else None
+        assert kw.get("key_dtype") == code and kw.get("value_dtype") == code
+        result = _fake_result(expected, q)
+        out = call.unpack(result)
+        assert len(out) == 3 and out[0] is result
+        for empty in out[1:]:
+            assert empty.dtype == torch.float32 and tuple(empty.shape) == (0,)
+
+
+def test_qsfa_custom_op_absent_message_names_the_op_and_how_to_load():
+    lim = {c.id: c for c in device.backend_limits(QSFA, chip="A3", custom_ops=frozenset())}
+    c = lim[f"npu.{QSFA}.rope0_needs_custom_op"]
+    assert mapping.QSFA_CUSTOM_OP in c.reason and "vllm_ascend" in c.reason
+    assert c.check(Args(rope_head_dim=0, key_dtype="int8")) == 0
+    assert c.check(Args(rope_head_dim=64, key_dtype="int8")) is None
+    loaded = {c.id: c for c in device.backend_limits(QSFA, chip="A3",
+                                                     custom_ops=frozenset({mapping.QSFA_CUSTOM_NAME}))}
+    assert loaded[f"npu.{QSFA}.rope0_needs_custom_op"].check(Args(rope_head_dim=0, key_dtype="int8")) is None
+    msg = str(lim[f"npu.{QSFA}.lse_needs_custom_op"].error(True))
+    assert msg.startswith("Invalid value for return_softmax_lse, actual: True, reason: softmax_max/softmax_sum")
+    prec = lim[f"npu.{QSFA}.precision"]
+    assert prec.check(Args(precision="exact")) == "exact" and prec.check(Args(precision="faithful")) is None
+
+
+# ----------------------------------------------------------------------------------- SFA
+
+
+@st.composite
+def sfa_args(draw):
+    layout_q = draw(st.sampled_from(["BSND", "TND"]))
+    layout_kv = draw(st.sampled_from(["PA_BSND", layout_q]))
+    dt = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    rope_sep = draw(st.booleans())
+    q = torch.zeros((2, 1, 4, 512) if layout_q == "BSND" else (2, 4, 512), dtype=dt)
+    kv = torch.zeros((3, 16, 1, 512) if layout_kv == "PA_BSND" else
+                     ((2, 5, 1, 512) if layout_kv == "BSND" else (10, 1, 512)), dtype=dt)
+    opt = lambda t: t if draw(st.booleans()) else None  # noqa: E731
+    return dict(
+        query=q, key=kv, value=draw(st.sampled_from([kv, None])),
+        sparse_indices=torch.zeros((2, 1, 1, 3) if layout_q == "BSND" else (2, 1, 3), dtype=torch.int32),
+        scale_value=0.04, block_table=torch.zeros((2, 2), dtype=torch.int32) if layout_kv == "PA_BSND" else None,
+        actual_seq_lengths_query=opt(torch.ones(2, dtype=torch.int64)),
+        actual_seq_lengths_kv=opt(torch.ones(2, dtype=torch.int32)),
+        query_rope=torch.zeros(q.shape[:-1] + (64,), dtype=dt) if rope_sep else None,
+        key_rope=torch.zeros(kv.shape[:-1] + (64,), dtype=dt) if rope_sep else None,
+        sparse_block_size=1, layout_query=layout_q, layout_kv=layout_kv, sparse_mode=draw(st.sampled_from([0, 3])),
+        pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=2,
+        return_softmax_lse=draw(st.booleans()), sinks=opt(torch.zeros(4, dtype=torch.float32)),
+        precision="faithful",
+    )
+
+
+@given(a=sfa_args(), chip=CHIPS)
+def test_sfa_mapping_binds(a, chip):
+    call = mapping.map_call("sparse_flash_attention", a, NpuContext(chip=chip))
+    assert call.target == "torch_npu.npu_sparse_flash_attention"
+    _assert_binds(call)
+    assert call.args[2] is a["value"]
+    for p in ("query_rope", "key_rope", "sinks"):
+        assert call.kwargs[p] is a[p]
+    assert call.kwargs["return_softmax_lse"] is a["return_softmax_lse"]
+    assert call.kwargs["attention_mode"] == 2  # torch_npu's default is 0: passed explicitly
+    assert len(call.unpack(_fake_result(call.target, a["query"]))) == 3
+
+
+# ------------------------------------------------------------------------------ lightning indexers
+
+
+@st.composite
+def li_args(draw, quant=False):
+    layout_q = draw(st.sampled_from(["BSND", "TND"]))
+    layout_k = draw(st.sampled_from(["PA_BSND", layout_q]))
+    opt = lambda t: t if draw(st.booleans()) else None  # noqa: E731
+    if quant:
+        fmt = draw(st.sampled_from(["int8", "float8_e4m3fn", "hifloat8"]))
+        dt = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "hifloat8": torch.uint8}[fmt]
+    else:
+        dt = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    q = torch.zeros((2, 1, 8, 128) if layout_q == "BSND" else (2, 8, 128), dtype=dt)
+    k = torch.zeros((3, 16, 1, 128) if layout_k == "PA_BSND" else
+                    ((2, 5, 1, 128) if layout_k == "BSND" else (10, 1, 128)), dtype=dt)
+    a = dict(query=q, key=k, weights=torch.zeros((2, 1, 8) if layout_q == "BSND" else (2, 8), dtype=torch.float32),
+             actual_seq_lengths_query=opt(torch.ones(2, dtype=torch.int64)),
+             actual_seq_lengths_key=opt(torch.ones(2, dtype=torch.int32)),
+             block_table=torch.zeros((2, 2), dtype=torch.int32) if layout_k == "PA_BSND" else None,
+             layout_query=layout_q, layout_key=layout_k, sparse_count=draw(st.sampled_from([1, 2048, 4096])),
+             sparse_mode=draw(st.sampled_from([0, 3])), pre_tokens=2**63 - 1, next_tokens=2**63 - 1)
+    if quant:
+        a.update(query_dequant_scale=torch.ones(q.shape[:-1], dtype=torch.float32),
+                 key_dequant_scale=torch.ones(k.shape[:-1], dtype=torch.float32),
+                 query_quant_mode=0, key_quant_mode=0, query_dtype=draw(st.sampled_from([None, fmt])),
+                 key_dtype=draw(st.sampled_from([None, fmt])))
+        if fmt == "hifloat8":
+            a["query_dtype"] = a["key_dtype"] = "hifloat8"
+    else:
+        a["return_value"] = draw(st.booleans())
+    return a
+
+
+@given(a=li_args(), chip=CHIPS)
+def test_lightning_indexer_mapping_binds(a, chip):
+    call = mapping.map_call("lightning_indexer", a, NpuContext(chip=chip))
+    assert call.target == "torch_npu.npu_lightning_indexer"
+    _assert_binds(call)
+    assert call.kwargs["return_value"] is a["return_value"]
+    assert call.kwargs["sparse_count"] == a["sparse_count"]
+    if a["actual_seq_lengths_query"] is not None:
+        assert call.kwargs["actual_seq_lengths_query"].dtype == torch.int32
+    assert len(call.unpack(_fake_result(call.target, a["query"]))) == 2
+
+
+@given(a=li_args(quant=True), chip=CHIPS)
+def test_quant_lightning_indexer_mapping_binds(a, chip):
+    call = mapping.map_call("quant_lightning_indexer", a, NpuContext(chip=chip))
+    assert call.target == "torch_npu.npu_quant_lightning_indexer"
+    _assert_binds(call)
+    hif8 = a["query_dtype"] == "hifloat8"
+    assert call.kwargs["query_dtype"] == (mapping.HIFLOAT8_CODE if hif8 else None)
+    assert call.kwargs["key_dtype"] == (mapping.HIFLOAT8_CODE if a["key_dtype"] == "hifloat8" else None)
+    assert _same_memory(call.args[0], a["query"]) and _same_memory(call.args[1], a["key"])
+    out = call.unpack(_fake_result(call.target, a["query"]))
+    assert len(out) == 1
+
+
+# ------------------------------------------------------------------------------ dynamic_block_quant
+
+_DST_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}  # the op-plugin docs' codes
+
+
+@given(dst=st.sampled_from(["int8", "hifloat8", "float8_e5m2", "float8_e4m3fn", 1, 23, 24, 290, 291, 292]),
+       ndim=st.sampled_from([2, 3]), chip=CHIPS, rb=st.sampled_from([1, 128]), cb=st.sampled_from([64, 128]),
+       order=st.sampled_from(["divide", "multiply"]))
+def test_dynamic_block_quant_mapping_binds(dst, ndim, chip, rb, cb, order):
+    x = torch.zeros((2, 3, 130)[-ndim:], dtype=torch.bfloat16)
+    a = dict(x=x, min_scale=0.0, round_mode="round" if dst == "hifloat8" else "rint", dst_type=dst,
+             row_block_size=rb, col_block_size=cb, dst_type_max=0.0, scale_order=order)
+    call = mapping.map_call("dynamic_block_quant", a, NpuContext(chip=chip))
+    assert call.target == "torch_npu.npu_dynamic_block_quant"
+    _assert_binds(call)
+    assert call.args == (x,)
+    assert call.kwargs["dst_type"] == (_DST_CODES[dst] if isinstance(dst, str) else dst)
+    assert (call.kwargs["row_block_size"], call.kwargs["col_block_size"]) == (rb, cb)
+    assert len(call.unpack(_fake_result(call.target, x))) == 2
+
+
+def test_dynamic_block_quant_unknown_dst_type_is_a_type_error():
+    with pytest.raises(TypeError, match="no torch_npu dtype code for 'float4_e2m1'"):
+        mapping.map_call("dynamic_block_quant", dict(x=torch.zeros(2, 2), dst_type="float4_e2m1"), NpuContext())
+
+
+# ------------------------------------------------------------------------------ kv_rmsnorm_rope_cache
+
+CACHE_MODES = ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ")
+_CACHE_FMT = {  # our cache format -> (storage dtypes the caller may use, torch dtype torch_npu wants)
+    None: ((torch.bfloat16,), torch.bfloat16),
+    "int8": ((torch.int8, torch.uint8), torch.int8),
+    "float8_e4m3fn": ((torch.float8_e4m3fn, torch.uint8), torch.float8_e4m3fn),
+    "float8_e5m2": ((torch.float8_e5m2, torch.uint8), torch.float8_e5m2),
+    "hifloat8": ((torch.uint8,), torch.uint8),
+}
+
+
+@st.composite
+def krrc_args(draw):
+    mode = draw(st.sampled_from(CACHE_MODES))
+    k_fmt, c_fmt = draw(st.sampled_from(list(_CACHE_FMT))), draw(st.sampled_from(list(_CACHE_FMT)))
+    k_store = draw(st.sampled_from(_CACHE_FMT[k_fmt][0]))
+    c_store = draw(st.sampled_from(_CACHE_FMT[c_fmt][0]))
+    with_v = draw(st.booleans())
+    kv = torch.zeros((2, 1, 1, 576), dtype=torch.bfloat16)
+    shape = (2, 1, 4, 64) if mode == "Norm" else (3, 16, 1, 64)
+    k_cache = torch.zeros(shape, dtype=k_store)
+    ckv_cache = torch.zeros(shape[:-1] + (512,), dtype=c_store)
+    quant_k = k_fmt is not None
+    opt = lambda t: t if draw(st.booleans()) else None  # noqa: E731
+    return dict(
+        kv=kv, gamma=torch.ones(576 if with_v else 512, dtype=torch.bfloat16),
+        cos=torch.zeros((2, 1, 1, 64), dtype=torch.bfloat16), sin=torch.zeros((2, 1, 1, 64), dtype=torch.bfloat16),
+        index=torch.zeros((2, 1) if mode == "Norm" else (2,), dtype=torch.int64),
+        k_cache=k_cache, ckv_cache=ckv_cache,
+        k_rope_scale=torch.ones(64) if quant_k else None, c_kv_scale=torch.ones(512) if c_fmt else None,
+        k_rope_offset=opt(torch.zeros(64)) if quant_k else None, c_kv_offset=opt(torch.zeros(512)) if c_fmt else None,
+        v=torch.zeros((2, 1, 1, 512), dtype=torch.bfloat16) if with_v else None,
+        epsilon=1e-5, cache_mode=mode, is_output_kv=draw(st.booleans()),
+        k_cache_dtype=k_fmt if (k_fmt and (k_store == torch.uint8 or draw(st.booleans()))) else None,
+        ckv_cache_dtype=c_fmt if (c_fmt and (c_store == torch.uint8 or draw(st.booleans()))) else None,
+    ), (k_fmt, c_fmt)
+
+
+@given(drawn=krrc_args(), chip=CHIPS)
+def test_kv_rmsnorm_rope_cache_mapping_binds_and_keeps_caches_in_place(drawn, chip):
+    a, (k_fmt, c_fmt) = drawn
+    ctx = NpuContext(chip=chip)
+    hif8 = "hifloat8" in (a["k_cache_dtype"], a["ckv_cache_dtype"])
+    fired = _limits_fire("kv_rmsnorm_rope_cache", a, ctx)
+    if hif8 and chip != "950":
+        assert fired == ["npu.kv_rmsnorm_rope_cache.hifloat8_needs_v2"]
+        with pytest.raises(ValueError):
+            mapping.map_call("kv_rmsnorm_rope_cache", a, ctx)
+        return
+    assert fired == []
+    call = mapping.map_call("kv_rmsnorm_rope_cache", a, ctx)
+    v2 = chip == "950"
+    assert call.target == ("torch_npu.npu_kv_rmsnorm_rope_cache_v2" if v2 else "torch_npu.npu_kv_rmsnorm_rope_cache")
+    _assert_binds(call)
+    k_cache, ckv_cache = call.args[5], call.args[6]
+    for ours, theirs, fmt in ((a["k_cache"], k_cache, k_fmt), (a["ckv_cache"], ckv_cache, c_fmt)):
+        assert _same_memory(ours, theirs)
+        assert theirs.dtype == _CACHE_FMT[fmt][1]
+    if v2:
+        assert call.kwargs["k_cache_dtype"] == (mapping.HIFLOAT8_CODE if a["k_cache_dtype"] == "hifloat8" else None)
+        assert call.kwargs["ckv_cache_dtype"] == (mapping.HIFLOAT8_CODE if a["ckv_cache_dtype"] == "hifloat8" else None)
+        assert call.writeback == ()
+    else:
+        assert "k_cache_dtype" not in call.kwargs
+        assert [i for i, _ in call.writeback] == [0, 1] and call.writeback[0][1] is k_cache
+    out = call.unpack(_fake_result(call.target, a["kv"]))
+    assert len(out) == 4 and out[0] is a["k_cache"] and out[1] is a["ckv_cache"]
+    quantised = k_fmt is not None or c_fmt is not None
+    effective = a["is_output_kv"] and (a["cache_mode"] != "Norm" or (a["v"] is not None and quantised))
+    assert (out[2] is not None) == effective and (out[3] is not None) == effective
+
+
+# ------------------------------------------------------------------------------------ scatter_by_slot
+
+
+def _emulate_scatter_nd_update_(var, indices, updates):
+    """torch_npu.npu_scatter_nd_update_'s documented semantics on CPU: var[tuple(index)] = update."""
+    for i in range(indices.shape[0]):
+        var[tuple(int(v) for v in indices[i])] = updates[i]
+    return var
+
+
+@given(dt=st.sampled_from([torch.uint8, torch.int8, torch.bfloat16, torch.float32, torch.float8_e4m3fn,
+                           torch.int32, torch.int16]),
+       slots=st.lists(st.integers(-1, 23), min_size=1, max_size=8).map(
+           lambda xs: [x for i, x in enumerate(xs) if x == -1 or x not in xs[:i]]),
+       row_shape=st.sampled_from([(1, 6), (3,), ()]), strided=st.booleans(),
+       slot_dt=st.sampled_from([torch.int32, torch.int64]))
+def test_scatter_by_slot_mapping_writes_what_the_reference_writes(dt, slots, row_shape, strided, slot_dt):
+    block_num, block_size = 3, 8
+    gen = torch.Generator().manual_seed(len(slots))
+    raw = torch.randint(0, 127, (block_num * (2 if strided else 1), block_size) + row_shape, generator=gen,
+                        dtype=torch.int16)
+    cache = raw.to(dt) if not dt.is_floating_point or dt in (torch.bfloat16, torch.float32) else \
+        raw.to(torch.uint8).view(dt)
+    if strided:
+        cache = cache[::2]  # non-contiguous along block_num, as a real cache view may be
+    rows = torch.randint(0, 127, (len(slots),) + row_shape, generator=gen, dtype=torch.int16)
+    rows = rows.to(dt) if not dt.is_floating_point or dt in (torch.bfloat16, torch.float32) else \
+        rows.to(torch.uint8).view(dt)
+    slot_mapping = torch.tensor(slots, dtype=slot_dt)
+    a = dict(cache=cache, rows=rows, slot_mapping=slot_mapping)
+    expected = cache.clone()
+    for t, s in enumerate(slots):  # the obvious per-token loop, independent of the mapping
+        if s >= 0:
+            expected[s // block_size, s % block_size] = rows[t]
+    call = mapping.map_call("scatter_by_slot", a, NpuContext(chip="A3"))
+    assert call.target == "torch_npu.npu_scatter_nd_update_"
+    _assert_binds(call)
+    var, indices, updates = call.args
+    assert var.data_ptr() == cache.data_ptr()  # a view of the caller's cache, never a copy
+    assert indices.shape == (sum(s >= 0 for s in slots), 2) and (indices >= 0).all()
+    assert var.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.int64, torch.int8)
+    _emulate_scatter_nd_update_(var, indices, updates)
+    assert torch.equal(cache.view(torch.uint8) if cache.element_size() == 1 else cache.unsqueeze(-1).view(torch.uint8),
+                       expected.view(torch.uint8) if cache.element_size() == 1 else
+                       expected.unsqueeze(-1).view(torch.uint8))
+    assert call.unpack(var) == (cache,)
+
+
+# ------------------------------------------------------------------------------ coverage and rules
+
+
+def test_every_recorded_signature_is_a_mapping_target():
+    """Each recorded callable is produced by some mapping (a fixed example per target)."""
+    hit = set()
+    q = torch.zeros((1, 1, 1, 576), dtype=torch.bfloat16)
+    key = torch.zeros((1, 16, 1, 656), dtype=torch.int8)
+    base = dict(query=q, key=key, value=key, sparse_indices=torch.zeros((1, 1, 1, 1), dtype=torch.int32),
+                scale_value=1.0, rope_head_dim=64, return_softmax_lse=False, key_dtype="int8")
+    hit.add(mapping.map_call(QSFA, base, NpuContext(chip="950")).target)
+    hit.add(mapping.map_call(QSFA, {**base, "return_softmax_lse": True}, _ctx("A2", True)).target)
+    hit.add(mapping.map_call("sparse_flash_attention", dict(query=q, key=q, value=q, sparse_indices=base[
+        "sparse_indices"], scale_value=1.0), NpuContext()).target)
+    hit.add(mapping.map_call("lightning_indexer", dict(query=q, key=q, weights=q), NpuContext()).target)
+    hit.add(mapping.map_call("quant_lightning_indexer", dict(query=q, key=q, weights=q, query_dequant_scale=q,
+                                                             key_dequant_scale=q), NpuContext()).target)
+    hit.add(mapping.map_call("dynamic_block_quant", dict(x=q), NpuContext()).target)
+    cache = dict(kv=q, gamma=q, cos=q, sin=q, index=q, k_cache=key, ckv_cache=key)
+    hit.add(mapping.map_call("kv_rmsnorm_rope_cache", cache, NpuContext(chip="A2")).target)
+    hit.add(mapping.map_call("kv_rmsnorm_rope_cache", cache, NpuContext(chip="950")).target)
+    hit.add(mapping.map_call("scatter_by_slot", dict(cache=key, rows=key[0], slot_mapping=torch.arange(16)),
+                             NpuContext()).target)
+    assert hit == set(signatures.targets())
+
+
+def test_unknown_parameters_are_refused_not_dropped():
+    with pytest.raises(TypeError, match=r"does not know the parameter\(s\) \['mystery'\]"):
+        mapping.map_call("dynamic_block_quant", dict(x=torch.zeros(2, 2), mystery=1), NpuContext())
+
+
+def test_not_mapped_operators_say_why():
+    with pytest.raises(KeyError, match="no npu mapping for kv_compress_epilog: torch_npu 2.14.0 exposes no"):
+        mapping.map_call("kv_compress_epilog", {}, NpuContext())
+    assert set(mapping.NOT_MAPPED).isdisjoint(mapping.MAPPINGS)
+    for op, why in mapping.NOT_MAPPED.items():
+        assert len(why) > 20, op
+
+
+def test_chip_of_a_context_never_changes_a_torch_npu_only_mapping():
+    x = torch.zeros((2, 128), dtype=torch.float16)
+    calls = [mapping.map_call("dynamic_block_quant", dict(x=x), NpuContext(chip=c)) for c in (None, "A2", "A3", "950")]
+    assert len({(c.target, tuple(sorted(c.kwargs.items()))) for c in calls}) == 1
+    assert np.all([c.args[0] is x for c in calls])
