@@ -1,0 +1,162 @@
+"""Lightning indexer oracles (SPEC.md 3.7): ``npu_lightning_indexer`` and ``npu_quant_lightning_indexer``.
+
+For query row ``i`` of batch ``b`` and every KV token ``j`` the row may see (``j < min(actKV,
+threshold)``, the same right-down causal rule as sparse attention, :mod:`qsfa.reference.attn_layout`):
+
+    score(i, j) = sum_h w[i, h] * ReLU(q[i, h] . k[j])                          (lightning_indexer)
+    score(i, j) = sum_h w[i, h] * ReLU((sq[i, h] * sk[j]) * (qc[i, h] . kc[j]))  (quant_lightning_indexer)
+
+evaluated in fp32: the dot products accumulate exact products in fp32 (BLAS order), the scale product
+``sq * sk`` is one fp32 multiply (the doc's ``(Scale_Q @ Scale_K^T) * (Q @ K^T)``), ReLU, times the fp32
+weight, summed over heads in head order. The output is the indices of the ``min(sparse_count, valid)``
+largest scores in descending score order, padded with -1. Ties: **OPEN** - parameter ``tie_break``,
+default ``"lower_index"`` (equal scores keep increasing token order: a stable descending sort).
+Scores are exact on integer-valued inputs, so the order is then exactly defined; on general inputs a
+kernel that sums in another order may swap near-ties.
+
+``return_value`` (lightning_indexer): the selected scores rounded to the query dtype (RINT), shape of the
+indices; padding entries hold ``-inf`` (the value of a padding entry is not documented).
+A row that sees no token (BSND padding rows past actQ included) is all -1.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .attention import decode_nope
+from .attn_layout import kv_map, query_rows, row_limits
+
+__all__ = ["lightning_indexer", "quant_lightning_indexer", "top_k_desc", "TIE_BREAKS"]
+
+TIE_BREAKS = ("lower_index",)
+_QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+
+
+def top_k_desc(scores: np.ndarray, k: int, n_valid: np.ndarray):
+    """Per row: the indices of the ``min(k, n_valid)`` largest ``scores`` (descending, equal scores by
+    increasing index) and their scores; the rest -1 / -inf. ``scores [c, S]`` float32 with invalid columns
+    already ``-inf``; ``n_valid [c]``."""
+    c, s = scores.shape
+    kk = min(k, s)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :kk]
+    vals = np.take_along_axis(scores, order, axis=1)
+    take = np.arange(kk)[None, :] < np.minimum(n_valid, k)[:, None]
+    idx = np.full((c, k), -1, np.int32)
+    val = np.full((c, k), -np.inf, np.float32)
+    idx[:, :kk] = np.where(take, order, -1)
+    val[:, :kk] = np.where(take, vals, -np.inf)
+    return idx, val
+
+
+def _run(query_f32, key_f32_rows, head_weights, *, rows, kvm, sparse_count, sparse_mode, chunk_size,
+         key_scale_rows=None, query_scale=None):
+    """Shared driver. query_f32(r) -> [c, N1, D]; key_f32_rows(flat rows) -> [n, D]; head_weights(r) ->
+    [c, N1]; key_scale_rows(flat rows) -> [n] or None; query_scale(r) -> [c, N1] or None."""
+    n_rows = rows.batch.size
+    thr, limit = row_limits(rows, kvm.act_kv, sparse_mode)
+    idx_out = np.full((n_rows, sparse_count), -1, np.int32)
+    val_out = np.full((n_rows, sparse_count), -np.inf, np.float32)
+    for b in range(rows.n_batch):  # one KV sequence at a time (its keys are gathered once)
+        rb = np.nonzero((rows.batch == b) & (limit > 0))[0]
+        if rb.size == 0:
+            continue
+        s_b = int(limit[rb].max())
+        flat = kvm.storage_rows(np.full(s_b, b), np.arange(s_b))
+        k = key_f32_rows(flat)  # [S, D]
+        ks = None if key_scale_rows is None else key_scale_rows(flat)  # [S]
+        n1 = query_f32(rb[:1]).shape[1]
+        step = max(1, int(chunk_size) * 64 // max(n1 * s_b, 1))
+        for start in range(0, rb.size, step):
+            r = rb[start:start + step]
+            dots = np.matmul(query_f32(r), k.T)  # [c, N1, S] fp32
+            if ks is not None:
+                dots *= query_scale(r)[:, :, None] * ks[None, None, :]
+            np.maximum(dots, 0, out=dots)
+            dots *= head_weights(r)[:, :, None]
+            sc = dots.sum(axis=1) + np.float32(0)  # [c, S]; + 0 turns -0 into +0
+            sc[np.arange(s_b)[None, :] >= limit[r][:, None]] = -np.inf
+            i, v = top_k_desc(sc, sparse_count, limit[r])
+            idx_out[r] = i
+            val_out[r] = v
+    return idx_out, val_out
+
+
+def _shape(x, layout_query, lead):
+    return x.reshape(*lead, 1, x.shape[-1])
+
+
+def _lead(query, layout_query):
+    return tuple(query.shape[:2]) if layout_query == "BSND" else tuple(query.shape[:1])
+
+
+def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                      block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
+                      pre_tokens=2**63 - 1, next_tokens=2**63 - 1, return_value=False, tie_break="lower_index",
+                      chunk_size=4096):
+    """Top-k token indices per query row (oracle of ``qsfa.lightning_indexer``; see the module docstring).
+
+    query float16/bfloat16 ``[B, S1, N1, 128]`` / ``[T, N1, 128]``; key same dtype ``[B, S2, 1, 128]`` /
+    ``[T2, 1, 128]`` / ``[block_count, block_size, 1, 128]``; weights ``[B, S1, N1]`` / ``[T, N1]``
+    (float16 / bfloat16 / float32). Returns ``(sparse_indices int32 [B, S1, 1, K] / [T, 1, K],
+    sparse_values)`` with sparse_values of the query dtype and the same shape (empty ``[0]`` unless
+    return_value).
+    """
+    assert tie_break in TIE_BREAKS, tie_break
+    lead = _lead(query, layout_query)
+    rows = query_rows(layout_query, lead, actual_seq_lengths_query)
+    kvm = kv_map(layout_key, key.shape, actual_seq_lengths_key, rows.n_batch, block_table)
+    n1, d = query.shape[-2], query.shape[-1]
+    q2 = query.reshape(-1, n1, d)
+    k2 = key.reshape(-1, key.shape[-1])
+    w2 = weights.reshape(-1, n1)
+    idx, val = _run(lambda r: q2[r].astype(np.float32), lambda f: k2[f].astype(np.float32),
+                    lambda r: w2[r].astype(np.float32), rows=rows, kvm=kvm, sparse_count=int(sparse_count),
+                    sparse_mode=sparse_mode, chunk_size=chunk_size)
+    idx = _shape(idx, layout_query, lead)
+    qdt = query.dtype
+    if not return_value:
+        return idx, np.zeros((0,), qdt)
+    return idx, _shape(val, layout_query, lead).astype(qdt)  # RINT (ml_dtypes / NumPy casts)
+
+
+def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode=0,
+                            key_quant_mode=0, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                            block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
+                            sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, query_dtype=None,
+                            key_dtype=None, tie_break="lower_index", chunk_size=4096):
+    """Top-k token indices from per-token-head quantised query / key (oracle of
+    ``qsfa.quant_lightning_indexer``; see the module docstring).
+
+    query / key: one-byte codes (int8, float8_e4m3fn, or uint8 HiFloat8 with query_dtype / key_dtype
+    "hifloat8") shaped like :func:`lightning_indexer`'s; query_dequant_scale ``[B, S1, N1]`` / ``[T, N1]``
+    and key_dequant_scale ``key.shape[:-1]`` (float16 / float32); weights float16 / bfloat16.
+    Returns sparse_indices int32 ``[B, S1, 1, K]`` / ``[T, 1, K]``.
+    """
+    assert tie_break in TIE_BREAKS, tie_break
+    qfmt = _fmt(query, query_dtype)
+    kfmt = _fmt(key, key_dtype)
+    lead = _lead(query, layout_query)
+    rows = query_rows(layout_query, lead, actual_seq_lengths_query)
+    kvm = kv_map(layout_key, key.shape, actual_seq_lengths_key, rows.n_batch, block_table)
+    n1, d = query.shape[-2], query.shape[-1]
+    q2 = np.ascontiguousarray(query).view(np.uint8).reshape(-1, n1, d)
+    k2 = np.ascontiguousarray(key).view(np.uint8).reshape(-1, key.shape[-1])
+    w2 = weights.reshape(-1, n1)
+    qs2 = query_dequant_scale.reshape(-1, n1)
+    ks1 = key_dequant_scale.reshape(-1)
+    idx, _ = _run(lambda r: decode_nope(q2[r], qfmt), lambda f: decode_nope(k2[f], kfmt),
+                  lambda r: w2[r].astype(np.float32), rows=rows, kvm=kvm, sparse_count=int(sparse_count),
+                  sparse_mode=sparse_mode, chunk_size=chunk_size,
+                  key_scale_rows=lambda f: ks1[f].astype(np.float32),
+                  query_scale=lambda r: qs2[r].astype(np.float32))
+    return _shape(idx, layout_query, lead)
+
+
+def _fmt(a, named):
+    if named is not None:
+        return named
+    name = np.dtype(a.dtype)
+    if name == np.dtype(ml_dtypes.float8_e4m3fn):
+        return "float8_e4m3fn"
+    return "int8"
