@@ -48,6 +48,11 @@ class NpuBackend(Backend):
 
         return npu_device.backend_limits(op)
 
+    def missing(self, op):
+        from .npu import mapping as npu_mapping
+
+        return npu_mapping.NOT_MAPPED.get(op, "")
+
 
 class TritonBackend(Backend):
     """Triton kernels from kernels/ (qsfa.kernels): CUDA GPUs, Ascend via triton-ascend, or the CPU

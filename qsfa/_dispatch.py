@@ -130,6 +130,8 @@ class Backend:
     device() -> torch device for array_kind "torch".
     limits(op) -> list of :class:`Constraint` the backend's kernels add (checked after the contract;
                  a violation raises :class:`UnsupportedByBackend`).
+    missing(op) -> why the backend has no implementation of ``op`` ("" if it has no reason to give);
+                 appended to the :class:`NotImplementedByBackend` message.
     """
 
     name: str = ""
@@ -148,6 +150,9 @@ class Backend:
 
     def limits(self, op: str) -> list[Constraint]:
         return []
+
+    def missing(self, op: str) -> str:
+        return ""
 
     def load(self):
         if self.module:
@@ -233,7 +238,8 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
     be = get_backend(backend)
     impl = op.impls.get(be.name)
     if impl is None:
-        raise NotImplementedByBackend(f"backend {be.name!r} does not implement {op_name}")
+        why = be.missing(op_name)
+        raise NotImplementedByBackend(f"backend {be.name!r} does not implement {op_name}" + (f": {why}" if why else ""))
 
     names = list(args)
     kind = caller_kind([args[n] for n in names], names)

@@ -158,6 +158,9 @@ class ToyBrokenModule(Backend):
 class ToyWrongArity(Backend):
     name = "toy_wrong_arity"
 
+    def missing(self, op):
+        return "the toy vendor library has no such kernel" if op == TOY_OP_2 else ""
+
 
 @pytest.fixture
 def toy():
@@ -359,6 +362,16 @@ def test_backend_without_the_operator_says_so(toy):
         run(TOY_OP_2, {}, backend="toy_np")
     assert str(ei.value).startswith("backend 'toy_np' does not implement toy_unimplemented")
     assert isinstance(ei.value, NotImplementedError)
+
+
+def test_backend_says_why_it_lacks_an_operator(toy):
+    with pytest.raises(NotImplementedByBackend) as ei:
+        run(TOY_OP_2, {}, backend="toy_wrong_arity")
+    assert str(ei.value) == ("backend 'toy_wrong_arity' does not implement toy_unimplemented: "
+                             "the toy vendor library has no such kernel")
+    with pytest.raises(NotImplementedByBackend) as ei:
+        run(TOY_OP_2, {}, backend="toy_np")
+    assert str(ei.value) == "backend 'toy_np' does not implement toy_unimplemented"
 
 
 def test_backend_returning_the_wrong_number_of_outputs_is_an_error(toy):
