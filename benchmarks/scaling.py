@@ -1,0 +1,102 @@
+"""How the reference QSFA's cost grows with sparse_size, query tokens and context length.
+
+Three sweeps through the public ``qsfa.kv_quant_sparse_flash_attention`` (validation included), rope 64,
+Q_N = 128, int8 packed PA cache (block 128), sparse_mode 3, bf16 query:
+
+* ``sparse_size``     - decode rows (B = 4, Q_S = 1) with 256 .. 2048 indices per row;
+* ``query_tokens``    - TND prefill with 2048 indices per token, 256 .. 32768 query tokens (the full
+                        run includes the 32K-token prefill; peak memory is measured with tracemalloc);
+* ``context_length``  - decode with 2048 indices over a KV cache of 4K .. 128K tokens (the cost should
+                        not grow: only the selected rows are read).
+
+Each row carries ``axis``/``work`` for the log-log plot of ``python -m benchmarks`` and, as the ratio
+baseline, the smallest point of its sweep scaled linearly (ratio 1.0 = exactly linear growth).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+import qsfa
+from ._harness import peak_memory, row, timeit
+
+Q_N = 128
+BLOCK = 128
+SPARSE = 2048
+
+
+def _cache(rng, n_tokens):
+    """A packed int8 QSFA cache [blocks, BLOCK, 1, 656] with random codes, bf16 RoPE and sane scales."""
+    nblk = -(-n_tokens // BLOCK)
+    rows = np.empty((nblk * BLOCK, 656), np.uint8)
+    rows[:, :512] = rng.integers(-127, 128, size=(rows.shape[0], 512), dtype=np.int8).view(np.uint8)
+    rows[:, 512:640] = (rng.standard_normal((rows.shape[0], 64)) * 0.5).astype(ml_dtypes.bfloat16).view(np.uint8)
+    rows[:, 640:656] = rng.uniform(0.005, 0.02, size=(rows.shape[0], 4)).astype("<f4").view(np.uint8)
+    return rows.reshape(nblk, BLOCK, 1, 656), nblk
+
+
+def _decode_case(rng, batch, kv_len, sparse):
+    cache, nblk = _cache(rng, batch * kv_len)
+    table = rng.permutation(nblk)[: batch * (-(-kv_len // BLOCK))].reshape(batch, -1).astype(np.int32)
+    q = (rng.standard_normal((batch, 1, Q_N, 576)) * 0.5).astype(ml_dtypes.bfloat16)
+    idx = np.sort(rng.permuted(np.tile(np.arange(kv_len, dtype=np.int32), (batch, 1)), axis=1)[:, :sparse], axis=1)
+    return dict(query=q, key=cache, value=cache, sparse_indices=idx.reshape(batch, 1, 1, sparse),
+                scale_value=576 ** -0.5, block_table=table,
+                actual_seq_lengths_query=np.ones(batch, np.int32),
+                actual_seq_lengths_kv=np.full(batch, kv_len, np.int32),
+                layout_query="BSND", layout_kv="PA_BSND")
+
+
+def _prefill_case(rng, q_tokens, sparse):
+    kv_len = q_tokens + sparse  # every causal row has at least `sparse` visible tokens
+    cache, nblk = _cache(rng, kv_len)
+    table = np.arange(nblk, dtype=np.int32)[None, :]
+    q = (rng.standard_normal((q_tokens, Q_N, 576)) * 0.5).astype(ml_dtypes.bfloat16)
+    thr = kv_len - q_tokens + np.arange(q_tokens) + 1  # causal threshold of each row
+    idx = (rng.random((q_tokens, sparse)) * thr[:, None]).astype(np.int32)  # valid, may repeat
+    return dict(query=q, key=cache, value=cache, sparse_indices=idx.reshape(q_tokens, 1, sparse),
+                scale_value=576 ** -0.5, block_table=table,
+                actual_seq_lengths_query=np.array([q_tokens], np.int32),
+                actual_seq_lengths_kv=np.array([kv_len], np.int32),
+                layout_query="TND", layout_kv="PA_BSND")
+
+
+def _call(args):
+    return qsfa.kv_quant_sparse_flash_attention(**args)
+
+
+def _sweep(axis, points, make, repeat):
+    rows, first = [], None
+    for w in points:
+        args = make(w)
+        t = timeit(lambda: _call(args), warmup=0 if repeat == 1 else 1, repeat=repeat, max_seconds=60)
+        _, peak = peak_memory(lambda: _call(args))
+        if first is None:
+            first = (w, t)
+        linear = type(t)(first[1].median_s * w / first[0], 0, 0, 0, 0)
+        rows.append(row("scaling", f"{axis}={w}", t, baseline_name="linear from first point", baseline=linear,
+                        axis=axis, work=w, peak_mib=peak / 2**20))
+    return rows
+
+
+def run(quick: bool = False) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rep = 1 if quick else 3
+    out = []
+    sp = [64, 128] if quick else [256, 512, 1024, 2048]
+    out += _sweep("sparse_size", sp, lambda s: _decode_case(rng, 4, 4096 if not quick else 512, s), rep)
+    qt = [16, 32] if quick else [256, 1024, 4096, 16384, 32768]
+    out += _sweep("query_tokens", qt, lambda n: _prefill_case(rng, n, SPARSE if not quick else 64),
+                  1 if not quick else rep)
+    ctx = [1024, 2048] if quick else [4096, 16384, 65536, 131072]
+    out += _sweep("context_length", ctx, lambda n: _decode_case(rng, 4, n, SPARSE if not quick else 64), rep)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    from .__main__ import main
+
+    sys.exit(main(["--only", "scaling"] + (["--quick"] if "--quick" in sys.argv else [])))
