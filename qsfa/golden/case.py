@@ -1,0 +1,364 @@
+"""A golden case: operator + parameters + seed + input generator (+ optional explicit inputs).
+
+The on-disk form (``"format": "qsfa-case/1"``) is shared with the conformance runner, which saves every
+falsifying hypothesis example as a case with explicit inputs; ``qsfa golden generate --case FILE``
+replays it. The format is documented in ``docs/golden.md``::
+
+    {
+      "format": "qsfa-case/1",
+      "name": "kvce-mode1-rs",                    # [A-Za-z0-9._-]+, unique within a set
+      "op": "kv_compress_epilog",                 # a qsfa operator: a name in qsfa.operators()
+      "params": {"quant_mode": 1, "bs": 6},       # JSON scalars (or lists of scalars)
+      "seed": 7,                                  # numpy.random.default_rng(seed) feeds the generator
+      "generator": "kv_compress_epilog",          # a name in qsfa.golden.generators (or null)
+      "inputs": {                                 # optional explicit inputs (then no generator runs)
+        "x": {"file": "kvce-mode1-rs.x.npy", "dtype": "bfloat16", "shape": [6, 576], "sha256": "..."}
+      },
+      "description": "free text"
+    }
+
+The operator is called with every input array plus those ``params`` whose names are parameters of the
+operator's public function; the generator sees all ``params``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from . import io as gio
+from .io import GoldenInputError
+
+__all__ = ["Case", "CASE_FORMAT", "OpSpec", "resolve_op", "available_ops"]
+
+CASE_FORMAT = "qsfa-case/1"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# --------------------------------------------------------------------------------------------------
+# operators
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """How the golden machinery calls one operator."""
+
+    name: str
+    outputs: tuple[str, ...]
+    params: frozenset  # parameter names of the public function (without ``backend``)
+    defaults: dict  # their default values (where JSON-representable)
+    required: frozenset  # parameters without a default (an absent optional array is passed as None)
+    inplace: tuple[str, ...]
+    call: Callable[[dict, str], Any]
+
+
+def _public_function(name: str):
+    """The public front door of an operator: ``qsfa.<name>`` (dotted names: ``qsfa.formats.encode``)."""
+    import qsfa
+
+    obj = qsfa
+    try:
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (AttributeError, ImportError):
+        return None
+    return obj if callable(obj) else None
+
+
+def _param_names(fn) -> tuple[frozenset, dict, frozenset]:
+    sig = inspect.signature(fn)
+    ps = {n: p for n, p in sig.parameters.items()
+          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n != "backend"}
+    defaults = {}
+    for n, p in ps.items():
+        if p.default is not p.empty:
+            try:
+                defaults[n] = _json_value(n, p.default)
+            except GoldenInputError:
+                pass
+    required = frozenset(n for n, p in ps.items() if p.default is p.empty)
+    return frozenset(ps), defaults, required
+
+
+def _spec(name: str, op) -> OpSpec:
+    fn = _public_function(name)
+    if fn is not None and "backend" in inspect.signature(fn).parameters:
+        names, defaults, required = _param_names(fn)
+
+        def call(args, backend):
+            return fn(**args, backend=backend)
+    else:  # registered but not exposed: go through the dispatcher with the reference's names
+        from .._dispatch import run
+
+        names, defaults, required = _param_names(op.impls["reference"])
+
+        def call(args, backend):
+            return run(name, args, backend)
+    return OpSpec(name, tuple(op.outputs), names, defaults, required, tuple(op.contract.inplace), call)
+
+
+def available_ops() -> set[str]:
+    """Names a case may use as ``op`` in this build of qsfa (``qsfa.operators()``)."""
+    from .._dispatch import operators
+
+    return set(operators())
+
+
+def resolve_op(name: str) -> OpSpec:
+    from .._dispatch import operators
+
+    ops = operators()
+    if name in ops:
+        return _spec(name, ops[name])
+    raise GoldenInputError(f"unknown operator {name!r}; this build of qsfa has: {', '.join(sorted(available_ops()))}")
+
+
+# --------------------------------------------------------------------------------------------------
+# parameters
+
+
+def _json_value(key: str, v):
+    """Normalise one parameter to a JSON value (NumPy scalars become Python scalars)."""
+    if isinstance(v, (np.bool_,)):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        v = float(v)
+    if isinstance(v, float) and not np.isfinite(v):
+        raise GoldenInputError(f"parameter {key!r} is {v}: case parameters must be finite (JSON)")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_json_value(key, x) for x in v]
+    raise GoldenInputError(
+        f"parameter {key!r} has type {type(v).__name__}: case parameters are JSON scalars or lists; "
+        "arrays belong in inputs"
+    )
+
+
+def _check_name(what: str, name: str):
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise GoldenInputError(f"{what} {name!r} must match [A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+# --------------------------------------------------------------------------------------------------
+# the case
+
+
+@dataclass
+class Case:
+    """One golden case (see the module docstring for the file format).
+
+    ``inputs`` (optional) holds explicit input arrays (name -> NumPy array); without it the named
+    ``generator`` builds them from ``params`` and ``numpy.random.default_rng(seed)``.
+    """
+
+    name: str
+    op: str
+    params: dict = field(default_factory=dict)
+    seed: int = 0
+    generator: str | None = None
+    description: str = ""
+    inputs_given: dict | None = None
+    # explicit inputs read from a case file: name -> (path, key or None, dtype, shape, sha256 or None)
+    _refs: dict | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        _check_name("case name", self.name)
+        if not isinstance(self.op, str) or not self.op:
+            raise GoldenInputError(f"case {self.name}: op must be a non-empty string")
+        if not isinstance(self.params, Mapping):
+            raise GoldenInputError(f"case {self.name}: params must be a JSON object")
+        self.params = {str(k): _json_value(k, v) for k, v in self.params.items()}
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise GoldenInputError(f"case {self.name}: seed must be a non-negative integer, got {self.seed!r}")
+        self.seed = int(self.seed)
+        if self.inputs_given is not None:
+            for k, v in self.inputs_given.items():
+                _check_name("input name", k)
+                if not isinstance(v, np.ndarray):
+                    raise GoldenInputError(f"case {self.name}: input {k!r} must be a NumPy array")
+        if self.generator is None and self.inputs_given is None and self._refs is None:
+            raise GoldenInputError(f"case {self.name}: needs a generator or explicit inputs")
+
+    # -- inputs -----------------------------------------------------------------------------------
+
+    @property
+    def has_explicit_inputs(self) -> bool:
+        return self.inputs_given is not None or self._refs is not None
+
+    def inputs(self) -> dict[str, np.ndarray]:
+        """The input arrays: the explicit ones (loaded and checked), or the generator's output."""
+        if self.inputs_given is not None:
+            return {k: v.copy() for k, v in self.inputs_given.items()}
+        if self._refs is not None:
+            return {k: _load_ref(self.name, k, ref) for k, ref in self._refs.items()}
+        from .generators import get_generator
+
+        gen = get_generator(self.generator)
+        out = gen(dict(self.params), np.random.default_rng(self.seed))
+        arrays = {}
+        for k, v in out.items():
+            if v is None:
+                continue
+            if not isinstance(v, np.ndarray):
+                raise RuntimeError(f"generator {self.generator!r} returned {type(v).__name__} for {k!r}")
+            arrays[k] = v
+        return arrays
+
+    def args(self, inputs: Mapping[str, np.ndarray] | None = None, spec: OpSpec | None = None) -> dict:
+        """The operator's arguments: input arrays plus the params the operator takes."""
+        spec = spec or resolve_op(self.op)
+        inputs = self.inputs() if inputs is None else inputs
+        clash = sorted(set(inputs) & {k for k in self.params if k in spec.params})
+        if clash:
+            raise GoldenInputError(f"case {self.name}: {clash} given both as input arrays and as params")
+        unknown = sorted(set(inputs) - spec.params)
+        if unknown:
+            raise GoldenInputError(f"case {self.name}: {self.op} has no parameter(s) {unknown}")
+        args = {k: v for k, v in self.params.items() if k in spec.params}
+        args.update(inputs)
+        for k in spec.required - set(args):
+            args[k] = None  # an optional array this case does not have (k_rope at rope 0, ...)
+        return args
+
+    def call_params(self, input_names=(), spec: OpSpec | None = None) -> dict:
+        """The non-array arguments the operator is called with: its defaults, overridden by ``params``
+        (``None`` = an optional argument not given)."""
+        spec = spec or resolve_op(self.op)
+        out = {k: v for k, v in spec.defaults.items() if k not in input_names}
+        out.update({k: v for k, v in self.params.items() if k in spec.params})
+        return out
+
+    def run(self, backend: str = "reference", inputs: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Run the operator on (copies of) the inputs; returns ``{output name: array}``.
+
+        In-place parameters (caches) are copied first, so the case's inputs stay as they were; their
+        updated state is returned under the output of the same name.
+        """
+        spec = resolve_op(self.op)
+        inputs = self.inputs() if inputs is None else inputs
+        args = self.args({k: np.array(v, copy=True) for k, v in inputs.items()}, spec)
+        result = spec.call(args, backend)
+        results = result if isinstance(result, tuple) else (result,)
+        if len(results) != len(spec.outputs):
+            raise RuntimeError(f"{self.op} returned {len(results)} outputs, expected {spec.outputs}")
+        out = {}
+        for name, r in zip(spec.outputs, results):
+            if r is None:
+                continue
+            out[name] = np.asarray(r)
+        return out
+
+    # -- files ------------------------------------------------------------------------------------
+
+    def to_dict(self, input_refs: Mapping[str, dict] | None = None) -> dict:
+        d = {
+            "format": CASE_FORMAT,
+            "name": self.name,
+            "op": self.op,
+            "params": copy.deepcopy(self.params),
+            "seed": self.seed,
+            "generator": self.generator,
+            "description": self.description,
+        }
+        if input_refs is not None:
+            d["inputs"] = {k: dict(v) for k, v in input_refs.items()}
+        return d
+
+    def save(self, path: str) -> str:
+        """Write the case JSON to ``path``; explicit inputs go beside it as ``<stem>.<input>.npy``
+        (storage dtype, see :mod:`qsfa.golden.io`). Returns ``path``."""
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        refs = None
+        if self.has_explicit_inputs:
+            stem = os.path.basename(path)
+            stem = stem[:-5] if stem.endswith(".json") else stem
+            refs = {}
+            for k, a in sorted(self.inputs().items()):
+                name, st = gio.to_storage(a)
+                fname = f"{stem}.{k}.npy"
+                with open(os.path.join(folder, fname), "wb") as f:
+                    np.lib.format.write_array(f, st, version=(1, 0), allow_pickle=False)
+                refs[k] = {"file": fname, "dtype": name, "shape": list(a.shape), "sha256": gio.array_sha256(st)}
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(gio.dump_json(self.to_dict(refs)))
+        return path
+
+    @classmethod
+    def from_dict(cls, d: Mapping, base_dir: str = ".", source: str = "<case>") -> "Case":
+        if not isinstance(d, Mapping):
+            raise GoldenInputError(f"{source}: a case must be a JSON object")
+        fmt = d.get("format")
+        if fmt != CASE_FORMAT:
+            raise GoldenInputError(f"{source}: format must be {CASE_FORMAT!r}, got {fmt!r}")
+        missing = [k for k in ("name", "op") if k not in d]
+        if missing:
+            raise GoldenInputError(f"{source}: missing {missing}")
+        known = {"format", "name", "op", "params", "seed", "generator", "inputs", "description"}
+        extra = sorted(set(d) - known)
+        if extra:
+            raise GoldenInputError(f"{source}: unknown field(s) {extra}")
+        refs = None
+        if d.get("inputs") is not None:
+            if not isinstance(d["inputs"], Mapping):
+                raise GoldenInputError(f"{source}: inputs must be an object")
+            refs = {}
+            for k, r in d["inputs"].items():
+                _check_name("input name", k)
+                if not isinstance(r, Mapping) or "file" not in r or "dtype" not in r or "shape" not in r:
+                    raise GoldenInputError(f"{source}: input {k!r} needs file, dtype and shape")
+                refs[k] = {
+                    "path": os.path.join(base_dir, str(r["file"])),
+                    "key": r.get("key"),
+                    "dtype": str(r["dtype"]),
+                    "shape": [int(s) for s in r["shape"]],
+                    "sha256": r.get("sha256"),
+                }
+        try:
+            return cls(
+                name=d["name"], op=d["op"], params=dict(d.get("params") or {}), seed=d.get("seed", 0),
+                generator=d.get("generator"), description=str(d.get("description") or ""), _refs=refs,
+            )
+        except GoldenInputError as e:
+            raise GoldenInputError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str) -> "Case":
+        path = os.fspath(path)
+        return cls.from_dict(gio.load_json(path), os.path.dirname(os.path.abspath(path)), source=path)
+
+
+def _load_ref(case: str, name: str, ref: Mapping) -> np.ndarray:
+    path, key, dt, shape = ref["path"], ref.get("key"), ref["dtype"], tuple(ref["shape"])
+    st = gio.storage_dtype(dt)
+    if key is not None or path.endswith(".npz"):
+        raw = gio.read_npz_member(path, key or name)
+    elif path.endswith(".npy"):
+        try:
+            raw = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise GoldenInputError(f"case {case}: input file not found: {path}") from None
+        except ValueError as e:
+            raise GoldenInputError(f"case {case}: {path} is not a readable .npy: {e}") from None
+    else:
+        raw = gio.read_bin(path, st, shape)
+    if tuple(raw.shape) != shape:
+        raise GoldenInputError(f"case {case}: input {name!r} in {path} has shape {list(raw.shape)}, "
+                               f"the case says {list(shape)}")
+    if raw.dtype.itemsize != st.itemsize or raw.dtype.kind not in (st.kind, "V"):
+        raise GoldenInputError(f"case {case}: input {name!r} in {path} is stored as {raw.dtype.str}, "
+                               f"expected {st.str} for {dt}")
+    raw = raw.view(st) if raw.dtype.kind == "V" else raw.astype(st, copy=False)
+    if ref.get("sha256") is not None and gio.array_sha256(raw) != ref["sha256"]:
+        raise GoldenInputError(f"case {case}: input {name!r} in {path} does not match its sha256")
+    return gio.from_storage(raw, dt)

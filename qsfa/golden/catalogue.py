@@ -1,0 +1,327 @@
+"""Named golden case sets (``qsfa golden list``).
+
+A set is a name, a description and a function that builds its cases (cheap: no arrays are made until a
+case is generated). Seeds are derived from the case names (crc32), so a case keeps its inputs when the
+set around it changes. Add sets with :func:`register_set`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+from .case import Case
+from .io import GoldenInputError
+
+__all__ = ["CaseSet", "register_set", "get_set", "case_sets", "seed_of"]
+
+
+@dataclass(frozen=True)
+class CaseSet:
+    name: str
+    description: str
+    build: Callable[[], list]
+
+    def cases(self) -> list[Case]:
+        return list(self.build())
+
+
+_SETS: dict[str, CaseSet] = {}
+
+
+def register_set(name: str, description: str, build: Callable[[], list] | None = None, *, replace: bool = False):
+    """Register a case set (usable as a decorator on its build function)."""
+
+    def deco(fn):
+        if name in _SETS and not replace:
+            raise ValueError(f"case set {name!r} is already registered")
+        _SETS[name] = CaseSet(name, description, fn)
+        return fn
+
+    return deco(build) if build is not None else deco
+
+
+def unregister_set(name: str):
+    _SETS.pop(name, None)
+
+
+def get_set(name: str) -> CaseSet:
+    try:
+        return _SETS[name]
+    except KeyError:
+        raise GoldenInputError(f"unknown case set {name!r}; known sets: {', '.join(sorted(_SETS))}") from None
+
+
+def case_sets() -> dict[str, CaseSet]:
+    return dict(sorted(_SETS.items()))
+
+
+def seed_of(name: str) -> int:
+    """The seed of a catalogue case: crc32 of its name (stable across machines and set edits)."""
+    return zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
+
+
+def _case(name: str, op: str, generator: str, description: str = "", **params) -> Case:
+    return Case(name=name, op=op, params=params, seed=seed_of(name), generator=generator, description=description)
+
+
+# --------------------------------------------------------------------------------------------------
+# number formats
+
+_FORMATS_8BIT = ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8", "float8_e8m0")
+_DEFAULT_ROUNDING = {"int8": "rint", "float8_e4m3fn": "rint", "float8_e5m2": "rint", "hifloat8": "round",
+                     "float8_e8m0": "floor", "float4_e2m1": "rint"}
+_OTHER_ROUNDINGS = {"int8": ("round",), "float8_e4m3fn": ("round",), "float8_e5m2": ("round",), "hifloat8": (),
+                    "float8_e8m0": ("ceil", "rint", "round"), "float4_e2m1": ("round",)}
+
+
+def format_cases(fmts=_FORMATS_8BIT + ("float4_e2m1",)) -> list[Case]:
+    out = []
+    for fmt in fmts:
+        out.append(_case(f"decode-{fmt}", "formats.decode", "format_codes",
+                         f"decode every {fmt} code", fmt=fmt))
+        out.append(_case(f"encode-{fmt}", "formats.encode", "format_values",
+                         f"encode every {fmt} value and midpoint (default rounding "
+                         f"{_DEFAULT_ROUNDING[fmt]}, no saturation)", fmt=fmt, saturate=False, rounding=None))
+        out.append(_case(f"encode-{fmt}-sat", "formats.encode", "format_values",
+                         f"encode every {fmt} value and midpoint plus +-2*max and +-inf with saturation",
+                         fmt=fmt, saturate=True, rounding=None, overflow=True))
+        for r in _OTHER_ROUNDINGS[fmt]:
+            out.append(_case(f"encode-{fmt}-{r}", "formats.encode", "format_values",
+                             f"encode every {fmt} value and midpoint with rounding {r!r}",
+                             fmt=fmt, saturate=False, rounding=r))
+    return out
+
+
+register_set("formats", "every code (decode) and every value and midpoint (encode) of each 8-bit format "
+             "and FP4 E2M1, each rounding mode, with and without saturation", format_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# dynamic block quant (SPEC 3.1)
+
+
+def dynamic_block_quant_cases() -> list[Case]:
+    out = []
+    grid = [
+        # name, dst, round, rb, cb, shape, x_dtype, extras
+        ("int8-1x128-bf16", "int8", "rint", 1, 128, dict(M=16, N=384), "bfloat16", {}),
+        ("int8-1x128-fp16-edge", "int8", "rint", 1, 128, dict(M=7, N=300), "float16", dict(zero_block=True)),
+        ("int8-1x128-fp32-3d", "int8", "rint", 1, 128, dict(B=2, M=5, N=256), "float32", dict(outliers=True)),
+        ("int8-64x64-minscale", "int8", "rint", 64, 64, dict(M=100, N=200), "bfloat16", dict(min_scale=2.0)),
+        ("e4m3-128x128", "float8_e4m3fn", "rint", 128, 128, dict(M=130, N=256), "bfloat16", {}),
+        ("e5m2-1x64", "float8_e5m2", "rint", 1, 64, dict(M=9, N=192), "float16", dict(outliers=True)),
+        ("hif8-1x128", "hifloat8", "round", 1, 128, dict(M=12, N=256), "bfloat16", {}),
+        ("hif8-256x192-max224", "hifloat8", "round", 256, 192, dict(M=260, N=384), "bfloat16",
+         dict(dst_type_max=224.0, zero_block=True)),
+    ]
+    for name, dst, rm, rb, cb, shape, xdt, extra in grid:
+        extra = dict(extra)
+        min_scale = extra.pop("min_scale", 0.0)
+        dmax = extra.pop("dst_type_max", 0.0)
+        out.append(_case(f"dbq-{name}", "dynamic_block_quant", "dynamic_block_quant",
+                         f"dynamic_block_quant to {dst}, {rb}x{cb} blocks, {xdt} input",
+                         dst_type=dst, round_mode=rm, row_block_size=rb, col_block_size=cb, min_scale=min_scale,
+                         dst_type_max=dmax, x_dtype=xdt, **shape, **extra))
+    return out
+
+
+register_set("dynamic-block-quant", "npu_dynamic_block_quant: INT8 / FP8 / HiFloat8 destinations, block "
+             "shapes with partial edge blocks, min_scale, dst_type_max, zero blocks", dynamic_block_quant_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# KvCompressEpilog (SPEC 3.4)
+
+
+def kv_compress_epilog_cases() -> list[Case]:
+    out = []
+    for mode in (0, 1):
+        for rs in (True, False):
+            tag = f"mode{mode}-{'rs' if rs else 'nors'}"
+            out.append(_case(f"kvce-{tag}", "kv_compress_epilog", "kv_compress_epilog",
+                             f"KvCompressEpilog quant_mode {mode}, round_scale {rs}, d 576, two -1 slots, "
+                             "zero groups", d=576, bs=6, quant_mode=mode, round_scale=rs, skip=2,
+                             zero_groups=True, block_size=16, block_num=2))
+        out.append(_case(f"kvce-mode{mode}-d192-outliers", "kv_compress_epilog", "kv_compress_epilog",
+                         f"KvCompressEpilog quant_mode {mode}, d 192 (n 128), outlier column, int32 slots",
+                         d=192, bs=5, quant_mode=mode, round_scale=True, skip=1, outliers=True,
+                         slot_dtype="int32", block_size=8, block_num=3))
+    for gs in (16, 32, 64):
+        out.append(_case(f"kvce-mode2-gs{gs}", "kv_compress_epilog", "kv_compress_epilog",
+                         f"KvCompressEpilog quant_mode 2 (HiF8 RoPE + FP4 NoPE), group size {gs}, zero groups",
+                         d=576, bs=5, quant_mode=2, quant_group_size=gs, round_scale=False, skip=1,
+                         zero_groups=True, x_scale=1.0, block_size=16, block_num=1))
+    out.append(_case("kvce-mode2-xscale-lead", "kv_compress_epilog", "kv_compress_epilog",
+                     "KvCompressEpilog quant_mode 2 with x_scale 0.5 and x of shape [2, 3, 576]",
+                     d=576, lead=[2, 3], quant_mode=2, quant_group_size=32, x_scale=0.5, skip=1,
+                     block_size=16, block_num=1))
+    return out
+
+
+register_set("kv-compress-epilog", "KvCompressEpilog (950): quant modes 0/1/2, round_scale on/off, FP4 "
+             "group sizes 16/32/64, zero groups, -1 slots, untouched row tails", kv_compress_epilog_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# QSFA C8 cache writers (SPEC 3.2)
+
+
+def c8_cases() -> list[Case]:
+    out = []
+    for dt in ("bfloat16", "float16"):
+        for rope in (64, 0):
+            out.append(_case(f"c8w-{dt}-rope{rope}", "c8_cache_write", "c8_cache_write",
+                             f"C8 writer stage 2 (int8 1x128 quant + pack + scatter), {dt}, rope {rope}, "
+                             "a zero tile, a -1 slot", T=7, rope=rope, dtype=dt, zero_tile=True, skip=1,
+                             block_size=16, block_num=2))
+    out.append(_case("c8w-e4m3-int32-slots", "c8_cache_write", "c8_cache_write",
+                     "C8 writer with float8_e4m3fn NoPE (950), int32 slots", T=5, rope=64, dtype="bfloat16",
+                     key_dtype="float8_e4m3fn", slot_dtype="int32", skip=2, block_size=16, block_num=1))
+    for dt in ("bfloat16", "float16"):
+        for rope in (64, 0):
+            out.append(_case(f"c8r-{dt}-rope{rope}", "c8_rmsnorm_rope_cache", "c8_rmsnorm_rope_cache",
+                             f"C8 writer from the latent KV (RMSNorm + interleave RoPE + int8 quant + scatter), "
+                             f"{dt}, rope {rope}", T=9, rope_head_dim=rope, dtype=dt, skip=2, block_size=16,
+                             block_num=2))
+    return out
+
+
+register_set("c8-cache", "QSFA C8 cache writers: packed 656/528-byte rows from k_nope/k_rope or from the latent "
+             "KV, bf16/fp16, rope 64/0, int8 and FP8 NoPE, zero tiles, -1 slots", c8_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# KvRmsNormRopeCache V1 / V2 (SPEC 3.3)
+
+_KRR_MODES = ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ")
+
+
+def _krr_case(name, description, *, cache_mode, k_fmt, ckv_fmt, **kw):
+    return _case(name, "kv_rmsnorm_rope_cache", "kv_rmsnorm_rope_cache", description, cache_mode=cache_mode,
+                 k_fmt=k_fmt, ckv_fmt=ckv_fmt, is_output_kv=True, epsilon=1e-5,
+                 k_cache_dtype=k_fmt if k_fmt == "hifloat8" else None,
+                 ckv_cache_dtype=ckv_fmt if ckv_fmt == "hifloat8" else None, **kw)
+
+
+def kv_rmsnorm_rope_cache_cases() -> list[Case]:
+    out = []
+    v1 = dict(version=1, heads=1, dv=512, dk=64, batch=2, seq=37)
+    v2 = dict(version=2, heads=2, dv=128, dk=192, rope=64, batch=2, seq=37)
+    for mode in _KRR_MODES:
+        for ver, shape in (("v1", v1), ("v2", v2)):
+            for quant in (False, True):
+                fmt = "int8" if quant else "bfloat16"
+                tag = "int8" if quant else "bf16"
+                extra = dict(offsets=True) if (quant and ver == "v2") else {}
+                out.append(_krr_case(f"krr-{ver}-{mode}-{tag}",
+                                     f"KvRmsNormRopeCache {ver.upper()}, cache_mode {mode}, "
+                                     f"{'int8 static quant' + (' with offsets' if extra else '') if quant else 'bf16 caches'}",
+                                     cache_mode=mode, k_fmt=fmt, ckv_fmt=fmt, dtype="bfloat16", **shape, **extra))
+    # 950 formats (V1), fp16, broadcast cos/sin and quant parameter shapes
+    out.append(_krr_case("krr-v1-PA_BNSD-hif8-e4m3", "V1 with a HiFloat8 K cache and FP8 E4M3FN CKV cache "
+                         "(uint8 / float8 buffers), offsets", cache_mode="PA_BNSD", k_fmt="hifloat8",
+                         ckv_fmt="float8_e4m3fn", offsets=True, dtype="bfloat16", **v1))
+    out.append(_krr_case("krr-v1-PA_NZ-e5m2-fp16", "V1, NZ cache, FP8 E5M2 K and fp16 CKV, fp16 input",
+                         cache_mode="PA_NZ", k_fmt="float8_e5m2", ckv_fmt="float16", dtype="float16", **v1))
+    out.append(_krr_case("krr-v1-Norm-fp16-cos1", "V1 Norm, fp16, cos/sin broadcast over the sequence [B, N, 1, Dk]",
+                         cache_mode="Norm", k_fmt="float16", ckv_fmt="float16", dtype="float16", cos_seq1=True, **v1))
+    out.append(_krr_case("krr-v2-PA-int8-param1", "V2 PA with int8 caches and quant parameters of shape [1]",
+                         cache_mode="PA", k_fmt="int8", ckv_fmt="int8", dtype="bfloat16", param_shape="1", **v2))
+    return out
+
+
+register_set("kv-rmsnorm-rope-cache", "KvRmsNormRopeCache V1 and V2: every cache mode (Norm, PA, PA_BNSD, PA_NZ, "
+             "PA_BLK_BNSD, PA_BLK_NZ), bf16 and int8 caches (V2 with offsets), FP8/HiFloat8 caches, fp16, "
+             "broadcast cos/sin", kv_rmsnorm_rope_cache_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# SPEC.md section 5 scenarios
+
+QSFA = "kv_quant_sparse_flash_attention"
+
+
+def seed_decode_cases() -> list[Case]:
+    out = []
+    for dt in ("bfloat16", "float16"):
+        out.append(_case(f"decode-{dt}", QSFA, "qsfa_attention",
+                         f"SPEC 5 decode: B=1, Q_S=1, Q_N=64, KV_N=1, rope 64, PA_BSND block_size 256 x 16 blocks, "
+                         f"KV_S 4096, 2048 sparse indices, sparse_mode 3, scale (512+64)^-0.5, {dt} query",
+                         q_lens=[1], kv_lens=[4096], heads=64, rope_head_dim=64, dtype=dt, layout_query="BSND",
+                         layout_kv="PA_BSND", block_size=256, num_blocks=16, width=2048, sparse_block_size=1,
+                         data="realistic", rope_fill="randn", scale_value=(512 + 64) ** -0.5, sparse_mode=3,
+                         key_quant_mode=2, value_quant_mode=2, return_softmax_lse=True))
+    return out
+
+
+register_set("seed-decode", "SPEC.md 5 decode scenario (vLLM-Ascend): one token, 64 heads, 2048 of 4096 "
+             "paged int8 tokens (bf16 and fp16 query)", seed_decode_cases)
+
+#: the three layout scenarios of vLLM-Ascend's rope0 suite (name, layout_query, layout_kv, heads,
+#: sparse_block_size, q_lens, kv_lens); index width = 640 / sparse_block_size, PA page size 128
+_ROPE0 = (
+    ("bsnd-pa", "BSND", "PA_BSND", 4, 1, [1, 3], [249, 761]),
+    ("tnd-pa", "TND", "PA_BSND", 8, 16, [2, 3], [505, 761]),
+    ("tnd-tnd", "TND", "TND", 2, 2, [2, 3], [249, 505]),
+)
+
+
+def seed_rope0_cases() -> list[Case]:
+    out = []
+    for name, lq, lkv, heads, sbs, ql, kl in _ROPE0:
+        common = dict(q_lens=ql, kv_lens=kl, heads=heads, layout_query=lq, layout_kv=lkv, sparse_block_size=sbs,
+                      width=640 // sbs, block_size=128, scale_value=(512 + 64) ** -0.5, sparse_mode=3,
+                      key_quant_mode=2, value_quant_mode=2)
+        for dt in ("float16", "bfloat16"):
+            for lse in (False, True):
+                for rope in (0, 64):
+                    out.append(_case(f"rope0-{name}-{dt}-lse{int(lse)}-rope{rope}", QSFA, "qsfa_attention",
+                                     f"SPEC 5 rope0 suite: {lq} query + {lkv} KV, {heads} heads, sparse block "
+                                     f"{sbs}, {dt}, LSE {'on' if lse else 'off'}, rope {rope} (RoPE parts zero: "
+                                     "rope 0 and rope 64 give the same bits)",
+                                     rope_head_dim=rope, dtype=dt, return_softmax_lse=lse, data="random",
+                                     rope_fill="zeros", **common))
+        for dt in ("float16", "bfloat16"):
+            for rope in (0, 64):
+                out.append(_case(f"rope0-{name}-{dt}-uniform-rope{rope}", QSFA, "qsfa_attention",
+                                 f"SPEC 5 uniform attention: every score 0, so out = mean of the selected V, "
+                                 f"softmax_max = 0, softmax_sum = token count; {lq} + {lkv}, {dt}, rope {rope}",
+                                 rope_head_dim=rope, dtype=dt, return_softmax_lse=True, data="uniform", **common))
+    for dt in ("float16", "bfloat16"):
+        for rope in (64, 0):
+            out.append(_case(f"pipeline-c8-{dt}-rope{rope}", "c8_rmsnorm_rope_cache", "c8_rmsnorm_rope_cache",
+                             "SPEC 5 pipeline: RMSNorm + int8 quant + cache write, slots [0..4, -1], cache "
+                             f"prefilled with 17 (unwritten bytes keep 17), {dt}, rope {rope}",
+                             T=6, rope_head_dim=rope, dtype=dt, slots=[0, 1, 2, 3, 4, -1], block_size=16,
+                             block_num=1))
+    return out
+
+
+register_set("seed-rope0", "SPEC.md 5 rope0 suite (vLLM-Ascend): 3 layout scenarios x fp16/bf16 x LSE off/on "
+             "x rope 0/64, uniform-attention cases, and the C8 pipeline cache-write case", seed_rope0_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# smoke
+
+
+def smoke_cases() -> list[Case]:
+    pick = {
+        "formats": ("decode-hifloat8", "encode-float8_e4m3fn-sat"),
+        "dynamic-block-quant": ("dbq-int8-1x128-bf16", "dbq-hif8-1x128"),
+        "kv-compress-epilog": ("kvce-mode1-rs", "kvce-mode2-gs32"),
+        "c8-cache": ("c8r-bfloat16-rope64",),
+        "kv-rmsnorm-rope-cache": ("krr-v1-PA_BNSD-int8", "krr-v2-PA_NZ-bf16"),
+        "seed-rope0": ("rope0-tnd-tnd-bfloat16-lse1-rope64", "rope0-bsnd-pa-float16-uniform-rope0"),
+    }
+    out = []
+    for set_name, names in pick.items():
+        by_name = {c.name: c for c in get_set(set_name).cases()}
+        out += [by_name[n] for n in names]
+    return out
+
+
+register_set("smoke", "a handful of tiny cases over several operators: generated and verified in seconds",
+             smoke_cases)

@@ -1,0 +1,155 @@
+"""``qsfa golden generate | verify | compare | list`` (registered by ``qsfa.cli``).
+
+Exit status: 0 success / pass, 1 a check failed (verify found a problem, compare found a mismatch),
+2 bad usage or bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .io import GoldenInputError
+
+HELP = "golden tensor case sets: generate, verify, compare, list"
+
+
+def _usage_error(e: Exception):
+    from ..cli import UsageError
+
+    return UsageError(str(e))
+
+
+def _cmd_generate(args) -> int:
+    from .case import Case
+    from .catalogue import get_set
+    from .manifest import generate, parse_shard, select_shard
+
+    try:
+        shard = parse_shard(args.shard)
+        if args.set:
+            cases = get_set(args.set).cases()
+            label = args.set
+        else:
+            cases = [Case.load(args.case)]
+            label = None
+        selected = select_shard(cases, *shard)
+        man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
+                       progress=not args.quiet)
+    except GoldenInputError as e:
+        raise _usage_error(e) from None
+    n = len(man["cases"])
+    files = sum(len(c["files"]) for c in man["cases"])
+    what = f"set {args.set}" if args.set else args.case
+    shard_txt = f" (shard {shard[0]}/{shard[1]} of {len(cases)} cases)" if shard[1] > 1 else ""
+    print(f"wrote {n} cases, {files} files and manifest.json to {args.out} from {what}{shard_txt}")
+    for s in man["skipped"]:
+        print(f"skipped {s['name']}: {s['reason']}", file=sys.stderr)
+    if not n and man["skipped"]:
+        print("nothing generated: every case needs an operator missing from this build", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from .verify import verify
+
+    try:
+        rep = verify(args.dir, recompute=args.recompute, progress=not args.quiet)
+    except GoldenInputError as e:
+        raise _usage_error(e) from None
+    for p in rep.problems:
+        print(f"FAIL {p}")
+    what = f"{rep.cases} cases, {rep.files} files" + (f", {rep.recomputed} recomputed" if args.recompute else "")
+    if rep.ok:
+        print(f"OK {args.dir}: {what}")
+        return 0
+    print(f"verify {args.dir}: {len(rep.problems)} problem(s) in {what}; first: {rep.problems[0]}", file=sys.stderr)
+    return 1
+
+
+def _cmd_compare(args) -> int:
+    from .compare import compare_dir, format_report, matplotlib_available, write_histogram, write_json
+
+    if args.histogram and not matplotlib_available():
+        raise _usage_error(GoldenInputError(
+            "--histogram needs matplotlib, which is not installed: pip install 'qsfa[plot]'"))
+    try:
+        rep = compare_dir(args.dir, args.actual, cases=args.case, outputs=args.output,
+                          keep_errors=bool(args.histogram))
+    except GoldenInputError as e:
+        raise _usage_error(e) from None
+    print(format_report(rep))
+    if args.json:
+        write_json(rep, args.json)
+    if args.histogram:
+        write_histogram(rep, args.histogram)
+    return 0 if rep.passed else 1
+
+
+def _cmd_list(args) -> int:
+    from .case import available_ops
+    from .catalogue import case_sets, get_set
+
+    ops = available_ops()
+    if args.set:
+        try:
+            s = get_set(args.set)
+        except GoldenInputError as e:
+            raise _usage_error(e) from None
+        print(f"{s.name}: {s.description}")
+        for c in s.cases():
+            mark = "" if c.op in ops else "   [operator not in this build]"
+            print(f"  {c.name:40s} {c.op:32s} {c.description}{mark}")
+        return 0
+    sets = case_sets()
+    width = max(len(n) for n in sets)
+    for name, s in sets.items():
+        cases = s.cases()
+        missing = sorted({c.op for c in cases if c.op not in ops})
+        note = f" [{sum(c.op not in ops for c in cases)} need {', '.join(missing)}: not in this build]" if missing else ""
+        print(f"{name:{width}s}  {len(cases):4d} cases  {s.description}{note}")
+    return 0
+
+
+def register(subparsers):
+    """Add ``golden`` and its subcommands to the ``qsfa`` parser."""
+    g = subparsers.add_parser("golden", help=HELP, description=HELP)
+    sub = g.add_subparsers(dest="golden_command", metavar="SUBCOMMAND")
+
+    def no_subcommand(args) -> int:
+        g.print_help(sys.stderr)
+        return 2
+
+    g.set_defaults(func=no_subcommand)
+
+    p = sub.add_parser("generate", help="write the inputs, reference outputs and manifest of a case set or case")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--set", help="a catalogue case set (see `qsfa golden list`)")
+    src.add_argument("--case", help="a case file (qsfa-case/1 JSON), e.g. a saved conformance counterexample")
+    p.add_argument("--out", required=True, help="output directory (new, empty, or a previous golden directory)")
+    p.add_argument("--format", choices=("bin", "npz"), default="bin",
+                   help="bin: raw little-endian files + JSON (default); npz: one .npz per case")
+    p.add_argument("--shard", metavar="i/n", help="only cases k with k %% n == i (0 <= i < n)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("verify", help="check checksums (and, with --recompute, the outputs) of a golden directory")
+    p.add_argument("dir", help="golden directory (holds manifest.json)")
+    p.add_argument("--recompute", action="store_true", help="recompute every output from its inputs (reference)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("compare", help="compare a kernel's outputs with a golden directory")
+    p.add_argument("dir", help="golden directory (holds manifest.json)")
+    p.add_argument("--actual", required=True, metavar="FILE_OR_DIR",
+                   help="the kernel's outputs: a directory laid out like the golden one, an .npz, or one .bin/.npy")
+    p.add_argument("--case", action="append", metavar="PATTERN", help="only cases matching (glob; repeatable)")
+    p.add_argument("--output", action="append", metavar="PATTERN", help="only outputs matching (glob; repeatable)")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    p.add_argument("--histogram", metavar="OUT.png", help="also write an error histogram (needs matplotlib)")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("list", help="the case sets (or the cases of one set)")
+    p.add_argument("set", nargs="?", help="list this set's cases")
+    p.set_defaults(func=_cmd_list)
+    return g

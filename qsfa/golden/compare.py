@@ -1,0 +1,368 @@
+"""``qsfa golden compare DIR --actual FILE_OR_DIR``: a kernel's outputs against a golden directory.
+
+Each selected output is compared with :mod:`qsfa.compare` (SPEC.md section 4):
+
+* ``compare: "bytes"`` outputs (codes, scales, caches, indices) bit for bit; each differing element is
+  named by index, byte offset in the file, the packed-row field it falls in and its decoded golden and
+  actual values;
+* ``compare: "float"`` outputs (attention, LSE) with the per-dtype abs-or-rel + cos_diff criterion and the
+  msprobe statistics (dual thousandths, ULP histogram).
+
+Outputs with a mask file are compared only where the mask is 1 (elements the operator leaves unspecified,
+e.g. the LSE of padding query rows).
+
+Where the actual outputs are looked for (``<case>`` and ``<name>`` from the manifest):
+
+* ``--actual DIR``: ``DIR/<case>/out.<name>.bin`` (raw, same storage dtype and size as the golden file),
+  ``DIR/<case>/out.<name>.npy`` or member ``out.<name>`` of ``DIR/<case>/arrays.npz`` - a copy of the
+  golden directory with the outputs overwritten works as is; with a single selected case also
+  ``DIR/out.<name>.bin|.npy`` and ``DIR/<name>.bin|.npy``;
+* ``--actual FILE.npz``: member ``<case>/out.<name>``, or ``out.<name>`` / ``<name>`` for a single case;
+* ``--actual FILE.bin|FILE.npy``: exactly one selected output (narrow with ``--case`` / ``--output``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import compare as qcompare
+from . import io as gio
+from .io import GoldenInputError
+from .manifest import load_manifest, load_storage
+
+__all__ = ["compare_dir", "CompareReport", "OutputResult", "format_report", "write_histogram"]
+
+
+@dataclass
+class OutputResult:
+    case: str
+    output: str
+    criterion: str
+    result: qcompare.CompareResult
+    actual_path: str
+    masked: int = 0  # elements not compared (unspecified)
+    log10_err: np.ndarray | None = field(default=None, repr=False)  # |actual - golden| > 0, for plots
+
+    def to_dict(self) -> dict:
+        d = {"case": self.case, "output": self.output, "criterion": self.criterion,
+             "actual": self.actual_path, "unspecified_elements": self.masked}
+        d.update(self.result.to_dict())
+        return d
+
+
+@dataclass
+class CompareReport:
+    golden: str
+    actual: str
+    results: list = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.result.passed for r in self.results)
+
+    def to_dict(self) -> dict:
+        return _json_safe({
+            "golden": self.golden,
+            "actual": self.actual,
+            "verdict": "PASS" if self.passed else "FAIL",
+            "outputs": len(self.results),
+            "failed": sum(not r.result.passed for r in self.results),
+            "results": [r.to_dict() for r in self.results],
+        })
+
+
+def _json_safe(o):
+    if isinstance(o, dict):
+        return {str(k): _json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_json_safe(v) for v in o]
+    if isinstance(o, (np.bool_,)):
+        return bool(o)
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, (float, np.floating)):
+        f = float(o)
+        return f if math.isfinite(f) else repr(f)  # "nan", "inf", "-inf"
+    return o
+
+
+# --------------------------------------------------------------------------------------------------
+# finding the actual outputs
+
+
+def _read_npy(path: str, entry: dict) -> np.ndarray:
+    try:
+        a = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise GoldenInputError(f"cannot read {path} as .npy: {e}") from None
+    return _coerce(a, entry, path)
+
+
+def _coerce(a: np.ndarray, entry: dict, where: str) -> np.ndarray:
+    """An actual array as the golden's storage dtype, checking shape and element size."""
+    st = np.dtype(entry["storage"])
+    ldt = gio.logical_dtype(entry["dtype"])
+    if tuple(a.shape) != tuple(entry["shape"]):
+        raise GoldenInputError(f"{where}: shape {list(a.shape)} does not match the golden {entry['shape']} "
+                               f"({entry['case']}/out.{entry['name']})")
+    if a.dtype == st or a.dtype == ldt:
+        return gio.to_storage(a)[1] if a.dtype == ldt else a
+    if a.dtype.itemsize == st.itemsize and a.dtype.kind in ("V", "u", "i") and st.kind in ("u", "i"):
+        return np.ascontiguousarray(a).view(st)  # bit patterns (e.g. bfloat16 saved without ml_dtypes)
+    raise GoldenInputError(f"{where}: dtype {a.dtype} does not match the golden {entry['dtype']} "
+                           f"(stored as {st.str}) of {entry['case']}/out.{entry['name']}")
+
+
+def _from_npz(path: str, keys: list[str], entry: dict) -> np.ndarray | None:
+    members = gio.npz_members(path)
+    for k in keys:
+        if k in members:
+            return _coerce(gio.read_npz_member(path, k), entry, f"{path}:{k}")
+    return None
+
+
+def _load_actual(actual: str, entry: dict, single_case: bool, single_output: bool) -> tuple[np.ndarray, str]:
+    case, name = entry["case"], entry["name"]
+    st = np.dtype(entry["storage"])
+    if os.path.isdir(actual):
+        looked = []
+        cands = [os.path.join(actual, case, f"out.{name}")]
+        if single_case:
+            cands += [os.path.join(actual, f"out.{name}"), os.path.join(actual, name)]
+        for base in cands:
+            if os.path.isfile(base + ".bin"):
+                return gio.read_bin(base + ".bin", st, entry["shape"]), base + ".bin"
+            if os.path.isfile(base + ".npy"):
+                return _read_npy(base + ".npy", entry), base + ".npy"
+            looked += [base + ".bin", base + ".npy"]
+        npz = os.path.join(actual, case, "arrays.npz")
+        if os.path.isfile(npz):
+            a = _from_npz(npz, [f"out.{name}"], entry)
+            if a is not None:
+                return a, f"{npz}:out.{name}"
+        looked.append(f"{npz}:out.{name}")
+        raise GoldenInputError(f"no actual output for {case}/out.{name}; looked for {', '.join(looked)}")
+    if not os.path.isfile(actual):
+        raise GoldenInputError(f"--actual {actual}: no such file or directory")
+    if actual.endswith(".npz"):
+        keys = [f"{case}/out.{name}"] + ([f"out.{name}", name] if single_case else [])
+        a = _from_npz(actual, keys, entry)
+        if a is None:
+            raise GoldenInputError(f"{actual} has none of the members {keys}")
+        return a, actual
+    if not single_output:
+        raise GoldenInputError(f"--actual {actual} is one file but several outputs are selected; "
+                               "choose one with --case and --output, or pass a directory or .npz")
+    if actual.endswith(".npy"):
+        return _read_npy(actual, entry), actual
+    return gio.read_bin(actual, st, entry["shape"]), actual
+
+
+# --------------------------------------------------------------------------------------------------
+# byte-level detail
+
+
+def _decode_kind(kind: str, raw: bytes):
+    """Decoded value(s) of one element of a packed-row field."""
+    if kind in ("bfloat16", "float16", "float32"):
+        st = np.frombuffer(raw, dtype=gio.storage_dtype(kind))
+        return float(gio.from_storage(st, kind).astype(np.float64)[0])
+    if kind == "uint8":
+        return int(raw[0])
+    from ..reference import formats as F
+
+    if kind == "float4_e2m1x2":
+        b = raw[0]
+        return [float(v) for v in F.decode(np.array([b & 0xF, b >> 4], np.uint8), "float4_e2m1")]
+    return float(F.decode(np.array([raw[0]], np.uint8), kind)[0])
+
+
+_KIND_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _add_byte_detail(res: qcompare.CompareResult, actual_st: np.ndarray, golden_st: np.ndarray, entry: dict):
+    """Add the file byte offset (and, for packed rows, the field and its decoded values) to each
+    reported element."""
+    g8 = np.ascontiguousarray(golden_st).view(np.uint8).reshape(-1)
+    a8 = np.ascontiguousarray(actual_st).view(np.uint8).reshape(-1)
+    item = golden_st.dtype.itemsize
+    shape = tuple(entry["shape"])
+    segs = entry.get("segments") if item == 1 else None
+    row = shape[-1] if shape else 1
+    for w in res.worst:
+        flat = int(np.ravel_multi_index(tuple(w["index"]), shape)) if shape else 0
+        off = flat * item
+        diff = np.nonzero(g8[off:off + item] != a8[off:off + item])[0]
+        w["byte_offset"] = off + (int(diff[0]) if diff.size else 0)
+        if not segs:
+            continue
+        col = flat % row
+        base = flat - col
+        for start, end, kind, label in segs:
+            if start <= col < end:
+                size = _KIND_SIZE.get(kind, 1)
+                k = (col - start) // size
+                lo = base + start + k * size
+                w["field"] = f"{label} [{k}]"
+                w["golden_decoded"] = _decode_kind(kind, g8[lo:lo + size].tobytes())
+                w["actual_decoded"] = _decode_kind(kind, a8[lo:lo + size].tobytes())
+                break
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _select(man: dict, cases, outputs) -> list[tuple[dict, dict, dict | None]]:
+    sel = []
+    for c in man["cases"]:
+        if cases and not any(fnmatch.fnmatchcase(c["name"], p) for p in cases):
+            continue
+        masks = {e["name"]: e for e in c["arrays"] if e["role"] == "mask"}
+        for e in c["arrays"]:
+            if e["role"] != "output":
+                continue
+            if outputs and not any(fnmatch.fnmatchcase(e["name"], p) for p in outputs):
+                continue
+            sel.append((c, dict(e, case=c["name"]), masks.get(e["name"])))
+    return sel
+
+
+def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_report: int = 10,
+                keep_errors: bool = False) -> CompareReport:
+    """Compare the outputs found at ``actual`` with the golden directory (see the module docstring).
+
+    ``keep_errors`` keeps log10|actual - golden| of the differing elements (for :func:`write_histogram`).
+    """
+    man = load_manifest(golden)
+    sel = _select(man, cases, outputs)
+    if not sel:
+        what = f" matching --case {cases}" if cases else ""
+        what += f" / --output {outputs}" if outputs else ""
+        raise GoldenInputError(f"{golden} has no outputs{what}")
+    single_case = len({c["name"] for c, _, _ in sel}) == 1
+    report = CompareReport(golden, actual)
+    for c, e, m in sel:
+        g_st = load_storage(golden, e)
+        if gio.array_sha256(g_st) != e["sha256"]:
+            raise GoldenInputError(f"golden file {e['file']} does not match its manifest sha256; run qsfa golden verify {golden}")
+        a_st, where = _load_actual(actual, e, single_case, len(sel) == 1)
+        n_masked = 0
+        if m is not None:
+            mask = load_storage(golden, m).astype(bool)
+            n_masked = int((~mask).sum())
+            a_st = np.where(mask, a_st, g_st)
+        g = gio.from_storage(g_st, e["dtype"])
+        a = gio.from_storage(np.ascontiguousarray(a_st), e["dtype"])
+        label = f"{c['name']}/{e['name']}"
+        if e.get("compare") == "float":
+            res = qcompare.compare_float(a, g, dtype=e["dtype"], name=label, max_report=max_report)
+        else:
+            res = qcompare.compare_bytes(a, g, name=label, fmt=e.get("format"), max_report=max_report)
+            if not res.passed and res.worst:
+                _add_byte_detail(res, a_st, g_st, e)
+        out = OutputResult(c["name"], e["name"], e.get("compare", "bytes"), res, where, n_masked)
+        if keep_errors:
+            with np.errstate(invalid="ignore", over="ignore"):
+                err = np.abs(a.astype(np.float64) - g.astype(np.float64)).reshape(-1)
+            err = err[np.isfinite(err) & (err > 0)]
+            out.log10_err = np.log10(err)
+        report.results.append(out)
+    return report
+
+
+def _fmt_value(v):
+    if isinstance(v, float):
+        return f"{v:.9g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt_value(x) for x in v) + "]"
+    return str(v)
+
+
+def format_report(report: CompareReport, max_worst: int = 5) -> str:
+    """The verdict table and the worst elements of every failing output."""
+    rows = [("case", "output", "criterion", "verdict", "differ", "detail")]
+    for r in report.results:
+        res = r.result
+        if r.criterion == "float":
+            detail = (f"cos_diff={res.cos_diff:.2e} max_abs={res.max_abs:.3g} max_rel={res.max_rel:.3g} "
+                      f"rel>0.1%={100 * res.share_rel_gt_1e3:.3f}%"
+                      + (f" max_ulp={res.max_ulp}" if res.max_ulp is not None else ""))
+        else:
+            detail = res.message
+        if r.masked:
+            detail += f" ({r.masked} unspecified elements not compared)"
+        rows.append((r.case, r.output, r.criterion, "PASS" if res.passed else "FAIL",
+                     f"{res.n_fail}/{res.n}", detail))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(row[i].ljust(widths[i]) for i in range(5)) + "  " + row[5] for row in rows]
+    failing = [r for r in report.results if not r.result.passed]
+    for r in failing:
+        res = r.result
+        lines.append("")
+        lines.append(f"{r.case}/{r.output} ({r.actual_path}): {res.message}")
+        for w in res.worst[:max_worst]:
+            parts = [f"index {w['index']}"]
+            if "byte_offset" in w:
+                parts.append(f"byte {w['byte_offset']}")
+            if "field" in w:
+                parts.append(w["field"])
+            gv, av = _fmt_value(w.get("golden")), _fmt_value(w.get("actual"))
+            if "golden_decoded" in w:
+                gv += f" (= {_fmt_value(w['golden_decoded'])})"
+                av += f" (= {_fmt_value(w['actual_decoded'])})"
+            parts.append(f"golden {gv}")
+            parts.append(f"actual {av}")
+            if "abs_err" in w:
+                parts.append(f"abs_err {w['abs_err']:.3g} rel_err {w['rel_err']:.3g}")
+            lines.append("  " + ", ".join(parts))
+    n_fail = len(failing)
+    lines.append("")
+    lines.append(f"verdict: {'PASS' if report.passed else 'FAIL'} ({len(report.results) - n_fail} of "
+                 f"{len(report.results)} outputs pass)")
+    return "\n".join(lines)
+
+
+def write_json(report: CompareReport, path: str):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report.to_dict(), f, indent=1, sort_keys=True, allow_nan=False)
+        f.write("\n")
+
+
+def matplotlib_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def write_histogram(report: CompareReport, path: str):
+    """A PNG with one panel per compared output: the histogram of log10|actual - golden| over the
+    elements that differ (needs ``compare_dir(..., keep_errors=True)`` and matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(report.results)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    for ax, r in zip(axes.ravel(), report.results):
+        err = r.log10_err if r.log10_err is not None else np.zeros(0)
+        if err.size:
+            ax.hist(err, bins=50)
+            ax.set_xlabel("log10 |actual - golden|")
+        else:
+            ax.text(0.5, 0.5, "identical", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(f"{r.case}/{r.output} {'PASS' if r.result.passed else 'FAIL'}", fontsize=8)
+        ax.set_ylabel("elements")
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)

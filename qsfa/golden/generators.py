@@ -1,0 +1,464 @@
+"""Named input generators: ``generator(params, rng) -> {input name: array}``.
+
+A generator turns a case's JSON parameters and a seeded ``numpy.random.Generator`` into the operator's
+input arrays. The values are realistic rather than adversarial: randn-scaled activations rounded to the
+input dtype, valid sparse indices with -1 padding and causal validity, block tables that are random
+permutations of pages, slot mappings with -1 entries, and caches prefilled with the sentinel byte 0x11
+(17) so that a kernel writing where it must not shows up as a byte difference.
+
+Only the arrays come from here; scalar operator arguments are case ``params`` (see
+:mod:`qsfa.golden.case`). Register new generators with :func:`register_generator`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from .io import GoldenInputError
+
+__all__ = [
+    "SENTINEL",
+    "register_generator",
+    "get_generator",
+    "generator_names",
+    "randn",
+    "sentinel_filled",
+    "slot_mapping",
+    "page_table",
+    "causal_sparse_indices",
+]
+
+#: the byte every cache starts with, so untouched bytes are checked
+SENTINEL = 0x11
+
+Generator = Callable[[dict, np.random.Generator], dict]
+_GENERATORS: dict[str, Generator] = {}
+
+
+def register_generator(name: str, fn: Generator | None = None, *, replace: bool = False):
+    """Register ``fn`` under ``name`` (usable as a decorator)."""
+
+    def deco(f):
+        if name in _GENERATORS and not replace:
+            raise ValueError(f"generator {name!r} is already registered")
+        _GENERATORS[name] = f
+        return f
+
+    return deco(fn) if fn is not None else deco
+
+
+def get_generator(name: str) -> Generator:
+    try:
+        return _GENERATORS[name]
+    except KeyError:
+        raise GoldenInputError(f"unknown input generator {name!r}; known: {', '.join(sorted(_GENERATORS))}") from None
+
+
+def generator_names() -> list[str]:
+    return sorted(_GENERATORS)
+
+
+# --------------------------------------------------------------------------------------------------
+# building blocks
+
+_FLOAT_DTYPES = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+}
+
+
+def float_dtype(name: str) -> np.dtype:
+    try:
+        return _FLOAT_DTYPES[name]
+    except KeyError:
+        raise GoldenInputError(f"unsupported float dtype {name!r}; one of {sorted(_FLOAT_DTYPES)}") from None
+
+
+def randn(rng: np.random.Generator, shape, dtype: str = "float32", scale: float = 1.0) -> np.ndarray:
+    """``scale * N(0, 1)`` in fp32, rounded (RNE) to ``dtype``."""
+    x = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+    return x.astype(float_dtype(dtype))
+
+
+def sentinel_filled(shape, dtype) -> np.ndarray:
+    """An array of ``dtype`` whose every byte is :data:`SENTINEL`."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    return np.full(n * dt.itemsize, SENTINEL, np.uint8).view(dt).reshape(shape)
+
+
+def slot_mapping(rng: np.random.Generator, n: int, num_slots: int, skip: int = 0, dtype="int64") -> np.ndarray:
+    """``n`` distinct slots drawn from ``[0, num_slots)``, ``skip`` of them replaced by -1."""
+    if n - skip > num_slots:
+        raise GoldenInputError(f"{n - skip} written slots do not fit in {num_slots} cache slots")
+    s = rng.permutation(num_slots)[:n].astype(np.int64)
+    if skip:
+        s[rng.permutation(n)[:skip]] = -1
+    return s.astype(dtype)
+
+
+def page_table(rng: np.random.Generator, kv_lens, block_size: int, width: int | None = None,
+               num_blocks: int | None = None) -> tuple[np.ndarray, int]:
+    """A block table ``[B, width]`` (int32) mapping each sequence's logical pages to physical pages.
+
+    The pages needed (``ceil(len / block_size)`` per sequence) are a random permutation of
+    ``[0, num_blocks)``; unused entries are -1. Returns ``(table, num_blocks)``.
+    """
+    kv_lens = np.asarray(kv_lens, np.int64)
+    pages = -(-kv_lens // block_size)
+    need = int(pages.sum())
+    num_blocks = need if num_blocks is None else int(num_blocks)
+    if num_blocks < need:
+        raise GoldenInputError(f"{need} pages needed but only {num_blocks} blocks")
+    width = int(pages.max()) if width is None else int(width)
+    perm = rng.permutation(num_blocks)[:need].astype(np.int32)
+    table = np.full((kv_lens.size, width), -1, np.int32)
+    col = np.arange(width)[None, :]
+    used = col < pages[:, None]
+    table[used] = perm
+    return table, num_blocks
+
+
+def causal_sparse_indices(rng: np.random.Generator, q_lens, kv_lens, q_rows: int, width: int,
+                          sparse_block_size: int = 1, sparse_mode: int = 3) -> np.ndarray:
+    """Sparse indices ``[B, q_rows, width]`` (int32) for every query row of every batch.
+
+    Row ``i < q_lens[b]`` may select blocks of ``sparse_block_size`` tokens below its threshold
+    (``kv - q + i + 1`` under sparse_mode 3, ``kv`` under 0): ``min(width, ceil(threshold / sbs))``
+    distinct blocks in random order, always including the boundary block (the last, possibly partial
+    one); the rest of the row is -1. Rows past ``q_lens[b]`` and rows with no visible token are all -1.
+    """
+    q_lens = np.asarray(q_lens, np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    i = np.arange(q_rows)[None, :]
+    if sparse_mode == 3:
+        thr = kv_lens[:, None] - q_lens[:, None] + i + 1
+    else:
+        thr = np.broadcast_to(kv_lens[:, None], (q_lens.size, q_rows))
+    thr = np.where(i < q_lens[:, None], np.maximum(thr, 0), 0)
+    avail = -(-thr // sparse_block_size)  # blocks that hold a visible token
+    count = np.minimum(avail, width)
+    a_max = max(int(avail.max()), 1)
+    # random order of the non-boundary blocks 0 .. avail-2 (others sort last)
+    keys = rng.random((q_lens.size, q_rows, a_max))
+    blk = np.arange(a_max)
+    keys = np.where(blk < (avail - 1)[..., None], keys, np.inf)
+    order = np.argsort(keys, axis=-1, kind="stable")[..., :width].astype(np.int64)
+    if order.shape[-1] < width:
+        order = np.concatenate([order, np.zeros(order.shape[:-1] + (width - order.shape[-1],), np.int64)], -1)
+    slot = np.arange(width)
+    out = np.where(slot < (count - 1)[..., None], order, -1)
+    out = np.where(slot == (count - 1)[..., None], (avail - 1)[..., None], out)
+    return out.astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------------
+# number formats (qsfa.formats.encode / decode)
+
+
+def _formats():
+    from ..reference import formats
+
+    return formats
+
+
+@register_generator("format_codes")
+def format_codes(params, rng):
+    """Every code of ``params["fmt"]`` in code order (decode cases)."""
+    F = _formats()
+    return {"codes": F.all_codes(params["fmt"])}
+
+
+@register_generator("format_values")
+def format_values(params, rng):
+    """Encode input for ``params["fmt"]``: every finite representable value and every midpoint between
+    neighbours, both signs, as float32 (``"overflow": true`` adds +-2*max and +-inf, for saturating
+    cases). float8_e8m0 has no sign, so only non-negative values."""
+    F = _formats()
+    fmt = params["fmt"]
+    v = np.concatenate([F.representable_values(fmt), F.midpoints(fmt)])
+    if params.get("overflow"):
+        m = float(F.max_finite(fmt))
+        v = np.concatenate([v, [2.0 * m, np.inf]])
+    signed = fmt != "float8_e8m0"
+    if signed:
+        v = np.concatenate([v, -v])
+    with np.errstate(over="ignore"):  # E8M0's 2*max is beyond float32: inf, like the inf added anyway
+        x = np.unique(v).astype(np.float32)
+    if signed:
+        x = np.concatenate([x, np.array([-0.0], np.float32)])
+    if not params.get("saturate") and not (F.has_inf(fmt) or F.has_nan(fmt)):
+        # no Inf/NaN to overflow into (int8, E2M1): drop what rounds out of range (e.g. int8 127.5)
+        x = x[~F.out_of_range(x, fmt, params.get("rounding"))]
+    return {"x": x}
+
+
+# --------------------------------------------------------------------------------------------------
+# dynamic block quant
+
+
+@register_generator("dynamic_block_quant")
+def gen_dynamic_block_quant(params, rng):
+    """x ``[M, N]`` (or ``[B, M, N]`` with ``B``) in ``x_dtype``, randn * ``scale``; ``zero_block``
+    zeroes the first block (scale 0 path); ``outliers`` puts a few large values in."""
+    shape = ((params["B"],) if params.get("B") else ()) + (params["M"], params["N"])
+    x = randn(rng, shape, "float32", params.get("scale", 1.0))
+    if params.get("outliers"):
+        flat = x.reshape(-1)
+        pos = rng.permutation(flat.size)[: max(1, flat.size // 97)]
+        flat[pos] *= np.float32(40.0)
+    if params.get("zero_block"):
+        x[..., : params.get("row_block_size", 1), : params.get("col_block_size", 128)] = 0
+    return {"x": x.astype(float_dtype(params.get("x_dtype", "bfloat16")))}
+
+
+# --------------------------------------------------------------------------------------------------
+# KvCompressEpilog (SPEC 3.4)
+
+
+def kv_compress_epilog_row_bytes(d: int, quant_mode: int, quant_group_size: int = 64) -> int:
+    """kvCacheCol of SPEC 3.4: the bytes of one cache row the operator writes."""
+    n = d - 64
+    if quant_mode == 0:
+        g = -(-n // 64)
+        return -(-(128 + n + 2 * g) // 32) * 32
+    if quant_mode == 1:
+        return 128 + n + -(-n // 64)
+    return -(-(64 + n // 2 + 2 * n // quant_group_size) // 32) * 32
+
+
+@register_generator("kv_compress_epilog")
+def gen_kv_compress_epilog(params, rng):
+    """x bf16 ``[*lead, d]`` (``lead`` defaults to ``[bs]``) randn * ``scale``; cache uint8
+    ``[block_num, block_size, 1, head_dim]`` of sentinel bytes, ``head_dim`` = kvCacheCol +
+    ``tail`` (untouched bytes after the written row); ``skip`` slots are -1; ``zero_groups`` zeroes
+    the first NoPE group of the first token and the whole NoPE of the last token."""
+    d = int(params["d"])
+    lead = tuple(params.get("lead") or (params["bs"],))
+    mode = int(params.get("quant_mode", 1))
+    gs = int(params.get("quant_group_size", 64))
+    col = kv_compress_epilog_row_bytes(d, mode, gs)
+    head_dim = col + int(params.get("tail", 32))
+    n_tok = int(np.prod(lead))
+    x = randn(rng, lead + (d,), "float32", params.get("scale", 1.0))
+    if params.get("outliers"):
+        xf = x.reshape(n_tok, d)
+        xf[:, rng.integers(0, d - 64, size=1)] *= np.float32(30.0)
+    if params.get("zero_groups"):
+        xf = x.reshape(n_tok, d)
+        xf[0, :gs if mode == 2 else 64] = 0
+        xf[-1, : d - 64] = 0
+    block_size = int(params.get("block_size", 16))
+    block_num = int(params.get("block_num", -(-2 * n_tok // block_size)))
+    slots = slot_mapping(rng, n_tok, block_num * block_size, int(params.get("skip", 0)),
+                         params.get("slot_dtype", "int64")).reshape(lead)
+    return {
+        "cache": sentinel_filled((block_num, block_size, 1, head_dim), np.uint8),
+        "x": x.astype(ml_dtypes.bfloat16),
+        "slot_mapping": slots,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# rotary tables
+
+
+def rope_tables(positions: np.ndarray, dim: int, dtype: str, base: float = 10000.0):
+    """Half-split cos/sin tables ``[..., dim]`` (``cat(cos t, cos t)``) for integer ``positions``, the
+    form npu_interleave_rope and KvRmsNormRopeCache take, rounded to ``dtype``."""
+    inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    ang = np.asarray(positions, np.float64)[..., None] * inv
+    cos = np.concatenate([np.cos(ang), np.cos(ang)], -1).astype(np.float32)
+    sin = np.concatenate([np.sin(ang), np.sin(ang)], -1).astype(np.float32)
+    fd = float_dtype(dtype)
+    return cos.astype(fd), sin.astype(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# QSFA C8 cache writers (SPEC 3.2)
+
+
+def _c8_slots(params, rng, t, num_slots):
+    if params.get("slots") is not None:
+        return np.asarray(params["slots"], params.get("slot_dtype", "int64"))
+    return slot_mapping(rng, t, num_slots, int(params.get("skip", 1)), params.get("slot_dtype", "int64"))
+
+
+def _c8_cache(params, rope: int):
+    width = 512 + 2 * rope + 16
+    return sentinel_filled((int(params.get("block_num", 2)), int(params.get("block_size", 16)), 1, width),
+                           np.dtype(params.get("cache_dtype", "uint8")))
+
+
+@register_generator("c8_cache_write")
+def gen_c8_cache_write(params, rng):
+    """k_nope ``[T, 512]`` randn * ``scale`` (``zero_tile``: the first 128 columns of token 0 are 0),
+    k_rope ``[T, 64]`` randn (None when ``rope`` is 0), slots with ``skip`` -1 entries (or ``slots``),
+    kv_cache of sentinel bytes ``[block_num, block_size, 1, 656 | 528]``."""
+    t, rope, dt = int(params["T"]), int(params.get("rope", 64)), params.get("dtype", "bfloat16")
+    k_nope = randn(rng, (t, 512), "float32", params.get("scale", 2.0))
+    if params.get("zero_tile"):
+        k_nope[0, :128] = 0
+    cache = _c8_cache(params, rope)
+    return {
+        "k_nope": k_nope.astype(float_dtype(dt)),
+        "k_rope": randn(rng, (t, 64), dt) if rope else None,
+        "slot_mapping": _c8_slots(params, rng, t, cache.shape[0] * cache.shape[1]),
+        "kv_cache": cache,
+    }
+
+
+@register_generator("c8_rmsnorm_rope_cache")
+def gen_c8_rmsnorm_rope_cache(params, rng):
+    """kv ``[T, 512 + rope_head_dim]`` randn * ``scale``, gamma ``[512]`` ~ 1 + 0.1 randn, cos/sin for
+    random positions (None at rope 0), slots (``slots`` or random with ``skip`` -1), sentinel cache."""
+    t, rope, dt = int(params["T"]), int(params.get("rope_head_dim", 64)), params.get("dtype", "bfloat16")
+    kv = randn(rng, (t, 512 + rope), dt, params.get("scale", 2.0))
+    gamma = (1.0 + 0.1 * rng.standard_normal(512, dtype=np.float32)).astype(float_dtype(dt))
+    cos = sin = None
+    if rope:
+        cos, sin = rope_tables(rng.integers(0, 4096, size=t), 64, dt)
+    cache = _c8_cache(params, rope)
+    return {"kv": kv, "gamma": gamma, "cos": cos, "sin": sin,
+            "slot_mapping": _c8_slots(params, rng, t, cache.shape[0] * cache.shape[1]), "kv_cache": cache}
+
+
+# --------------------------------------------------------------------------------------------------
+# QSFA attention (SPEC 3.6)
+
+#: byte written into every packed KV row no selected token lives in (tails of pages and of BSND
+#: sequences, unused pages): int8 127, RoPE 0x7F7F (~3.4e38), scales 0x7F7F7F7F (~3.4e38); a kernel that
+#: reads a token it must not ends up with Inf/NaN instead of a plausible number.
+POISON = 0x7F
+
+
+def _int8_tiles(x: np.ndarray):
+    """Independent int8 1x128 tile quantisation for realistic NoPE codes (input data, not a golden)."""
+    t = x.reshape(*x.shape[:-1], -1, 128).astype(np.float32)
+    s = (np.abs(t).max(-1) / np.float32(127)).astype(np.float32)
+    q = np.rint(np.divide(t, s[..., None], out=np.zeros_like(t), where=s[..., None] > 0))
+    return np.clip(q, -127, 127).astype(np.int8).reshape(x.shape), s
+
+
+def _qsfa_logical(params, rng, b, s_kv, dt):
+    """Per-token NoPE codes [b, s_kv, 512], scales [b, s_kv, 4], RoPE [b, s_kv, rope] (logical order)."""
+    rope = int(params.get("rope_head_dim", 64))
+    data = params.get("data", "random")
+    if data == "uniform":
+        # every score is 0 (query only in column 0, key column 0 zero): softmax is uniform
+        flat = np.arange(b * s_kv * 512).reshape(b, s_kv, 512)
+        codes = (flat % 31 + 8).astype(np.int8) * np.int8(params.get("value_sign", 1))
+        codes[..., 0] = 0
+        tok = np.arange(b * s_kv).reshape(b, s_kv)
+        scales = np.exp2(((tok[..., None] + np.arange(4)) % 4 - 3).astype(np.float32)).astype(np.float32)
+    elif data == "realistic":
+        codes, scales = _int8_tiles(rng.standard_normal((b, s_kv, 512), dtype=np.float32))
+    else:  # "random", the vllm-ascend QSFA test distribution
+        codes = rng.integers(-64, 64, size=(b, s_kv, 512)).astype(np.int8)
+        scales = (rng.random((b, s_kv, 4), dtype=np.float32) * np.float32(0.095) + np.float32(0.005)).astype(np.float32)
+    if rope and params.get("rope_fill", "randn") == "randn" and data != "uniform":
+        rope_v = randn(rng, (b, s_kv, rope), dt)
+    else:
+        rope_v = np.zeros((b, s_kv, rope), float_dtype(dt))
+    return codes, scales, rope_v
+
+
+@register_generator("qsfa_attention")
+def gen_qsfa_attention(params, rng):
+    """Inputs of kv_quant_sparse_flash_attention for batches with query lengths ``q_lens`` and KV
+    lengths ``kv_lens``.
+
+    params: layout_query ("BSND" / "TND"), layout_kv ("BSND" / "TND" / "PA_BSND"), heads (Q_N),
+    rope_head_dim (0 / 64), dtype (query), sparse_block_size, width (index entries per row; default
+    ceil(max kv / sparse_block_size)), block_size (PA page size, default 128), num_blocks (PA, default:
+    the pages needed), data: "random" (query U[-1, 1), int8 codes in [-64, 64), scales U[0.005, 0.1) -
+    the vllm-ascend test's distribution), "realistic" (randn query, randn KV quantised per 1x128 tile) or
+    "uniform" (all scores 0: output = mean of the selected V, softmax_max 0, softmax_sum = count);
+    rope_fill "randn" / "zeros".
+
+    KV rows no selected token lives in hold :data:`POISON` bytes; pages are a random permutation; sparse
+    indices are causal (sparse_mode 3) with -1 padding (:func:`causal_sparse_indices`).
+    """
+    from ..reference.packing import pack_rows
+
+    q_lens = np.asarray(params["q_lens"], np.int64)
+    kv_lens = np.asarray(params["kv_lens"], np.int64)
+    b = q_lens.size
+    lq, lkv = params.get("layout_query", "BSND"), params.get("layout_kv", "BSND")
+    heads, rope = int(params["heads"]), int(params.get("rope_head_dim", 64))
+    dt, sbs = params.get("dtype", "bfloat16"), int(params.get("sparse_block_size", 1))
+    s_q, s_kv = int(params.get("q_seq", q_lens.max())), int(params.get("kv_seq", kv_lens.max()))
+    width = int(params.get("width", -(-s_kv // sbs)))
+    data = params.get("data", "random")
+
+    # query [B, S_q, N, 512 + rope]
+    if data == "uniform":
+        q = np.zeros((b, s_q, heads, 512 + rope), np.float32)
+        q[..., 0] = np.arange(b * s_q * heads).reshape(b, s_q, heads) % 7 + 1
+    elif data == "realistic":
+        q = rng.standard_normal((b, s_q, heads, 512 + rope), dtype=np.float32)
+    else:
+        q = rng.random((b, s_q, heads, 512 + rope), dtype=np.float32) * 2 - 1
+    if rope and (params.get("rope_fill", "randn") == "zeros" or data == "uniform"):
+        q[..., 512:] = 0
+    q = q.astype(float_dtype(dt))
+
+    codes, scales, rope_v = _qsfa_logical(params, rng, b, s_kv, dt)
+    packed = pack_rows(codes, rope_v if rope else None, scales)[:, :, None, :]  # [B, S_kv, 1, W]
+    nope = codes[:, :, None, :]
+    valid_tok = np.arange(s_kv)[None, :] < kv_lens[:, None]  # [B, S_kv]
+    poison_rows = np.full(packed.shape[-1], POISON, np.uint8)
+
+    idx = causal_sparse_indices(rng, q_lens, kv_lens, s_q, width, sbs, int(params.get("sparse_mode", 3)))
+    idx = idx[:, :, None, :]  # [B, S_q, 1, K]
+    out = {}
+    if lkv == "PA_BSND":
+        bs = int(params.get("block_size", 128))
+        table, nb = page_table(rng, kv_lens, bs, width=params.get("table_width"), num_blocks=params.get("num_blocks"))
+        key = np.tile(poison_rows, (nb, bs, 1, 1))
+        value = np.full((nb, bs, 1, 512), POISON, np.int8)
+        bi, si = np.nonzero(valid_tok)
+        blk = table[bi, si // bs]
+        key[blk, si % bs, 0] = packed[bi, si, 0]
+        value[blk, si % bs, 0] = nope[bi, si, 0]
+        out["block_table"] = table
+    elif lkv == "TND":
+        key, value = packed[valid_tok], nope[valid_tok]
+    else:  # BSND
+        key = np.where(valid_tok[:, :, None, None], packed, poison_rows)
+        value = np.where(valid_tok[:, :, None, None], nope, np.int8(POISON))
+    key_dtype = params.get("key_storage", "int8")
+    out["key"] = np.ascontiguousarray(key).view(np.dtype(key_dtype))
+    out["value"] = np.ascontiguousarray(value)
+    if lq == "TND":
+        rows = np.arange(s_q)[None, :] < q_lens[:, None]
+        out["query"], out["sparse_indices"] = q[rows], idx[rows]
+        out["actual_seq_lengths_query"] = np.cumsum(q_lens).astype(np.int32)
+    else:
+        out["query"], out["sparse_indices"] = q, idx
+        out["actual_seq_lengths_query"] = q_lens.astype(np.int32)
+    out["actual_seq_lengths_kv"] = (np.cumsum(kv_lens) if lkv == "TND" else kv_lens).astype(np.int32)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# KvRmsNormRopeCache V1 / V2 (SPEC 3.3)
+
+
+@register_generator("kv_rmsnorm_rope_cache")
+def gen_kv_rmsnorm_rope_cache(params, rng):
+    """The operator's own valid-argument builder (``qsfa.ops.cache.kv_rmsnorm_rope_cache_example``: randn
+    kv, gamma ~ 1 + 0.25 randn, random-angle cos/sin, static quant scales sized for the format, caches of
+    sentinel bytes, a -1 index) with the params it knows (version, cache_mode, dtype, k_fmt, ckv_fmt,
+    batch, heads, seq, dv, dk, rope, block_size, block_num, cache_seq, offsets, cos_seq1, param_shape,
+    skip). The scalar operator arguments (cache_mode, is_output_kv, k_cache_dtype, ...) are case params."""
+    from ..ops.cache import kv_rmsnorm_rope_cache_example as example
+
+    known = set(inspect.signature(example).parameters) - {"rng"}
+    args = example(rng, **{k: v for k, v in params.items() if k in known})
+    return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}

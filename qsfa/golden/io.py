@@ -1,0 +1,227 @@
+"""Byte-exact, machine-independent storage of golden arrays.
+
+Every array is stored in a *storage dtype* that any reader understands, plus its *logical dtype* (the
+dtype the operator works in) in the manifest:
+
+==================  ==============  ==========================================================
+logical dtype       storage         note
+==================  ==============  ==========================================================
+bfloat16            ``<u2``         the 16-bit pattern (top half of the fp32 bits)
+float8_e4m3fn       ``|u1``         the 8-bit code
+float8_e5m2         ``|u1``         the 8-bit code
+uint8 + hifloat8    ``|u1``         HiFloat8 has no NumPy dtype: codes are uint8 everywhere
+bool                ``|u1``         0 or 1
+float16/32/64       ``<f2/4/8``     IEEE little-endian
+(u)int8..64         ``|i1`` ...     two's complement little-endian
+==================  ==============  ==========================================================
+
+``bin`` files are the raw little-endian bytes in C (row-major) order, nothing else: read them with
+``numpy.fromfile(path, dtype=storage).reshape(shape)``. ``npz`` files are zip archives (stored, not
+compressed, fixed timestamps) of ``.npy`` members in the storage dtype, so the same bytes come out on
+every machine and any ``.npy`` reader (cnpy, NumPy without ml_dtypes) can open them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import zipfile
+from typing import Any, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from .._arrays import dtype_name
+
+__all__ = [
+    "GoldenInputError",
+    "storage_dtype",
+    "to_storage",
+    "from_storage",
+    "logical_dtype",
+    "sha256_bytes",
+    "sha256_file",
+    "array_sha256",
+    "write_bin",
+    "read_bin",
+    "write_npz",
+    "read_npz_member",
+    "npz_members",
+    "dump_json",
+    "load_json",
+]
+
+
+class GoldenInputError(ValueError):
+    """Bad input to a golden command: a missing, tampered or mismatched file, an unknown set.
+
+    The command line prints it as one line on stderr (exit status 2)."""
+
+
+# logical dtype name -> storage dtype string (little-endian, as numpy.fromfile expects it)
+_STORAGE = {
+    "bool": "|u1",
+    "int8": "|i1",
+    "uint8": "|u1",
+    "int16": "<i2",
+    "uint16": "<u2",
+    "int32": "<i4",
+    "uint32": "<u4",
+    "int64": "<i8",
+    "uint64": "<u8",
+    "float16": "<f2",
+    "float32": "<f4",
+    "float64": "<f8",
+    "bfloat16": "<u2",
+    "float8_e4m3fn": "|u1",
+    "float8_e5m2": "|u1",
+}
+
+
+def _ml_dtype(name: str) -> np.dtype | None:
+    t = getattr(ml_dtypes, name, None)
+    if t is None:
+        return None
+    try:
+        return np.dtype(t)
+    except TypeError:
+        return None
+
+
+def logical_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a logical dtype name (ml_dtypes for bfloat16 / float8 / other ml_dtypes)."""
+    if name in ("bool",):
+        return np.dtype(np.bool_)
+    if name in _STORAGE and not name.startswith(("bfloat", "float8")):
+        return np.dtype(name)
+    dt = _ml_dtype(name)
+    if dt is None:
+        raise GoldenInputError(f"unknown dtype {name!r} in manifest")
+    return dt
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The storage dtype of a logical dtype name (see the module docstring)."""
+    s = _STORAGE.get(name)
+    if s is None:
+        dt = _ml_dtype(name)  # another ml_dtypes format (float8_e8m0fnu, float4_e2m1fn, ...)
+        if dt is None or dt.itemsize not in (1, 2):
+            raise GoldenInputError(f"dtype {name!r} has no golden storage form")
+        s = "|u1" if dt.itemsize == 1 else "<u2"
+    return np.dtype(s)
+
+
+def to_storage(a: np.ndarray) -> tuple[str, np.ndarray]:
+    """``(logical dtype name, C-contiguous little-endian storage array)`` for ``a``; bits preserved."""
+    a = np.asarray(a)
+    name = dtype_name(a)
+    st = storage_dtype(name)
+    if a.dtype.kind == "V":  # ml_dtypes types: reinterpret the bits as an unsigned integer of that size
+        raw = np.ascontiguousarray(a).view(np.dtype(f"u{a.dtype.itemsize}"))
+        return name, np.ascontiguousarray(raw.astype(st, copy=False))
+    return name, np.ascontiguousarray(a.astype(st, copy=False))
+
+
+def from_storage(raw: np.ndarray, name: str) -> np.ndarray:
+    """Inverse of :func:`to_storage`: a native-order array of logical dtype ``name``."""
+    ldt = logical_dtype(name)
+    if name == "bool":
+        return raw.astype(np.bool_)
+    if ldt.kind == "V":  # ml_dtypes
+        return np.ascontiguousarray(raw).astype(np.dtype(f"u{ldt.itemsize}"), copy=False).view(ldt)
+    return raw.astype(ldt.newbyteorder("="), copy=False)
+
+
+def sha256_bytes(b: bytes | memoryview) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def array_sha256(storage: np.ndarray) -> str:
+    """sha256 of an array's storage bytes (what a ``bin`` file holds)."""
+    return sha256_bytes(memoryview(np.ascontiguousarray(storage)).cast("B"))
+
+
+def write_bin(path: str, storage: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(memoryview(np.ascontiguousarray(storage)).cast("B"))
+
+
+def read_bin(path: str, storage: np.dtype, shape) -> np.ndarray:
+    """Read a raw file; the size must match ``shape`` x ``storage.itemsize`` exactly."""
+    shape = tuple(int(s) for s in shape)
+    expected = int(np.prod(shape, dtype=np.int64)) * storage.itemsize
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise GoldenInputError(f"file not found: {path}") from None
+    if size != expected:
+        raise GoldenInputError(
+            f"{path} has {size} bytes, expected {expected} (shape {list(shape)}, {storage.str})"
+        )
+    return np.fromfile(path, dtype=storage).reshape(shape)
+
+
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+
+
+def write_npz(path: str, members: Mapping[str, np.ndarray]) -> None:
+    """An ``.npz`` whose bytes depend only on the arrays: stored members, fixed dates, sorted order."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key in sorted(members):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.ascontiguousarray(members[key]), version=(1, 0),
+                                      allow_pickle=False)
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=_ZIP_DATE)
+            info.compress_type = zipfile.ZIP_STORED
+            info.create_system = 3
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, buf.getvalue())
+
+
+def npz_members(path: str) -> list[str]:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return [n[:-4] for n in zf.namelist() if n.endswith(".npy")]
+    except (OSError, zipfile.BadZipFile) as e:
+        raise GoldenInputError(f"cannot read {path} as .npz: {e}") from None
+
+
+def read_npz_member(path: str, key: str) -> np.ndarray:
+    """One member of an ``.npz`` (no pickles)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            try:
+                data = zf.read(f"{key}.npy")
+            except KeyError:
+                raise GoldenInputError(f"{path} has no array {key!r}") from None
+    except (OSError, zipfile.BadZipFile) as e:
+        raise GoldenInputError(f"cannot read {path} as .npz: {e}") from None
+    try:
+        return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+    except ValueError as e:
+        raise GoldenInputError(f"{path}: array {key!r} is unreadable: {e}") from None
+
+
+def dump_json(obj: Any) -> str:
+    """Canonical JSON: sorted keys, no NaN, one trailing newline (the same bytes on every machine)."""
+    return json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False) + "\n"
+
+
+def load_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise GoldenInputError(f"file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GoldenInputError(f"{path} is not valid JSON: {e}") from None
