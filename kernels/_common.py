@@ -7,6 +7,9 @@ Why these exist (measured with triton 3.9; see tests/test_triton_kernels.py::tes
   up to one bf16 ulp. :func:`f32_to_bf16_rne` rounds explicitly on the fp32 bit pattern (integer add of
   ``0x7FFF + lsb`` then shift), which is the same on every target. Finite inputs only (the kernels never
   feed it inf/nan); overflow past the largest bf16 correctly becomes inf.
+* ``x.to(tl.float32)`` from bf16 is exact on a GPU, but the interpreter's converter mangles bf16
+  *subnormals* (1e-39 comes back as 4.4e-39, 5e-41 as 0). :func:`bf16_to_f32` widens through the bit
+  pattern (``bits << 16``), exact everywhere; :func:`to_f32` picks it for bf16 inputs.
 * ``x.to(tl.float16)`` from fp32 is RNE everywhere (numpy ``astype`` in the interpreter, ``cvt.rn`` on a
   GPU). :func:`f32_to_f16_round` gives round-half-away-from-zero (SPEC.md "ROUND") on top of it by
   detecting exact ties: ``d = x - rne(x)`` is exact, and ``x`` is a tie iff ``rne(x) + 2d`` is the other
@@ -28,7 +31,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["interpreting", "f32_to_bf16_rne", "f32_to_f16_round", "f32_to_f16_rne", "round_to_dtype",
+__all__ = ["interpreting", "bf16_to_f32", "to_f32", "f32_to_bf16_rne", "f32_to_f16_round", "f32_to_f16_rne", "round_to_dtype",
            "rint_small", "ROUND_RINT", "ROUND_AWAY"]
 
 #: rounding-mode codes used as constexpr kernel arguments
@@ -39,6 +42,21 @@ ROUND_AWAY = 1  # round half away from zero ("ROUND" in SPEC.md)
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def bf16_to_f32(x):
+    """bf16 -> fp32, exact (subnormals included), via the bit pattern."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_f32(x, IS_BF16: tl.constexpr):
+    """Exact widening of a bf16 (IS_BF16) or fp16 tensor to fp32."""
+    if IS_BF16:
+        return bf16_to_f32(x)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -82,5 +100,6 @@ def round_to_dtype(x, IS_BF16: tl.constexpr, MODE: tl.constexpr):
 
 @triton.jit
 def rint_small(y):
-    """Round half to even for |y| < 2**22 (fp32), without libdevice."""
+    """Round half to even for |y| < 2**22 (fp32), without libdevice. A result of zero is +0 (the sign of
+    zero is lost; callers convert to integers)."""
     return (y + 12582912.0) - 12582912.0

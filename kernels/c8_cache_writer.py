@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import rint_small
+from ._common import rint_small, to_f32
 
 __all__ = ["c8_cache_write_kernel", "launch_c8_cache_write", "SCALE_ORDERS"]
 
@@ -45,6 +45,7 @@ def c8_cache_write_kernel(
     block_size,
     HAS_ROPE: tl.constexpr,
     MULTIPLY_ORDER: tl.constexpr,
+    IS_BF16: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -56,7 +57,7 @@ def c8_cache_write_kernel(
         tiles = tl.arange(0, 4)  # N_TILES
         cols = tl.arange(0, 128)  # TILE
         d = tiles[:, None] * 128 + cols[None, :]
-        x = tl.load(nope_ptr + t.to(tl.int64) * stride_nt + d * stride_nd).to(tl.float32)  # exact upcast
+        x = to_f32(tl.load(nope_ptr + t.to(tl.int64) * stride_nt + d * stride_nd), IS_BF16)  # exact
         amax = tl.max(tl.abs(x), axis=1)  # [4]
         zero = amax == 0.0
         safe_amax = tl.where(zero, 1.0, amax)
@@ -125,5 +126,6 @@ def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, scale_order
         block_size,
         HAS_ROPE=k_rope is not None,
         MULTIPLY_ORDER=scale_order == "multiply",
+        IS_BF16=k_nope.dtype == torch.bfloat16,
     )
     return kv_cache

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import ROUND_AWAY, ROUND_RINT, interpreting, round_to_dtype
+from ._common import ROUND_AWAY, ROUND_RINT, interpreting, round_to_dtype, to_f32
 
 __all__ = ["qsfa_attention_kernel", "launch_qsfa_attention", "KernelConfig", "default_config"]
 
@@ -43,6 +43,61 @@ def _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX: tl.con
     sc = tl.load(kv_f32_ptr + (row_off // 4)[:, None] + SCALE_IDX + (cols // 128)[None, :],
                  mask=valid[:, None], other=0.0)
     return round_to_dtype(q8.to(tl.float32) * sc, IS_BF16, K_ROUND)
+
+
+@triton.jit
+def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope,
+                  kv_i8_ptr, kv_16_ptr, kv_f32_ptr, stride_kb, stride_kt, bt_ptr, stride_bt,
+                  idx_ptr, stride_ir, scale_value, block_size,
+                  SBS: tl.constexpr, SCALE_IDX: tl.constexpr, IS_PA: tl.constexpr, HAS_ROPE: tl.constexpr,
+                  IS_BF16: tl.constexpr, K_ROUND: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scores [BLOCK_H, BLOCK_N] (invalid tokens -inf) of the selected positions [p0, p0 + BLOCK_N), plus
+    the gathered rows' byte offsets, their validity and the dequantised NoPE [BLOCK_N, 512]."""
+    pos = p0 + tl.arange(0, BLOCK_N)
+    in_range = pos < n_pos
+    entry = pos // SBS
+    idx = tl.load(idx_ptr + row * stride_ir + entry, mask=in_range, other=-1).to(tl.int64)
+    tok = idx * SBS + (pos % SBS)
+    valid = in_range & (idx >= 0) & (tok < limit)
+    tok = tl.where(valid, tok, 0)
+    if IS_PA:
+        blk = tl.load(bt_ptr + kv_b * stride_bt + tok // block_size, mask=valid, other=0).to(tl.int64)
+        row_off = blk * stride_kb + (tok % block_size) * stride_kt
+    else:
+        row_off = kv_b * stride_kb + (kv_off + tok) * stride_kt
+
+    cols = tl.arange(0, 512)
+    k_nope = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX, IS_BF16, K_ROUND)
+    if DOT_F32:
+        s = tl.dot(q_nope, tl.trans(to_f32(k_nope, IS_BF16)))
+    else:
+        s = tl.dot(q_nope, tl.trans(k_nope))
+    if HAS_ROPE:
+        rcols = tl.arange(0, 64)
+        k_rope = tl.load(kv_16_ptr + (row_off // 2)[:, None] + 256 + rcols[None, :],
+                         mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            k_rope = to_f32(k_rope, IS_BF16)
+        s += tl.dot(q_rope, tl.trans(k_rope))
+    s = s * scale_value
+    s = tl.where(valid[None, :], s, float("-inf"))
+    return s, row_off, valid, k_nope
+
+
+@triton.jit
+def _accumulate(acc, p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
+                SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr, K_ROUND: tl.constexpr, P_ROUND: tl.constexpr,
+                DOT_F32: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """acc + round(p) @ V[:, vcols] (fp32 accumulation)."""
+    if BLOCK_DV == 512:
+        v = k_nope
+    else:
+        v = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, vcols, SCALE_IDX, IS_BF16, K_ROUND)
+    p16 = round_to_dtype(p, IS_BF16, P_ROUND)
+    if DOT_F32:
+        return acc + tl.dot(to_f32(p16, IS_BF16), to_f32(v, IS_BF16))
+    else:
+        return acc + tl.dot(p16, v)
 
 
 @triton.jit
@@ -64,6 +119,8 @@ def qsfa_attention_kernel(
     IS_BF16: tl.constexpr,
     K_ROUND: tl.constexpr,
     P_ROUND: tl.constexpr,
+    TWO_PASS: tl.constexpr,                    # pass 1: row max and sum; pass 2: P against the final max
+    P_NORMALISED: tl.constexpr,                # (two-pass only) round p / sum instead of p
     WRITE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -85,73 +142,69 @@ def qsfa_attention_kernel(
     q_row = q_ptr + row * stride_qr + heads.to(tl.int64)[:, None] * stride_qh
     q_nope = tl.load(q_row + cols[None, :], mask=hmask[:, None], other=0.0)
     if DOT_F32:
-        q_nope = q_nope.to(tl.float32)
-    rcols = tl.arange(0, 64)
+        q_nope = to_f32(q_nope, IS_BF16)
+    q_rope = q_nope  # placeholder when there is no RoPE (never read)
     if HAS_ROPE:
+        rcols = tl.arange(0, 64)
         q_rope = tl.load(q_row + 512 + rcols[None, :], mask=hmask[:, None], other=0.0)
         if DOT_F32:
-            q_rope = q_rope.to(tl.float32)
+            q_rope = to_f32(q_rope, IS_BF16)
     vcols = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
 
-    for p0 in range(0, n_pos, BLOCK_N):
-        pos = p0 + tl.arange(0, BLOCK_N)
-        in_range = pos < n_pos
-        entry = pos // SBS
-        idx = tl.load(idx_ptr + row * stride_ir + entry, mask=in_range, other=-1).to(tl.int64)
-        tok = idx * SBS + (pos % SBS)
-        valid = in_range & (idx >= 0) & (tok < limit)
-        tok = tl.where(valid, tok, 0)
-        if IS_PA:
-            blk = tl.load(bt_ptr + kv_b * stride_bt + tok // block_size, mask=valid, other=0).to(tl.int64)
-            row_off = blk * stride_kb + (tok % block_size) * stride_kt
+    if TWO_PASS:
+        for p0 in range(0, n_pos, BLOCK_N):
+            s, row_off, valid, k_nope = _chunk_scores(
+                p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+                stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, K_ROUND, DOT_F32, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+            m_i = m_new
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        l_div = tl.where(l_i > 0.0, l_i, 1.0)
+        for p0 in range(0, n_pos, BLOCK_N):
+            s, row_off, valid, k_nope = _chunk_scores(
+                p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+                stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, K_ROUND, DOT_F32, BLOCK_N)
+            p = tl.exp(s - m_fin[:, None])
+            if P_NORMALISED:
+                p = tl.math.div_rn(p, tl.broadcast_to(l_div[:, None], p.shape))
+            acc = _accumulate(acc, p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
+                              SCALE_IDX, IS_BF16, K_ROUND, P_ROUND, DOT_F32, BLOCK_DV)
+        if P_NORMALISED:
+            l_out = tl.where(l_i > 0.0, 1.0, 0.0)
         else:
-            row_off = kv_b * stride_kb + (kv_off + tok) * stride_kt
+            l_out = l_i
+    else:
+        for p0 in range(0, n_pos, BLOCK_N):
+            s, row_off, valid, k_nope = _chunk_scores(
+                p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+                stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, K_ROUND, DOT_F32, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            acc = _accumulate(acc * alpha[:, None], p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
+                              SCALE_IDX, IS_BF16, K_ROUND, P_ROUND, DOT_F32, BLOCK_DV)
+        l_out = l_i
 
-        k_nope = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX, IS_BF16, K_ROUND)
-        if DOT_F32:
-            s = tl.dot(q_nope, tl.trans(k_nope.to(tl.float32)))
-        else:
-            s = tl.dot(q_nope, tl.trans(k_nope))
-        if HAS_ROPE:
-            k_rope = tl.load(kv_16_ptr + (row_off // 2)[:, None] + 256 + rcols[None, :],
-                             mask=valid[:, None], other=0.0)
-            if DOT_F32:
-                k_rope = k_rope.to(tl.float32)
-            s += tl.dot(q_rope, tl.trans(k_rope))
-        s = s * scale_value
-        s = tl.where(valid[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-
-        if BLOCK_DV == 512:
-            v = k_nope
-        else:
-            v = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, vcols, SCALE_IDX, IS_BF16, K_ROUND)
-        p16 = round_to_dtype(p, IS_BF16, P_ROUND)
-        if DOT_F32:
-            pv = tl.dot(p16.to(tl.float32), v.to(tl.float32))
-        else:
-            pv = tl.dot(p16, v)
-        acc = acc * alpha[:, None] + pv
-
-    has = l_i > 0.0
-    inv = tl.where(has, l_i, 1.0)
-    o = tl.where(has[:, None], acc / inv[:, None], 0.0)
+    has = l_out > 0.0
+    o = tl.where(has[:, None], acc / tl.where(has, l_out, 1.0)[:, None], 0.0)
     o16 = round_to_dtype(o, IS_BF16, 0)
     tl.store(out_ptr + row * stride_or + heads.to(tl.int64)[:, None] * stride_oh + vcols[None, :], o16,
              mask=hmask[:, None])
     if WRITE_LSE:
         if pid_v == 0:
-            tl.store(max_ptr + row * Q_N + heads, tl.where(has, m_i, 0.0), mask=hmask)
+            tl.store(max_ptr + row * Q_N + heads, tl.where(l_i > 0.0, m_i, 0.0), mask=hmask)
             tl.store(sum_ptr + row * Q_N + heads, l_i, mask=hmask)
 
 
@@ -162,10 +215,14 @@ class KernelConfig:
     block_n:  selected tokens per step (>= 16).
     block_dv: output columns per program (512, 256 or 128); smaller values cut registers but recompute
               the scores once per column block.
+    two_pass: False = one-pass online softmax: P is rounded relative to the running max and rescaled
+              (fastest; its rounding differs from a whole-row softmax by ~1 ulp of P per element).
+              True = pass 1 finds the row max and sum, pass 2 rounds P against the final max - the
+              reference's rounding points exactly, at the cost of computing Q.K twice.
     """
 
     def __init__(self, block_h: int = 64, block_n: int = 32, block_dv: int = 512, num_warps: int = 8,
-                 num_stages: int = 1):
+                 num_stages: int = 1, two_pass: bool = False):
         if block_dv not in (128, 256, 512):
             raise ValueError(f"block_dv must be 128, 256 or 512, got {block_dv}")
         for name, v in (("block_h", block_h), ("block_n", block_n)):
@@ -173,22 +230,23 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         self.block_h, self.block_n, self.block_dv = block_h, block_n, block_dv
         self.num_warps, self.num_stages = num_warps, num_stages
+        self.two_pass = bool(two_pass)
 
     def __repr__(self):
         return (f"KernelConfig(block_h={self.block_h}, block_n={self.block_n}, block_dv={self.block_dv}, "
-                f"num_warps={self.num_warps}, num_stages={self.num_stages})")
+                f"num_warps={self.num_warps}, num_stages={self.num_stages}, two_pass={self.two_pass})")
 
 
 def default_config(q_n: int) -> KernelConfig:
     """Tiling used when none is given: small tiles under the interpreter, 64-head tiles on a GPU."""
     if interpreting():
-        return KernelConfig(block_h=16, block_n=16, block_dv=512, num_warps=1, num_stages=1)
+        return KernelConfig(block_h=16, block_n=16, block_dv=512, num_warps=1, num_stages=1, two_pass=True)
     return KernelConfig(block_h=64 if q_n >= 64 else 16 if q_n <= 16 else 32, block_n=32, block_dv=256,
                         num_warps=8, num_stages=2)
 
 
 def _row_metadata(query, sparse_indices, *, layout_query, layout_kv, sparse_mode, sparse_block_size,
-                  act_q, act_kv):
+                  act_q, act_kv, fault=None):
     """Per query row (BSND b*Q_S+s, or TND token t): kv_b, kv_off, limit, n_pos, as int64 [R, 4]."""
     import torch
 
@@ -227,6 +285,8 @@ def _row_metadata(query, sparse_indices, *, layout_query, layout_kv, sparse_mode
         thr = akv - len_q[b] + i + 1
     else:
         thr = akv.clone()
+    if fault == "threshold_off_by_one":  # deliberately broken variant (tests prove the checks catch it)
+        thr = thr + 1
     thr = torch.where(row_ok, thr, torch.zeros_like(thr))
     limit = torch.minimum(akv, thr).clamp_(min=0)
     sbs = int(sparse_block_size)
@@ -234,6 +294,8 @@ def _row_metadata(query, sparse_indices, *, layout_query, layout_kv, sparse_mode
     n_lim = torch.clamp((thr + sbs - 1) // sbs, min=0, max=K)
     idx = sparse_indices.reshape(R, K)
     is_stop = idx == -1
+    if fault == "ignore_stop":  # deliberately broken variant: -1 entries skipped instead of ending the row
+        is_stop = torch.zeros_like(is_stop)
     first_stop = torch.where(is_stop.any(dim=1), is_stop.to(torch.int8).argmax(dim=1).to(torch.int64),
                              torch.full_like(n_lim, K))
     n_read = torch.minimum(n_lim, first_stop)
@@ -244,8 +306,8 @@ def _row_metadata(query, sparse_indices, *, layout_query, layout_kv, sparse_mode
 def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_table=None,
                           actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
                           layout_query="BSND", layout_kv="BSND", sparse_mode=3, rope_head_dim=64,
-                          return_softmax_lse=False, k_round=None, p_round="rint",
-                          config: KernelConfig | None = None):
+                          return_softmax_lse=False, k_round=None, p_round="rint", p_normalised=False,
+                          config: KernelConfig | None = None, _fault: str | None = None):
     """Run the QSFA kernel on validated arguments (torch tensors on one device).
 
     query:  BSND ``[B, Q_S, Q_N, 512 + rope]`` or TND ``[Q_T, Q_N, 512 + rope]``, float16 / bfloat16.
@@ -256,6 +318,10 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     k_round / p_round: rounding of the dequantised K and of P to the query dtype: "rint" or "round"
             (half away from zero; fp16 only, bf16 always rounds half to even). k_round None = SPEC.md 3.6
             (bf16 RINT, fp16 ROUND).
+    p_normalised: round ``p / sum`` (True) or the unnormalised ``exp(s - max)`` (False, the FlashAttention
+            order: P @ V is divided by the sum at the end); True needs ``config.two_pass``.
+    config: tiling (:class:`KernelConfig`); None = :func:`default_config`.
+    _fault: tests only - ``"threshold_off_by_one"`` or ``"ignore_stop"`` run a deliberately broken variant.
     Returns ``(attention_out, softmax_max, softmax_sum)``; the LSE tensors are empty ``[0]`` unless
     ``return_softmax_lse``.
     """
@@ -269,6 +335,8 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
         k_round = "rint" if is_bf16 else "round"
     if k_round not in modes or p_round not in modes:
         raise ValueError(f"k_round / p_round must be 'rint' or 'round', got {k_round!r} / {p_round!r}")
+    if p_normalised and not cfg.two_pass:
+        raise ValueError("p_normalised=True needs a two-pass config (the final sum is needed before P @ V)")
 
     q_n = int(query.shape[-2])
     q_rows = query.reshape(-1, q_n, query.shape[-1])
@@ -289,7 +357,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
 
     meta, idx = _row_metadata(query, sparse_indices, layout_query=layout_query, layout_kv=layout_kv,
                               sparse_mode=sparse_mode, sparse_block_size=sparse_block_size,
-                              act_q=act_q, act_kv=act_kv)
+                              act_q=act_q, act_kv=act_kv, fault=_fault)
     idx = idx.to(torch.int32)
     if idx.stride(-1) != 1:
         idx = idx.contiguous()
@@ -343,6 +411,8 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             IS_BF16=is_bf16,
             K_ROUND=modes[k_round],
             P_ROUND=modes[p_round],
+            TWO_PASS=cfg.two_pass,
+            P_NORMALISED=bool(p_normalised),
             WRITE_LSE=bool(return_softmax_lse),
             DOT_F32=interpreting(),
             BLOCK_H=cfg.block_h,
