@@ -62,8 +62,11 @@ def seed_of(name: str) -> int:
     return zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
 
 
-def _case(name: str, op: str, generator: str, description: str = "", **params) -> Case:
-    return Case(name=name, op=op, params=params, seed=seed_of(name), generator=generator, description=description)
+def _case(name: str, op: str, generator: str, description: str = "", *, seed_name: str | None = None,
+          **params) -> Case:
+    """A catalogue case; cases meant to hold the same data share ``seed_name``."""
+    return Case(name=name, op=op, params=params, seed=seed_of(seed_name or name), generator=generator,
+                description=description)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,10 +282,10 @@ def seed_rope0_cases() -> list[Case]:
                 for rope in (0, 64):
                     out.append(_case(f"rope0-{name}-{dt}-lse{int(lse)}-rope{rope}", QSFA, "qsfa_attention",
                                      f"SPEC 5 rope0 suite: {lq} query + {lkv} KV, {heads} heads, sparse block "
-                                     f"{sbs}, {dt}, LSE {'on' if lse else 'off'}, rope {rope} (RoPE parts zero: "
-                                     "rope 0 and rope 64 give the same bits)",
+                                     f"{sbs}, {dt}, LSE {'on' if lse else 'off'}, rope {rope} (RoPE parts zero and "
+                                     "the same data in all four: rope 0 and rope 64 give the same bits)",
                                      rope_head_dim=rope, dtype=dt, return_softmax_lse=lse, data="random",
-                                     rope_fill="zeros", **common))
+                                     rope_fill="zeros", seed_name=f"rope0-{name}-{dt}", **common))
         for dt in ("float16", "bfloat16"):
             for rope in (0, 64):
                 out.append(_case(f"rope0-{name}-{dt}-uniform-rope{rope}", QSFA, "qsfa_attention",
@@ -301,6 +304,34 @@ def seed_rope0_cases() -> list[Case]:
 
 register_set("seed-rope0", "SPEC.md 5 rope0 suite (vLLM-Ascend): 3 layout scenarios x fp16/bf16 x LSE off/on "
              "x rope 0/64, uniform-attention cases, and the C8 pipeline cache-write case", seed_rope0_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# every operator's contract example
+
+
+def example_case(op: str, name: str | None = None) -> Case:
+    """A case of ``op`` built from its contract's example (arrays generated, scalars as params)."""
+    import numpy as np
+
+    from .._dispatch import operators
+
+    name = name or f"example-{op.replace('.', '-')}"
+    seed = seed_of(name)
+    args = operators()[op].contract.example(np.random.default_rng(seed))
+    params = {k: v for k, v in args.items() if not isinstance(v, np.ndarray)}
+    return Case(name=name, op=op, params=dict(params, example_of=op), seed=seed, generator="example",
+                description=f"the contract example of {op}")
+
+
+def example_cases() -> list[Case]:
+    from .._dispatch import operators
+
+    return [example_case(op) for op in sorted(operators())]
+
+
+register_set("examples", "one small case per operator of this build, from its contract's example argument set "
+             "(every operator, including SFA, the lightning indexers and the LSE merge)", example_cases)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Exit status: 0 success / pass, 1 a check failed (verify found a problem, compare
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 
 from .io import GoldenInputError
@@ -32,6 +33,10 @@ def _cmd_generate(args) -> int:
         else:
             cases = [Case.load(args.case)]
             label = None
+        if args.only:
+            cases = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
+            if not cases:
+                raise GoldenInputError(f"no case of {label or args.case} matches --only {' '.join(args.only)}")
         selected = select_shard(cases, *shard)
         man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
                        progress=not args.quiet)
@@ -129,7 +134,9 @@ def register(subparsers):
     p.add_argument("--out", required=True, help="output directory (new, empty, or a previous golden directory)")
     p.add_argument("--format", choices=("bin", "npz"), default="bin",
                    help="bin: raw little-endian files + JSON (default); npz: one .npz per case")
-    p.add_argument("--shard", metavar="i/n", help="only cases k with k %% n == i (0 <= i < n)")
+    p.add_argument("--only", action="append", metavar="PATTERN",
+                   help="only the cases whose names match (glob; repeatable), e.g. --only 'decode-*'")
+    p.add_argument("--shard", metavar="i/n", help="only cases k with k %% n == i (0 <= i < n), after --only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_cmd_generate)
 

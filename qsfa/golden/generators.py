@@ -158,6 +158,20 @@ def causal_sparse_indices(rng: np.random.Generator, q_lens, kv_lens, q_rows: int
 
 
 # --------------------------------------------------------------------------------------------------
+# any operator: its contract's example
+
+
+@register_generator("example")
+def gen_example(params, rng):
+    """The array arguments of ``qsfa.operators()[params["example_of"]].contract.example(rng)`` (its scalar
+    arguments belong in the case params; :func:`qsfa.golden.catalogue.example_case` copies them there)."""
+    from .._dispatch import operators
+
+    args = operators()[params["example_of"]].contract.example(rng)
+    return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+
+
+# --------------------------------------------------------------------------------------------------
 # number formats (qsfa.formats.encode / decode)
 
 
@@ -345,9 +359,8 @@ def _int8_tiles(x: np.ndarray):
     return np.clip(q, -127, 127).astype(np.int8).reshape(x.shape), s
 
 
-def _qsfa_logical(params, rng, b, s_kv, dt):
-    """Per-token NoPE codes [b, s_kv, 512], scales [b, s_kv, 4], RoPE [b, s_kv, rope] (logical order)."""
-    rope = int(params.get("rope_head_dim", 64))
+def _qsfa_nope(params, rng, b, s_kv):
+    """Per-token NoPE codes ``[b, s_kv, 512]`` (int8) and tile scales ``[b, s_kv, 4]`` (fp32)."""
     data = params.get("data", "random")
     if data == "uniform":
         # every score is 0 (query only in column 0, key column 0 zero): softmax is uniform
@@ -361,11 +374,7 @@ def _qsfa_logical(params, rng, b, s_kv, dt):
     else:  # "random", the vllm-ascend QSFA test distribution
         codes = rng.integers(-64, 64, size=(b, s_kv, 512)).astype(np.int8)
         scales = (rng.random((b, s_kv, 4), dtype=np.float32) * np.float32(0.095) + np.float32(0.005)).astype(np.float32)
-    if rope and params.get("rope_fill", "randn") == "randn" and data != "uniform":
-        rope_v = randn(rng, (b, s_kv, rope), dt)
-    else:
-        rope_v = np.zeros((b, s_kv, rope), float_dtype(dt))
-    return codes, scales, rope_v
+    return codes, scales
 
 
 @register_generator("qsfa_attention")
@@ -396,19 +405,23 @@ def gen_qsfa_attention(params, rng):
     width = int(params.get("width", -(-s_kv // sbs)))
     data = params.get("data", "random")
 
-    # query [B, S_q, N, 512 + rope]
+    # query [B, S_q, N, 512 + rope]. The random stream does not depend on rope_head_dim when the RoPE
+    # parts are zero, so a rope 0 case and its rope 64 twin (same seed) hold the same data.
+    zero_rope = params.get("rope_fill", "randn") == "zeros" or data == "uniform"
+    q = np.zeros((b, s_q, heads, 512 + rope), np.float32)
     if data == "uniform":
-        q = np.zeros((b, s_q, heads, 512 + rope), np.float32)
         q[..., 0] = np.arange(b * s_q * heads).reshape(b, s_q, heads) % 7 + 1
     elif data == "realistic":
-        q = rng.standard_normal((b, s_q, heads, 512 + rope), dtype=np.float32)
+        q[..., :512] = rng.standard_normal((b, s_q, heads, 512), dtype=np.float32)
     else:
-        q = rng.random((b, s_q, heads, 512 + rope), dtype=np.float32) * 2 - 1
-    if rope and (params.get("rope_fill", "randn") == "zeros" or data == "uniform"):
-        q[..., 512:] = 0
+        q[..., :512] = rng.random((b, s_q, heads, 512), dtype=np.float32) * 2 - 1
+    codes, scales = _qsfa_nope(params, rng, b, s_kv)
+    if rope and not zero_rope:
+        q[..., 512:] = rng.standard_normal((b, s_q, heads, rope), dtype=np.float32)
+        rope_v = randn(rng, (b, s_kv, rope), dt)
+    else:
+        rope_v = np.zeros((b, s_kv, rope), float_dtype(dt))
     q = q.astype(float_dtype(dt))
-
-    codes, scales, rope_v = _qsfa_logical(params, rng, b, s_kv, dt)
     packed = pack_rows(codes, rope_v if rope else None, scales)[:, :, None, :]  # [B, S_kv, 1, W]
     nope = codes[:, :, None, :]
     valid_tok = np.arange(s_kv)[None, :] < kv_lens[:, None]  # [B, S_kv]

@@ -274,3 +274,16 @@ def _qsfa(params, args, outputs):
                 layout=f"float32 {lse_shape}: {what}" if outputs[name].size else "empty (return_softmax_lse off)",
                 compare="float", mask=mask)
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# other attention-group operators: their floating outputs carry the kernels' accumulation order
+
+
+def _float_outputs(params, args, outputs):
+    return {("output", n): ArrayMeta(compare="float") for n, a in outputs.items()
+            if dtype_name(a) in ("float16", "bfloat16", "float32")}
+
+
+for _op in ("sparse_flash_attention", "merge_attention_lse", "lightning_indexer", "quant_lightning_indexer"):
+    register_describer(_op, _float_outputs)
