@@ -167,9 +167,9 @@ def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[
         chip = chip_family()
     loaded = (lambda name: custom_op_loaded(name)) if custom_ops is None else (lambda name: name in custom_ops)
     out: list[Constraint] = []
-    if op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention", "attention"):
+    if op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention"):
         out.append(_precision_faithful(op))
-    if op in ("kv_quant_sparse_flash_attention", "attention"):
+    if op == "kv_quant_sparse_flash_attention":
         custom = "npu_kv_quant_sparse_flash_attention"
         src = ("torch_npu 2.14.0 npu_kv_quant_sparse_flash_attention (no return_softmax_lse; docs: rope_head_dim "
                "only 64); vLLM-Ascend vllm_ascend/device/device_op.py routes C8 attention to the custom op")

@@ -108,6 +108,8 @@ IGNORED = {
     "fp4_nibble_order": "OPEN fact of the reference model; the device does what it does",
     "lse_includes_sink": "OPEN fact of the reference model (SPEC.md 3.6); the device does what it does",
     "tie_break": "OPEN fact of the reference model (SPEC.md 3.7); the device does what it does",
+    "probability_rounding": "OPEN fact of the reference model (where P is rounded); the device does what it "
+                            "does",
     "precision": "reference precision mode; backend_limits accepts only 'faithful' on the device",
 }
 

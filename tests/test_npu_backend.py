@@ -1,0 +1,492 @@
+"""The npu backend on a machine without an Ascend device.
+
+1. Here it is unusable, says why, and every operator called with backend="npu" raises that reason.
+2. device.availability / chip_family in simulated environments (import failure, no device, each chip).
+3. The whole npu call path - dispatch, contract with the chip's rules, backend_limits, mapping, the call,
+   the result mapping - runs against a *fake* torch_npu: the recorded schemas of signatures.json are
+   registered with torch.library (so torch itself checks every call against the schema, types and
+   keyword-only rules included) with CPU implementations that return tensors shaped by the meta
+   registrations' rules written out here, or (npu_scatter_nd_update_) apply the documented semantics.
+   Every real operator's contract example is run through it and must produce outputs of the reference's
+   shapes and dtypes in the caller's array kind; scatter_by_slot must produce the reference's bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from qsfa import _dispatch
+from qsfa._arrays import dtype_name, is_torch, to_numpy, to_torch
+from qsfa._contract import copy_args
+from qsfa._dispatch import operators, run
+from qsfa._errors import BackendUnavailable, InvalidArgument, InvalidDtype, NotImplementedByBackend, \
+    UnsupportedByBackend
+from qsfa.npu import device, mapping, signatures
+
+torch = pytest.importorskip("torch")
+
+HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
+
+
+# ---------------------------------------------------------------------------------- 1. unusable here
+
+
+@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed on this machine")
+def test_npu_backend_is_unusable_here_with_the_reason():
+    assert device.availability() == (False, "torch_npu is not installed")
+    assert device.chip_family() is None
+    st = _dispatch.backends()["npu"]
+    assert st.usable is False and "torch_npu is not installed" in st.reason and st.operators == ()
+
+
+@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed on this machine")
+@pytest.mark.parametrize("op_name", sorted(operators()))
+def test_calling_any_operator_on_npu_raises_the_reason(op_name):
+    args = operators()[op_name].contract.example(np.random.default_rng(0))
+    inplace = {n: np.asarray(args[n]).tobytes() for n in operators()[op_name].contract.inplace if args.get(n) is not None}
+    with pytest.raises(BackendUnavailable) as ei:
+        run(op_name, args, backend="npu")
+    assert str(ei.value).startswith("backend 'npu' is not usable here: torch_npu is not installed")
+    assert {n: np.asarray(args[n]).tobytes() for n in inplace} == inplace
+
+
+# ------------------------------------------------------------------------- 2. simulated environments
+
+
+def _fake_env(monkeypatch, *, importable=True, import_error=None, available=True, count=1, soc_version=None,
+              name="Ascend910B3"):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(device.importlib.util, "find_spec",
+                        lambda n, *a: (object() if importable else None) if n == "torch_npu" else real_find_spec(n, *a))
+
+    def fake_import():
+        if import_error is not None:
+            raise import_error
+        npu = types.SimpleNamespace(is_available=lambda: available, device_count=lambda: count,
+                                    get_device_name=lambda i=0: name)
+        fake_torch = types.SimpleNamespace(npu=npu)
+
+        def soc():
+            if soc_version is None:
+                raise RuntimeError("no soc version API")
+            return soc_version
+
+        return fake_torch, types.SimpleNamespace(npu=types.SimpleNamespace(get_soc_version=soc))
+
+    monkeypatch.setattr(device, "_import_torch_npu", fake_import)
+    device.chip_family.cache_clear()
+
+
+@pytest.fixture
+def clean_chip_cache():
+    device.chip_family.cache_clear()
+    yield
+    device.chip_family.cache_clear()
+
+
+def test_availability_reasons(monkeypatch, clean_chip_cache):
+    _fake_env(monkeypatch, importable=False)
+    assert device.availability() == (False, "torch_npu is not installed")
+    _fake_env(monkeypatch, import_error=ImportError("libhccl.so: cannot open shared object file"))
+    assert device.availability() == (False, "torch_npu failed to import: ImportError: libhccl.so: cannot open "
+                                            "shared object file")
+    _fake_env(monkeypatch, available=False)
+    assert device.availability() == (False, "no Ascend device visible")
+    _fake_env(monkeypatch, count=0)
+    assert device.availability() == (False, "no Ascend device visible")
+    _fake_env(monkeypatch, soc_version=223, name="Ascend910B3")
+    assert device.availability() == (True, "Ascend910B3 (A2)")
+
+
+@pytest.mark.parametrize("version,name,chip", [
+    (220, "Ascend910B1", "A2"), (225, "Ascend910B4-1", "A2"),
+    (250, "Ascend910_9391", "A3"), (255, "Ascend910_9362", "A3"),
+    (260, "Ascend950PR_9599", "950"),
+    (None, "Ascend910B2C", "A2"), (None, "Ascend910_9382", "A3"), (None, "Ascend950DT_9591", "950"),
+    (None, "Ascend910_9579", "950"),
+    (None, "Ascend310P3", None), (102, "Ascend910A", None), (None, "Ascend910ProB", None),
+])
+def test_chip_family_from_soc_version_then_name(monkeypatch, clean_chip_cache, version, name, chip):
+    _fake_env(monkeypatch, soc_version=version, name=name)
+    assert device.chip_family() == chip
+
+
+def test_chip_tables_edges():
+    assert [device.chip_from_soc_version(v) for v in (219, 220, 225, 226, 249, 250, 255, 256, 259, 260, 261)] == \
+        [None, "A2", "A2", None, None, "A3", "A3", None, None, "950", None]
+    assert device.chip_from_soc_version(True) is None and device.chip_from_soc_version("223") is None
+    assert device.chip_from_soc_name(" ascend910b3 ") == "A2"
+    assert device.chip_from_soc_name(None) is None and device.chip_from_soc_name("Ascend910") is None
+
+
+def test_custom_op_loaded_is_false_without_vllm_ascend():
+    assert device.custom_op_loaded("npu_kv_quant_sparse_flash_attention") is False
+    assert device.loaded_custom_ops(("npu_kv_quant_sparse_flash_attention",)) == frozenset()
+
+
+# ------------------------------------------------------------------------------ 3. fake torch_npu
+
+_NS = "qsfa_fake_npu"
+_CODE_DTYPES = {1: torch.int8, 290: torch.uint8, 291: torch.float8_e5m2, 292: torch.float8_e4m3fn,
+                23: torch.float8_e5m2, 24: torch.float8_e4m3fn}
+
+
+def _bind(target, args, kwargs):
+    b = signatures.signature(target).bind(*args, **kwargs)
+    b.apply_defaults()
+    return b.arguments
+
+
+def _f32(*shape, like):
+    return torch.zeros(shape, dtype=torch.float32, device=like.device)
+
+
+# Output shapes as the meta registrations in the torch_npu 2.14.0 wheel compute them (and, for the custom
+# op, vLLM-Ascend's kv_quant_sparse_flash_attention_torch_adpt.h), written out here.
+def _qsfa_tn(*args, **kwargs):
+    a = _bind(mapping.QSFA_TORCH_NPU, args, kwargs)
+    q = a["query"]
+    return q.new_zeros(q.shape[:-1] + (q.shape[-1] - a["rope_head_dim"],))
+
+
+def _lse_shapes(q, key, layout_q, layout_kv, on):
+    if not on:
+        return (0,)
+    if layout_q == "TND":
+        kv_n = key.shape[2] if layout_kv == "PA_BSND" else key.shape[1]
+        return (kv_n, q.shape[0], q.shape[1] // kv_n)
+    return (q.shape[0], key.shape[2], q.shape[1], q.shape[2] // key.shape[2])
+
+
+def _qsfa_custom(*args, **kwargs):
+    a = _bind(mapping.QSFA_CUSTOM_OP, args, kwargs)
+    q, key = a["query"], a["key"]
+    out = q.new_zeros(q.shape[:-1] + (q.shape[-1] - a["rope_head_dim"],))
+    s = _lse_shapes(q, key, a["layout_query"], a["layout_kv"], a["return_softmax_lse"])
+    return out, _f32(*s, like=q), _f32(*s, like=q)
+
+
+def _sfa(*args, **kwargs):
+    a = _bind("torch_npu.npu_sparse_flash_attention", args, kwargs)
+    q, key = a["query"], a["key"]
+    on = a["return_softmax_lse"]
+    if not on:
+        s = (0,)
+    elif a["layout_query"] == "TND":
+        s = (key.shape[1], q.shape[0], q.shape[1] // key.shape[1])
+    else:
+        s = (q.shape[0], key.shape[2], q.shape[1], q.shape[2] // key.shape[2])
+    return q.new_zeros(q.shape), _f32(*s, like=q), _f32(*s, like=q)
+
+
+def _li(*args, **kwargs):
+    a = _bind("torch_npu.npu_lightning_indexer", args, kwargs)
+    q, key, k = a["query"], a["key"], a["sparse_count"]
+    n2 = key.shape[1] if a["layout_key"] == "TND" else key.shape[2]
+    shape = (q.shape[0], q.shape[1], key.shape[2], k) if a["layout_query"] == "BSND" else (q.shape[0], n2, k)
+    idx = torch.zeros(shape, dtype=torch.int32)
+    vals = q.new_zeros(shape) if a["return_value"] else q.new_zeros((0,))
+    return idx, vals
+
+
+def _qli(*args, **kwargs):
+    a = _bind("torch_npu.npu_quant_lightning_indexer", args, kwargs)
+    q, key, k = a["query"], a["key"], a["sparse_count"]
+    n2 = key.shape[1] if a["layout_key"] == "TND" else key.shape[2]
+    shape = (q.shape[0], q.shape[1], n2, k) if a["layout_query"] == "BSND" else (q.shape[0], n2, k)
+    return torch.zeros(shape, dtype=torch.int32)
+
+
+def _dbq(*args, **kwargs):
+    a = _bind("torch_npu.npu_dynamic_block_quant", args, kwargs)
+    x = a["x"]
+    y = torch.zeros(x.shape, dtype=_CODE_DTYPES.get(a["dst_type"], torch.float8_e5m2))
+    s = list(x.shape)
+    s[-2] = math.ceil(s[-2] / a["row_block_size"])
+    s[-1] = math.ceil(s[-1] / a["col_block_size"])
+    return y, torch.zeros(s, dtype=torch.float32)
+
+
+def _krrc_outputs(a):
+    kv = a["kv"]
+    lead = tuple(kv.shape[:-1])
+    if a["v"] is None:
+        return kv.new_zeros(lead + (a["cos"].shape[3],)), kv.new_zeros(lead + (a["gamma"].shape[0],))
+    return kv.new_zeros(lead + (kv.shape[3],)), kv.new_zeros(lead + (a["v"].shape[3],))
+
+
+def _krrc_v1(*args, **kwargs):
+    a = _bind("torch_npu.npu_kv_rmsnorm_rope_cache", args, kwargs)
+    k_rope, c_kv = _krrc_outputs(a)
+    return a["k_cache"].clone(), a["ckv_cache"].clone(), k_rope, c_kv
+
+
+def _krrc_v2(*args, **kwargs):
+    return _krrc_outputs(_bind("torch_npu.npu_kv_rmsnorm_rope_cache_v2", args, kwargs))
+
+
+def _scatter_nd_update_(var, indices, updates):
+    """The documented semantics: var[indices[i]] = updates[i] (indices' last dim indexes var's leading dims)."""
+    if indices.shape[0]:
+        var.index_put_(tuple(indices[:, j] for j in range(indices.shape[1])), updates)
+    return var
+
+
+_FAKE_IMPLS = {
+    "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
+    "torch_npu.npu_sparse_flash_attention": _sfa,
+    "torch_npu.npu_lightning_indexer": _li,
+    "torch_npu.npu_quant_lightning_indexer": _qli,
+    "torch_npu.npu_dynamic_block_quant": _dbq,
+    "torch_npu.npu_kv_rmsnorm_rope_cache": _krrc_v1,
+    "torch_npu.npu_kv_rmsnorm_rope_cache_v2": _krrc_v2,
+    "torch_npu.npu_scatter_nd_update_": _scatter_nd_update_,
+    mapping.QSFA_CUSTOM_OP: _qsfa_custom,
+}
+
+
+class FakeNpu:
+    """Registers the fake torch_npu (and optionally the _C_ascend custom op) and an npu backend on the CPU."""
+
+    def __init__(self, monkeypatch, chip, custom):
+        self.calls = []
+        self.libs = [torch.library.Library(_NS, "DEF")]
+        if custom:
+            self.libs.append(torch.library.Library(device.CUSTOM_OP_NAMESPACE, "DEF"))
+        module = types.ModuleType("torch_npu")
+        module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+        for target in signatures.targets():
+            if target.startswith("torch.ops.") and not custom:
+                continue
+            lib = self.libs[1] if target.startswith("torch.ops.") else self.libs[0]
+            name = target.rsplit(".", 1)[1]
+            lib.define(signatures.record(target)["schema"])
+            lib.impl(name, self._recording(target, _FAKE_IMPLS[target]), "CompositeExplicitAutograd")
+            if target.startswith("torch_npu."):
+                setattr(module, name, getattr(getattr(torch.ops, _NS), name))
+        monkeypatch.setitem(sys.modules, "torch_npu", module)
+        monkeypatch.delitem(sys.modules, "qsfa.npu.backend", raising=False)
+        be = _dispatch.get_backend("npu", require_usable=False)
+        monkeypatch.setattr(be, "availability", lambda: (True, "fake torch_npu on the CPU"), raising=False)
+        monkeypatch.setattr(be, "device", lambda: "cpu", raising=False)
+        monkeypatch.setattr(device, "chip_family", lambda: chip)
+
+    def _recording(self, target, impl):
+        def run_impl(*args, **kwargs):
+            self.calls.append(target)
+            return impl(*args, **kwargs)
+
+        return run_impl
+
+    def close(self):
+        for op in _dispatch._OPERATORS.values():
+            op.impls.pop("npu", None)
+        for lib in self.libs:
+            lib._destroy()
+        sys.modules.pop("qsfa.npu.backend", None)
+
+
+@pytest.fixture(params=[("A3", False), ("A3", True), ("950", False)], ids=["A3", "A3+vllm_ascend", "950"])
+def fake_npu(request, monkeypatch):
+    chip, custom = request.param
+    fake = FakeNpu(monkeypatch, chip, custom)
+    fake.chip, fake.custom = chip, custom
+    yield fake
+    fake.close()
+
+
+def _mapped_ops():
+    return sorted(set(mapping.MAPPINGS) & set(operators()))
+
+
+def _example(op_name):
+    return operators()[op_name].contract.example(np.random.default_rng(0))
+
+
+def _as_torch(args):
+    return {k: (to_torch(v).clone() if isinstance(v, np.ndarray) else v) for k, v in copy_args(args).items()}
+
+
+def _outputs(res, n):
+    return res if n > 1 else (res,)
+
+
+def _variants():
+    """(op, id, args builder): every mapped operator's contract example, plus the attention operators over
+    layouts x rope x LSE x key format built with qsfa.ops.attention's case helpers."""
+    out = [(op, "example", (lambda op=op: _example(op))) for op in _mapped_ops()]
+    try:
+        from qsfa.ops import attention as att
+    except ImportError:
+        return out
+    layouts = [("BSND", "BSND"), ("TND", "TND"), ("BSND", "PA_BSND"), ("TND", "PA_BSND")]
+    if hasattr(att, "qsfa_case"):
+        for lq, lkv in layouts:
+            for rope in (0, 64):
+                for lse in (False, True):
+                    for fmt in ("int8", "float8_e4m3fn", "hifloat8"):
+                        def build(lq=lq, lkv=lkv, rope=rope, lse=lse, fmt=fmt):
+                            a = att.qsfa_case(layout_query=lq, layout_kv=lkv, rope=rope, key_fmt=fmt,
+                                              sparse=2048 if fmt == "hifloat8" else 2)
+                            a["return_softmax_lse"] = lse
+                            return a
+                        out.append(("kv_quant_sparse_flash_attention", f"{lq}-{lkv}-rope{rope}-lse{int(lse)}-{fmt}",
+                                    build))
+    if hasattr(att, "sfa_case"):
+        for lq, lkv in layouts:
+            for lse in (False, True):
+                for rope in (False, True):
+                    def build(lq=lq, lkv=lkv, rope=rope, lse=lse):
+                        a = att.sfa_case(layout_query=lq, layout_kv=lkv, rope=rope, value=not rope)
+                        a["return_softmax_lse"] = lse
+                        return a
+                    out.append(("sparse_flash_attention", f"{lq}-{lkv}-rope{int(rope)}-lse{int(lse)}", build))
+    if hasattr(att, "indexer_case"):
+        for lq, lkv in layouts:
+            out.append(("lightning_indexer", f"{lq}-{lkv}", lambda lq=lq, lkv=lkv: att.indexer_case(
+                layout_query=lq, layout_kv=lkv)))
+            for fmt in ("int8", "float8_e4m3fn", "hifloat8"):
+                out.append(("quant_lightning_indexer", f"{lq}-{lkv}-{fmt}", lambda lq=lq, lkv=lkv, fmt=fmt:
+                            att.indexer_case(layout_query=lq, layout_kv=lkv, quant=True, fmt=fmt)))
+    return out
+
+
+_VARIANTS = _variants()
+
+
+_REF_CACHE: dict = {}
+
+
+def _reference_outputs(op_name, key, build):
+    """(shape, dtype name) of each reference output (None for a None output), computed once per variant."""
+    if key not in _REF_CACHE:
+        op = operators()[op_name]
+        try:
+            res = _outputs(run(op_name, build(), backend="reference"), len(op.outputs))
+            _REF_CACHE[key] = [None if r is None else (tuple(r.shape), dtype_name(r)) for r in res]
+        except (InvalidArgument, InvalidDtype) as e:
+            _REF_CACHE[key] = e
+    return _REF_CACHE[key]
+
+
+_CALLER_PARAMS = [pytest.param(op, i, b, c, id=f"{op}-{i}-{c}") for op, i, b in _VARIANTS
+                  for c in (("numpy", "torch") if i == "example" else ("torch",))]
+
+
+@pytest.mark.parametrize("op_name,vid,build,caller", _CALLER_PARAMS)
+def test_every_mapped_operator_runs_through_the_fake_torch_npu(fake_npu, op_name, vid, build, caller):
+    """Args -> npu path -> outputs with the reference's shapes and dtypes, in the caller's kind; or the
+    rejection the chip's contract rules / the call-path limits predict, before anything is called."""
+    op = operators()[op_name]
+    ref = _reference_outputs(op_name, (op_name, vid), build)
+    if isinstance(ref, Exception):
+        pytest.skip(f"not a valid argument set for the operator itself: {ref.constraint_id}")
+    host = build()
+    ctx = mapping.NpuContext(fake_npu.chip, frozenset({mapping.QSFA_CUSTOM_NAME} if fake_npu.custom else ()))
+    chip_hit = op.contract.first_violation(host, chip=fake_npu.chip)
+    limits_hit = [c.id for c in device.backend_limits(op_name, chip=ctx.chip, custom_ops=ctx.custom_ops)
+                  if chip_hit is None and c.check(op.contract.validate(host, chip=fake_npu.chip)) is not None]
+    args = build() if caller == "numpy" else _as_torch(build())
+    if chip_hit is not None:
+        with pytest.raises((InvalidArgument, InvalidDtype)) as ei:
+            run(op_name, args, backend="npu")
+        assert ei.value.constraint_id == chip_hit[0].id and chip_hit[0].chips is not None
+        assert fake_npu.calls == []
+        return
+    if limits_hit:
+        with pytest.raises(UnsupportedByBackend) as ei:
+            run(op_name, args, backend="npu")
+        assert ei.value.constraint_id == limits_hit[0]
+        assert fake_npu.calls == []
+        return
+    res = _outputs(run(op_name, args, backend="npu"), len(op.outputs))
+    expected_target = mapping.map_call(op_name, _as_torch(op.contract.validate(build(), chip=ctx.chip)), ctx).target
+    assert fake_npu.calls == [expected_target]
+    assert len(res) == len(op.outputs)
+    for name, r, e in zip(op.outputs, res, ref):
+        if e is None:
+            assert r is None, name
+            continue
+        if caller == "numpy":
+            assert isinstance(r, np.ndarray), name
+        else:
+            assert is_torch(r) and r.device.type == "cpu", name
+        assert (tuple(r.shape), dtype_name(r)) == e, name
+        if name in op.contract.inplace:
+            assert r is args[name], name
+
+
+def test_the_routes_the_variants_reach(fake_npu):
+    """Across the attention variants, each fixture reaches the callables its chip / custom op allow."""
+    reached = set()
+    for op_name, _, build in _VARIANTS:
+        if op_name != "kv_quant_sparse_flash_attention":
+            continue
+        op = operators()[op_name]
+        try:
+            a = op.contract.validate(build(), chip=fake_npu.chip)
+        except (InvalidArgument, InvalidDtype):
+            continue
+        ctx = mapping.NpuContext(fake_npu.chip, frozenset({mapping.QSFA_CUSTOM_NAME} if fake_npu.custom else ()))
+        try:
+            reached.add(mapping.qsfa_target(a, ctx))
+        except ValueError:
+            reached.add("unsupported")
+    if not reached:
+        pytest.skip("no QSFA variants in this checkout")
+    want = {("A3", False): {mapping.QSFA_TORCH_NPU, "unsupported"},
+            ("A3", True): {mapping.QSFA_CUSTOM_OP},
+            ("950", False): {mapping.QSFA_TORCH_NPU, "unsupported"}}[(fake_npu.chip, fake_npu.custom)]
+    assert reached == want
+
+
+@pytest.mark.parametrize("caller", ["numpy", "torch"])
+def test_scatter_by_slot_on_the_fake_device_writes_the_reference_bytes(fake_npu, caller):
+    args = _example("scatter_by_slot")
+    expected = run("scatter_by_slot", copy_args(args), backend="reference")
+    if caller == "torch":
+        args = _as_torch(args)
+    out = run("scatter_by_slot", args, backend="npu")
+    assert out is args["cache"]
+    assert np.ascontiguousarray(to_numpy(out)).tobytes() == np.ascontiguousarray(expected).tobytes()
+
+
+def test_chip_rules_apply_on_the_npu_backend(fake_npu):
+    args = _example("dynamic_block_quant")
+    args["dst_type"] = "hifloat8"
+    args["round_mode"] = "round"
+    if fake_npu.chip == "950":
+        y, scale = run("dynamic_block_quant", args, backend="npu")
+        assert y.dtype == np.uint8 and fake_npu.calls == ["torch_npu.npu_dynamic_block_quant"]
+    else:
+        with pytest.raises(InvalidArgument) as ei:
+            run("dynamic_block_quant", args, backend="npu")
+        assert operators()["dynamic_block_quant"].contract.constraint(ei.value.constraint_id).chips is not None
+        assert fake_npu.calls == []
+    run("dynamic_block_quant", args, backend="reference")  # the reference accepts the union of the chips
+
+
+@pytest.mark.parametrize("op_name", sorted(mapping.NOT_MAPPED))
+def test_unmapped_operators_are_not_implemented_on_npu_with_the_reason(fake_npu, op_name):
+    if op_name not in operators():
+        pytest.skip(f"{op_name} is not defined in this checkout")
+    with pytest.raises(NotImplementedByBackend) as ei:
+        run(op_name, _example(op_name), backend="npu")
+    assert str(ei.value) == f"backend 'npu' does not implement {op_name}: {mapping.NOT_MAPPED[op_name]}"
+    assert fake_npu.calls == []
+
+
+def test_backends_lists_the_npu_operators_when_usable(fake_npu):
+    st = _dispatch.backends()["npu"]
+    assert st.usable and st.operators == tuple(_mapped_ops())
+    import qsfa.npu.backend as npu_backend
+
+    assert npu_backend.registered == tuple(op for op in mapping.MAPPINGS if op in operators())
+    assert npu_backend.resolve("torch_npu.npu_dynamic_block_quant") is sys.modules["torch_npu"].npu_dynamic_block_quant
