@@ -567,17 +567,25 @@ def _e8m0_core(u, rounding, saturate, check=True, raw=False, x_flat=None, sl=Non
 
 
 def _hif8_encode_tables():
-    """Per fp32 exponent field ef (0..255): rounding increment, keep mask, base code and mantissa shift.
+    """Two lookup tables that make HiFloat8 encoding two gathers.
 
-    Classes by unbiased exponent e = ef - 127 (SPEC 1.1): |e| <= 3 -> 3 mantissa bits, 4..7 -> 2,
-    8..15 -> 1; -22..-16 -> denormal powers of two (0 bits); -23 -> always up to 2^-22 (its lower half
-    2^-23 is the TA midpoint to 0); e < -23 -> 0; e >= 16 (and Inf) -> the Inf pattern 0x6F.
+    ADD[bits >> 23] (512 entries: sign + fp32 exponent field ef): half of the dropped part of the
+    mantissa for the binade e = ef - 127 (SPEC 1.1 classes: |e| <= 3 keeps 3 mantissa bits, 4..7 keeps
+    2, 8..15 keeps 1; -23..-16 are the denormal powers of two (0 bits); e < -23 adds nothing (-> 0);
+    e >= 16 rounds to a power of two, which is an overflow anyway). Adding it to the fp32 pattern is
+    the TA rounding: a carry moves into the next binade by itself.
+
+    CODE[sat][r >> 20] (4096 entries: sign, exponent field ef2 and the top 3 mantissa bits of the
+    *rounded* pattern r): the HiFloat8 code, re-derived from the binade the rounded value landed in
+    (its class keeps the top M bits; the bits below are zero or, after a carry, ignored). Binade -23
+    (x in [2^-23, 2^-22) that did not carry) also maps to 2^-22 (code 1): the TA midpoint between 0
+    and 2^-22 is 2^-23. Overflow (e >= 16, or 1.5*2^15 = the 0x6F pattern) gives 0x6F (+-Inf), or
+    0x6E (+-32768) in the saturating table. Zero never carries the sign (single zero 0x00).
     """
     add = np.zeros(256, np.uint32)
-    keep = np.zeros(256, np.uint32)
     base = np.zeros(256, np.uint8)
-    shift = np.full(256, 23, np.uint32)
-    for ef in range(256):  # 256-entry tables, built once
+    mbits = np.zeros(256, np.int64)
+    for ef in range(256):  # 256 binades, built once at import
         e = ef - 127
         if -15 <= e <= 15:
             mag = abs(e)
@@ -591,50 +599,38 @@ def _hif8_encode_tables():
                 mb, prefix, eb = 3, 0b001, 1
             else:
                 mb, prefix, eb = 3, 0b0001, 0
-            if eb == 0:
-                efield = 0
-            else:
-                efield = ((1 if e < 0 else 0) << (eb - 1)) | (mag - (1 << (eb - 1)))
-            base[ef] = (((prefix << eb) | efield) << mb)
-            s = 23 - mb
-            add[ef] = 1 << (s - 1)
-            keep[ef] = ~np.uint32((1 << s) - 1)
-            shift[ef] = s
-        elif -22 <= e <= -16:
-            base[ef] = e + 23
+            efield = 0 if eb == 0 else (((1 if e < 0 else 0) << (eb - 1)) | (mag - (1 << (eb - 1))))
+            base[ef] = ((prefix << eb) | efield) << mb
+            mbits[ef] = mb
+            add[ef] = 1 << (22 - mb)
+        elif -23 <= e <= -16:
+            base[ef] = max(e + 23, 1)  # 2^(m-23), m = e + 23; binade -23 -> 2^-22
             add[ef] = 1 << 22
-            keep[ef] = ~np.uint32((1 << 23) - 1)
-        elif e == -23:
-            add[ef] = 1 << 23
-            keep[ef] = ~np.uint32((1 << 23) - 1)
         elif e >= 16:
             base[ef] = 0x6F
-            keep[ef] = 0xFFFFFFFF
-    for t in (add, keep, base, shift):
-        t.setflags(write=False)
-    return add, keep, base, shift
+            add[ef] = 1 << 22
+    idx = np.arange(4096)
+    sign, ef2, m3 = idx >> 11, (idx >> 3) & 0xFF, idx & 7
+    mag = base[ef2].astype(np.int64) | (m3 >> (3 - mbits[ef2]))
+    codes = []
+    for sat in (False, True):
+        m = np.where(mag == 0x6F, 0x6E, mag) if sat else mag
+        c = np.where((sign == 1) & (m != 0), m | 0x80, m).astype(np.uint8)
+        c.setflags(write=False)
+        codes.append(c)
+    add512 = np.concatenate([add, add])
+    add512.setflags(write=False)
+    return add512, codes[0], codes[1]
 
 
-_HIF8_ADD, _HIF8_KEEP, _HIF8_BASE, _HIF8_SHIFT = _hif8_encode_tables()
+_HIF8_ADD, _HIF8_CODE, _HIF8_CODE_SAT = _hif8_encode_tables()
 
 
 def _hif8_encode_chunk(u, saturate):
-    a = u & _U32(0x7FFFFFFF)
-    ef = (a >> _U32(23)).astype(np.uint8)
-    r = a + _HIF8_ADD[ef]  # TA: add half of the dropped part, carry may enter the next binade
-    r &= _HIF8_KEEP[ef]
-    ef2 = (r >> _U32(23)).astype(np.uint8)
-    r &= _U32(0x7FFFFF)
-    r >>= _HIF8_SHIFT[ef2]  # re-derive the code from the rounded value's own binade
-    code = r.astype(np.uint8)
-    code |= _HIF8_BASE[ef2]
-    if saturate:
-        code -= (code == 0x6F)  # 0x6F (Inf) -> 0x6E (32768)
-    sign = (u >> _U32(24)).astype(np.uint8)
-    sign &= np.uint8(0x80)
-    sign &= np.where(code != 0, np.uint8(0x80), np.uint8(0))  # single zero: no -0
-    code |= sign
-    nan_in = a > _U32(0x7F800000)
+    r = u + _HIF8_ADD[u >> _U32(23)]  # TA rounding of the fp32 pattern (sign bit untouched for non-NaN)
+    r >>= _U32(20)
+    code = (_HIF8_CODE_SAT if saturate else _HIF8_CODE)[r]
+    nan_in = (u & _U32(0x7FFFFFFF)) > _U32(0x7F800000)
     if nan_in.any():
         code[nan_in] = 0x80
     return code
