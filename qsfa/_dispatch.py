@@ -294,7 +294,10 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
 
 
 def _same_device(a, b) -> bool:
-    return str(a) == str(b) or (str(b) == "cpu" and a.type == "cpu")
+    """Whether tensor device ``a`` is the backend device ``b``; a ``b`` without an index ("npu", "cuda")
+    names the current device of that type, so a caller's "npu:0" tensor is used as it is."""
+    sb = str(b)
+    return str(a) == sb or (":" not in sb and a.type == sb)
 
 
 def _copy_into(orig, computed):

@@ -328,6 +328,14 @@ def test_tensors_on_different_devices_are_rejected(toy):
     assert toy.calls == []
 
 
+def test_same_device_treats_an_unindexed_backend_device_as_that_type():
+    same = _dispatch._same_device
+    assert same(torch.device("cpu"), "cpu") and same(torch.device("meta"), "meta")
+    assert same(torch.device("cuda:0"), "cuda") and same(torch.device("cuda:1"), "cuda")
+    assert same(torch.device("cuda:0"), "cuda:0") and not same(torch.device("cuda:1"), "cuda:0")
+    assert not same(torch.device("cpu"), "cuda") and not same(torch.device("meta"), "cpu")
+
+
 def test_numpy_and_torch_arguments_mix(toy):
     """A torch tensor among NumPy arrays makes the caller a torch caller: results come back as tensors."""
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
