@@ -45,7 +45,8 @@ def run(quick: bool = False) -> list[dict]:
     """Time our encode against the compiled cast for HiFloat8, E4M3FN, E5M2 and E2M1.
 
     quick: 64K values, one warm-up and one timed run (checks the script works; the goal is not judged);
-    otherwise 16M values, one warm-up and the median of 5 runs. Returns harness rows (ours_s, baseline_s, ratio = ours / baseline).
+    otherwise 16M values, one warm-up and the median of 5 runs. Returns harness rows (ours_s,
+    baseline_s, ratio = ours / baseline).
     """
     n = (1 << 16) if quick else (1 << 24)
     repeat, warmup = (1, 1) if quick else (5, 1)
