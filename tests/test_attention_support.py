@@ -80,6 +80,15 @@ def random_case(rng, *, batch=2, q_s=3, heads=4, kv=40, sparse=16, rope=64, qdty
     return Case(q, codes, rp, scales, idx, act_q or [q_s] * batch, act_kv or [kv] * batch, key_fmt)
 
 
+def widen_indices(case: Case, width=2048) -> Case:
+    """Pad each row's indices with -1 to ``width`` entries (HiFloat8 KV requires sparse_size 2048); the
+    selected tokens do not change."""
+    idx = np.full(case.idx.shape[:-1] + (width,), -1, np.int32)
+    idx[..., :case.idx.shape[-1]] = case.idx
+    case.idx = idx
+    return case
+
+
 # ---------------------------------------------------------------------------------------------------
 # layouts
 
