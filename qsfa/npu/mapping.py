@@ -134,8 +134,6 @@ NOT_MAPPED = {
     "formats.decode": "no torch_npu function decodes raw format codes to float32",
     "formats.pack_fp4": "no torch_npu function packs FP4 codes",
     "formats.unpack_fp4": "no torch_npu function unpacks FP4 codes",
-    "attention_error_budget": "reference-only analysis (faithful minus exact)",
-    "c8_pipeline": "a composition of operators; call it with backend='npu' stage by stage",
 }
 
 
