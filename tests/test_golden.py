@@ -439,6 +439,8 @@ def test_bad_input_is_one_clean_line(smoke, tmp_path, capsys):
     bad("generate", "--set", "nope", "--out", tmp_path / "x", expect="unknown case set 'nope'; known sets:")
     bad("generate", "--case", tmp_path / "missing.json", "--out", tmp_path / "x", expect="file not found")
     bad("generate", "--set", "smoke", "--out", tmp_path / "x", "--shard", "3/3", expect="need 0 <= i < n")
+    bad("generate", "--set", "smoke", "--out", tmp_path / "x", "--only", "zz*", expect="no case of smoke matches")
+    assert not (tmp_path / "x").exists()
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "keep.txt").write_text("mine")
     bad("generate", "--set", "smoke", "--out", tmp_path / "foreign", expect="holds no manifest.json")

@@ -156,6 +156,14 @@ def kv_compress_epilog_cases() -> list[Case]:
                          f"KvCompressEpilog quant_mode 2 (HiF8 RoPE + FP4 NoPE), group size {gs}, zero groups",
                          d=576, bs=5, quant_mode=2, quant_group_size=gs, round_scale=False, skip=1,
                          zero_groups=True, x_scale=1.0, block_size=16, block_num=1))
+    # the OPEN facts of SPEC 3.4 as their alternatives (the defaults are in the cases above)
+    out.append(_case("kvce-mode0-pad128", "kv_compress_epilog", "kv_compress_epilog",
+                     "KvCompressEpilog quant_mode 0 with the OPEN padding granularity 128 (default 32)",
+                     d=576, bs=4, quant_mode=0, round_scale=True, skip=1, pad_to=128, block_size=16, block_num=1))
+    out.append(_case("kvce-mode2-nibble-high", "kv_compress_epilog", "kv_compress_epilog",
+                     "KvCompressEpilog quant_mode 2 with the OPEN FP4 nibble order high_first (default low_first)",
+                     d=576, bs=4, quant_mode=2, quant_group_size=32, skip=1, fp4_nibble_order="high_first",
+                     block_size=16, block_num=1))
     out.append(_case("kvce-mode2-xscale-lead", "kv_compress_epilog", "kv_compress_epilog",
                      "KvCompressEpilog quant_mode 2 with x_scale 0.5 and x of shape [2, 3, 576]",
                      d=576, lead=[2, 3], quant_mode=2, quant_group_size=32, x_scale=0.5, skip=1,

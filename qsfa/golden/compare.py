@@ -177,9 +177,10 @@ def _decode_kind(kind: str, raw: bytes):
         return int(raw[0])
     from ..reference import formats as F
 
-    if kind == "float4_e2m1x2":
+    if kind in ("float4_e2m1x2", "float4_e2m1x2_hi"):
         b = raw[0]
-        return [float(v) for v in F.decode(np.array([b & 0xF, b >> 4], np.uint8), "float4_e2m1")]
+        pair = [b & 0xF, b >> 4] if kind == "float4_e2m1x2" else [b >> 4, b & 0xF]
+        return [float(v) for v in F.decode(np.array(pair, np.uint8), "float4_e2m1")]
     return float(F.decode(np.array([raw[0]], np.uint8), kind)[0])
 
 

@@ -235,15 +235,16 @@ def gen_dynamic_block_quant(params, rng):
 # KvCompressEpilog (SPEC 3.4)
 
 
-def kv_compress_epilog_row_bytes(d: int, quant_mode: int, quant_group_size: int = 64) -> int:
-    """kvCacheCol of SPEC 3.4: the bytes of one cache row the operator writes."""
+def kv_compress_epilog_row_bytes(d: int, quant_mode: int, quant_group_size: int = 64, pad_to: int = 32) -> int:
+    """kvCacheCol of SPEC 3.4: the bytes of one cache row the operator writes (``pad_to``: the OPEN
+    padding granularity of modes 0 and 2, the operator's parameter of that name)."""
     n = d - 64
     if quant_mode == 0:
         g = -(-n // 64)
-        return -(-(128 + n + 2 * g) // 32) * 32
+        return -(-(128 + n + 2 * g) // pad_to) * pad_to
     if quant_mode == 1:
         return 128 + n + -(-n // 64)
-    return -(-(64 + n // 2 + 2 * n // quant_group_size) // 32) * 32
+    return -(-(64 + n // 2 + 2 * n // quant_group_size) // pad_to) * pad_to
 
 
 @register_generator("kv_compress_epilog")
@@ -256,7 +257,7 @@ def gen_kv_compress_epilog(params, rng):
     lead = tuple(params.get("lead") or (params["bs"],))
     mode = int(params.get("quant_mode", 1))
     gs = int(params.get("quant_group_size", 64))
-    col = kv_compress_epilog_row_bytes(d, mode, gs)
+    col = kv_compress_epilog_row_bytes(d, mode, gs, int(params.get("pad_to", 32)))
     head_dim = col + int(params.get("tail", 32))
     n_tok = int(np.prod(lead))
     x = randn(rng, lead + (d,), "float32", params.get("scale", 1.0))

@@ -26,7 +26,8 @@ class ArrayMeta:
               fp8 codes) so a report can show decoded values; None for plain numbers.
     segments: byte fields of the last axis of a packed uint8 row: ``[start, end, kind, label]`` where
               kind is a dtype ("bfloat16", "float32") or a format ("float8_e4m3fn", "hifloat8",
-              "float8_e8m0", "float4_e2m1x2" = two FP4 codes per byte, element 2i in the low nibble).
+              "float8_e8m0", "float4_e2m1x2" = two FP4 codes per byte, element 2i in the low nibble,
+              "float4_e2m1x2_hi" = element 2i in the high nibble).
     compare:  "bytes" (bit-exact) or "float" (SPEC.md 4 tolerance criterion); outputs only.
     mask:     bool array of the output's shape: True where the value is specified (compared); None = all.
     """
@@ -127,15 +128,16 @@ def _dbq(params, args, outputs):
 # KvCompressEpilog
 
 
-def kv_compress_epilog_segments(d: int, quant_mode: int, quant_group_size: int, head_dim: int) -> list:
+def kv_compress_epilog_segments(d: int, quant_mode: int, quant_group_size: int, head_dim: int, pad_to: int = 32,
+                                nibble_order: str = "low_first") -> list:
     """The byte fields of one cache row (SPEC.md 3.4)."""
     from .generators import kv_compress_epilog_row_bytes
 
     n = d - 64
-    col = kv_compress_epilog_row_bytes(d, quant_mode, quant_group_size)
+    col = kv_compress_epilog_row_bytes(d, quant_mode, quant_group_size, pad_to)
     if quant_mode in (0, 1):
         g = -(-n // 64)
-        seg = [[0, 128, "bfloat16", "RoPE (64 bf16, raw bits)"], [128, 128 + n, "float8_e4m3fn", "NoPE"]]
+        seg = [[0, 128, "bfloat16", "RoPE (64 bf16, raw bits)"], [128, 128 + n, "float8_e4m3fn", "NoPE (FP8 E4M3FN)"]]
         if quant_mode == 0:
             seg.append([128 + n, 128 + n + 2 * g, "bfloat16", f"scales ({g} bf16, one per 64 NoPE columns)"])
             end = 128 + n + 2 * g
@@ -145,7 +147,8 @@ def kv_compress_epilog_segments(d: int, quant_mode: int, quant_group_size: int, 
     else:
         gs = quant_group_size
         seg = [[0, 64, "hifloat8", "RoPE (64 HiFloat8 codes)"],
-               [64, 64 + n // 2, "float4_e2m1x2", "NoPE (FP4 E2M1, element 2i in the low nibble)"],
+               [64, 64 + n // 2, "float4_e2m1x2" if nibble_order == "low_first" else "float4_e2m1x2_hi",
+                f"NoPE (FP4 E2M1, element 2i in the {'low' if nibble_order == 'low_first' else 'high'} nibble)"],
                [64 + n // 2, 64 + n // 2 + 2 * (n // gs), "bfloat16", f"scales ({n // gs} bf16, one per {gs} NoPE columns)"]]
         end = 64 + n // 2 + 2 * (n // gs)
     if end < col:
@@ -161,7 +164,8 @@ def _kvce(params, args, outputs):
     d = args["x"].shape[-1]
     mode = params.get("quant_mode", 1)
     gs = params.get("quant_group_size", 64) if mode == 2 else 64
-    seg = kv_compress_epilog_segments(d, mode, gs, cache.shape[-1])
+    seg = kv_compress_epilog_segments(d, mode, gs, cache.shape[-1], params.get("pad_to", 32),
+                                      params.get("fp4_nibble_order", "low_first"))
     fields = "; ".join(f"[{a},{b}) {lbl}" for a, b, _, lbl in seg)
     layout = (f"uint8 [blockNum, blockSize, 1, headDim] = {list(cache.shape)}; token with slot s is row "
               f"s % blockSize of block s // blockSize (slot -1: nothing written); row bytes (quant_mode "
