@@ -227,6 +227,9 @@ def li_args(draw, quant=False):
     if quant:
         fmt = draw(st.sampled_from(["int8", "float8_e4m3fn", "hifloat8"]))
         dt = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "hifloat8": torch.uint8}[fmt]
+        as_bytes = draw(st.booleans())  # the codes arrive as uint8 bytes, the format named by query/key_dtype
+        if as_bytes:
+            dt = torch.uint8
     else:
         dt = draw(st.sampled_from([torch.bfloat16, torch.float16]))
     q = torch.zeros((2, 1, 8, 128) if layout_q == "BSND" else (2, 8, 128), dtype=dt)
@@ -243,8 +246,9 @@ def li_args(draw, quant=False):
                  key_dequant_scale=torch.ones(k.shape[:-1], dtype=torch.float32),
                  query_quant_mode=0, key_quant_mode=0, query_dtype=draw(st.sampled_from([None, fmt])),
                  key_dtype=draw(st.sampled_from([None, fmt])))
-        if fmt == "hifloat8":
-            a["query_dtype"] = a["key_dtype"] = "hifloat8"
+        if fmt == "hifloat8" or as_bytes:
+            a["query_dtype"] = a["key_dtype"] = fmt
+        a["_fmt"] = fmt
     else:
         a["return_value"] = draw(st.booleans())
     return a
@@ -264,6 +268,7 @@ def test_lightning_indexer_mapping_binds(a, chip):
 
 @given(a=li_args(quant=True), chip=CHIPS)
 def test_quant_lightning_indexer_mapping_binds(a, chip):
+    fmt = a.pop("_fmt")
     call = mapping.map_call("quant_lightning_indexer", a, NpuContext(chip=chip))
     assert call.target == "torch_npu.npu_quant_lightning_indexer"
     _assert_binds(call)
@@ -271,6 +276,8 @@ def test_quant_lightning_indexer_mapping_binds(a, chip):
     assert call.kwargs["query_dtype"] == (mapping.HIFLOAT8_CODE if hif8 else None)
     assert call.kwargs["key_dtype"] == (mapping.HIFLOAT8_CODE if a["key_dtype"] == "hifloat8" else None)
     assert _same_memory(call.args[0], a["query"]) and _same_memory(call.args[1], a["key"])
+    want = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "hifloat8": torch.uint8}[fmt]
+    assert call.args[0].dtype == want and call.args[1].dtype == want
     out = call.unpack(_fake_result(call.target, a["query"]))
     assert len(out) == 1
 

@@ -338,17 +338,23 @@ _QLI_PARAMS = _LI_PARAMS[:-1] + (
 
 
 def map_quant_lightning_indexer(a: Mapping, ctx: NpuContext) -> NpuCall:
-    """``torch_npu.npu_quant_lightning_indexer``; HiFloat8 query/key (uint8) get the dtype code 290."""
+    """``torch_npu.npu_quant_lightning_indexer``.
+
+    ``query_dtype`` / ``key_dtype`` name the one-byte format when the tensor does not carry it (uint8
+    bytes): the tensor is viewed as that format's torch dtype, and HiFloat8 also gets the dtype code 290.
+    """
     _check_params("quant_lightning_indexer", a, _QLI_PARAMS)
     kw = _li_kwargs(a)
+    tensors = {}
     for tensor_name, code_name in (("query", "query_dtype"), ("key", "key_dtype")):
         fmt = a.get(code_name)
-        kw[code_name] = HIFLOAT8_CODE if fmt == "hifloat8" or fmt == HIFLOAT8_CODE else None
-    q_fmt = "hifloat8" if kw["query_dtype"] else None
-    k_fmt = "hifloat8" if kw["key_dtype"] else None
-    query = _as_format(a["query"], q_fmt) if q_fmt else a["query"]
-    key = _as_format(a["key"], k_fmt) if k_fmt else a["key"]
-    args = (query, key, a["weights"], a["query_dequant_scale"], a["key_dequant_scale"],
+        fmt = "hifloat8" if fmt == HIFLOAT8_CODE else fmt
+        t = a[tensor_name]
+        if fmt is not None and t.element_size() == 1:
+            t = _as_format(t, fmt)
+        tensors[tensor_name] = t
+        kw[code_name] = HIFLOAT8_CODE if fmt == "hifloat8" else None
+    args = (tensors["query"], tensors["key"], a["weights"], a["query_dequant_scale"], a["key_dequant_scale"],
             int(a.get("query_quant_mode", 0)), int(a.get("key_quant_mode", 0)))
     return NpuCall("torch_npu.npu_quant_lightning_indexer", args, kw, unpack=lambda r: (r,))
 
