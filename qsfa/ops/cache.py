@@ -1055,6 +1055,13 @@ def _chip_a2a3_v1_shape1(a):
     return None
 
 
+def _chip_a2a3_v1_dims(a):
+    if _v2(a):
+        return None
+    dk, dv, _ = _dims(a)
+    return None if (dv, dk) == (512, 64) else f"Dv {dv}, Dk {dk}"
+
+
 def _chip_a2a3_v2_no_bcast(a):
     if not _v2(a):
         return None
@@ -1203,6 +1210,10 @@ KRR_CONTRACT = Contract(
         _rule(KRR, "a2a3_v2_no_broadcast", "k_rope_scale", "shape",
               "Atlas A2/A3 V2 need [N, D] quant parameters (no broadcast)", _chip_a2a3_v2_no_bcast,
               _krr_build(version=2, param_shape="D", dk=64, rope=32), chips=_A2A3, source=KRR_SRC),
+        _rule(KRR, "a2a3_v1_dims", "kv", "shape",
+              "Atlas A2/A3 V1 (the DeepSeek MLA kernel) need Dv = 512 (RMSNorm) and Dk = 64 (RoPE)",
+              _chip_a2a3_v1_dims, lambda args: copy_args(args), chips=_A2A3,
+              source="[OT] posembedding/kv_rms_norm_rope_cache/op_host/kv_rms_norm_rope_cache_ds_tiling.cpp"),
     ],
     example=lambda rng: kv_rmsnorm_rope_cache_example(rng),
     inplace=("k_cache", "ckv_cache"),
