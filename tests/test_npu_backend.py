@@ -323,6 +323,20 @@ def _variants():
     layouts x rope x LSE x key format built with qsfa.ops.attention's case helpers."""
     out = [(op, "example", (lambda op=op: _example(op))) for op in _mapped_ops()]
     try:
+        from qsfa.ops import cache
+    except ImportError:
+        cache = None
+    if hasattr(cache, "kv_rmsnorm_rope_cache_example"):
+        for mode in ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ"):
+            for k_fmt, ckv_fmt in (("bfloat16", "bfloat16"), ("int8", "int8"), ("hifloat8", "float8_e4m3fn")):
+                for version in (1, 2):
+                    dims = dict(dv=512, dk=64) if version == 1 else dict(dv=128, dk=192, rope=64)
+                    out.append(("kv_rmsnorm_rope_cache", f"v{version}-{mode}-{k_fmt}-{ckv_fmt}",
+                                lambda mode=mode, k_fmt=k_fmt, ckv_fmt=ckv_fmt, version=version, dims=dims:
+                                cache.kv_rmsnorm_rope_cache_example(np.random.default_rng(0), version=version,
+                                                                    cache_mode=mode, k_fmt=k_fmt, ckv_fmt=ckv_fmt,
+                                                                    batch=1, seq=2, **dims)))
+    try:
         from qsfa.ops import attention as att
     except ImportError:
         return out
