@@ -235,18 +235,6 @@ def gen_dynamic_block_quant(params, rng):
 # KvCompressEpilog (SPEC 3.4)
 
 
-def kv_compress_epilog_row_bytes(d: int, quant_mode: int, quant_group_size: int = 64, pad_to: int = 32) -> int:
-    """kvCacheCol of SPEC 3.4: the bytes of one cache row the operator writes (``pad_to``: the OPEN
-    padding granularity of modes 0 and 2, the operator's parameter of that name)."""
-    n = d - 64
-    if quant_mode == 0:
-        g = -(-n // 64)
-        return -(-(128 + n + 2 * g) // pad_to) * pad_to
-    if quant_mode == 1:
-        return 128 + n + -(-n // 64)
-    return -(-(64 + n // 2 + 2 * n // quant_group_size) // pad_to) * pad_to
-
-
 @register_generator("kv_compress_epilog")
 def gen_kv_compress_epilog(params, rng):
     """x bf16 ``[*lead, d]`` (``lead`` defaults to ``[bs]``) randn * ``scale``; cache uint8
@@ -257,7 +245,9 @@ def gen_kv_compress_epilog(params, rng):
     lead = tuple(params.get("lead") or (params["bs"],))
     mode = int(params.get("quant_mode", 1))
     gs = int(params.get("quant_group_size", 64))
-    col = kv_compress_epilog_row_bytes(d, mode, gs, int(params.get("pad_to", 32)))
+    from ..reference.kv_compress_epilog import kv_cache_col
+
+    col = kv_cache_col(d, mode, gs, int(params.get("pad_to", 32)))
     head_dim = col + int(params.get("tail", 32))
     n_tok = int(np.prod(lead))
     x = randn(rng, lead + (d,), "float32", params.get("scale", 1.0))
@@ -352,14 +342,6 @@ def gen_c8_rmsnorm_rope_cache(params, rng):
 POISON = 0x7F
 
 
-def _int8_tiles(x: np.ndarray):
-    """Independent int8 1x128 tile quantisation for realistic NoPE codes (input data, not a golden)."""
-    t = x.reshape(*x.shape[:-1], -1, 128).astype(np.float32)
-    s = (np.abs(t).max(-1) / np.float32(127)).astype(np.float32)
-    q = np.rint(np.divide(t, s[..., None], out=np.zeros_like(t), where=s[..., None] > 0))
-    return np.clip(q, -127, 127).astype(np.int8).reshape(x.shape), s
-
-
 def _qsfa_nope(params, rng, b, s_kv):
     """Per-token NoPE codes ``[b, s_kv, 512]`` (int8) and tile scales ``[b, s_kv, 4]`` (fp32)."""
     data = params.get("data", "random")
@@ -371,7 +353,9 @@ def _qsfa_nope(params, rng, b, s_kv):
         tok = np.arange(b * s_kv).reshape(b, s_kv)
         scales = np.exp2(((tok[..., None] + np.arange(4)) % 4 - 3).astype(np.float32)).astype(np.float32)
     elif data == "realistic":
-        codes, scales = _int8_tiles(rng.standard_normal((b, s_kv, 512), dtype=np.float32))
+        from ..reference.quant import int8_tile_quant
+
+        codes, scales = int8_tile_quant(rng.standard_normal((b, s_kv, 512), dtype=np.float32))
     else:  # "random", the vllm-ascend QSFA test distribution
         codes = rng.integers(-64, 64, size=(b, s_kv, 512)).astype(np.int8)
         scales = (rng.random((b, s_kv, 4), dtype=np.float32) * np.float32(0.095) + np.float32(0.005)).astype(np.float32)

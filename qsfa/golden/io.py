@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from .._arrays import dtype_name
+from .._arrays import dtype_name, numpy_dtype
 
 __all__ = [
     "GoldenInputError",
@@ -92,11 +92,12 @@ def _ml_dtype(name: str) -> np.dtype | None:
 
 def logical_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a logical dtype name (ml_dtypes for bfloat16 / float8 / other ml_dtypes)."""
-    if name in ("bool",):
-        return np.dtype(np.bool_)
-    if name in _STORAGE and not name.startswith(("bfloat", "float8")):
-        return np.dtype(name)
-    dt = _ml_dtype(name)
+    try:
+        return numpy_dtype(name)
+    except TypeError:
+        dt = _ml_dtype(name)
+    if dt is None and name in _STORAGE:  # plain NumPy names qsfa._arrays does not list (uint32, ...)
+        dt = np.dtype(name)
     if dt is None:
         raise GoldenInputError(f"unknown dtype {name!r} in manifest")
     return dt

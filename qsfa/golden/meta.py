@@ -131,10 +131,10 @@ def _dbq(params, args, outputs):
 def kv_compress_epilog_segments(d: int, quant_mode: int, quant_group_size: int, head_dim: int, pad_to: int = 32,
                                 nibble_order: str = "low_first") -> list:
     """The byte fields of one cache row (SPEC.md 3.4)."""
-    from .generators import kv_compress_epilog_row_bytes
+    from ..reference.kv_compress_epilog import kv_cache_col
 
     n = d - 64
-    col = kv_compress_epilog_row_bytes(d, quant_mode, quant_group_size, pad_to)
+    col = kv_cache_col(d, quant_mode, quant_group_size, pad_to)
     if quant_mode in (0, 1):
         g = -(-n // 64)
         seg = [[0, 128, "bfloat16", "RoPE (64 bf16, raw bits)"], [128, 128 + n, "float8_e4m3fn", "NoPE (FP8 E4M3FN)"]]
@@ -182,10 +182,13 @@ def _kvce(params, args, outputs):
 
 def qsfa_row_segments(rope: int, nope_fmt: str, rope_dtype: str) -> list:
     """The byte fields of a packed QSFA row (SPEC.md 3.2)."""
-    seg = [[0, 512, nope_fmt, f"NoPE ({nope_fmt} codes)"]]
+    from ..reference.packing import row_offsets
+
+    off = row_offsets(rope_head_dim=rope)
+    seg = [[*off["nope"], nope_fmt, f"NoPE ({nope_fmt} codes)"]]
     if rope:
-        seg.append([512, 512 + 2 * rope, rope_dtype, f"RoPE ({rope} {rope_dtype}, raw bits)"])
-    seg.append([512 + 2 * rope, 528 + 2 * rope, "float32", "scales (4 fp32, one per 128 NoPE columns)"])
+        seg.append([*off["rope"], rope_dtype, f"RoPE ({rope} {rope_dtype}, raw bits)"])
+    seg.append([*off["scales"], "float32", "scales (4 fp32, one per 128 NoPE columns)"])
     return seg
 
 
