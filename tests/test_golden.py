@@ -151,6 +151,7 @@ def test_case_file_round_trip_with_explicit_inputs(tmp_path, toy):
     (lambda d: d["inputs"]["x"].update(shape=[4, 8]), "has shape [3, 8], the case says [4, 8]"),
     (lambda d: d["inputs"]["x"].update(sha256="0" * 64), "does not match its sha256"),
     (lambda d: d["inputs"]["x"].update(file="nope.npy"), "input file not found"),
+    (lambda d: d["inputs"]["x"].update(shape=[3, "x"]), "not a list of integers"),
 ])
 def test_case_file_errors(tmp_path, toy, edit, message):
     inputs = _toy_gen({"rows": 3, "num_slots": 4}, np.random.default_rng(0))

@@ -167,7 +167,8 @@ class Case:
     generator: str | None = None
     description: str = ""
     inputs_given: dict | None = None
-    # explicit inputs read from a case file: name -> (path, key or None, dtype, shape, sha256 or None)
+    # explicit inputs of a loaded case file: name -> {"path", "key" (npz member or None), "dtype", "shape",
+    # "sha256" (or None)}; read by inputs()
     _refs: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -317,11 +318,15 @@ class Case:
                 _check_name("input name", k)
                 if not isinstance(r, Mapping) or "file" not in r or "dtype" not in r or "shape" not in r:
                     raise GoldenInputError(f"{source}: input {k!r} needs file, dtype and shape")
+                try:
+                    shape = [int(s) for s in r["shape"]]
+                except (TypeError, ValueError):
+                    raise GoldenInputError(f"{source}: input {k!r} has shape {r['shape']!r}, not a list of integers") from None
                 refs[k] = {
                     "path": os.path.join(base_dir, str(r["file"])),
                     "key": r.get("key"),
                     "dtype": str(r["dtype"]),
-                    "shape": [int(s) for s in r["shape"]],
+                    "shape": shape,
                     "sha256": r.get("sha256"),
                 }
         try:

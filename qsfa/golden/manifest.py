@@ -280,7 +280,8 @@ def load_manifest(folder: str) -> dict:
     if not isinstance(cases, list):
         raise GoldenInputError(f"{path}: no case list")
     for c in cases:
-        if not isinstance(c, dict) or not {"name", "op", "files", "arrays"} <= set(c):
+        if not isinstance(c, dict) or not {"name", "op", "files", "arrays"} <= set(c) \
+                or not isinstance(c["files"], dict) or not isinstance(c["arrays"], list):
             raise GoldenInputError(f"{path}: a case entry lacks name/op/files/arrays")
         for rel in c["files"]:
             if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
@@ -288,6 +289,12 @@ def load_manifest(folder: str) -> dict:
         for e in c["arrays"]:
             if not isinstance(e, dict) or not {"role", "name", "shape", "dtype", "storage", "file", "sha256"} <= set(e):
                 raise GoldenInputError(f"{path}: case {c['name']}: an array entry lacks role/name/shape/dtype/storage/file/sha256")
+            if not isinstance(e["shape"], list) or not all(isinstance(d, int) and d >= 0 for d in e["shape"]):
+                raise GoldenInputError(f"{path}: case {c['name']}: {e['file']} has shape {e['shape']!r}")
+            try:
+                np.dtype(e["storage"])
+            except TypeError:
+                raise GoldenInputError(f"{path}: case {c['name']}: {e['file']} has storage {e['storage']!r}") from None
             if e["file"] not in c["files"]:
                 raise GoldenInputError(f"{path}: case {c['name']}: {e['file']} is not listed in its files")
     return man
