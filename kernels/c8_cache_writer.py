@@ -14,8 +14,11 @@ Bytes outside written rows are never touched. Exactness on every target: divisio
 max; the scale bytes are the fp32 bit pattern split by shifts. See kernels/_common.py for the
 interpreter-vs-GPU notes.
 
+``key_dtype="float8_e4m3fn"`` (Ascend 950): ``s = amax / 448``, ``q = E4M3FN_RNE(clamp(x / s, +-448))``,
+encoded by bit arithmetic (the interpreter's fp8 conversion does not round to nearest even).
+
 ``scale_order`` (SPEC.md 2, OPEN): ``"divide"`` (default, aclnn doc) quantises ``x / s``;
-``"multiply"`` quantises ``(x * 127) / amax`` (the op-plugin test golden's order).
+``"multiply"`` quantises ``x * fp32(TYPE_MAX / amax)`` (the op-plugin test golden's order).
 """
 
 from __future__ import annotations
@@ -25,14 +28,33 @@ import triton.language as tl
 
 from ._common import rint_small, to_f32
 
-__all__ = ["c8_cache_write_kernel", "launch_c8_cache_write", "SCALE_ORDERS"]
+__all__ = ["c8_cache_write_kernel", "launch_c8_cache_write", "SCALE_ORDERS", "KEY_DTYPES"]
 
 SCALE_ORDERS = ("divide", "multiply")
+KEY_DTYPES = ("int8", "float8_e4m3fn")
 
 NOPE = 512
 TILE = 128
 N_TILES = NOPE // TILE
 ROPE_BYTES = 128  # 64 x 16-bit
+
+
+@triton.jit
+def _encode_e4m3fn(y):
+    """fp32 ``y`` with |y| <= 448 -> FP8 E4M3FN code (uint8), round half to even, by bit arithmetic.
+
+    Normal range (|y| >= 2**-6): the fp32 pattern rounded at bit 20 (RNE) then rebiased (127 -> 7);
+    subnormal range: RINT(|y| * 2**9) (which lands on 8 = the smallest normal where it should).
+    The sign is the sign bit of ``y`` (so -0.0 and negative values that round to 0 give 0x80, as a cast does).
+    """
+    a = tl.abs(y)
+    b = a.to(tl.uint32, bitcast=True)
+    rb = b + (0x7FFFF + ((b >> 20) & 1))
+    normal = ((rb >> 20).to(tl.int32) - 960)  # 960 = (127 - 7) << 3
+    sub = rint_small(a * 512.0).to(tl.int32)
+    code = tl.where(a < 0.015625, sub, normal)
+    sign = ((y.to(tl.uint32, bitcast=True) >> 31) << 7).to(tl.int32)
+    return (code | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -46,6 +68,7 @@ def c8_cache_write_kernel(
     HAS_ROPE: tl.constexpr,
     MULTIPLY_ORDER: tl.constexpr,
     IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,                       # key_dtype float8_e4m3fn (else int8)
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -58,19 +81,24 @@ def c8_cache_write_kernel(
         cols = tl.arange(0, 128)  # TILE
         d = tiles[:, None] * 128 + cols[None, :]
         x = to_f32(tl.load(nope_ptr + t.to(tl.int64) * stride_nt + d * stride_nd), IS_BF16)  # exact
-        amax = tl.max(tl.abs(x), axis=1)  # [4]
+        amax = tl.max(tl.abs(x), axis=1)  # [4], exact
         zero = amax == 0.0
-        safe_amax = tl.where(zero, 1.0, amax)
-        s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
-        safe_s = tl.where(zero, 1.0, s)
-        if MULTIPLY_ORDER:
-            y = tl.math.div_rn(x * 127.0, tl.broadcast_to(safe_amax[:, None], x.shape))
+        if FP8:
+            type_max = 448.0
         else:
-            y = tl.math.div_rn(x, tl.broadcast_to(safe_s[:, None], x.shape))
-        q = rint_small(y)
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        q = tl.where(zero[:, None], 0.0, q)
-        qb = q.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True)
+            type_max = 127.0
+        s = tl.math.div_rn(amax, tl.full(amax.shape, type_max, tl.float32))
+        if MULTIPLY_ORDER:
+            inv = tl.math.div_rn(tl.full(amax.shape, type_max, tl.float32), tl.where(zero, 1.0, amax))
+            y = x * tl.broadcast_to(inv[:, None], x.shape)
+        else:
+            y = tl.math.div_rn(x, tl.broadcast_to(tl.where(zero, 1.0, s)[:, None], x.shape))
+        y = tl.minimum(tl.maximum(y, -type_max), type_max)
+        y = tl.where(zero[:, None], 0.0, y)
+        if FP8:
+            qb = _encode_e4m3fn(y)
+        else:
+            qb = rint_small(y).to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True)
         tl.store(row_ptr + d * stride_cc, qb)
 
         if HAS_ROPE:
@@ -88,21 +116,28 @@ def c8_cache_write_kernel(
         tl.store(row_ptr + (scale_off + tiles[:, None] * 4 + k[None, :]) * stride_cc, sb)
 
 
-def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, scale_order: str = "divide"):
+def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype: str = "int8",
+                          scale_order: str = "divide"):
     """Quantise, pack and scatter ``k_nope`` / ``k_rope`` rows into ``kv_cache`` in place (one launch).
 
     Parameters (torch tensors on one device; validated by the operator contract beforehand):
       k_nope:       ``[T, 512]`` float16 / bfloat16 (any strides).
       k_rope:       ``[T, 64]`` of the same 16-bit dtype, or None (rope 0, 528-byte rows).
       slot_mapping: ``[T]`` int32 / int64; -1 = skip; otherwise unique and < block_num * block_size.
-      kv_cache:     ``[block_num, block_size, 1, 656 | 528]`` uint8 / int8 (any strides); written in place.
-      scale_order:  ``"divide"`` (``x / s``, default) or ``"multiply"`` (``x * 127 / amax``); SPEC.md 2 OPEN.
+      kv_cache:     ``[block_num, block_size, 1, 656 | 528]`` uint8 / int8 / float8_e4m3fn (any strides);
+                    written in place.
+      key_dtype:    "int8" (``s = amax / 127``, RINT, clamp +-127) or "float8_e4m3fn" (``s = amax / 448``,
+                    clamp +-448, E4M3FN RNE).
+      scale_order:  ``"divide"`` (``x / s``, default) or ``"multiply"`` (``x * fp32(TYPE_MAX / amax)``);
+                    SPEC.md 2 OPEN.
     Returns ``kv_cache``.
     """
     import torch
 
     if scale_order not in SCALE_ORDERS:
         raise ValueError(f"scale_order must be one of {SCALE_ORDERS}, got {scale_order!r}")
+    if key_dtype not in KEY_DTYPES:
+        raise ValueError(f"key_dtype must be one of {KEY_DTYPES}, got {key_dtype!r}")
     T = int(k_nope.shape[0])
     if T == 0:
         return kv_cache
@@ -127,5 +162,6 @@ def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, scale_order
         HAS_ROPE=k_rope is not None,
         MULTIPLY_ORDER=scale_order == "multiply",
         IS_BF16=k_nope.dtype == torch.bfloat16,
+        FP8=key_dtype == "float8_e4m3fn",
     )
     return kv_cache

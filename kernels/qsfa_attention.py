@@ -8,19 +8,22 @@ Per program:
    token ``sparse_indices[row, e] * sbs + p % sbs``; a token is valid when it lies in ``[0, limit)``
    (``limit = min(actKV, threshold)``); positions stop after ``n_read`` entries (the host computes
    ``n_read = min(sparse_size, ceil(threshold / sbs), first -1)``; 0 for rows that see nothing);
-2. gather the packed rows (PA_BSND through block_table, or BSND / TND), dequantise the int8 NoPE with its
-   tile scale in fp32 and round to the query dtype (bf16 RNE; fp16 RNE or half-away, ``K_ROUND``); RoPE
-   bf16/fp16 as stored;
-3. scores = scale_value * (q . k) with fp32 accumulation; invalid tokens are excluded (probability
-   exactly 0, the effect of the reference's -2e38 score);
-4. online softmax in fp32 (running max m, running sum l of the fp32 exponentials), probabilities rounded
-   to the query dtype (``P_ROUND``) before P @ V with fp32 accumulation;
-5. out = acc / l rounded to the query dtype (RNE); softmax_max = m, softmax_sum = l; a row without a valid
-   token writes out = 0, m = l = 0.
+2. gather the packed rows (PA_BSND through block_table, or BSND / TND), dequantise the NoPE codes (int8 or
+   FP8 E4M3FN) with their tile scale in fp32 and round to the query dtype; RoPE as stored;
+3. scores = fp32(q . k) * scale_value with fp32 accumulation; invalid tokens get probability exactly 0
+   (the effect of the reference's -2e38 score);
+4. softmax in fp32 and probabilities rounded to the query dtype before P @ V (fp32 accumulation):
+   one-pass online softmax (running max, rescaled accumulator), or two-pass (pass 1: row max and sum;
+   pass 2: P = exp(s - final max), optionally / sum) which rounds P exactly where the reference does;
+5. out = acc / sum (correctly rounded division) rounded to the query dtype; softmax_max = max,
+   softmax_sum = sum; a row without a valid token writes out = 0, max = sum = 0.
 
-The interpreter's ``tl.dot`` is wrong for bf16 operands (raw uint16 bits), so under ``TRITON_INTERPRET=1``
-dot operands are upcast to fp32 (exact products; see _common.py). On a GPU the dots take the 16-bit
-operands directly.
+Rounding to the query dtype (K, P, out) is bf16 RINT and fp16 ROUND (half away from zero), as
+qsfa.reference.attention; both are done explicitly on bit patterns (kernels/_common.py), so the
+interpreter and a GPU agree. The interpreter's ``tl.dot`` is wrong for bf16 operands (raw uint16 bits),
+so under ``TRITON_INTERPRET=1`` dot operands are widened exactly to fp32; on a GPU the dots take the
+16-bit operands directly. ``tl.exp`` is numpy's float32 exp in the interpreter and an approximate
+``ex2`` on GPUs (a last-bit difference in P that the SPEC.md 4 tolerance absorbs).
 """
 
 from __future__ import annotations
@@ -36,13 +39,30 @@ NOPE = 512
 
 
 @triton.jit
+def _decode_e4m3fn(c):
+    """FP8 E4M3FN codes (uint8) -> fp32, exact (0x7F / 0xFF -> NaN)."""
+    c32 = c.to(tl.uint32)
+    e = (c32 >> 3) & 0xF
+    m = c32 & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    val = tl.where((c32 & 0x7F) == 0x7F, float("nan"), val)
+    return tl.where((c32 & 0x80) != 0, -val, val)
+
+
+@triton.jit
 def _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX: tl.constexpr,
-                  IS_BF16: tl.constexpr, K_ROUND: tl.constexpr):
-    """[BLOCK_N, len(cols)] dequantised NoPE columns ``cols`` of the rows at byte offsets ``row_off``."""
+                  IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr):
+    """[BLOCK_N, len(cols)] dequantised NoPE columns ``cols`` of the rows at byte offsets ``row_off``:
+    ``decode(code) * tile_scale`` (one fp32 multiply) rounded to the query dtype."""
     q8 = tl.load(kv_i8_ptr + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0)
     sc = tl.load(kv_f32_ptr + (row_off // 4)[:, None] + SCALE_IDX + (cols // 128)[None, :],
                  mask=valid[:, None], other=0.0)
-    return round_to_dtype(q8.to(tl.float32) * sc, IS_BF16, K_ROUND)
+    if KEY_FP8:
+        val = _decode_e4m3fn(q8.to(tl.uint8, bitcast=True))
+    else:
+        val = q8.to(tl.float32)
+    return round_to_dtype(val * sc, IS_BF16, Q_ROUND)
 
 
 @triton.jit
@@ -50,7 +70,8 @@ def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope,
                   kv_i8_ptr, kv_16_ptr, kv_f32_ptr, stride_kb, stride_kt, bt_ptr, stride_bt,
                   idx_ptr, stride_ir, scale_value, block_size,
                   SBS: tl.constexpr, SCALE_IDX: tl.constexpr, IS_PA: tl.constexpr, HAS_ROPE: tl.constexpr,
-                  IS_BF16: tl.constexpr, K_ROUND: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+                  IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr, DOT_F32: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     """Scores [BLOCK_H, BLOCK_N] (invalid tokens -inf) of the selected positions [p0, p0 + BLOCK_N), plus
     the gathered rows' byte offsets, their validity and the dequantised NoPE [BLOCK_N, 512]."""
     pos = p0 + tl.arange(0, BLOCK_N)
@@ -67,7 +88,7 @@ def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope,
         row_off = kv_b * stride_kb + (kv_off + tok) * stride_kt
 
     cols = tl.arange(0, 512)
-    k_nope = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX, IS_BF16, K_ROUND)
+    k_nope = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8)
     if DOT_F32:
         s = tl.dot(q_nope, tl.trans(to_f32(k_nope, IS_BF16)))
     else:
@@ -86,14 +107,14 @@ def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope,
 
 @triton.jit
 def _accumulate(acc, p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
-                SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr, K_ROUND: tl.constexpr, P_ROUND: tl.constexpr,
+                SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr,
                 DOT_F32: tl.constexpr, BLOCK_DV: tl.constexpr):
     """acc + round(p) @ V[:, vcols] (fp32 accumulation)."""
     if BLOCK_DV == 512:
         v = k_nope
     else:
-        v = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, vcols, SCALE_IDX, IS_BF16, K_ROUND)
-    p16 = round_to_dtype(p, IS_BF16, P_ROUND)
+        v = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, vcols, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8)
+    p16 = round_to_dtype(p, IS_BF16, Q_ROUND)
     if DOT_F32:
         return acc + tl.dot(to_f32(p16, IS_BF16), to_f32(v, IS_BF16))
     else:
@@ -117,8 +138,8 @@ def qsfa_attention_kernel(
     IS_PA: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     IS_BF16: tl.constexpr,
-    K_ROUND: tl.constexpr,
-    P_ROUND: tl.constexpr,
+    Q_ROUND: tl.constexpr,                     # fp16 rounding of K, P and out: ROUND_AWAY / ROUND_RINT
+    KEY_FP8: tl.constexpr,                     # NoPE codes are FP8 E4M3FN (else int8)
     TWO_PASS: tl.constexpr,                    # pass 1: row max and sum; pass 2: P against the final max
     P_NORMALISED: tl.constexpr,                # (two-pass only) round p / sum instead of p
     WRITE_LSE: tl.constexpr,
@@ -160,7 +181,7 @@ def qsfa_attention_kernel(
             s, row_off, valid, k_nope = _chunk_scores(
                 p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
-                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, K_ROUND, DOT_F32, BLOCK_N)
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
@@ -171,12 +192,12 @@ def qsfa_attention_kernel(
             s, row_off, valid, k_nope = _chunk_scores(
                 p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
-                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, K_ROUND, DOT_F32, BLOCK_N)
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
             p = tl.exp(s - m_fin[:, None])
             if P_NORMALISED:
                 p = tl.math.div_rn(p, tl.broadcast_to(l_div[:, None], p.shape))
             acc = _accumulate(acc, p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
-                              SCALE_IDX, IS_BF16, K_ROUND, P_ROUND, DOT_F32, BLOCK_DV)
+                              SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_DV)
         if P_NORMALISED:
             l_out = tl.where(l_i > 0.0, 1.0, 0.0)
         else:
@@ -186,7 +207,7 @@ def qsfa_attention_kernel(
             s, row_off, valid, k_nope = _chunk_scores(
                 p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
-                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, K_ROUND, DOT_F32, BLOCK_N)
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
@@ -194,12 +215,12 @@ def qsfa_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
             acc = _accumulate(acc * alpha[:, None], p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
-                              SCALE_IDX, IS_BF16, K_ROUND, P_ROUND, DOT_F32, BLOCK_DV)
+                              SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_DV)
         l_out = l_i
 
     has = l_out > 0.0
-    o = tl.where(has[:, None], acc / tl.where(has, l_out, 1.0)[:, None], 0.0)
-    o16 = round_to_dtype(o, IS_BF16, 0)
+    o = tl.math.div_rn(acc, tl.broadcast_to(tl.where(has, l_out, 1.0)[:, None], acc.shape))
+    o16 = round_to_dtype(tl.where(has[:, None], o, 0.0), IS_BF16, Q_ROUND)
     tl.store(out_ptr + row * stride_or + heads.to(tl.int64)[:, None] * stride_oh + vcols[None, :], o16,
              mask=hmask[:, None])
     if WRITE_LSE:
@@ -306,24 +327,25 @@ def _row_metadata(query, sparse_indices, *, layout_query, layout_kv, sparse_mode
 def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_table=None,
                           actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
                           layout_query="BSND", layout_kv="BSND", sparse_mode=3, rope_head_dim=64,
-                          return_softmax_lse=False, k_round=None, p_round="rint", p_normalised=False,
-                          config: KernelConfig | None = None, _fault: str | None = None):
+                          return_softmax_lse=False, key_dtype="int8", probability_rounding="unnormalised",
+                          fp16_rounding="round", config: KernelConfig | None = None, _fault: str | None = None):
     """Run the QSFA kernel on validated arguments (torch tensors on one device).
 
     query:  BSND ``[B, Q_S, Q_N, 512 + rope]`` or TND ``[Q_T, Q_N, 512 + rope]``, float16 / bfloat16.
-    key:    packed int8 rows, BSND ``[B, KV_S, 1, W]``, TND ``[KV_T, 1, W]`` or PA_BSND
-            ``[block_num, block_size, 1, W]``, W = 656 (rope 64) or 528 (rope 0); int8 / uint8.
-    sparse_indices: ``[B, Q_S, 1, K]`` / ``[Q_T, 1, K]`` int32.
-    actual_seq_lengths_query / _kv: int tensors ``[B]`` (TND: prefix sums); None = full lengths (BSND).
-    k_round / p_round: rounding of the dequantised K and of P to the query dtype: "rint" or "round"
-            (half away from zero; fp16 only, bf16 always rounds half to even). k_round None = SPEC.md 3.6
-            (bf16 RINT, fp16 ROUND).
-    p_normalised: round ``p / sum`` (True) or the unnormalised ``exp(s - max)`` (False, the FlashAttention
-            order: P @ V is divided by the sum at the end); True needs ``config.two_pass``.
+    key:    packed rows, BSND ``[B, KV_S, 1, W]``, TND ``[KV_T, 1, W]`` or PA_BSND
+            ``[block_num, block_size, 1, W]``, W = 656 (rope 64) or 528 (rope 0); any one-byte dtype.
+    sparse_indices: ``[B, Q_S, 1, K]`` / ``[Q_T, 1, K]`` int32 (entries >= -1; -1 ends a row).
+    block_table: int32 ``[B, max_blocks]`` (PA_BSND).
+    actual_seq_lengths_query / _kv: int ``[B]`` (TND: prefix sums); None = full lengths (BSND).
+    key_dtype: NoPE code format, "int8" or "float8_e4m3fn".
+    probability_rounding: "unnormalised" (round ``exp(s - max)``; P @ V divided by the sum at the end) or
+            "normalised" (round ``p / sum``; always runs two-pass) - the reference's OPEN parameter.
+    fp16_rounding: how fp32 values are rounded to an fp16 query dtype at the three rounding points
+            (K, P, out): "round" (half away from zero, SPEC.md 3.6, default) or "rint". bf16 is always RINT.
     config: tiling (:class:`KernelConfig`); None = :func:`default_config`.
     _fault: tests only - ``"threshold_off_by_one"`` or ``"ignore_stop"`` run a deliberately broken variant.
-    Returns ``(attention_out, softmax_max, softmax_sum)``; the LSE tensors are empty ``[0]`` unless
-    ``return_softmax_lse``.
+    Returns ``(attention_out, softmax_max, softmax_sum)``; the LSE tensors are fp32 ``[B, 1, Q_S, Q_N]`` /
+    ``[1, Q_T, Q_N]``, or empty ``[0]`` unless ``return_softmax_lse``.
     """
     import torch
 
@@ -331,12 +353,13 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     dev = query.device
     is_bf16 = query.dtype == torch.bfloat16
     modes = {"rint": ROUND_RINT, "round": ROUND_AWAY}
-    if k_round is None:
-        k_round = "rint" if is_bf16 else "round"
-    if k_round not in modes or p_round not in modes:
-        raise ValueError(f"k_round / p_round must be 'rint' or 'round', got {k_round!r} / {p_round!r}")
-    if p_normalised and not cfg.two_pass:
-        raise ValueError("p_normalised=True needs a two-pass config (the final sum is needed before P @ V)")
+    if fp16_rounding not in modes:
+        raise ValueError(f"fp16_rounding must be 'rint' or 'round', got {fp16_rounding!r}")
+    if probability_rounding not in ("unnormalised", "normalised"):
+        raise ValueError(f"probability_rounding must be 'unnormalised' or 'normalised', got {probability_rounding!r}")
+    if key_dtype not in ("int8", "float8_e4m3fn"):
+        raise ValueError(f"key_dtype must be 'int8' or 'float8_e4m3fn', got {key_dtype!r}")
+    normalised = probability_rounding == "normalised"
 
     q_n = int(query.shape[-2])
     q_rows = query.reshape(-1, q_n, query.shape[-1])
@@ -350,8 +373,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     else:
         act_q = torch.as_tensor(actual_seq_lengths_query, device=dev).reshape(-1)
     if actual_seq_lengths_kv is None:
-        B = int(act_q.shape[0])
-        act_kv = torch.full((B,), kv_s, dtype=torch.int64, device=dev)
+        act_kv = torch.full((int(act_q.shape[0]),), kv_s, dtype=torch.int64, device=dev)
     else:
         act_kv = torch.as_tensor(actual_seq_lengths_kv, device=dev).reshape(-1)
 
@@ -362,23 +384,23 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     if idx.stride(-1) != 1:
         idx = idx.contiguous()
 
-    # key views: int8 (NoPE), 16-bit in the query dtype (RoPE), fp32 (scales); byte strides
-    k8 = key.view(torch.int8) if key.dtype != torch.int8 else key
+    # key views sharing one base address: int8 (NoPE codes), 16-bit in the query dtype (RoPE), fp32
+    # (scales); the kernel indexes them with byte offsets, // 2 and // 4. Byte strides must be 4-aligned.
+    k8 = key if key.dtype == torch.int8 else key.view(torch.int8)
     if layout_kv == "TND":
-        k8 = k8.reshape(k8.shape[0], 1, k8.shape[-1]) if k8.dim() == 3 else k8
+        k8 = k8.reshape(k8.shape[0], k8.shape[-1])
+    strides_ok = k8.stride(-1) == 1 and all(st % 4 == 0 for st in k8.stride()[:-1]) and k8.storage_offset() % 4 == 0
+    if not strides_ok:
+        k8 = k8.contiguous()
+    if layout_kv == "TND":
         stride_kb, stride_kt = 0, k8.stride(0)
     else:
         stride_kb, stride_kt = k8.stride(0), k8.stride(1)
-    if k8.stride(-1) != 1 or stride_kb % 4 or stride_kt % 4 or k8.storage_offset() % 4:
-        k8 = k8.contiguous()
-        stride_kb = k8.stride(0) if layout_kv != "TND" else 0
-        stride_kt = k8.stride(1) if layout_kv != "TND" else k8.stride(0)
     k16 = k8.view(query.dtype)
     k32 = k8.view(torch.float32)
-    # the 16-bit / fp32 views share k8's base address: the kernel indexes them with byte offsets // 2, // 4
 
     if layout_kv == "PA_BSND":
-        bt = block_table.to(torch.int32)
+        bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
         if bt.stride(-1) != 1:
             bt = bt.contiguous()
         stride_bt, bsz = bt.stride(0), int(key.shape[1])
@@ -409,10 +431,10 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             IS_PA=layout_kv == "PA_BSND",
             HAS_ROPE=int(rope_head_dim) == 64,
             IS_BF16=is_bf16,
-            K_ROUND=modes[k_round],
-            P_ROUND=modes[p_round],
-            TWO_PASS=cfg.two_pass,
-            P_NORMALISED=bool(p_normalised),
+            Q_ROUND=modes[fp16_rounding],
+            KEY_FP8=key_dtype == "float8_e4m3fn",
+            TWO_PASS=cfg.two_pass or normalised,
+            P_NORMALISED=normalised,
             WRITE_LSE=bool(return_softmax_lse),
             DOT_F32=interpreting(),
             BLOCK_H=cfg.block_h,
@@ -422,8 +444,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             num_stages=cfg.num_stages,
         )
 
-    out_shape = tuple(query.shape[:-1]) + (NOPE,)
-    attention_out = out.reshape(out_shape)
+    attention_out = out.reshape(tuple(query.shape[:-1]) + (NOPE,))
     if return_softmax_lse:
         if layout_query == "TND":
             lse_shape = (1, R, q_n)

@@ -179,19 +179,28 @@ def test_to_f32_exact_for_every_16_bit_pattern(dtype):
 # ------------------------------------------------------------------------------------------------
 # C8 cache writer: independent NumPy expectation
 
-def c8_expected(k_nope, k_rope, slots, cache, scale_order="divide"):
-    """SPEC.md 2 / 3.2 / 3.5 in NumPy: returns the cache bytes after the write (a copy)."""
+def c8_expected(k_nope, k_rope, slots, cache, scale_order="divide", key_dtype="int8"):
+    """SPEC.md 2 / 3.2 / 3.5 in NumPy: returns the cache bytes after the write (a copy).
+
+    int8: ``s = amax / 127``, ``clamp(RINT(y), +-127)``; float8_e4m3fn: ``s = amax / 448``, y clamped to
+    +-448 and cast with ml_dtypes (round half to even; no saturation needed inside +-448).
+    ``y = x / s`` ("divide") or ``x * fp32(TYPE_MAX / amax)`` ("multiply")."""
     T = k_nope.shape[0]
+    tmax = np.float32(127 if key_dtype == "int8" else 448)
     x = k_nope.astype(np.float32).reshape(T, 4, 128)
     amax = np.abs(x).max(axis=-1)
-    s = (amax / np.float32(127)).astype(np.float32)
+    s = (amax / tmax).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         if scale_order == "divide":
             y = x / s[..., None]
         else:
-            y = (x * np.float32(127)) / amax[..., None]
-    q = np.where(s[..., None] == 0, 0, np.clip(np.rint(y), -127, 127)).astype(np.int8).reshape(T, 512)
-    parts = [q.view(np.uint8)]
+            y = x * (tmax / amax).astype(np.float32)[..., None]
+    y = np.clip(np.where(s[..., None] == 0, np.float32(0), y), -tmax, tmax).astype(np.float32)
+    if key_dtype == "int8":
+        q = np.rint(y).astype(np.int8).view(np.uint8)
+    else:
+        q = y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    parts = [q.reshape(T, 512)]
     if k_rope is not None:
         parts.append(np.ascontiguousarray(k_rope).view(np.uint8).reshape(T, 128))
     parts.append(s.astype("<f4").view(np.uint8).reshape(T, 16))
@@ -236,16 +245,36 @@ def c8_cases(draw):
     return dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slots.astype(slot_dtype), kv_cache=cache)
 
 
-@given(case=c8_cases(), cache_dtype=st.sampled_from(["uint8", "int8"]))
-def test_c8_kernel_bit_exact(case, cache_dtype):
-    want = c8_expected(case["k_nope"], case["k_rope"], case["slot_mapping"], case["kv_cache"])
+@given(case=c8_cases(), cache_dtype=st.sampled_from(["uint8", "int8"]),
+       key_dtype=st.sampled_from(["int8", "float8_e4m3fn"]), order=st.sampled_from(["divide", "multiply"]))
+def test_c8_kernel_bit_exact(case, cache_dtype, key_dtype, order):
+    want = c8_expected(case["k_nope"], case["k_rope"], case["slot_mapping"], case["kv_cache"], order, key_dtype)
     cache = _t(case["kv_cache"])
     if cache_dtype == "int8":
         cache = cache.view(torch.int8)
     rope = None if case["k_rope"] is None else _t(case["k_rope"])
-    ret = launch_c8_cache_write(_t(case["k_nope"]), rope, _t(case["slot_mapping"]), cache)
+    ret = launch_c8_cache_write(_t(case["k_nope"]), rope, _t(case["slot_mapping"]), cache, key_dtype=key_dtype,
+                                scale_order=order)
     assert ret is cache
     assert_bytes_equal(_np(cache).view(np.uint8), want, name="kv_cache")
+
+
+def test_c8_kernel_fp8_codes_exhaustive():
+    """Every E4M3FN code magnitude and every midpoint between neighbours, through the writer (amax 448 -> s = 1)."""
+    mags = np.arange(0, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)  # 0 .. 448
+    mids = (mags[:-1].astype(np.float64) + mags[1:]) / 2
+    vals = np.concatenate([mags, mids.astype(np.float32), -mags, -mids.astype(np.float32)])
+    vals = np.concatenate([vals, np.zeros((-vals.size) % 511, np.float32)])
+    rows = vals.reshape(-1, 511)
+    x = np.concatenate([np.full((rows.shape[0], 1), 448, np.float32), rows], axis=1)
+    x[:, 128] = x[:, 256] = x[:, 384] = 448  # every tile has amax 448, so s = 1 exactly
+    assert np.array_equal(x.astype(np.float16).astype(np.float32), x)  # exact in fp16
+    k_nope = x.astype(np.float16)
+    T = k_nope.shape[0]
+    cache = _t(np.zeros((T, 1, 1, 528), np.uint8))
+    launch_c8_cache_write(_t(k_nope), None, _t(np.arange(T)), cache, key_dtype="float8_e4m3fn")
+    want = c8_expected(k_nope, None, np.arange(T), np.zeros((T, 1, 1, 528), np.uint8), key_dtype="float8_e4m3fn")
+    assert_bytes_equal(_np(cache), want, name="fp8 codes")
 
 
 def test_c8_kernel_multiply_order_and_strided_cache():
@@ -269,7 +298,7 @@ def test_c8_kernel_multiply_order_and_strided_cache():
 def test_c8_kernel_orders_differ_somewhere():
     """The two OPEN quantisation orders are distinguishable, so the parameter is not a no-op."""
     rng = np.random.default_rng(11)
-    T = 8
+    T = 32
     x = (rng.standard_normal((T, 512)) * 5).astype(BF16)
     a = c8_expected(x, None, np.arange(T), np.zeros((T, 1, 1, 528), np.uint8), "divide")
     b = c8_expected(x, None, np.arange(T), np.zeros((T, 1, 1, 528), np.uint8), "multiply")
@@ -282,7 +311,9 @@ def test_c8_kernel_orders_differ_somewhere():
 # ------------------------------------------------------------------------------------------------
 # attention: independent per-row NumPy implementation of SPEC.md 3.6
 
-def _round_k(x32: np.ndarray, dtype: str) -> np.ndarray:
+def _round_q(x32: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 -> the query dtype at the kernel's rounding points (bf16 RINT, fp16 ROUND), as float32."""
+    x32 = np.asarray(x32, np.float32)
     if dtype == "bfloat16":
         return x32.astype(BF16).astype(np.float32)
     return _f16_round_half_away(x32)
@@ -291,7 +322,7 @@ def _round_k(x32: np.ndarray, dtype: str) -> np.ndarray:
 def naive_qsfa(query, key, sparse_indices, scale_value, *, block_table=None, actual_seq_lengths_query=None,
                actual_seq_lengths_kv=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
                sparse_mode=3, rope_head_dim=64, normalise_before_rounding=False, **_):
-    """(out [.., 512] float64, softmax_max, softmax_sum) per SPEC.md 3.6, one query row at a time.
+    """(out [.., 512] query dtype, softmax_max, softmax_sum) per SPEC.md 3.6, one query row at a time.
 
     Probabilities: ``exp(s - max)`` rounded to the query dtype, P @ V in float64, divided by the fp32 sum
     (the FlashAttention order of the Ascend kernels); ``normalise_before_rounding`` rounds ``p / sum``
@@ -353,7 +384,7 @@ def naive_qsfa(query, key, sparse_indices, scale_value, *, block_table=None, act
             krow = key_u8[b, toks, 0]
         codes = krow[:, :512].view(np.int8).astype(np.float32)
         scales = np.ascontiguousarray(krow[:, scale_off:scale_off + 16]).view("<f4")
-        kd = _round_k(codes * np.repeat(scales, 128, axis=1), dtype)
+        kd = _round_q(codes * np.repeat(scales, 128, axis=1), dtype)
         qf = q_rows[r].astype(np.float64)
         s = qf[:, :512] @ kd.T.astype(np.float64)
         if rope_head_dim == 64:
@@ -364,11 +395,11 @@ def naive_qsfa(query, key, sparse_indices, scale_value, *, block_table=None, act
         p = np.exp(s - m)
         l_ = p.sum(axis=1, keepdims=True)
         if normalise_before_rounding:
-            out[r] = (p / l_).astype(NP_DT[dtype]).astype(np.float64) @ kd.astype(np.float64)
+            out[r] = _round_q(p / l_, dtype).astype(np.float64) @ kd.astype(np.float64)
         else:
-            out[r] = (p.astype(NP_DT[dtype]).astype(np.float64) @ kd.astype(np.float64)) / l_
+            out[r] = (_round_q(p, dtype).astype(np.float64) @ kd.astype(np.float64)) / l_
         smax[r], ssum[r] = m[:, 0], l_[:, 0]
-    out = out.reshape(tuple(query.shape[:-1]) + (512,))
+    out = _round_q(out.astype(np.float32), dtype).astype(NP_DT[dtype]).reshape(tuple(query.shape[:-1]) + (512,))
     if layout_query == "TND":
         lse_shape = (1, R, q_n)
     else:
@@ -424,7 +455,7 @@ def make_attention_case(rng, *, dtype="bfloat16", rope=64, layouts=("BSND", "PA_
     sparse = idx.reshape((B, Q_S, 1, K) if lq == "BSND" else (R, 1, K))
 
     def rows(n):
-        codes = rng.integers(-127, 128, (n, 512))
+        codes = rng.integers(-127, 128, (n, 512))  # int8 codes
         scales = rng.uniform(0.002, 0.03, (n, 4)).astype(np.float32)
         r = rng.standard_normal((n, 64)).astype(NP_DT[dtype]) if rope else None
         return pack_key(codes, scales, r)
@@ -476,7 +507,7 @@ def check_attention_naive(args, **launch_kw):
     out, smax, ssum = _launch(args, **launch_kw)
     w_out, w_max, w_sum = naive_qsfa(**args)
     dtype = "bfloat16" if args["query"].dtype == BF16 else "float16"
-    res = compare_float(_np(out), w_out.astype(NP_DT[dtype]), dtype=dtype, name="attention_out")
+    res = compare_float(_np(out), w_out, dtype=dtype, name="attention_out")
     assert res.passed, str(res)
     if args.get("return_softmax_lse"):
         for name, got, want in (("softmax_max", smax, w_max), ("softmax_sum", ssum, w_sum)):
@@ -500,7 +531,7 @@ def test_attention_kernel_matrix(layouts, rope, dtype):
     for seed in range(100 + 10 * combo, 110 + 10 * combo):  # the first seed whose case attends in >= 3 rows
         args = make_attention_case(np.random.default_rng(seed), dtype=dtype, rope=rope, layouts=layouts,
                                    sbs=(1, 2, 4)[combo % 3], q_n=4, K=20, stray_stop=True)
-        if (np.abs(naive_qsfa(**args)[0]).sum(axis=-1) > 0).reshape(-1, 4).any(axis=1).sum() >= 3:
+        if (np.abs(naive_qsfa(**args)[0].astype(np.float32)).sum(axis=-1) > 0).reshape(-1, 4).any(axis=1).sum() >= 3:
             break
     else:
         pytest.fail("no seed gave a case with 3 attending rows")

@@ -1,0 +1,172 @@
+"""The "triton" backend: registers the Triton kernels of ``kernels/`` (installed as ``qsfa.kernels``).
+
+Operators implemented:
+
+* ``c8_cache_write``: :func:`qsfa.kernels.c8_cache_writer.launch_c8_cache_write` (bit-exact with the
+  reference: quantise + pack + scatter in one launch);
+* ``kv_quant_sparse_flash_attention``: :func:`qsfa.kernels.qsfa_attention.launch_qsfa_attention`
+  (within SPEC.md section 4 of the faithful reference; int8 and FP8 E4M3FN NoPE).
+
+The operator contract validates every call before a kernel runs; :func:`limits` adds what the kernels
+themselves do not cover, as data (each a :class:`~qsfa._contract.Constraint` with a ``violate``
+function), and the dispatch layer turns a violation into ``UnsupportedByBackend`` before launch.
+
+Targets: CUDA GPUs, Ascend through triton-ascend (untested here), and the CPU interpreter
+(``TRITON_INTERPRET=1``, which must be set before this module is first imported: ``triton.jit`` reads it
+when the kernels are defined).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import set_param
+from ._contract import Constraint, copy_args, one_of
+from ._dispatch import operator, register_impl
+from ._errors import BackendUnavailable
+
+__all__ = ["limits", "c8_cache_write", "kv_quant_sparse_flash_attention", "IMPLEMENTED"]
+
+BACKEND = "triton"
+
+
+def _kernels():
+    from .kernels import c8_cache_writer, qsfa_attention
+    from .kernels._common import interpreting
+
+    kern = qsfa_attention.qsfa_attention_kernel
+    is_interp = type(kern).__name__ == "InterpretedFunction"
+    if is_interp != interpreting():
+        raise BackendUnavailable(
+            "backend 'triton' is not usable here: qsfa.kernels was imported with TRITON_INTERPRET="
+            f"{'1' if is_interp else '0'} but it is now {'1' if interpreting() else 'unset'}; set "
+            "TRITON_INTERPRET before the first import of qsfa.kernels / qsfa.triton_backend"
+        )
+    return c8_cache_writer, qsfa_attention
+
+
+# ---------------------------------------------------------------------------------------------------
+# implementations (arguments: validated, normalised, torch tensors on the backend's device)
+
+_C8_PARAMS = {"k_nope", "k_rope", "slot_mapping", "kv_cache", "key_dtype", "scale_order"}
+
+
+def c8_cache_write(**args):
+    """Triton implementation of ``qsfa.c8_cache_write`` (in place into ``kv_cache``; returns it)."""
+    unknown = set(args) - _C8_PARAMS
+    if unknown:
+        raise TypeError(f"triton c8_cache_write does not know the parameters {sorted(unknown)}")
+    c8, _ = _kernels()
+    return c8.launch_c8_cache_write(args["k_nope"], args.get("k_rope"), args["slot_mapping"], args["kv_cache"],
+                                    key_dtype=args.get("key_dtype") or "int8",
+                                    scale_order=args.get("scale_order") or "divide")
+
+
+_ATTN_PARAMS = {
+    "query", "key", "value", "sparse_indices", "scale_value", "key_quant_mode", "value_quant_mode",
+    "key_dequant_scale", "value_dequant_scale", "block_table", "actual_seq_lengths_query",
+    "actual_seq_lengths_kv", "sparse_block_size", "layout_query", "layout_kv", "sparse_mode", "pre_tokens",
+    "next_tokens", "attention_mode", "quant_scale_repo_mode", "tile_size", "rope_head_dim",
+    "return_softmax_lse", "key_dtype", "precision", "probability_rounding",
+}
+
+
+def kv_quant_sparse_flash_attention(**args):
+    """Triton implementation of ``qsfa.kv_quant_sparse_flash_attention`` (precision "faithful"; int8 and
+    float8_e4m3fn NoPE; both probability_rounding choices).
+
+    ``value`` is not read (MLA-absorb: V is the dequantised K NoPE). The parameters the contract pins to
+    one value (quant modes, attention_mode, tile_size, pre/next tokens, reserved dequant scales) need no
+    handling. Returns ``(attention_out, softmax_max, softmax_sum)``.
+    """
+    unknown = set(args) - _ATTN_PARAMS
+    if unknown:
+        raise TypeError(f"triton kv_quant_sparse_flash_attention does not know the parameters {sorted(unknown)}")
+    _, attn = _kernels()
+    return attn.launch_qsfa_attention(
+        args["query"], args["key"], args["sparse_indices"], args["scale_value"],
+        block_table=args.get("block_table"),
+        actual_seq_lengths_query=args.get("actual_seq_lengths_query"),
+        actual_seq_lengths_kv=args.get("actual_seq_lengths_kv"),
+        sparse_block_size=int(args.get("sparse_block_size", 1)),
+        layout_query=args.get("layout_query", "BSND"),
+        layout_kv=args.get("layout_kv", "BSND"),
+        sparse_mode=int(args.get("sparse_mode", 3)),
+        rope_head_dim=int(args.get("rope_head_dim", 64)),
+        return_softmax_lse=bool(args.get("return_softmax_lse", False)),
+        key_dtype=args.get("key_dtype") or "int8",
+        probability_rounding=args.get("probability_rounding") or "unnormalised",
+    )
+
+
+IMPLEMENTED = {
+    "c8_cache_write": c8_cache_write,
+    "kv_quant_sparse_flash_attention": kv_quant_sparse_flash_attention,
+}
+
+
+def _register():
+    for op, fn in IMPLEMENTED.items():
+        try:
+            operator(op)
+        except KeyError:  # the operator's front door is not defined (yet): nothing to register
+            continue
+        register_impl(BACKEND, op, fn)
+
+
+_register()
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernel limits (data)
+
+#: NoPE code formats the attention kernel decodes
+ATTENTION_KEY_DTYPES = ("int8", "float8_e4m3fn")
+
+
+def _attention_key_dtype() -> Constraint:
+    def check(a):
+        v = a.get("key_dtype", "int8")
+        return None if v in ATTENTION_KEY_DTYPES else v
+
+    def violate(args):
+        # a contract-valid HiFloat8 call: uint8 codes, rope 64, sparse_size 2048 (-1 padded)
+        out = copy_args(args)
+        out["key_dtype"] = "hifloat8"
+        out["key"] = np.ascontiguousarray(out["key"]).view(np.uint8)
+        out["value"] = out["key"]
+        si = out["sparse_indices"]
+        pad = np.full(si.shape[:-1] + (2048 - si.shape[-1],), -1, si.dtype)
+        out["sparse_indices"] = np.concatenate([si, pad], axis=-1)
+        return out
+
+    return Constraint(
+        id="triton.kv_quant_sparse_flash_attention.key_dtype", param="key_dtype", kind="value",
+        reason=f"the Triton kernel decodes NoPE codes {one_of(ATTENTION_KEY_DTYPES)} only (no HiFloat8)",
+        check=check, violate=violate, source="qsfa.kernels.qsfa_attention",
+    )
+
+
+def _precision_faithful() -> Constraint:
+    def check(a):
+        v = a.get("precision", "faithful")
+        return None if v == "faithful" else v
+
+    return Constraint(
+        id="triton.kv_quant_sparse_flash_attention.precision", param="precision", kind="value",
+        reason="the Triton kernel rounds where the NPU kernel rounds: precision must be 'faithful' "
+               "('exact' is the float64 oracle, reference backend only)",
+        check=check, violate=set_param("precision", "exact"), source="qsfa.kernels.qsfa_attention",
+    )
+
+
+_LIMITS = {
+    "kv_quant_sparse_flash_attention": lambda: [_attention_key_dtype(), _precision_faithful()],
+}
+
+
+def limits(op: str) -> list[Constraint]:
+    """The kernel limits of ``op`` on this backend (checked after the operator contract). The C8 writer
+    has none: every argument set its contract accepts runs."""
+    make = _LIMITS.get(op)
+    return make() if make else []
