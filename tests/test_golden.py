@@ -142,6 +142,22 @@ def test_case_file_round_trip_with_explicit_inputs(tmp_path, toy):
     assert back.inputs()["cache"].tobytes() == inputs["cache"].tobytes()
 
 
+def test_case_from_args_replays_the_call(tmp_path):
+    """Case.from_args: a concrete call (arrays, scalars, None) saved and replayed gives the same bytes."""
+    import qsfa
+
+    rng = np.random.default_rng(3)
+    k_nope = (rng.standard_normal((3, 512), dtype=np.float32) * 2).astype(BF16)
+    cache = generators.sentinel_filled((1, 16, 1, 528), np.uint8)
+    args = dict(k_nope=k_nope, k_rope=None, slot_mapping=np.array([4, -1, 0]), kv_cache=cache, key_dtype="int8")
+    case = Case.from_args("c8-rope0", "c8_cache_write", args, description="rope 0 call")
+    assert case.params == {"k_rope": None, "key_dtype": "int8"} and set(case.inputs()) == {"k_nope", "slot_mapping", "kv_cache"}
+    loaded = Case.load(case.save(tmp_path / "c8-rope0.json"))
+    want = qsfa.c8_cache_write(k_nope, None, np.array([4, -1, 0]), cache.copy(), key_dtype="int8")
+    assert loaded.run()["kv_cache"].tobytes() == want.tobytes()
+    assert (want.reshape(16, 528)[[1, 2, 3] + list(range(5, 16))] == generators.SENTINEL).all()
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda d: d.update(format="qsfa-case/2"), "format must be 'qsfa-case/1'"),
     (lambda d: d.update(extra=1), "unknown field(s) ['extra']"),

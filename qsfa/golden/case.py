@@ -189,6 +189,25 @@ class Case:
         if self.generator is None and self.inputs_given is None and self._refs is None:
             raise GoldenInputError(f"case {self.name}: needs a generator or explicit inputs")
 
+    @classmethod
+    def from_args(cls, name: str, op: str, args: Mapping[str, Any], *, description: str = "",
+                  seed: int = 0) -> "Case":
+        """A case holding one concrete call ``op(**args)``: arrays (NumPy or torch, copied) become
+        explicit inputs, everything else (scalars, None for an absent optional array) params.
+        What the conformance runner saves for a falsifying example."""
+        from .._arrays import is_torch, to_numpy
+
+        inputs, params = {}, {}
+        for k, v in args.items():
+            if is_torch(v):
+                v = to_numpy(v)
+            if isinstance(v, np.ndarray):
+                inputs[k] = np.array(v, copy=True)
+            else:
+                params[k] = v
+        return cls(name=name, op=op, params=params, seed=seed, generator=None, description=description,
+                   inputs_given=inputs)
+
     # -- inputs -----------------------------------------------------------------------------------
 
     @property
