@@ -341,29 +341,34 @@ def matplotlib_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def write_histogram(report: CompareReport, path: str):
-    """A PNG with one panel per compared output: the histogram of log10|actual - golden| over the
-    elements that differ (needs ``compare_dir(..., keep_errors=True)`` and matplotlib)."""
+def write_histogram(report: CompareReport, path: str, max_panels: int = 24):
+    """A PNG with one panel per output that differs (failing ones first, at most ``max_panels``): the
+    histogram of log10|actual - golden| over its differing elements. Needs ``compare_dir(...,
+    keep_errors=True)`` and matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(report.results)
+    differ = [r for r in report.results if r.log10_err is not None and r.log10_err.size]
+    differ.sort(key=lambda r: (r.result.passed, -float(r.log10_err.max())))
+    shown = differ[:max_panels]
+    n = max(len(shown), 1)
     cols = min(n, 3)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
-    for ax, r in zip(axes.ravel(), report.results):
-        err = r.log10_err if r.log10_err is not None else np.zeros(0)
-        if err.size:
-            ax.hist(err, bins=50)
-            ax.set_xlabel("log10 |actual - golden|")
-        else:
-            ax.text(0.5, 0.5, "identical", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"{r.case}/{r.output} {'PASS' if r.result.passed else 'FAIL'}", fontsize=8)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows + 0.6), squeeze=False)
+    for ax, r in zip(axes.ravel(), shown):
+        ax.hist(r.log10_err, bins=50)
+        ax.set_xlabel("log10 |actual - golden|")
         ax.set_ylabel("elements")
-    for ax in axes.ravel()[n:]:
+        ax.set_title(f"{r.case}/{r.output} {'PASS' if r.result.passed else 'FAIL'} "
+                     f"({r.log10_err.size} of {r.result.n} differ)", fontsize=8)
+    for ax in axes.ravel()[len(shown):]:
         ax.axis("off")
+    if not shown:
+        axes[0, 0].text(0.5, 0.5, f"all {len(report.results)} outputs identical", ha="center", va="center")
+    fig.suptitle(f"{len(differ)} of {len(report.results)} outputs differ from the golden"
+                 + (f" (first {len(shown)} shown)" if len(shown) < len(differ) else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
