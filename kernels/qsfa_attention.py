@@ -155,7 +155,7 @@ def qsfa_attention_kernel(
     kv_b = tl.load(meta_ptr + row * 4 + 0)
     kv_off = tl.load(meta_ptr + row * 4 + 1)
     limit = tl.load(meta_ptr + row * 4 + 2)
-    n_pos = tl.load(meta_ptr + row * 4 + 3)
+    n_pos = tl.load(meta_ptr + row * 4 + 3).to(tl.int32)
 
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < Q_N
@@ -317,7 +317,7 @@ def _row_metadata(query, sparse_indices, *, layout_query, layout_kv, sparse_mode
     is_stop = idx == -1
     if fault == "ignore_stop":  # deliberately broken variant: -1 entries skipped instead of ending the row
         is_stop = torch.zeros_like(is_stop)
-    first_stop = torch.where(is_stop.any(dim=1), is_stop.to(torch.int8).argmax(dim=1).to(torch.int64),
+    first_stop = torch.where(is_stop.any(dim=1), is_stop.to(torch.int32).argmax(dim=1).to(torch.int64),
                              torch.full_like(n_lim, K))
     n_read = torch.minimum(n_lim, first_stop)
     meta = torch.stack([kv_b, kv_off, limit, n_read * sbs], dim=1).contiguous()

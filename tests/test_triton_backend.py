@@ -46,6 +46,7 @@ from qsfa.ops.attention import qsfa_case  # noqa: E402
 from test_triton_kernels import LAYOUTS, c8_cases, make_attention_case, naive_qsfa  # noqa: E402
 
 pytestmark = pytest.mark.triton
+DEV_IS_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 C8 = "c8_cache_write"
 QSFA = "kv_quant_sparse_flash_attention"
@@ -227,3 +228,28 @@ def test_broken_kernel_fails_check_attention(fault, monkeypatch):
                         lambda *a, **k: real(*a, **k, _fault=fault))
     with pytest.raises(AssertionError):
         check_attention(args)
+
+
+# ------------------------------------------------------------------------------------------------
+# the GPU benchmark's own helpers, on the CPU (so the script cannot rot where no GPU is lent)
+
+@pytest.mark.parametrize("layout_query", ["BSND", "TND"])
+def test_benchmark_helpers_on_cpu(layout_query):
+    import importlib.util as iu
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "triton_qsfa.py")
+    spec = iu.spec_from_file_location("_triton_qsfa_bench", path)
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if DEV_IS_CPU:
+        assert bench.run(quick=True)[0]["skipped"].startswith("TRITON_INTERPRET=1")
+    args = bench.make_case(batch=2, q_per_batch=2, q_n=16, sparse=24, kv_len=64, block_size=16,
+                           layout_query=layout_query, device="cpu" if DEV_IS_CPU else "cuda")
+    flops, nbytes, n_sel = bench._work(args)
+    assert n_sel == 4 * 24  # every index entry selects a valid token by construction
+    assert flops == 2.0 * 16 * (576 + 512) * n_sel
+    from qsfa.kernels.qsfa_attention import launch_qsfa_attention
+
+    kw = {k: v for k, v in args.items() if k not in ("query", "key", "value", "sparse_indices", "scale_value")}
+    out = launch_qsfa_attention(args["query"], args["key"], args["sparse_indices"], args["scale_value"], **kw)[0]
+    assert bench._check_subset(args, out).startswith("PASS")
