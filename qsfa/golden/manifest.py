@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
