@@ -503,17 +503,36 @@ def sbs_divides_block_size(n: Names, bad_sbs=32, block_size=48):
                 edit(n, setting(sparse_block_size=bad_sbs), layout_kv="PA_BSND", block_size=block_size))
 
 
+_EXP_MASK16 = {"bfloat16": 0x7F80, "float16": 0x7C00}
+
+
+def first_nonfinite(v: np.ndarray, chunk: int = 1 << 22):
+    """Flat index of the first inf / nan of a float array, or None; bounded memory (chunks of bit tests for
+    the 16-bit floats), so checking a multi-GB query costs no multi-GB temporaries."""
+    name = dtype_name(v)
+    flat = v.reshape(-1)
+    mask = _EXP_MASK16.get(name)
+    for start in range(0, flat.size, chunk):
+        part = flat[start:start + chunk]
+        if mask is not None:
+            bad = (part.view(np.uint16) & mask) == mask
+        else:
+            bad = ~np.isfinite(part.astype(np.float64, copy=False))
+        if bad.any():
+            return start + int(bad.argmax())
+    return None
+
+
 def finite_rule(n: Names, param):
     def check(a):
         v = a.get(param)
         if v is None or not v.size:
             return None
-        f = v.astype(np.float32)
-        bad = ~np.isfinite(f)
-        if not bad.any():
+        i = first_nonfinite(v)
+        if i is None:
             return None
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        return f"{f[idx]} at index {idx}"
+        idx = tuple(int(x) for x in np.unravel_index(i, v.shape))
+        return f"{float(v.reshape(-1)[i])} at index {idx}"
 
     def change(a):
         v = a[param].copy()

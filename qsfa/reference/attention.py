@@ -52,7 +52,8 @@ cache gives bit-identical results to the same data zero-padded to 656 bytes.
 Memory: the work is done in chunks of query rows; ``chunk_size`` bounds both the number of
 ``query row x head`` pairs (score matrices) and, via ``16 * chunk_size``, the gathered KV tokens per
 chunk, so peak working memory is independent of the number of query tokens (about
-``chunk_size * 16 * 9 KB``, ~600 MB at the default 4096 for 576-wide K, plus the outputs).
+``chunk_size * 16 * 10 KB``, ~330 MB at the default 2048 for 576-wide K and 128 heads, plus the
+outputs); results do not depend on ``chunk_size`` (every row is reduced over its full index width).
 """
 
 from __future__ import annotations
@@ -133,12 +134,38 @@ def decode_nope(codes: np.ndarray, fmt: str, dtype=np.float32) -> np.ndarray:
     return lut[codes]
 
 
+def decode_nope_into(out: np.ndarray, codes: np.ndarray, fmt: str) -> None:
+    """``out[...] = decode_nope(codes, fmt)`` without a temporary for int8 / FP8 (``codes`` any uint8 view)."""
+    if fmt == "int8":
+        np.copyto(out, codes.view(np.int8), casting="unsafe")
+    elif fmt == "float8_e4m3fn":
+        np.copyto(out, codes.view(ml_dtypes.float8_e4m3fn), casting="unsafe")
+    else:
+        out[...] = decode_nope(codes, fmt, out.dtype)
+
+
+def _code_view(codes: np.ndarray, fmt: str) -> np.ndarray:
+    """A uint8 code array viewed as the NumPy dtype whose values are the decoded codes (int8, FP8)."""
+    return codes.view(np.int8 if fmt == "int8" else ml_dtypes.float8_e4m3fn)
+
+
+def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str) -> None:
+    """``x[...] = round_to_query_dtype(x, qdtype)`` (fp32 ``x``, any strides)."""
+    if qdtype == "bfloat16":
+        x[...] = x.astype(_QDT["bfloat16"])
+    else:
+        x[...] = round_to_query_dtype(x, qdtype)
+
+
 # ----------------------------------------------------------------------------------------------------
 # the shared core
 
 
-def _rows_per_chunk(chunk_size: int, n_heads: int, width: int) -> int:
-    return max(1, min(int(chunk_size) // max(n_heads, 1), (16 * int(chunk_size)) // max(width, 1)))
+def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False) -> int:
+    """Query rows per chunk: at most ``chunk_size`` row x head pairs and ``16 * chunk_size`` gathered
+    tokens (halved in exact mode, whose arrays are float64)."""
+    rows = max(1, min(int(chunk_size) // max(n_heads, 1), (16 * int(chunk_size)) // max(width, 1)))
+    return max(1, rows // 2) if exact else rows
 
 
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
@@ -161,7 +188,7 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     mx = np.zeros((n_rows, n_heads), fdt)
     sm = np.zeros((n_rows, n_heads), fdt)
     active = np.nonzero(limit > 0)[0]
-    step = _rows_per_chunk(chunk_size, n_heads, width)
+    step = _rows_per_chunk(chunk_size, n_heads, width, exact)
     scale = np.float64(scale_value) if exact else np.float32(scale_value)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
     for start in range(0, active.size, step):
@@ -182,9 +209,11 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
             o = np.matmul(s, v) / l[..., None]
         elif probability_rounding == "normalised":
             s /= l[..., None]
-            o = np.matmul(round_to_query_dtype(s, qdtype), v)
+            round_to_query_dtype_inplace(s, qdtype)
+            o = np.matmul(s, v)
         else:
-            o = np.matmul(round_to_query_dtype(s, qdtype), v)
+            round_to_query_dtype_inplace(s, qdtype)
+            o = np.matmul(s, v)
             o /= l[..., None]
         if sink is not None:
             with np.errstate(over="ignore"):
@@ -241,7 +270,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     next_tokens=2**63 - 1, attention_mode=2, quant_scale_repo_mode=1,
                                     tile_size=128, rope_head_dim=64, return_softmax_lse=False,
                                     key_dtype="int8", precision="faithful",
-                                    probability_rounding="unnormalised", chunk_size=4096):
+                                    probability_rounding="unnormalised", chunk_size=2048):
     """QSFA over a packed quantised KV cache (the oracle of ``qsfa.kv_quant_sparse_flash_attention``).
 
     query:  float16/bfloat16 ``[B, Q_S, Q_N, 512 + rope]`` (BSND) or ``[Q_T, Q_N, 512 + rope]`` (TND).
@@ -273,17 +302,23 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
 
     def load_kv(storage, valid):
         c, w = storage.shape
-        packed = key2d[storage.reshape(-1)]  # [c*w, kvd] gathered once per chunk
+        packed = key2d[storage.reshape(-1)]  # [c*w, kvd]: the selected packed rows, gathered once per chunk
         packed[~valid.reshape(-1)] = 0  # unselected tokens: zero bytes -> K = V = 0 (no stray NaN)
         n = packed.shape[0]
         scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4").astype(fdt)
-        vals = decode_nope(np.ascontiguousarray(packed[:, :NOPE_DIM]), fmt, fdt)
-        vals = vals.reshape(n, NOPE_DIM // TILE, TILE)
-        vals *= scales[:, :, None]
         k = np.empty((n, dqk), fdt)
-        k[:, :NOPE_DIM] = vals.reshape(n, NOPE_DIM) if exact else round_to_query_dtype(vals.reshape(n, NOPE_DIM), qdt)
+        kn = k[:, :NOPE_DIM]  # written in place: no temporaries of K's size
+        kn3 = kn.reshape(n, NOPE_DIM // TILE, TILE)
+        codes = packed[:, :NOPE_DIM]
+        if fmt == "hifloat8":
+            decode_nope_into(kn, codes, fmt)
+            np.multiply(kn3, scales[:, :, None], out=kn3)
+        else:  # int8 / FP8 decode exactly inside the multiply: one pass, one rounding (fp32; exact in float64)
+            np.multiply(_code_view(codes, fmt).reshape(n, NOPE_DIM // TILE, TILE), scales[:, :, None], out=kn3)
+        if not exact:
+            round_to_query_dtype_inplace(kn, qdt)
         if rope:
-            k[:, NOPE_DIM:] = np.ascontiguousarray(packed[:, NOPE_DIM:scale_off]).view(_QDT[qdt])
+            k[:, NOPE_DIM:] = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt])
         else:
             k[:, NOPE_DIM:] = 0
         k = k.reshape(c, w, dqk)
@@ -307,7 +342,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                            key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
                            sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
                            return_softmax_lse=False, sinks=None, lse_includes_sink=False,
-                           precision="faithful", probability_rounding="unnormalised", chunk_size=4096):
+                           precision="faithful", probability_rounding="unnormalised", chunk_size=2048):
     """SFA over a float (fp16/bf16) KV (the oracle of ``qsfa.sparse_flash_attention``).
 
     query ``[..., Q_N, D]``, key ``[..., 1, D]``, value ``[..., 1, D]`` or ``None`` (then V = key),
@@ -384,7 +419,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
               key_dtype=None, rope_head_dim=None, precision="faithful", probability_rounding="unnormalised",
-              chunk_size=4096):
+              chunk_size=2048):
     """Route like vLLM-Ascend: a one-byte (packed quantised) key -> QSFA, a float key -> SFA.
 
     For QSFA, ``query`` is the NoPE part and ``query_rope`` (if given) is concatenated to it;
