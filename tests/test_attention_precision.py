@@ -74,8 +74,20 @@ def test_fp16_rounding_is_round_half_away():
     ties = np.float32([1 + 2.0 ** -11, -(1 + 2.0 ** -11), 2049.0, 2051.0])  # exact fp16 midpoints
     got = ref.round_to_query_dtype(ties, "float16")
     assert np.array_equal(got, np.float32([1 + 2.0 ** -10, -(1 + 2.0 ** -10), 2050.0, 2052.0]))
-    x = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
-    assert np.array_equal(ref.round_to_query_dtype(x, "float16"), formats.round_to(x, "float16", rounding="round"))
+    # every midpoint between adjacent finite fp16 values (subnormals, binade edges, the overflow edge),
+    # their neighbours one fp32 ulp away, and random values: equal to formats.round_to(..., "round")
+    codes = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    v = np.sort(codes[np.isfinite(codes)].astype(np.float64))
+    mids = ((v[1:] + v[:-1]) / 2).astype(np.float32)
+    mids = np.concatenate([mids, np.float32([65520.0, -65520.0, 65519.0])])
+    rng = np.random.default_rng(1)
+    x = np.concatenate([mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                        rng.standard_normal(100_000).astype(np.float32) * np.float32(2.0) ** rng.integers(-26, 17, 100_000),
+                        np.float32([0.0, -0.0, 1e-9, -1e-9, 7e4, -7e4])])
+    with np.errstate(over="ignore"):
+        want = formats.round_to(x, "float16", rounding="round")
+    got = ref.round_to_query_dtype(x, "float16")
+    assert got.tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("qdtype,want", [("bfloat16", 1.0), ("float16", 1 + 2.0 ** -10)])
