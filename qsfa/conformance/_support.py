@@ -1,0 +1,244 @@
+"""Helpers of the property checks: calling an operator on copies, comparing outputs, and an independent
+(written from SPEC.md 3.6, not from qsfa.reference) model of sparse token selection and KV addressing.
+
+Everything here is vectorised over query rows and tokens; loops run over batches (a handful) only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import compare as C
+from .._arrays import dtype_name, is_torch, to_numpy
+from .._dispatch import operator, run
+from ..strategies import clone
+
+__all__ = [
+    "PropertyFailure",
+    "call",
+    "compare_outputs",
+    "fail",
+    "query_rows",
+    "kv_addressing",
+    "selection",
+]
+
+
+class PropertyFailure(AssertionError):
+    """A property does not hold; the message says what differs."""
+
+
+def fail(msg: str):
+    raise PropertyFailure(msg)
+
+
+def _np(x):
+    if x is None:
+        return None
+    return to_numpy(x) if is_torch(x) else np.asarray(x)
+
+
+def call(op: str, args: dict, backend: str) -> dict:
+    """Run ``op`` on ``backend`` with copies of ``args`` (strided caches stay strided); return
+    ``{output name: NumPy array or None}``. The caller's arrays are never modified."""
+    a = {k: clone(v) for k, v in args.items()}
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        res = run(op, a, backend)
+    res = res if isinstance(res, tuple) else (res,)
+    return {name: _np(r) for name, r in zip(operator(op).outputs, res)}
+
+
+_FLOAT = ("float16", "bfloat16", "float32", "float64")
+
+
+def compare_outputs(got: dict, want: dict, kinds: dict | None = None, *, label: str = "",
+                    fmt: str | None = None) -> list[str]:
+    """Compare two output dicts; ``kinds[name]`` is "bytes" (default) or "float" (the SPEC.md section 4
+    criterion with the output dtype's tolerances). ``fmt``: a qsfa.formats name whose decoded values are
+    shown beside differing one-byte codes. Returns one message per failing output."""
+    kinds = kinds or {}
+    bad = []
+    for name, w in want.items():
+        g = got.get(name)
+        if w is None and g is None:
+            continue
+        if (w is None) != (g is None):
+            bad.append(f"{label}{name}: one side returned None ({'got' if g is None else 'expected'} None)")
+            continue
+        kind = kinds.get(name, "bytes")
+        if kind == "float" and dtype_name(w) in _FLOAT:
+            r = C.compare_float(g, w, name=name)
+        else:
+            r = C.compare_bytes(g, w, name=name, fmt=fmt if np.asarray(w).dtype.itemsize == 1 else None)
+        if not r.passed:
+            bad.append(label + str(r))
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------------
+# independent model of SPEC.md 3.6 token selection
+
+
+def _i64(a):
+    return np.asarray(a).astype(np.int64).reshape(-1)
+
+
+def query_rows(args: dict):
+    """Per query row: ``(batch, pos, valid, act_q)`` from the query layout and its lengths."""
+    q = args["query"]
+    if args["layout_query"] == "BSND":
+        b, s = q.shape[:2]
+        lens = args.get("actual_seq_lengths_query")
+        act_q = np.full(b, s, np.int64) if lens is None else _i64(lens)
+        batch = np.arange(b * s) // s
+        pos = np.arange(b * s) % s
+        return batch, pos, pos < act_q[batch], act_q
+    ends = _i64(args["actual_seq_lengths_query"])
+    t = q.shape[0]
+    r = np.arange(t)
+    # row r belongs to the first batch whose prefix sum exceeds r
+    batch = (r[:, None] >= ends[None, :]).sum(axis=1)
+    valid = batch < ends.size
+    starts = np.concatenate([[0], ends[:-1]])
+    bc = np.minimum(batch, ends.size - 1)
+    pos = np.where(valid, r - starts[bc], 0)
+    act_q = ends - starts
+    return np.where(valid, bc, 0), pos, valid, act_q
+
+
+def kv_addressing(args: dict, *, key="key", layout="layout_kv", lens="actual_seq_lengths_kv"):
+    """``(act_kv [B], storage(b, j) -> flat row)`` for the KV layout (BSND / TND / PA_BSND)."""
+    k = args[key]
+    lay = args[layout]
+    n_batch = query_rows(args)[3].size
+    lv = args.get(lens)
+    if lay == "BSND":
+        s = k.shape[1]
+        act = np.full(n_batch, s, np.int64) if lv is None else _i64(lv)
+        return act, lambda b, j: b * s + j
+    if lay == "TND":
+        ends = _i64(lv)
+        starts = np.concatenate([[0], ends[:-1]])
+        return ends - starts, lambda b, j: starts[b] + j
+    bt = np.asarray(args["block_table"]).astype(np.int64)
+    bs = k.shape[1]
+
+    def storage(b, j):
+        col = np.minimum(j // bs, bt.shape[1] - 1)
+        return bt[b, col] * bs + j % bs
+
+    return _i64(lv), storage
+
+
+def selection(args: dict, *, key="key", layout="layout_kv", lens="actual_seq_lengths_kv"):
+    """Which tokens each query row attends to, with multiplicity.
+
+    Returns ``(weights [R, S] int64, batch [R], act_kv [B], storage)`` with S = max actKV (>= 1):
+    ``weights[r, j]`` = how many of the row's read index entries select token j of its batch. Per SPEC.md
+    3.6: threshold = actKV - actQ + i + 1 (sparse_mode 3) or actKV (0), padding rows see nothing; the first
+    ``min(sparse_size, ceil(threshold / sbs))`` entries are read, stopping at the first negative one; entry t
+    covers tokens ``[t*sbs, t*sbs + sbs)`` clipped to ``[0, min(actKV, threshold))``.
+    """
+    batch, pos, valid, act_q = query_rows(args)
+    act_kv, storage = kv_addressing(args, key=key, layout=layout, lens=lens)
+    akv = act_kv[batch]
+    if args.get("sparse_mode", 3) == 3:
+        thr = akv - act_q[batch] + pos + 1
+    else:
+        thr = akv.copy()
+    thr = np.where(valid, thr, 0)
+    limit = np.clip(np.minimum(akv, thr), 0, None)
+    sbs = int(args.get("sparse_block_size", 1))
+    r = batch.size
+    idx = np.asarray(args["sparse_indices"]).astype(np.int64).reshape(r, -1)
+    k = idx.shape[1]
+    n_read = np.where(thr > 0, np.minimum(k, -(-thr // sbs)), 0)
+    neg = idx < 0
+    stop = np.where(neg.any(axis=1), np.argmax(neg, axis=1), k)
+    n_read = np.minimum(n_read, stop)
+    entry_ok = np.arange(k)[None, :] < n_read[:, None]
+    s_max = max(int(act_kv.max(initial=0)), 1)
+    tok = idx[:, :, None] * sbs + np.arange(sbs)[None, None, :]
+    ok = entry_ok[:, :, None] & (tok >= 0) & (tok < limit[:, None, None])
+    w = np.zeros((r, s_max), np.int64)
+    rr = np.broadcast_to(np.arange(r)[:, None, None], tok.shape)
+    np.add.at(w, (rr[ok], tok[ok]), 1)
+    return w, batch, act_kv, storage, n_read
+
+
+def read_entries(args: dict):
+    """``(idx [R, K], entry_ok [R, K])``: the index entries each row actually reads (see :func:`selection`)."""
+    *_, n_read = selection(args)
+    idx = np.asarray(args["sparse_indices"]).astype(np.int64)
+    idx = idx.reshape(n_read.size, -1)
+    return idx, np.arange(idx.shape[1])[None, :] < n_read[:, None]
+
+
+def gather_tokens(rows_of: np.ndarray, storage, batch_id: int, s_max: int, act_kv: np.ndarray):
+    """Rows of a flat storage array ``rows_of [n, W]`` for tokens 0..s_max-1 of one batch (zeros past actKV)."""
+    j = np.arange(s_max)
+    live = j < act_kv[batch_id]
+    flat = np.where(live, storage(np.full(s_max, batch_id), np.where(live, j, 0)), 0)
+    out = rows_of[flat].copy()
+    out[~live] = 0
+    return out
+
+
+def round_query_dtype(x: np.ndarray, qdtype: str) -> np.ndarray:
+    """float32 ``x`` rounded to the query dtype at the kernel's rounding point (bf16 RINT, fp16 ROUND;
+    SPEC.md 3.6) and returned as float64."""
+    from .. import formats
+
+    rounding = "rint" if qdtype == "bfloat16" else "round"
+    return np.asarray(formats.round_to(x.astype(np.float32), qdtype, rounding=rounding), np.float64)
+
+
+def packed_kv(args: dict, *, faithful: bool):
+    """QSFA packed rows as float64 ``(K [n, 512 + 64], V [n, 512])``: NoPE ``decode(code) * tile scale``
+    (one fp32 multiply), rounded to the query dtype when ``faithful``; RoPE as stored (zeros at rope 0)."""
+    from .. import formats
+
+    key = args["key"]
+    rope = int(args["rope_head_dim"])
+    qd = dtype_name(args["query"])
+    rows = np.ascontiguousarray(key).reshape(-1, key.shape[-1]).view(np.uint8)
+    n = rows.shape[0]
+    codes = np.ascontiguousarray(rows[:, :512])
+    vals = np.asarray(formats.decode(codes, args.get("key_dtype", "int8")), np.float32)
+    off = 512 + 2 * rope
+    scales = np.ascontiguousarray(rows[:, off:off + 16]).view("<f4").astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if faithful:  # one fp32 multiply, then the query-dtype rounding
+            nope = (vals.reshape(n, 4, 128) * scales[:, :, None]).reshape(n, 512)
+            nope64 = round_query_dtype(nope, qd)
+        else:  # exact: the product of two fp32 values is exact in float64
+            nope64 = (vals.reshape(n, 4, 128).astype(np.float64) * scales[:, :, None]).reshape(n, 512)
+    k = np.zeros((n, 576), np.float64)
+    k[:, :512] = nope64
+    if rope:
+        from .._arrays import numpy_dtype
+
+        k[:, 512:] = np.ascontiguousarray(rows[:, 512:640]).view(numpy_dtype(qd)).astype(np.float64)
+    return k, nope64
+
+
+def float_kv(args: dict):
+    """SFA rows as float64 ``(K [n, 512 (+64)], V [n, Dv])``."""
+    key = args["key"]
+    k = key.reshape(-1, key.shape[-1]).astype(np.float64)
+    if args.get("key_rope") is not None:
+        kr = args["key_rope"]
+        k = np.concatenate([k, kr.reshape(-1, kr.shape[-1]).astype(np.float64)], axis=1)
+    v = args.get("value")
+    v = key if v is None else v
+    return k, v.reshape(-1, v.shape[-1]).astype(np.float64)
+
+
+def query_matrix(args: dict) -> np.ndarray:
+    """The full query (NoPE + RoPE) as float64 ``[R, N, D]``."""
+    q = args["query"]
+    q = q.reshape(-1, q.shape[-2], q.shape[-1]).astype(np.float64)
+    if args.get("query_rope") is not None:
+        qr = args["query_rope"]
+        q = np.concatenate([q, qr.reshape(-1, qr.shape[-2], qr.shape[-1]).astype(np.float64)], axis=-1)
+    return q

@@ -1,0 +1,140 @@
+"""``qsfa conformance``: run the property catalogue against a backend (loaded by :mod:`qsfa.cli`).
+
+    qsfa conformance --backend reference
+    qsfa conformance --backend npu --ops kv_quant_sparse_flash_attention --profile nightly --seed 7 \\
+        --shard 2/8 --report out.json out.md out.xml --cases-dir cases/
+    qsfa conformance --list                      # the catalogue
+    qsfa conformance --replay cases/npu.kv_quant_sparse_flash_attention.vs_reference.json
+
+Exit status: 0 every selected property passed (or was skipped as not applicable), 1 a property failed or
+errored, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["register", "main"]
+
+
+def _split(values):
+    out = []
+    for v in values or ():
+        out += [x for x in str(v).split(",") if x]
+    return out
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "conformance", help="hypothesis conformance runs of the property catalogue against a backend",
+        description="Run qsfa's conformance properties (backend vs reference, metamorphic, invalid inputs) "
+                    "with hypothesis; print a per-operator table, write reports, save falsifying examples as "
+                    "replayable golden case files.")
+    p.add_argument("--backend", default=None,
+                   help="backend to check (default: reference; with --replay: the backend the case failed on)")
+    p.add_argument("--ops", nargs="+", metavar="OP", help="only properties that call these operators")
+    p.add_argument("--properties", nargs="+", metavar="NAME",
+                   help="only these properties: full names, fnmatch patterns ('*.page_permutation') or families "
+                        "('vs_reference')")
+    p.add_argument("--kind", nargs="+", choices=("vs_reference", "metamorphic"), help="only properties of these kinds")
+    p.add_argument("--max-examples", type=int, metavar="N", help="examples per property (default: the profile's)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed (default: the profile's; ci is derandomised)")
+    p.add_argument("--profile", choices=("ci", "dev", "nightly"), help="hypothesis profile and size bounds "
+                   "(default: QSFA_HYPOTHESIS_PROFILE or ci)")
+    p.add_argument("--bound", action="append", metavar="NAME=VALUE",
+                   help="override a size bound of the profile, e.g. --bound max_kv_tokens=32 (repeatable)")
+    p.add_argument("--shard", metavar="i/n", help="run only shard i of n of the selected properties")
+    p.add_argument("--report", nargs="+", action="append", metavar="FILE",
+                   help="write reports; the format follows the extension: .json, .md, .xml (JUnit)")
+    p.add_argument("--cases-dir", default=None, metavar="DIR",
+                   help="where falsifying examples are saved as case files (default: conformance-out/cases)")
+    p.add_argument("--triton-interpret", action="store_true",
+                   help="set TRITON_INTERPRET=1 (run the Triton kernels in the CPU interpreter)")
+    p.add_argument("--list", action="store_true", help="list the selected properties and exit")
+    p.add_argument("--replay", metavar="CASE", help="re-run the property of a saved falsifying example")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=main)
+    return p
+
+
+def _usage(msg):
+    from ..cli import UsageError
+
+    return UsageError(msg)
+
+
+def main(args) -> int:
+    if args.triton_interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from .._dispatch import get_backend, operators
+    from ..strategies import Bounds, bounds as profile_bounds
+    from . import reports as R
+    from .properties import select
+    from .runner import DEFAULT_CASES_DIR, parse_shard, replay_case, run_conformance
+
+    if args.replay:
+        if not os.path.exists(args.replay):
+            raise _usage(f"Invalid value for --replay, actual: {args.replay!r}, reason: no such file.")
+        holds, msg = replay_case(args.replay, args.backend)
+        print(msg)
+        return 0 if holds else 1
+
+    ops = _split(args.ops)
+    unknown = sorted(set(ops) - set(operators()))
+    if unknown:
+        raise _usage(f"Invalid value for --ops, actual: {', '.join(unknown)}, reason: unknown operator "
+                     f"(known: {', '.join(sorted(operators()))}).")
+    pats = _split(args.properties)
+    props = select(ops=ops or None, properties=pats or None, kinds=args.kind)
+    if not props:
+        raise _usage("Invalid value for --ops/--properties/--kind, actual: "
+                     f"{' '.join(ops + pats + (args.kind or []))!r}, reason: no property matches.")
+    if args.list:
+        for p in props:
+            print(f"{p.name:60s} {p.kind:12s} {' + '.join(p.ops)}")
+        return 0
+    if args.max_examples is not None and args.max_examples < 1:
+        raise _usage(f"Invalid value for --max-examples, actual: {args.max_examples}, reason: must be >= 1.")
+    if args.seed is not None and args.seed < 0:
+        raise _usage(f"Invalid value for --seed, actual: {args.seed}, reason: must be >= 0.")
+    shard = None
+    if args.shard:
+        try:
+            shard = parse_shard(args.shard)
+        except ValueError as e:
+            raise _usage(str(e)) from None
+    reports = [f for group in (args.report or []) for f in group]
+    for f in reports:
+        if os.path.splitext(f)[1].lower() not in R.REPORT_FORMATS:
+            raise _usage(f"Invalid value for --report, actual: {f!r}, reason: the extension must be one of "
+                         f"{', '.join(sorted(R.REPORT_FORMATS))}.")
+    b = profile_bounds(args.profile)
+    if args.bound:
+        kw = b.to_dict()
+        for item in args.bound:
+            name, _, value = item.partition("=")
+            if name not in kw or not value.strip().isdigit():
+                raise _usage(f"Invalid value for --bound, actual: {item!r}, reason: must be NAME=INTEGER with NAME "
+                             f"one of {', '.join(kw)}.")
+            kw[name] = int(value)
+        try:
+            b = Bounds(**kw)
+        except ValueError as e:
+            raise _usage(str(e)) from None
+
+    get_backend(args.backend or "reference")  # unknown / unusable backend: one line, exit 2 (qsfa.cli)
+
+    def progress(k, total, r):
+        if not args.quiet:
+            print(R.format_progress(k, total, r), flush=True)
+
+    report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=args.max_examples,
+                             seed=args.seed, shard_spec=shard, cases_dir=args.cases_dir or DEFAULT_CASES_DIR,
+                             bounds=b, progress=progress)
+    print()
+    print(R.format_table(report))
+    for f in reports:
+        R.write_report(report, f)
+        print(f"wrote {f}")
+    return 0 if report.ok else 1
+

@@ -1,0 +1,476 @@
+"""Run conformance properties against a backend with hypothesis; save falsifying examples as golden cases.
+
+:func:`run_property` runs one :class:`~qsfa.conformance.properties.Property` on one backend and returns a
+:class:`PropertyResult`; :func:`run_conformance` runs a selection (optionally one shard of it) and returns a
+:class:`ConformanceReport`. Both are what ``qsfa conformance`` and ``tests/test_conformance_*.py`` call.
+
+Determinism: hypothesis' example database is off. Without a seed the profile decides (``ci`` is
+derandomised: the same examples on every run and machine); with ``seed`` every property runs with
+``hypothesis.seed(f(seed, property name))``, so a run is reproduced by its seed.
+
+Falsifying examples: hypothesis shrinks a failure and replays the minimal example last; that replay's
+arguments are saved (:func:`save_case`) as a ``qsfa-case/1`` file with explicit inputs
+(:class:`qsfa.golden.Case`), replayable with ``qsfa golden generate --case FILE`` (the operator on the
+reference) and with :func:`replay_case` / ``qsfa conformance --replay FILE`` (the property itself, on any
+backend). Beside it, ``<name>.conformance.json`` records the property, backend, seed, failure message and
+what the case format cannot hold (non-finite parameters, the constraint of an invalid-argument example).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .._contract import Args
+from .._errors import UnsupportedByBackend
+from .properties import Example, Property, catalogue
+
+__all__ = [
+    "PropertyResult",
+    "ConformanceReport",
+    "run_property",
+    "run_conformance",
+    "shard",
+    "parse_shard",
+    "save_case",
+    "replay_case",
+    "settings_for",
+    "DEFAULT_CASES_DIR",
+]
+
+DEFAULT_CASES_DIR = os.path.join("conformance-out", "cases")
+SIDE_FORMAT = "qsfa-conformance-case/1"
+
+
+@dataclass
+class PropertyResult:
+    """The outcome of one property on one backend.
+
+    status: "passed", "failed" (a falsifying example was found), "skipped" (not applicable here: the
+    backend lacks an operator or no drawn example fits its limits) or "error" (the run itself broke).
+    examples: calls of the check (passed + failed; shrinking steps included); rejected: draws the backend
+    declined (UnsupportedByBackend) or that did not fit its limits.
+    """
+
+    property: str
+    ops: list
+    kind: str
+    backend: str
+    status: str
+    examples: int = 0
+    passed: int = 0
+    failed: int = 0
+    rejected: int = 0
+    seconds: float = 0.0
+    message: str = ""
+    falsifying_example: dict | None = None
+    case_file: str | None = None
+    reproduce: str | None = None
+    seed: int | None = None
+    doc: str = ""
+
+    @property
+    def op(self) -> str:
+        return self.ops[0]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ConformanceReport:
+    backend: str
+    profile: str
+    seed: int | None
+    max_examples: int
+    shard: str | None
+    bounds: dict
+    started: str
+    seconds: float = 0.0
+    versions: dict = field(default_factory=dict)
+    results: list = field(default_factory=list)
+
+    @property
+    def summary(self) -> dict:
+        out = {"properties": len(self.results)}
+        for s in ("passed", "failed", "skipped", "error"):
+            out[s] = sum(1 for r in self.results if r.status == s)
+        out["examples"] = sum(r.examples for r in self.results)
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return not any(r.status in ("failed", "error") for r in self.results)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": "qsfa-conformance/1",
+            "backend": self.backend,
+            "profile": self.profile,
+            "seed": self.seed,
+            "max_examples": self.max_examples,
+            "shard": self.shard,
+            "bounds": self.bounds,
+            "started": self.started,
+            "seconds": round(self.seconds, 3),
+            "versions": self.versions,
+            "summary": self.summary,
+            "ok": self.ok,
+            "results": [r.to_dict() for r in self.results],
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# sharding
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` (1 <= i <= n) -> ``(i, n)``; ValueError with the usual message otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if not m or not (1 <= int(m.group(1)) <= int(m.group(2))):
+        raise ValueError(f"Invalid value for --shard, actual: {text!r}, reason: must be i/n with 1 <= i <= n.")
+    return int(m.group(1)), int(m.group(2))
+
+
+def shard(props: list, i: int, n: int) -> list:
+    """Shard ``i`` of ``n`` (1-based) of a property list: every n-th property starting at i-1, so the shards
+    partition the list and each gets a mix of operators."""
+    return props[i - 1::n]
+
+
+# ---------------------------------------------------------------------------------------------------
+# hypothesis settings
+
+
+def settings_for(profile: str | None = None, *, max_examples: int | None = None, seed: int | None = None) -> dict:
+    """Keyword arguments for ``hypothesis.settings`` of a run: the profile's, no example database, one
+    reported failure per property, every health check that a filtered strategy may trip suppressed."""
+    from hypothesis import HealthCheck
+
+    from .._profiles import PROFILES, active_profile
+
+    name = profile or active_profile()
+    if name not in PROFILES:
+        raise ValueError(f"Invalid value for profile, actual: {name!r}, reason: must be one of {sorted(PROFILES)}.")
+    kw = dict(PROFILES[name])
+    if max_examples is not None:
+        kw["max_examples"] = int(max_examples)
+    if seed is not None:
+        kw["derandomize"] = False
+    kw.update(database=None, report_multiple_bugs=False, suppress_health_check=list(HealthCheck), print_blob=True)
+    return kw
+
+
+def _property_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+# ---------------------------------------------------------------------------------------------------
+# running one property
+
+
+class _State:
+    def __init__(self):
+        self.passed = self.failed = self.rejected = 0
+        self.final: list = []
+
+
+def _within_limits(prop: Property, be) -> Callable[[Example], bool] | None:
+    limits = be.limits(prop.op)
+    if not limits:
+        return None
+    from .._dispatch import operator
+
+    contract = operator(prop.op).contract
+
+    def ok(ex: Example) -> bool:
+        try:
+            a = contract.validate(Args(ex.args))
+        except Exception:
+            return False
+        return all(c.check(a) is None for c in limits)
+
+    return ok
+
+
+def run_property(prop: Property, backend: str = "reference", *, profile: str | None = None,
+                 max_examples: int | None = None, seed: int | None = None, bounds=None,
+                 cases_dir: str | None = None, pins: dict | None = None) -> PropertyResult:
+    """Run ``prop`` against ``backend`` (see the module docstring). ``bounds``: a
+    :class:`qsfa.strategies.Bounds` (default: the profile's). ``cases_dir``: where a falsifying example is
+    saved (None: not saved). ``pins``: extra strategy pins (e.g. tiny shapes for an interpreter)."""
+    from hypothesis import given, reject, settings
+    from hypothesis import seed as hyp_seed
+    from hypothesis.control import current_build_context
+    from hypothesis.errors import Unsatisfiable
+
+    from .. import strategies as qst
+    from .._dispatch import get_backend, operator
+    from .._errors import BackendError
+    from .._profiles import active_profile
+
+    profile = profile or active_profile()
+    res = PropertyResult(prop.name, list(prop.ops), prop.kind, backend, "skipped", doc=prop.doc, seed=seed)
+    t0 = time.perf_counter()
+    try:
+        be = get_backend(backend)
+    except BackendError as e:
+        res.message = str(e)
+        return res
+    missing = [op for op in prop.ops if be.name not in operator(op).impls]
+    if missing:
+        res.message = f"backend {backend!r} does not implement {', '.join(missing)}"
+        return res
+    try:
+        chip = be.chip()
+    except Exception as e:  # noqa: BLE001
+        res.status, res.message = "error", f"backend {backend!r}: chip() failed: {type(e).__name__}: {e}"
+        return res
+    b = bounds if bounds is not None else qst.bounds(profile)
+    strategy = prop.strategy(b, chip, pins or {})
+    fits = None if prop.family == "invalid_rejected" else _within_limits(prop, be)
+    if fits is not None:
+        strategy = strategy.filter(fits)
+
+    state = _State()
+
+    def test(ex):
+        final = current_build_context().is_final
+        try:
+            prop.check(ex, backend)
+        except UnsupportedByBackend:
+            state.rejected += 1
+            reject()
+        except Exception as e:
+            state.failed += 1
+            if final:
+                state.final.append((ex, e))
+            raise
+        state.passed += 1
+
+    test.__name__ = re.sub(r"\W", "_", f"conformance_{prop.name}")
+    wrapped = given(strategy)(test)
+    wrapped._hypothesis_internal_add_digest = prop.name.encode()
+    wrapped = settings(**settings_for(profile, max_examples=max_examples, seed=seed))(wrapped)
+    if seed is not None:
+        wrapped = hyp_seed(_property_seed(seed, prop.name))(wrapped)
+    try:
+        wrapped()
+        res.status = "passed"
+    except Unsatisfiable as e:
+        res.status = "skipped"
+        res.message = f"no drawn example fits backend {backend!r} ({e})"
+    except Exception as e:  # noqa: BLE001
+        if state.final:
+            ex, err = state.final[-1]
+            res.status = "failed"
+            res.message = f"{type(err).__name__}: {err}"
+            res.falsifying_example = summarize(ex)
+            res.reproduce = _reproduce_line(e)
+            if cases_dir is not None:
+                try:
+                    res.case_file = save_case(prop, backend, ex, res.message, cases_dir, seed=seed)
+                except Exception as save_err:  # noqa: BLE001 - report, do not hide the failure
+                    res.message += f"\n(could not save the case file: {type(save_err).__name__}: {save_err})"
+        else:
+            res.status = "error"
+            res.message = f"{type(e).__name__}: {e}"
+    res.passed, res.failed, res.rejected = state.passed, state.failed, state.rejected
+    res.examples = state.passed + state.failed
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _reproduce_line(e: BaseException) -> str | None:
+    for note in getattr(e, "__notes__", []) or []:
+        if "reproduce_failure" in note:
+            return note.strip()
+    return None
+
+
+def summarize(ex: Example) -> dict:
+    """A short JSON-able description of an example: arrays by shape / dtype (small ones by value)."""
+    from .._arrays import dtype_name
+
+    out = {}
+    for k, v in ex.args.items():
+        if isinstance(v, np.ndarray):
+            try:
+                dt = dtype_name(v)
+            except Exception:  # noqa: BLE001
+                dt = str(v.dtype)
+            d = {"shape": list(v.shape), "dtype": dt}
+            if v.size <= 16 and v.dtype.kind in "iub":
+                d["values"] = v.reshape(-1).tolist()
+            out[k] = d
+        else:
+            out[k] = _jsonable(v)
+    if ex.constraint is not None:
+        out["__constraint__"] = ex.constraint.id
+    return out
+
+
+def _jsonable(v):
+    if isinstance(v, (np.bool_,)):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        f = float(v)
+        return f if np.isfinite(f) else {"float": repr(f)}
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return {"repr": repr(v)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# case files
+
+
+def _case_name(backend: str, prop: Property) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{backend}.{prop.name}")
+
+
+def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir: str, *, seed=None) -> str:
+    """Save the falsifying example ``ex`` of ``prop`` as ``<cases_dir>/<backend>.<property>.json`` (a
+    ``qsfa-case/1`` file, arrays as explicit ``.npy`` inputs) plus the ``.conformance.json`` sidecar.
+    Returns the case file's path."""
+    from ..golden.case import Case, _json_value
+    from ..golden.io import GoldenInputError
+
+    name = _case_name(backend, prop)
+    inputs, params, extra = {}, {}, {}
+    for k, v in ex.args.items():
+        if isinstance(v, np.ndarray):
+            inputs[k] = np.ascontiguousarray(v)
+            continue
+        try:
+            params[k] = _json_value(k, v)
+        except GoldenInputError:
+            extra[k] = _jsonable(v)
+    desc = (f"falsifying example of conformance property {prop.name} on backend {backend!r}: "
+            f"{message.splitlines()[0][:300] if message else ''}")
+    case = Case(name=name, op=prop.op, params=params, seed=0, generator=None, description=desc,
+                inputs_given=inputs)
+    os.makedirs(cases_dir, exist_ok=True)
+    path = os.path.join(cases_dir, name + ".json")
+    case.save(path)
+    side = {
+        "format": SIDE_FORMAT,
+        "case": os.path.basename(path),
+        "property": prop.name,
+        "ops": list(prop.ops),
+        "kind": prop.kind,
+        "backend": backend,
+        "seed": seed,
+        "check_seed": int(ex.seed),
+        "constraint": ex.constraint.id if ex.constraint is not None else None,
+        "params_not_in_case": extra,
+        "message": message,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    with open(os.path.join(cases_dir, name + ".conformance.json"), "w", encoding="utf-8") as f:
+        json.dump(side, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return path
+
+
+def _restore(v):
+    if isinstance(v, dict) and set(v) == {"float"}:
+        return float(v["float"])
+    if isinstance(v, dict) and set(v) == {"repr"}:
+        raise ValueError(f"parameter value {v['repr']} cannot be restored from the case file")
+    return v
+
+
+def load_example(path: str) -> tuple[Property, Example, dict]:
+    """Load a saved falsifying example: ``(property, example, sidecar)``."""
+    from ..golden.case import Case
+    from .._dispatch import operator
+    from .properties import get
+
+    case = Case.load(path)
+    side_path = path[:-5] + ".conformance.json" if path.endswith(".json") else path + ".conformance.json"
+    with open(side_path, encoding="utf-8") as f:
+        side = json.load(f)
+    prop = get(side["property"])
+    args = dict(case.params)
+    args.update(case.inputs())
+    args.update({k: _restore(v) for k, v in side.get("params_not_in_case", {}).items()})
+    c = None
+    if side.get("constraint"):
+        c = operator(prop.op).contract.constraint(side["constraint"])
+    return prop, Example(args, int(side.get("check_seed", 0)), c), side
+
+
+def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
+    """Re-run the property of a saved falsifying example on ``backend`` (default: the one it failed on).
+    Returns ``(holds, message)``: ``holds`` is False when the property still fails on that backend."""
+    prop, ex, side = load_example(path)
+    be = backend or side["backend"]
+    try:
+        prop.check(ex, be)
+    except AssertionError as e:
+        return False, f"{prop.name} fails on {be!r}: {e}"
+    return True, f"{prop.name} holds on {be!r}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# a whole run
+
+
+def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = None,
+                    properties: Iterable[str] | None = None, kinds: Iterable[str] | None = None,
+                    profile: str | None = None, max_examples: int | None = None, seed: int | None = None,
+                    shard_spec: str | tuple | None = None, cases_dir: str | None = DEFAULT_CASES_DIR,
+                    bounds=None, pins: dict | None = None,
+                    progress: Callable[[int, int, PropertyResult], None] | None = None,
+                    props: list | None = None) -> ConformanceReport:
+    """Run the selected properties against ``backend``; see :func:`run_property` for the arguments.
+    ``shard_spec``: "i/n" or ``(i, n)``. ``progress(k, total, result)`` is called after each property."""
+    import hypothesis
+
+    from .. import __version__
+    from .. import strategies as qst
+    from .._profiles import PROFILES, active_profile
+    from .properties import select
+
+    profile = profile or active_profile()
+    selected = props if props is not None else select(ops=list(ops) if ops else None,
+                                                        properties=list(properties) if properties else None,
+                                                        kinds=list(kinds) if kinds else None)
+    shard_text = None
+    if shard_spec is not None:
+        i, n = parse_shard(shard_spec) if isinstance(shard_spec, str) else shard_spec
+        selected = shard(selected, i, n)
+        shard_text = f"{i}/{n}"
+    b = bounds if bounds is not None else qst.bounds(profile)
+    report = ConformanceReport(
+        backend=backend, profile=profile, seed=seed,
+        max_examples=int(max_examples if max_examples is not None else PROFILES[profile]["max_examples"]),
+        shard=shard_text, bounds=b.to_dict(),
+        started=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        versions={"qsfa": __version__, "hypothesis": hypothesis.__version__, "numpy": np.__version__})
+    t0 = time.perf_counter()
+    for k, p in enumerate(selected, 1):
+        r = run_property(p, backend, profile=profile, max_examples=max_examples, seed=seed, bounds=b,
+                         cases_dir=cases_dir, pins=pins)
+        report.results.append(r)
+        if progress is not None:
+            progress(k, len(selected), r)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def all_property_names() -> list[str]:
+    return [p.name for p in catalogue()]
