@@ -163,5 +163,6 @@ def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype: 
         MULTIPLY_ORDER=scale_order == "multiply",
         IS_BF16=k_nope.dtype == torch.bfloat16,
         FP8=key_dtype == "float8_e4m3fn",
+        enable_fp_fusion=False,  # no fma contraction: every fp32 operation rounds as in the reference
     )
     return kv_cache

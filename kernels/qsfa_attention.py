@@ -51,13 +51,8 @@ def _decode_e4m3fn(c):
 
 
 @triton.jit
-def _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX: tl.constexpr,
-                  IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr):
-    """[BLOCK_N, len(cols)] dequantised NoPE columns ``cols`` of the rows at byte offsets ``row_off``:
-    ``decode(code) * tile_scale`` (one fp32 multiply) rounded to the query dtype."""
-    q8 = tl.load(kv_i8_ptr + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0)
-    sc = tl.load(kv_f32_ptr + (row_off // 4)[:, None] + SCALE_IDX + (cols // 128)[None, :],
-                 mask=valid[:, None], other=0.0)
+def _dequant(q8, sc, IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr):
+    """``decode(code) * scale`` (one fp32 multiply) rounded to the query dtype."""
     if KEY_FP8:
         val = _decode_e4m3fn(q8.to(tl.uint8, bitcast=True))
     else:
@@ -66,14 +61,35 @@ def _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX: tl.con
 
 
 @triton.jit
-def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope,
+def _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, J: tl.constexpr, SCALE_IDX: tl.constexpr,
+               IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr):
+    """NoPE tile J (columns [128 J, 128 J + 128)) of the rows at byte offsets ``row_off``, dequantised:
+    [BLOCK_N, 128] in the query dtype (one scale load per row)."""
+    cols = tl.arange(0, 128)
+    q8 = tl.load(kv_i8_ptr + row_off[:, None] + (J * 128 + cols)[None, :], mask=valid[:, None], other=0)
+    sc = tl.load(kv_f32_ptr + row_off // 4 + (SCALE_IDX + J), mask=valid, other=0.0)
+    return _dequant(q8, sc[:, None], IS_BF16, Q_ROUND, KEY_FP8)
+
+
+@triton.jit
+def _dot_t(a, b, IS_BF16: tl.constexpr, DOT_F32: tl.constexpr):
+    """a @ b^T with fp32 accumulation (operands widened to fp32 under the interpreter)."""
+    if DOT_F32:
+        return tl.dot(to_f32(a, IS_BF16), tl.trans(to_f32(b, IS_BF16)))
+    else:
+        return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope,
                   kv_i8_ptr, kv_16_ptr, kv_f32_ptr, stride_kb, stride_kt, bt_ptr, stride_bt,
                   idx_ptr, stride_ir, scale_value, block_size,
                   SBS: tl.constexpr, SCALE_IDX: tl.constexpr, IS_PA: tl.constexpr, HAS_ROPE: tl.constexpr,
                   IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr, DOT_F32: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """Scores [BLOCK_H, BLOCK_N] (invalid tokens -inf) of the selected positions [p0, p0 + BLOCK_N), plus
-    the gathered rows' byte offsets, their validity and the dequantised NoPE [BLOCK_N, 512]."""
+    the gathered rows' byte offsets and their validity. The NoPE is streamed in four 128-column tiles
+    (q0..q3 are the matching query tiles) so only one dequantised tile is live at a time."""
     pos = p0 + tl.arange(0, BLOCK_N)
     in_range = pos < n_pos
     entry = pos // SBS
@@ -86,39 +102,56 @@ def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope,
         row_off = blk * stride_kb + (tok % block_size) * stride_kt
     else:
         row_off = kv_b * stride_kb + (kv_off + tok) * stride_kt
+    row_off = tl.multiple_of(row_off, 16)  # the launcher guarantees 16-byte aligned rows (vector loads)
 
-    cols = tl.arange(0, 512)
-    k_nope = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, cols, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8)
-    if DOT_F32:
-        s = tl.dot(q_nope, tl.trans(to_f32(k_nope, IS_BF16)))
-    else:
-        s = tl.dot(q_nope, tl.trans(k_nope))
+    s = _dot_t(q0, _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, 0, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8),
+               IS_BF16, DOT_F32)
+    s += _dot_t(q1, _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, 1, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8),
+                IS_BF16, DOT_F32)
+    s += _dot_t(q2, _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, 2, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8),
+                IS_BF16, DOT_F32)
+    s += _dot_t(q3, _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, 3, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8),
+                IS_BF16, DOT_F32)
     if HAS_ROPE:
         rcols = tl.arange(0, 64)
         k_rope = tl.load(kv_16_ptr + (row_off // 2)[:, None] + 256 + rcols[None, :],
                          mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            k_rope = to_f32(k_rope, IS_BF16)
-        s += tl.dot(q_rope, tl.trans(k_rope))
+        s += _dot_t(q_rope, k_rope, IS_BF16, DOT_F32)
     s = s * scale_value
     s = tl.where(valid[None, :], s, float("-inf"))
-    return s, row_off, valid, k_nope
+    return s, row_off, valid
 
 
 @triton.jit
-def _accumulate(acc, p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
-                SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr,
-                DOT_F32: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """acc + round(p) @ V[:, vcols] (fp32 accumulation)."""
-    if BLOCK_DV == 512:
-        v = k_nope
-    else:
-        v = _dequant_nope(kv_i8_ptr, kv_f32_ptr, row_off, valid, vcols, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8)
-    p16 = round_to_dtype(p, IS_BF16, Q_ROUND)
+def _v_sub(kv_i8_ptr, kv_f32_ptr, row_off, valid, c0, SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr,
+           Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr, W: tl.constexpr):
+    """V columns [c0, c0 + W) (inside one 128-column scale tile) dequantised: [BLOCK_N, W]."""
+    cols = tl.arange(0, W)
+    q8 = tl.load(kv_i8_ptr + row_off[:, None] + (c0 + cols)[None, :], mask=valid[:, None], other=0)
+    sc = tl.load(kv_f32_ptr + row_off // 4 + SCALE_IDX + c0 // 128, mask=valid, other=0.0)
+    return _dequant(q8, sc[:, None], IS_BF16, Q_ROUND, KEY_FP8)
+
+
+@triton.jit
+def _pv(acc, p16, row_off, valid, c0, kv_i8_ptr, kv_f32_ptr, SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr,
+        Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr, DOT_F32: tl.constexpr, W: tl.constexpr):
+    """acc + P @ V[:, c0:c0 + W] with fp32 accumulation (V re-gathered and dequantised, one sub-tile)."""
+    v = _v_sub(kv_i8_ptr, kv_f32_ptr, row_off, valid, c0, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, W)
     if DOT_F32:
         return acc + tl.dot(to_f32(p16, IS_BF16), to_f32(v, IS_BF16))
     else:
         return acc + tl.dot(p16, v)
+
+
+@triton.jit
+def _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, c0, acc, has, l_out, IS_BF16: tl.constexpr,
+               Q_ROUND: tl.constexpr, W: tl.constexpr):
+    """out[row, heads, c0:c0 + W] = round(acc / l) (0 for rows without a selected token)."""
+    o = tl.math.div_rn(acc, tl.broadcast_to(tl.where(has, l_out, 1.0)[:, None], acc.shape))
+    o16 = round_to_dtype(tl.where(has[:, None], o, 0.0), IS_BF16, Q_ROUND)
+    cols = c0 + tl.arange(0, W)
+    tl.store(out_ptr + row * stride_or + heads.to(tl.int64)[:, None] * stride_oh + cols[None, :], o16,
+             mask=hmask[:, None])
 
 
 @triton.jit
@@ -159,27 +192,32 @@ def qsfa_attention_kernel(
 
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < Q_N
-    cols = tl.arange(0, 512)
+    c128 = tl.arange(0, 128)
     q_row = q_ptr + row * stride_qr + heads.to(tl.int64)[:, None] * stride_qh
-    q_nope = tl.load(q_row + cols[None, :], mask=hmask[:, None], other=0.0)
-    if DOT_F32:
-        q_nope = to_f32(q_nope, IS_BF16)
-    q_rope = q_nope  # placeholder when there is no RoPE (never read)
+    q0 = tl.load(q_row + c128[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(q_row + 128 + c128[None, :], mask=hmask[:, None], other=0.0)
+    q2 = tl.load(q_row + 256 + c128[None, :], mask=hmask[:, None], other=0.0)
+    q3 = tl.load(q_row + 384 + c128[None, :], mask=hmask[:, None], other=0.0)
+    q_rope = q0  # placeholder when there is no RoPE (never read)
     if HAS_ROPE:
         rcols = tl.arange(0, 64)
         q_rope = tl.load(q_row + 512 + rcols[None, :], mask=hmask[:, None], other=0.0)
-        if DOT_F32:
-            q_rope = to_f32(q_rope, IS_BF16)
-    vcols = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    # the program's BLOCK_DV output columns as four sub-tiles of W columns (each inside one scale tile), so
+    # only one dequantised V sub-tile is live at a time
+    W: tl.constexpr = BLOCK_DV // 4
+    dv0 = pid_v * BLOCK_DV
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, W], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, W], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, W], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, W], tl.float32)
 
     if TWO_PASS:
         for p0 in range(0, n_pos, BLOCK_N):
-            s, row_off, valid, k_nope = _chunk_scores(
-                p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+            s, row_off, valid = _chunk_scores(
+                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
                 SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -189,23 +227,30 @@ def qsfa_attention_kernel(
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         l_div = tl.where(l_i > 0.0, l_i, 1.0)
         for p0 in range(0, n_pos, BLOCK_N):
-            s, row_off, valid, k_nope = _chunk_scores(
-                p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+            s, row_off, valid = _chunk_scores(
+                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
                 SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
             p = tl.exp(s - m_fin[:, None])
             if P_NORMALISED:
                 p = tl.math.div_rn(p, tl.broadcast_to(l_div[:, None], p.shape))
-            acc = _accumulate(acc, p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
-                              SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_DV)
+            p16 = round_to_dtype(p, IS_BF16, Q_ROUND)
+            acc0 = _pv(acc0, p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
+                       KEY_FP8, DOT_F32, W)
+            acc1 = _pv(acc1, p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
+                       KEY_FP8, DOT_F32, W)
+            acc2 = _pv(acc2, p16, row_off, valid, dv0 + 2 * W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16,
+                       Q_ROUND, KEY_FP8, DOT_F32, W)
+            acc3 = _pv(acc3, p16, row_off, valid, dv0 + 3 * W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16,
+                       Q_ROUND, KEY_FP8, DOT_F32, W)
         if P_NORMALISED:
             l_out = tl.where(l_i > 0.0, 1.0, 0.0)
         else:
             l_out = l_i
     else:
         for p0 in range(0, n_pos, BLOCK_N):
-            s, row_off, valid, k_nope = _chunk_scores(
-                p0, n_pos, limit, kv_b, kv_off, row, q_nope, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+            s, row_off, valid = _chunk_scores(
+                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
                 SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -214,15 +259,24 @@ def qsfa_attention_kernel(
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            acc = _accumulate(acc * alpha[:, None], p, row_off, valid, k_nope, vcols, kv_i8_ptr, kv_f32_ptr,
-                              SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_DV)
+            p16 = round_to_dtype(p, IS_BF16, Q_ROUND)
+            acc0 = _pv(acc0 * alpha[:, None], p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, SCALE_IDX,
+                       IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
+            acc1 = _pv(acc1 * alpha[:, None], p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX,
+                       IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
+            acc2 = _pv(acc2 * alpha[:, None], p16, row_off, valid, dv0 + 2 * W, kv_i8_ptr, kv_f32_ptr,
+                       SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
+            acc3 = _pv(acc3 * alpha[:, None], p16, row_off, valid, dv0 + 3 * W, kv_i8_ptr, kv_f32_ptr,
+                       SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
         l_out = l_i
 
     has = l_out > 0.0
-    o = tl.math.div_rn(acc, tl.broadcast_to(tl.where(has, l_out, 1.0)[:, None], acc.shape))
-    o16 = round_to_dtype(tl.where(has[:, None], o, 0.0), IS_BF16, Q_ROUND)
-    tl.store(out_ptr + row * stride_or + heads.to(tl.int64)[:, None] * stride_oh + vcols[None, :], o16,
-             mask=hmask[:, None])
+    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0, acc0, has, l_out, IS_BF16, Q_ROUND, W)
+    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + W, acc1, has, l_out, IS_BF16, Q_ROUND, W)
+    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + 2 * W, acc2, has, l_out, IS_BF16,
+               Q_ROUND, W)
+    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + 3 * W, acc3, has, l_out, IS_BF16,
+               Q_ROUND, W)
     if WRITE_LSE:
         if pid_v == 0:
             tl.store(max_ptr + row * Q_N + heads, tl.where(l_i > 0.0, m_i, 0.0), mask=hmask)
@@ -262,6 +316,8 @@ def default_config(q_n: int) -> KernelConfig:
     """Tiling used when none is given: small tiles under the interpreter, 64-head tiles on a GPU."""
     if interpreting():
         return KernelConfig(block_h=16, block_n=16, block_dv=512, num_warps=1, num_stages=1, two_pass=True)
+    # sm_90 compile (AOT, no GPU): 64 heads x 256 columns, 8 warps, 2 stages uses 254 registers and no
+    # spills; 64 x 512 spills (see benchmarks/triton_qsfa.py for the tilings to time on a device)
     return KernelConfig(block_h=64 if q_n >= 64 else 16 if q_n <= 16 else 32, block_n=32, block_dv=256,
                         num_warps=8, num_stages=2)
 
@@ -385,11 +441,13 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
         idx = idx.contiguous()
 
     # key views sharing one base address: int8 (NoPE codes), 16-bit in the query dtype (RoPE), fp32
-    # (scales); the kernel indexes them with byte offsets, // 2 and // 4. Byte strides must be 4-aligned.
+    # (scales); the kernel indexes them with byte offsets, // 2 and // 4.
     k8 = key if key.dtype == torch.int8 else key.view(torch.int8)
     if layout_kv == "TND":
         k8 = k8.reshape(k8.shape[0], k8.shape[-1])
-    strides_ok = k8.stride(-1) == 1 and all(st % 4 == 0 for st in k8.stride()[:-1]) and k8.storage_offset() % 4 == 0
+    # rows must start on 16-byte boundaries (the kernel's vector loads rely on it; 656 and 528 are multiples
+    # of 16, so a fresh contiguous copy always qualifies)
+    strides_ok = k8.stride(-1) == 1 and all(st % 16 == 0 for st in k8.stride()[:-1]) and k8.data_ptr() % 16 == 0
     if not strides_ok:
         k8 = k8.contiguous()
     if layout_kv == "TND":
@@ -442,6 +500,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             BLOCK_DV=cfg.block_dv,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            enable_fp_fusion=False,  # keep every fp32 rounding point (no mul+add -> fma contraction)
         )
 
     attention_out = out.reshape(tuple(query.shape[:-1]) + (NOPE,))

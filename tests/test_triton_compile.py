@@ -1,0 +1,106 @@
+"""The Triton kernels compile for a real GPU target (sm_90, Hopper) without a GPU present.
+
+The interpreter (which the other test_triton* modules use) executes the kernels as Python, so code that
+only the compiler rejects - a name bound in one static branch and read in another, a dtype mismatch in
+a loop-carried value, a tile that exceeds shared memory - would pass there and fail on a device.
+This module compiles the kernels ahead of time with triton's bundled ptxas in a subprocess (the kernels
+must be imported *without* TRITON_INTERPRET), and checks the default GPU tiling of the attention kernel
+for register spills with triton's bundled cuobjdump (a spilling default would be a performance bug).
+Skipped where triton has no NVIDIA backend or tools.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+    pytest.skip("torch and triton are needed (pip install qsfa[triton])", allow_module_level=True)
+
+pytestmark = pytest.mark.triton
+
+_SCRIPT = r'''
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qsfa.kernels import c8_cache_writer as W, qsfa_attention as A
+
+target = GPUTarget("cuda", 90, 32)
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+def usage(k):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    out = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                         capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    line = [l for l in out.splitlines() if "REG:" in l][-1]
+    fields = dict(x.split(":") for x in line.split() if ":" in x)
+    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "shared": k.metadata.shared}
+
+def compile_attn(cfg, is_bf16=True, rope=True, pa=True, fp8=False, sbs=1, lse=True, normalised=False):
+    qdt = "*bf16" if is_bf16 else "*fp16"
+    sig = dict(q_ptr=qdt, stride_qr="i64", stride_qh="i64", kv_i8_ptr="*i8", kv_16_ptr=qdt, kv_f32_ptr="*fp32",
+               stride_kb="i64", stride_kt="i64", bt_ptr="*i32", stride_bt="i32", idx_ptr="*i32", stride_ir="i32",
+               meta_ptr="*i64", out_ptr=qdt, stride_or="i32", stride_oh="i32", max_ptr="*fp32", sum_ptr="*fp32",
+               scale_value="fp32", Q_N="i32", block_size="i32")
+    # what the JIT specialises at a real launch: 16-aligned pointers, 16-divisible strides and sizes
+    div16 = [n for n in sig if sig[n].startswith("*") or n in ("stride_qr", "stride_qh", "stride_kb", "stride_kt",
+             "stride_ir", "stride_or", "stride_oh", "Q_N", "block_size")]
+    const = dict(SBS=sbs, SCALE_IDX=160 if rope else 128, IS_PA=pa, HAS_ROPE=rope, IS_BF16=is_bf16, Q_ROUND=1,
+                 KEY_FP8=fp8, TWO_PASS=cfg.two_pass or normalised, P_NORMALISED=normalised, WRITE_LSE=lse,
+                 DOT_F32=False, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv)
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(fn=A.qsfa_attention_kernel, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                                           enable_fp_fusion=False))
+
+def compile_c8(bf16, rope, mult, fp8):
+    sig = dict(nope_ptr="*bf16" if bf16 else "*fp16", stride_nt="i32", stride_nd="i32", rope_ptr="*u8",
+               stride_rt="i32", slot_ptr="*i64", cache_ptr="*u8", stride_cb="i64", stride_cr="i32",
+               stride_cc="i32", block_size="i32")
+    const = dict(HAS_ROPE=rope, MULTIPLY_ORDER=mult, IS_BF16=bf16, FP8=fp8)
+    sig.update({k: "constexpr" for k in const})
+    return triton.compile(ASTSource(fn=W.c8_cache_write_kernel, signature=sig, constexprs=const), target=target,
+                          options=dict(num_warps=4, enable_fp_fusion=False))
+
+res = {}
+for args in [(True, True, False, False), (False, False, True, True)]:
+    res["c8 %s" % (args,)] = usage(compile_c8(*args))
+res["attn default"] = usage(compile_attn(A.default_config(128)))
+res["attn fp16 fp8 rope0 BSND sbs16 normalised q_n 8"] = usage(compile_attn(
+    A.default_config(8), is_bf16=False, rope=False, pa=False, fp8=True, sbs=16, lse=False, normalised=True))
+print("RESULT " + json.dumps(res))
+'''
+
+
+def _tools_present() -> bool:
+    import triton
+
+    d = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return all(os.path.exists(os.path.join(d, t)) for t in ("ptxas", "cuobjdump"))
+
+
+def test_kernels_compile_for_sm90_without_spilling_by_default():
+    if not _tools_present():
+        pytest.skip("triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "0"
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    res = json.loads(line[len("RESULT "):])
+    for name, u in res.items():
+        assert u["shared"] <= 227 * 1024, f"{name}: {u['shared']} bytes of shared memory exceed sm_90's 227 KiB"
+    assert res["attn default"]["stack"] == 0, f"default decode tiling spills registers: {res['attn default']}"
+    for name, u in res.items():
+        if name.startswith("c8"):
+            assert u["stack"] == 0, f"{name} spills: {u}"
