@@ -1,0 +1,23 @@
+"""The property catalogue on the reference backend, one test per property (the same definitions the
+``qsfa conformance`` runner uses), under the active hypothesis profile (``ci`` by default: derandomised).
+
+Metamorphic properties (including the invalid-argument ones) check the reference against relations and
+float64 models derived independently of it; the vs_reference properties are trivial for the reference itself
+and are left to the runner (``qsfa conformance --backend reference``).
+"""
+
+import pytest
+
+from qsfa.conformance import run_property, select
+
+PROPS = select(kinds=["metamorphic"])
+
+
+@pytest.mark.parametrize("prop", PROPS, ids=[p.name for p in PROPS])
+def test_property_holds_on_reference(prop):
+    r = run_property(prop, "reference")
+    assert r.status == "passed", (
+        f"{r.property} ({r.status}): {r.message}\nminimal falsifying example: {r.falsifying_example}\n"
+        f"{r.reproduce or ''}"
+    )
+    assert r.examples > 0

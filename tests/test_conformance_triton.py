@@ -1,0 +1,71 @@
+"""The property catalogue on the "triton" backend, for every property whose operators the Triton kernels
+implement (c8_cache_write, kv_quant_sparse_flash_attention): backend-vs-reference (cache bytes exact;
+attention within the SPEC.md section 4 criterion) plus the metamorphic properties, all through the same
+definitions ``qsfa conformance --backend triton`` runs.
+
+Without a CUDA device the kernels run in the Triton CPU interpreter (TRITON_INTERPRET=1, set here before
+triton is first imported): tiny shapes and a few examples per property keep that inside CI's budget. On a
+GPU the active profile's bounds and example counts apply. Skips with the reason when the backend is unusable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+    pytest.skip("torch and triton are needed (pip install qsfa[triton])", allow_module_level=True)
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; rerun with TRITON_INTERPRET=1",
+                    allow_module_level=True)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from qsfa import strategies as qst  # noqa: E402
+from qsfa._dispatch import backends  # noqa: E402
+from qsfa._profiles import PROFILES, active_profile  # noqa: E402
+from qsfa.conformance import catalogue, run_property  # noqa: E402
+
+_STATUS = backends()["triton"]
+if not _STATUS.usable:
+    pytest.skip(f"backend 'triton' is not usable here: {_STATUS.reason}", allow_module_level=True)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+IMPLEMENTED = set(_STATUS.operators)
+PROPS = [p for p in catalogue() if set(p.ops) <= IMPLEMENTED]
+
+#: interpreter: tiny shapes (one batch, two query rows, 16 KV tokens, two heads) and few examples
+TINY = qst.Bounds(max_batch=1, max_q_tokens=2, max_kv_tokens=16, max_sparse=4, max_heads=2, max_block_size=16,
+                  max_tokens=4)
+_INTERPRETER_EXAMPLES = {"ci": 8, "dev": 25, "nightly": 100}
+
+
+def _budget():
+    prof = active_profile()
+    if not INTERPRETED:
+        return None, None
+    return TINY, min(_INTERPRETER_EXAMPLES.get(prof, 8), PROFILES[prof]["max_examples"])
+
+
+def test_triton_implements_the_kernel_operators():
+    assert {"c8_cache_write", "kv_quant_sparse_flash_attention"} <= IMPLEMENTED
+    names = {p.name for p in PROPS}
+    assert {"c8_cache_write.vs_reference", "kv_quant_sparse_flash_attention.vs_reference"} <= names
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("prop", PROPS, ids=[p.name for p in PROPS])
+def test_property_holds_on_triton(prop):
+    bounds, n = _budget()
+    r = run_property(prop, "triton", bounds=bounds, max_examples=n)
+    assert r.status == "passed", (
+        f"{r.property} ({r.status}): {r.message}\nminimal falsifying example: {r.falsifying_example}\n"
+        f"{r.reproduce or ''}"
+    )
+    assert r.examples > 0
