@@ -314,10 +314,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         q[..., :query.shape[-1]] = q2d[r]
         return q
 
-    def load_kv(storage, valid):
-        c, w = storage.shape
-        packed = key2d[storage.reshape(-1)]  # [c*w, kvd]: the selected packed rows, gathered once per chunk
-        packed[~valid.reshape(-1)] = 0  # unselected tokens: zero bytes -> K = V = 0 (no stray NaN)
+    def dequant(packed):
+        """Packed rows [n, kvd] (uint8) -> K [n, 576] (fdt): NoPE decoded, scaled, rounded; RoPE as stored."""
         n = packed.shape[0]
         scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4").astype(fdt)
         k = np.empty((n, dqk), fdt)
@@ -335,6 +333,20 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
             k[:, NOPE_DIM:] = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt])
         else:
             k[:, NOPE_DIM:] = 0
+        return k
+
+    def load_kv(storage, valid):
+        c, w = storage.shape
+        flat = storage.reshape(-1)
+        bad = ~valid.reshape(-1)
+        uniq, inv = np.unique(flat, return_inverse=True)
+        if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
+            k = dequant(key2d[uniq])[inv.reshape(-1)]
+            k[bad] = 0  # unselected tokens: K = V = 0 (whatever the cache holds there)
+        else:  # decode: gather the selected packed rows once, dequantise them
+            packed = key2d[flat]
+            packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows)
+            k = dequant(packed)
         k = k.reshape(c, w, dqk)
         return k, k[..., :NOPE_DIM]
 
