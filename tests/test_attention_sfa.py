@@ -219,3 +219,21 @@ def test_hifloat8_needs_sparse_size_2048_and_rope_64():
     with pytest.raises(InvalidArgument, match="sparse_size 2048"):
         qsfa.kv_quant_sparse_flash_attention(**qsfa_case(key_fmt="hifloat8"))
     assert math.isfinite(float(qsfa.kv_quant_sparse_flash_attention(**a)[0].astype(np.float32).sum()))
+
+
+def test_reference_front_door_matches_public():
+    """qsfa.reference.attention.attention / attention_error_budget (no validation) route and infer like the
+    public front door."""
+    from qsfa.reference import attention as ref
+
+    case = pow2_case(11, kv=30, sparse=10)
+    a = layout_args(case)
+    q, qr = np.ascontiguousarray(a["query"][..., :512]), np.ascontiguousarray(a["query"][..., 512:])
+    kw = dict(query_rope=qr, actual_seq_lengths_query=a["actual_seq_lengths_query"],
+              actual_seq_lengths_kv=a["actual_seq_lengths_kv"])
+    want = qsfa.attention(q, a["key"], None, a["sparse_indices"], SCALE, **kw)[0]
+    got = ref.attention(q, a["key"], None, a["sparse_indices"], SCALE, **kw)[0]
+    assert want.tobytes() == got.tobytes()
+    d_pub = qsfa.attention_error_budget(q, a["key"], None, a["sparse_indices"], SCALE, **kw)
+    d_ref = ref.attention_error_budget(q, a["key"], None, a["sparse_indices"], SCALE, **kw)
+    assert np.array_equal(d_pub, d_ref) and np.abs(d_pub).max() > 0

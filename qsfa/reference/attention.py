@@ -459,7 +459,13 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
                   return_softmax_lse=return_softmax_lse, precision=precision,
                   probability_rounding=probability_rounding, chunk_size=chunk_size)
     if is_quant_key(key):
+        from .._arrays import dtype_name
+
         q = query if query_rope is None else np.concatenate([query, query_rope], axis=-1)
+        if rope_head_dim is None:
+            rope_head_dim = {656: 64, 528: 0}.get(int(key.shape[-1]), 64)
+        if key_dtype is None:
+            key_dtype = "float8_e4m3fn" if dtype_name(key) == "float8_e4m3fn" else "int8"
         return kv_quant_sparse_flash_attention(q, key, key if value is None else value, sparse_indices,
                                                scale_value, key_dtype=key_dtype, rope_head_dim=rope_head_dim,
                                                **common)
