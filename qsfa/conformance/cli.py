@@ -43,7 +43,8 @@ def register(subparsers):
                    "(default: QSFA_HYPOTHESIS_PROFILE or ci)")
     p.add_argument("--bound", action="append", metavar="NAME=VALUE",
                    help="override a size bound of the profile, e.g. --bound max_kv_tokens=32 (repeatable)")
-    p.add_argument("--shard", metavar="i/n", help="run only shard i of n of the selected properties")
+    p.add_argument("--shard", metavar="i/n",
+                   help="only the selected properties k with k %% n == i (0 <= i < n, as qsfa golden --shard)")
     p.add_argument("--report", nargs="+", action="append", metavar="FILE",
                    help="write reports; the format follows the extension: .json, .md, .xml (JUnit)")
     p.add_argument("--cases-dir", default=None, metavar="DIR",

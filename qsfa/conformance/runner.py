@@ -133,17 +133,17 @@ class ConformanceReport:
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """``"i/n"`` (1 <= i <= n) -> ``(i, n)``; ValueError with the usual message otherwise."""
+    """``"i/n"`` (0 <= i < n, as ``qsfa golden generate --shard``) -> ``(i, n)``; ValueError otherwise."""
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
-    if not m or not (1 <= int(m.group(1)) <= int(m.group(2))):
-        raise ValueError(f"Invalid value for --shard, actual: {text!r}, reason: must be i/n with 1 <= i <= n.")
+    if not m or not (0 <= int(m.group(1)) < int(m.group(2))):
+        raise ValueError(f"Invalid value for --shard, actual: {text!r}, reason: must be i/n with 0 <= i < n.")
     return int(m.group(1)), int(m.group(2))
 
 
 def shard(props: list, i: int, n: int) -> list:
-    """Shard ``i`` of ``n`` (1-based) of a property list: every n-th property starting at i-1, so the shards
-    partition the list and each gets a mix of operators."""
-    return props[i - 1::n]
+    """Shard ``i`` of ``n`` (0 <= i < n) of a property list: the properties k with ``k % n == i`` (the rule
+    of ``qsfa golden generate --shard``), so the shards partition the list and each mixes operators."""
+    return props[i::n]
 
 
 # ---------------------------------------------------------------------------------------------------
