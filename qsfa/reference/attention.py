@@ -54,6 +54,9 @@ Memory: the work is done in chunks of query rows; ``chunk_size`` bounds both the
 chunk, so peak working memory is independent of the number of query tokens (about
 ``chunk_size * 16 * 10 KB``, ~330 MB at the default 2048 for 576-wide K and 128 heads, plus the
 outputs); results do not depend on ``chunk_size`` (every row is reduced over its full index width).
+Per chunk the selected packed rows are gathered once and dequantised (decode), or - when the chunk's rows
+share most cache rows (prefill) - each distinct cache row is dequantised once and the float rows gathered;
+unselected positions are zeroed, so nothing a row did not select is ever read into a result.
 """
 
 from __future__ import annotations
