@@ -22,6 +22,15 @@ Why these exist (measured with triton 3.9; see tests/test_triton_kernels.py::tes
   bf16*bf16 and fp16*fp16 products are exact in fp32, so this changes nothing but speed.
 * fp32 division: ``/`` may lower to an approximate division on a GPU; the kernels use
   ``tl.math.div_rn`` (correctly rounded on a GPU, ``np.divide`` in the interpreter).
+* fp32 -> FP8 E4M3FN: the interpreter's RTNE conversion adds the first dropped bit (round half *up*,
+  no ties-to-even) and can lose the mantissa carry into the exponent, so the C8 writer encodes FP8 by
+  bit arithmetic (kernels/c8_cache_writer.py ``_encode_e4m3fn``); decoding is bit arithmetic too.
+* mul + add contraction: the interpreter rounds every operation (numpy), while the GPU backend fuses
+  ``a * b + c`` into one fma unless told not to; both kernels launch with ``enable_fp_fusion=False``.
+* ``tl.exp``: numpy's float32 exp in the interpreter, an ``ex2.approx``-based sequence on GPUs (a last-bit
+  difference in P; no helper - the attention tolerance covers it).
+* static ``if`` scoping, dtype rules of loop-carried values and shared-memory limits are only checked by
+  the compiler, never by the interpreter: tests/test_triton_compile.py compiles for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -31,8 +40,8 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["interpreting", "bf16_to_f32", "to_f32", "f32_to_bf16_rne", "f32_to_f16_round", "f32_to_f16_rne", "round_to_dtype",
-           "rint_small", "ROUND_RINT", "ROUND_AWAY"]
+__all__ = ["interpreting", "bf16_to_f32", "to_f32", "f32_to_bf16_rne", "f32_to_f16_round", "f32_to_f16_rne",
+           "round_to_dtype", "rint_small", "ROUND_RINT", "ROUND_AWAY"]
 
 #: rounding-mode codes used as constexpr kernel arguments
 ROUND_RINT = 0  # round half to even

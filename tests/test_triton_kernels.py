@@ -160,6 +160,25 @@ def test_interpreter_bf16_cast_truncates():
 
 
 @triton.jit
+def _fp8_cast_kernel(x_ptr, o_ptr):
+    i = tl.arange(0, 4)
+    tl.store(o_ptr + i, tl.load(x_ptr + i).to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+
+
+def test_interpreter_fp8_cast_is_not_rne():
+    """Documents why the C8 writer encodes FP8 by bit arithmetic: the interpreter's fp32 -> e4m3 cast
+    rounds ties up (1.0625 -> 1.125) and loses the mantissa carry (1.9375 -> 1.0 instead of 2.0)."""
+    if DEV != "cpu":
+        pytest.skip("interpreter-only behaviour")
+    x = np.float32([1.0625, 1.9375, 3.875, 1.1875])
+    out = torch.empty(4, dtype=torch.uint8)
+    _fp8_cast_kernel[(1,)](_t(x), out)
+    rne = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert rne.tolist() == [0x38, 0x40, 0x48, 0x3A]
+    assert _np(out).tolist() == [0x39, 0x38, 0x48, 0x3A]
+
+
+@triton.jit
 def _widen_kernel(x_ptr, o_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
