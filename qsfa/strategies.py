@@ -49,6 +49,7 @@ from ._profiles import SIZE_BOUNDS, active_profile
 __all__ = [
     "Bounds",
     "bounds",
+    "with_bounds",
     "valid_args",
     "invalid_args",
     "InvalidArgs",

@@ -256,3 +256,17 @@ def test_case_with_parameters_json_cannot_hold(tmp_path):
     assert side["params_not_in_case"] == {"x_scale": {"float": "inf"}} and ex.args["x_scale"] == float("inf")
     assert ex.constraint.id == c.id
     assert replay_case(path) == (True, "kv_compress_epilog.invalid_rejected holds on 'reference'")
+
+
+def test_a_backend_that_writes_into_its_inputs_is_caught(tmp_path):
+    def clobbers_x(x, fmt, saturate=False, rounding=None):
+        codes = F.encode(x, fmt, saturate=bool(saturate), rounding=rounding)
+        x[...] = 0  # scratch use of an input buffer
+        return codes
+
+    name = _toy("toy_clobber", {"formats.encode": clobbers_x})
+    try:
+        r = run_property(get("formats.encode.vs_reference"), name, cases_dir=str(tmp_path))
+    finally:
+        unregister_backend(name)
+    assert r.status == "failed" and "wrote into input(s) ['x']" in r.message

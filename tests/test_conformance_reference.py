@@ -1,16 +1,17 @@
-"""The property catalogue on the reference backend, one test per property (the same definitions the
+"""The whole property catalogue on the reference backend, one test per property (the same definitions the
 ``qsfa conformance`` runner uses), under the active hypothesis profile (``ci`` by default: derandomised).
 
 Metamorphic properties (including the invalid-argument ones) check the reference against relations and
-float64 models derived independently of it; the vs_reference properties are trivial for the reference itself
-and are left to the runner (``qsfa conformance --backend reference``).
+float64 models derived independently of it. For the reference itself the vs_reference properties compare two
+calls on copies of the same arguments (they catch non-determinism); every call also fails a backend that writes
+into an input that is not an in-place parameter.
 """
 
 import pytest
 
-from qsfa.conformance import run_property, select
+from qsfa.conformance import catalogue, run_property
 
-PROPS = select(kinds=["metamorphic"])
+PROPS = catalogue()
 
 
 @pytest.mark.parametrize("prop", PROPS, ids=[p.name for p in PROPS])

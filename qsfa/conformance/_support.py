@@ -21,6 +21,12 @@ __all__ = [
     "query_rows",
     "kv_addressing",
     "selection",
+    "read_entries",
+    "gather_tokens",
+    "round_query_dtype",
+    "packed_kv",
+    "float_kv",
+    "query_matrix",
 ]
 
 
@@ -40,10 +46,16 @@ def _np(x):
 
 def call(op: str, args: dict, backend: str) -> dict:
     """Run ``op`` on ``backend`` with copies of ``args`` (strided caches stay strided); return
-    ``{output name: NumPy array or None}``. The caller's arrays are never modified."""
+    ``{output name: NumPy array or None}``. The caller's arrays are never modified. Fails (PropertyFailure)
+    when the backend writes into an input array that is not one of the operator's in-place parameters."""
+    inplace = set(operator(op).contract.inplace)
     a = {k: clone(v) for k, v in args.items()}
+    before = {k: v.tobytes() for k, v in a.items() if isinstance(v, np.ndarray) and k not in inplace}
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         res = run(op, a, backend)
+    changed = [k for k, b in before.items() if a[k].tobytes() != b]
+    if changed:
+        fail(f"backend {backend!r} wrote into input(s) {changed} of {op}, which are not in-place parameters")
     res = res if isinstance(res, tuple) else (res,)
     return {name: _np(r) for name, r in zip(operator(op).outputs, res)}
 
@@ -133,7 +145,8 @@ def kv_addressing(args: dict, *, key="key", layout="layout_kv", lens="actual_seq
 def selection(args: dict, *, key="key", layout="layout_kv", lens="actual_seq_lengths_kv"):
     """Which tokens each query row attends to, with multiplicity.
 
-    Returns ``(weights [R, S] int64, batch [R], act_kv [B], storage)`` with S = max actKV (>= 1):
+    Returns ``(weights [R, S] int64, batch [R], act_kv [B], storage, n_read [R])`` with S = max actKV (>= 1)
+    and ``n_read`` the number of leading index entries each row reads:
     ``weights[r, j]`` = how many of the row's read index entries select token j of its batch. Per SPEC.md
     3.6: threshold = actKV - actQ + i + 1 (sparse_mode 3) or actKV (0), padding rows see nothing; the first
     ``min(sparse_size, ceil(threshold / sbs))`` entries are read, stopping at the first negative one; entry t
