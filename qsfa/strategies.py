@@ -376,7 +376,7 @@ def dynamic_block_quant_args(draw, bounds: Bounds | None = None, **pins) -> dict
     min_scale = _choose(draw, pins, "min_scale", (0.0, 0.0, 1e-3, 0.5, 8.0))
     scale_order = _choose(draw, pins, "scale_order", ("divide", "multiply") if min_scale == 0 else ("divide",))
     dmax = _choose(draw, pins, "dst_type_max", (0.0, 15.0, 56.0, 224.0, 32768.0) if dst == "hifloat8" else (0.0,))
-    specials = pins.get("specials", draw(st.booleans()))
+    specials = _choose(draw, pins, "specials", (False, True))
     rng = _rng(draw)
     x = _group_values(rng, shape)
     if specials:
@@ -562,13 +562,12 @@ def kv_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
 
 @dataclass
 class _KvPlan:
-    """Where each logical KV token lives, and which storage rows nobody may read."""
+    """Where each logical KV token lives (storage rows no token maps to are never read)."""
 
     layout_kv: str
     key_lead: tuple  # leading shape of the key storage (before [1, W])
     act_kv: np.ndarray  # [B]
     flat_of: np.ndarray  # [B, max_kv] flat storage row of (b, j), -1 past actKV
-    readable: np.ndarray  # bool [n_rows] storage rows holding a token < actKV
     block_table: np.ndarray | None
     lens_kv: np.ndarray | None  # actual_seq_lengths_kv as passed (None = implied)
     block_size: int = 0
@@ -589,7 +588,7 @@ def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _Q
     max_q = max(1, b.max_q_tokens)
     if layout_query == "BSND":
         q_s = draw(st.integers(1, max_q))
-        explicit = pins.get("explicit_lengths", draw(st.booleans()))
+        explicit = _choose(draw, pins, "explicit_lengths", (False, True))
         act_q = (rng.integers(0, q_s + 1, batch) if explicit and rng.random() < 0.7 else np.full(batch, q_s))
         act_q = act_q.astype(np.int64)
         lens = act_q.astype(np.int32) if explicit else None
@@ -622,25 +621,21 @@ def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_si
     live = j < act_kv[:, None]
     if layout_kv == "BSND":
         kv_s = mk + int(draw(st.sampled_from([0, 0, 1, 3])))
-        explicit = pins.get("explicit_lengths", draw(st.booleans()))
+        explicit = _choose(draw, pins, "explicit_lengths", (False, True))
         if not explicit:
             act_kv = np.full(batch, kv_s, np.int64)
             mk = kv_s
             j = np.arange(mk)[None, :]
             live = j < act_kv[:, None]
         flat = np.where(live, np.arange(batch)[:, None] * kv_s + j, -1)
-        readable = np.zeros(batch * kv_s, bool)
-        readable[flat[live]] = True
-        return _KvPlan("BSND", (batch, kv_s), act_kv, flat, readable, None,
+        return _KvPlan("BSND", (batch, kv_s), act_kv, flat, None,
                        act_kv.astype(np.int32) if explicit else None)
     if layout_kv == "TND":
         ends = np.cumsum(act_kv)
         kv_t = max(int(ends[-1]) + int(draw(st.sampled_from([0, 0, 2]))), 1)
         starts = np.concatenate([[0], ends[:-1]])
         flat = np.where(live, starts[:, None] + j, -1)
-        readable = np.zeros(kv_t, bool)
-        readable[flat[live]] = True
-        return _KvPlan("TND", (kv_t,), act_kv, flat, readable, None, ends.astype(np.int32))
+        return _KvPlan("TND", (kv_t,), act_kv, flat, None, ends.astype(np.int32))
     bs = int(draw(st.sampled_from(tuple(block_sizes))))
     need = -(-act_kv // bs)
     width = max(int(need.max(initial=0)), 1) + int(draw(st.sampled_from([0, 0, 1])))
@@ -654,9 +649,7 @@ def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_si
     bt[used_mask] = phys[:used]
     blk = np.take_along_axis(bt, np.broadcast_to(np.minimum(j // bs, width - 1), (batch, mk)), axis=1)
     flat = np.where(live, blk * bs + j % bs, -1)
-    readable = np.zeros(nb * bs, bool)
-    readable[flat[live]] = True
-    return _KvPlan("PA_BSND", (nb, bs), act_kv, flat, readable, bt.astype(np.int32), act_kv.astype(np.int32), bs)
+    return _KvPlan("PA_BSND", (nb, bs), act_kv, flat, bt.astype(np.int32), act_kv.astype(np.int32), bs)
 
 
 def _row_limits(q: _QPlan, act_kv: np.ndarray, sparse_mode: int):
@@ -670,8 +663,8 @@ def _indices(draw, rng, q: _QPlan, kv: _KvPlan, sparse_mode: int, sbs: int, widt
     _, limit = _row_limits(q, kv.act_kv, sparse_mode)
     lb = -(-limit // sbs)
     fill = 1.0 if draw(st.booleans()) else rng.uniform(0, 1, limit.size)
-    junk = pins.get("junk_after_minus1", draw(st.booleans()))
-    strays = pins.get("stray_entries", draw(st.sampled_from((0.0, 0.5, 1.0))))
+    junk = _choose(draw, pins, "junk_after_minus1", (False, True))
+    strays = _choose(draw, pins, "stray_entries", (0.0, 0.5, 1.0))
     total = -(-kv.act_kv[q.batch] // sbs)  # per row: strays below actKV (past it only when no room is left)
     idx = sparse_index_rows(rng, lb, width, fill=fill, junk_after=junk, total_blocks=total, strays=float(strays))
     return idx.reshape(q.q_lead + (1, width))
@@ -739,13 +732,14 @@ def _nope_codes(rng, shape, fmt: str) -> tuple[np.ndarray, float]:
 def qsfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     """``kv_quant_sparse_flash_attention``: packed rows (int8 / FP8 E4M3FN / HiFloat8 NoPE, rope 0 or 64,
     bf16 / fp16 query) in BSND / TND / PA_BSND with poisoned unused rows; causal sparse indices with -1
-    padding; sparse_mode 0 / 3, sparse_block_size 1-16 (1 with HiFloat8, which needs sparse_size 2048 and
-    exists on Ascend 950 only), every supported Q_N up to ``max_heads``; LSE
-    on/off; precision and the OPEN probability_rounding.
+    padding (non-causal strays and junk after the first -1 included); sparse_mode 0 / 3, sparse_block_size
+    1-16 (1 with HiFloat8, which needs sparse_size 2048 and exists on Ascend 950 only), every supported Q_N
+    up to ``max_heads``; LSE on/off; precision and the OPEN probability_rounding.
 
-    pins: any drawn name (``layout_query``, ``layout_kv``, ``key_dtype``, ``rope_head_dim``, ``dtype``,
-    ``n_heads``, ``sparse_mode``, ``sparse_block_size``, ``return_softmax_lse``, ``precision``,
-    ``probability_rounding``, ``value_is_key``, ``junk_after_minus1``, ``explicit_lengths``, ``key_array``)."""
+    pins (a value or a tuple of allowed values): ``layout_query``, ``layout_kv``, ``key_dtype``,
+    ``rope_head_dim``, ``dtype``, ``n_heads``, ``sparse_mode``, ``sparse_block_size``, ``return_softmax_lse``,
+    ``precision``, ``probability_rounding``, ``value_is_key``, ``key_array``, ``scale_value``,
+    ``explicit_lengths``, ``junk_after_minus1``, ``stray_entries`` (fraction: 0.0, 0.5, 1.0)."""
     from .ops.attention import QSFA_QUERY_HEADS
 
     b = _b(bounds)
