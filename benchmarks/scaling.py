@@ -19,7 +19,8 @@ import ml_dtypes
 import numpy as np
 
 import qsfa
-from ._harness import peak_memory, row, timeit
+from ._harness import Timing, peak_memory, row, timeit
+
 
 Q_N = 128
 BLOCK = 128
@@ -67,16 +68,26 @@ def _call(args):
 
 
 def _sweep(axis, points, make, repeat):
+    """Time each point; the first run is traced (peak memory) and timed at once, so a multi-minute
+    point runs once. Faster points get ``repeat`` more timed runs and report their median."""
+    import time
+
     rows, first = [], None
     for w in points:
         args = make(w)
-        t = timeit(lambda: _call(args), warmup=0 if repeat == 1 else 1, repeat=repeat, max_seconds=60)
+        t0 = time.perf_counter()
         _, peak = peak_memory(lambda: _call(args))
+        traced = time.perf_counter() - t0
+        if traced < 5.0 and repeat > 1:
+            t = timeit(lambda: _call(args), warmup=0, repeat=repeat, max_seconds=30)
+        else:
+            t = Timing(traced, traced, traced, 0.0, 1)
         if first is None:
             first = (w, t)
-        linear = type(t)(first[1].median_s * w / first[0], 0, 0, 0, 0)
+        linear = Timing(first[1].median_s * w / first[0], 0, 0, 0, 0)
         rows.append(row("scaling", f"{axis}={w}", t, baseline_name="linear from first point", baseline=linear,
                         axis=axis, work=w, peak_mib=peak / 2**20))
+        print(f"   {axis}={w}: {t.median_s:.3f} s, peak {peak / 2**20:.0f} MiB", flush=True)
     return rows
 
 
