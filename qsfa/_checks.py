@@ -13,6 +13,7 @@ import numpy as np
 
 from ._arrays import dtype_name, numpy_dtype
 from ._contract import Constraint, copy_args, one_of
+from ._errors import Raw
 
 __all__ = ["dtype_in", "ndim_in", "value_in", "all_finite", "is_array", "bad_dtype_for", "set_param"]
 
@@ -140,7 +141,7 @@ def all_finite(op: str, param: str, *, source: str = "", cid: str | None = None)
         if not bad.any():
             return None
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        return f"{f[idx]} at index {idx}"
+        return Raw(f"{f[idx]} at index {idx}")
 
     def violate(args):
         out = copy_args(args)

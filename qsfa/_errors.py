@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "Raw",
     "InvalidArgument",
     "InvalidDtype",
     "BackendError",
@@ -23,8 +24,14 @@ __all__ = [
 ]
 
 
+class Raw(str):
+    """An *actual* value that is already a description ("nan at index (0, 3)"): printed without quotes."""
+
+
 def format_actual(value) -> str:
     """Render an offending value compactly (arrays by shape/dtype, long sequences truncated)."""
+    if isinstance(value, Raw):
+        return str(value)
     if isinstance(value, np.ndarray):
         if value.size <= 8:
             return f"array({value.tolist()}, dtype={value.dtype})"

@@ -19,6 +19,7 @@ import numpy as np
 from ._checks import dtype_in, is_array, set_param, value_in
 from ._contract import Constraint, Contract, copy_args
 from ._dispatch import define_operator, run
+from ._errors import Raw
 from .reference import formats as _ref
 from .reference import scales as _scales
 from .reference.formats import (  # noqa: F401  (re-exported)
@@ -96,45 +97,37 @@ def _check_rounding_supported(a):
     return None if r is None or r in modes else f"{r} with fmt {a['fmt']} (supported: {', '.join(modes)})"
 
 
+def _first_bad_x(a, bad):
+    """``None`` when the mask ``bad`` is empty, else the first offending element of ``x`` and its index."""
+    if not bad.any():
+        return None
+    i = _first_index(bad)
+    return Raw(f"{a['x'][i]} at index {i}")
+
+
 def _check_x_finite(a):
     if a["fmt"] not in _NO_SPECIALS or a["saturate"]:
         return None
     with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(a["x"].astype(np.float64, copy=False))
-    if not bad.any():
-        return None
-    i = _first_index(bad)
-    return f"{a['x'][i]} at index {i}"
+        return _first_bad_x(a, ~np.isfinite(a["x"].astype(np.float64, copy=False)))
 
 
 def _check_x_nan(a):
     if a["fmt"] not in _NO_SPECIALS:
         return None
-    bad = np.isnan(a["x"].astype(np.float64, copy=False))
-    if not bad.any():
-        return None
-    i = _first_index(bad)
-    return f"{a['x'][i]} at index {i}"
+    return _first_bad_x(a, np.isnan(a["x"].astype(np.float64, copy=False)))
 
 
 def _check_x_range(a):
     if a["fmt"] not in _NO_SPECIALS or a["saturate"]:
         return None
-    bad = out_of_range(a["x"], a["fmt"], a.get("rounding"))
-    if not bad.any():
-        return None
-    i = _first_index(bad)
-    return f"{a['x'][i]} at index {i}"
+    return _first_bad_x(a, out_of_range(a["x"], a["fmt"], a.get("rounding")))
 
 
 def _check_x_sign(a):
     if a["fmt"] != "float8_e8m0":
         return None
-    bad = a["x"].astype(np.float64, copy=False) < 0
-    if not bad.any():
-        return None
-    i = _first_index(bad)
-    return f"{a['x'][i]} at index {i}"
+    return _first_bad_x(a, a["x"].astype(np.float64, copy=False) < 0)
 
 
 def _put(name, index, value, **extra):

@@ -30,7 +30,7 @@ from .._arrays import dtype_name, is_torch, to_numpy
 from .._checks import dtype_in, is_array
 from .._contract import Constraint, Contract, copy_args, one_of
 from .._dispatch import define_operator, run
-from .._errors import InvalidArgument
+from .._errors import InvalidArgument, Raw
 from ..reference import attention as _ref
 from ..reference import indexer as _ref_li
 from ..reference import lse as _ref_lse
@@ -532,7 +532,7 @@ def finite_rule(n: Names, param):
         if i is None:
             return None
         idx = tuple(int(x) for x in np.unravel_index(i, v.shape))
-        return f"{float(v.reshape(-1)[i])} at index {idx}"
+        return Raw(f"{float(v.reshape(-1)[i])} at index {idx}")
 
     def change(a):
         v = a[param].copy()

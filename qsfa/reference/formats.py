@@ -411,7 +411,9 @@ def _chunks(n: int):
 
 def _first_bad(x_flat, bad_chunk_mask, sl) -> str:
     i = int(np.flatnonzero(bad_chunk_mask)[0])
-    return f"{x_flat[sl][i]!r} at flat index {sl.start + i}"
+    from .._errors import Raw
+
+    return Raw(f"{float(x_flat[sl][i])!r} at flat index {sl.start + i}")
 
 
 def out_of_range(x, fmt: str, rounding: str | None = None) -> np.ndarray:
