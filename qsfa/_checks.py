@@ -15,7 +15,10 @@ from ._arrays import dtype_name, numpy_dtype
 from ._contract import Constraint, copy_args, one_of
 from ._errors import Raw
 
-__all__ = ["dtype_in", "ndim_in", "value_in", "all_finite", "is_array", "bad_dtype_for", "set_param"]
+__all__ = [
+    "rule", "dtype_in", "ndim_in", "value_in", "all_finite", "is_array", "bad_dtype_for", "set_param", "set_params",
+    "edit_params", "is_int", "is_bool", "is_num",
+]
 
 # Dtypes tried, in order, when a violate function needs "some dtype that is not allowed".
 _DTYPE_CANDIDATES = ("float64", "int16", "float32", "float16", "int32", "uint8", "int64", "int8")
@@ -29,15 +32,52 @@ def bad_dtype_for(allowed: Iterable[str]) -> str:
     raise RuntimeError("no disallowed dtype candidate")
 
 
-def set_param(name: str, value: Any):
-    """A violate function that sets one parameter to a fixed value."""
+def rule(op: str, cid: str, param: str, kind: str, reason: str, check, violate, *, dtype: bool = False,
+         chips=None, source: str = "") -> Constraint:
+    """A :class:`Constraint` with id ``"<op>.<cid>"`` (the long form, for operator-specific rules)."""
+    return Constraint(id=f"{op}.{cid}", param=param, kind=kind, reason=reason, check=check, dtype=dtype,
+                      chips=frozenset(chips) if chips else None, violate=violate, source=source)
+
+
+def set_params(**values):
+    """A violate function that overrides some parameters (arrays of the base are copied first)."""
 
     def violate(args):
         out = copy_args(args)
-        out[name] = value
+        out.update(values)
         return out
 
     return violate
+
+
+def set_param(name: str, value: Any):
+    """A violate function that sets one parameter to a fixed value."""
+    return set_params(**{name: value})
+
+
+def edit_params(fn):
+    """A violate function ``fn(args_copy) -> None`` that edits a copy of the base in place."""
+
+    def violate(args):
+        out = copy_args(args)
+        fn(out)
+        return out
+
+    return violate
+
+
+def is_bool(v) -> bool:
+    return isinstance(v, (bool, np.bool_))
+
+
+def is_int(v) -> bool:
+    """A Python or NumPy integer that is not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def is_num(v) -> bool:
+    """A Python or NumPy real number that is not a bool."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
 def _recast(a: np.ndarray, dt: str) -> np.ndarray:

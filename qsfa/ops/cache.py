@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 
 from .._arrays import dtype_name
-from .._checks import all_finite, dtype_in, is_array, ndim_in, set_param
-from .._contract import Constraint, Contract, copy_args, one_of
+from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, is_num, ndim_in, rule, set_param, set_params
+from .._contract import Contract, copy_args, one_of
 from .._dispatch import define_operator, run
 from ..reference import c8_cache as _c8
 from ..reference import kv_compress_epilog as _kce
@@ -47,31 +47,8 @@ SLOT_DTYPES = ("int32", "int64")
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def _rule(op, cid, param, kind, reason, check, violate, *, dtype=False, chips=None, source=""):
-    return Constraint(id=f"{op}.{cid}", param=param, kind=kind, reason=reason, check=check, dtype=dtype,
-                      chips=frozenset(chips) if chips else None, violate=violate, source=source)
-
-
-def _with(**kw):
-    """A violate function that overrides some parameters (arrays copied first)."""
-
-    def violate(args):
-        out = copy_args(args)
-        out.update(kw)
-        return out
-
-    return violate
-
-
-def _edit(fn):
-    """A violate function ``fn(args_copy) -> None`` that edits a copy in place."""
-
-    def violate(args):
-        out = copy_args(args)
-        fn(out)
-        return out
-
-    return violate
+_rule, _with, _edit = rule, set_params, edit_params
+_is_bool, _is_int, _is_num = is_bool, is_int, is_num
 
 
 def _same_dtype(op, param, ref, *, optional=False, source="", violate=None):
@@ -94,18 +71,6 @@ def _same_dtype(op, param, ref, *, optional=False, source="", violate=None):
 
     return _rule(op, f"{param}_dtype_matches_{ref}", param, "dtype", f"must have the same dtype as {ref}",
                  check, violate if violate is not None else default_violate, dtype=True, source=source)
-
-
-def _is_bool(v):
-    return isinstance(v, (bool, np.bool_))
-
-
-def _is_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_num(v):
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
 def _slot_rules(op, param, num_slots, *, source, example_valid_slot=0):
@@ -646,11 +611,10 @@ def kv_rmsnorm_rope_cache_example(rng=None, *, version=1, cache_mode="PA_BNSD", 
     rng = np.random.default_rng(0) if rng is None else rng
     kv_dt = _ARRAY_OF_FORMAT[dtype]
     b, n, s = batch, heads, seq
-    kd = dk if version == 2 else dk
+    kd = dk
     d = dk if version == 2 else dv + dk
     rope_w = rope if version == 2 else dk
     any8 = k_fmt in _krr.QUANT_FORMATS or ckv_fmt in _krr.QUANT_FORMATS
-    any16 = k_fmt in _krr.FLOAT_FORMATS or ckv_fmt in _krr.FLOAT_FORMATS
     bs = block_size or (32 if any8 else 16)
     kv = rng.standard_normal((b, n, s, d)).astype(np.float32)
     args = dict(kv=kv.astype(kv_dt))

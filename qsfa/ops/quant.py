@@ -7,13 +7,14 @@ per-chip limits of the torch_npu / aclnn docs as ``chips=`` constraints (also ex
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from .._arrays import dtype_name
-from .._checks import dtype_in, is_array, ndim_in, set_param
-from .._contract import Constraint, Contract, copy_args, one_of
+from .._checks import dtype_in, is_array, is_int, is_num, ndim_in, rule, set_param, set_params
+from .._contract import Contract, copy_args, one_of
 from .._dispatch import define_operator, run
 from ..reference import quant as _ref
 
@@ -59,26 +60,9 @@ def dst_type_name(v):
     return name if name in DST_TYPES else None
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-
-
-def _rule(cid, param, kind, reason, check, violate, *, dtype=False, chips=None, source=SOURCE):
-    return Constraint(id=f"{OP}.{cid}", param=param, kind=kind, reason=reason, check=check, dtype=dtype,
-                      chips=frozenset(chips) if chips else None, violate=violate, source=source)
-
-
-def _with(**kw):
-    def violate(args):
-        out = copy_args(args)
-        out.update(kw)
-        return out
-
-    return violate
+_is_int, _is_num = is_int, is_num
+_rule = functools.partial(rule, OP, source=SOURCE)
+_with = set_params
 
 
 def _nonempty(a):
