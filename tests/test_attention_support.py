@@ -188,8 +188,14 @@ def round_q(x, qdtype):
     return formats.round_to(np.asarray(x, np.float32), qdtype, rounding="rint" if qdtype == "bfloat16" else "round")
 
 
-def golden_faithful(case: Case, *, sbs=1, sparse_mode=3, scale=SCALE, normalised=False):
-    """Per-row loop golden in the vLLM-Ascend style with the kernel's rounding points (float32)."""
+def golden_faithful(case: Case, *, sbs=1, sparse_mode=3, scale=SCALE, normalised=False, accumulate="float32"):
+    """Per-row loop golden in the vLLM-Ascend style with the kernel's rounding points (float32).
+
+    accumulate: "float32" - ``q @ K^T``, ``P @ V``, ``exp`` and the softmax sum in fp32 NumPy / BLAS (some fp32
+    order, like a kernel); "float64" - the same products and sums in float64 (exact products) rounded once to fp32,
+    exp in float64 rounded once: the correctly rounded values the oracle models, except where a float64 result
+    lies within its own rounding error of an fp32 rounding boundary."""
+    wide = accumulate == "float64"
     qd = case.qdtype
     vals = formats.decode(case.codes.view(np.uint8), case.key_fmt)
     kn = round_q(vals * np.repeat(case.scales, 128, axis=-1), qd)  # fp32 multiply, then query dtype
@@ -204,14 +210,21 @@ def golden_faithful(case: Case, *, sbs=1, sparse_mode=3, scale=SCALE, normalised
             if not toks:
                 continue
             q = case.q[b, i].astype(np.float32)[:, :k.shape[-1]]
-            s = (q @ k[b, toks].T) * np.float32(scale)
-            m = s.max(axis=-1, keepdims=True)
-            e = np.exp(s - m)
-            l = e.sum(axis=-1, keepdims=True)
-            if normalised:
-                o = round_q(e / l, qd) @ kn[b, toks]
+            if wide:
+                s = (q.astype(np.float64) @ k[b, toks].T.astype(np.float64)).astype(np.float32) * np.float32(scale)
             else:
-                o = (round_q(e, qd) @ kn[b, toks]) / l
+                s = (q @ k[b, toks].T) * np.float32(scale)
+            m = s.max(axis=-1, keepdims=True)
+            e = np.exp((s - m).astype(np.float64)).astype(np.float32) if wide else np.exp(s - m)
+            l = e.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32) if wide else e.sum(axis=-1,
+                                                                                                          keepdims=True)
+            p = round_q(e / l, qd) if normalised else round_q(e, qd)
+            if wide:
+                o = (p.astype(np.float64) @ kn[b, toks].astype(np.float64)).astype(np.float32)
+            else:
+                o = p @ kn[b, toks]
+            if not normalised:
+                o = o / l
             out[b, i] = round_q(o, qd)
             mx[b, i] = m[:, 0]
             sm[b, i] = l[:, 0]

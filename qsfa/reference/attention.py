@@ -10,32 +10,52 @@ scores) and ``softmax_sum`` (``sum exp(s - max)``, unnormalised).
 
 Precision modes
 ---------------
-``precision="faithful"`` (default) rounds where the Ascend kernel rounds:
+``precision="faithful"`` (default) rounds where the Ascend kernel rounds. Every fp32 accumulation (the dot
+products ``q . k`` and ``P @ V``, the softmax sum) and every fp32 ``exp`` / ``log`` is modelled as the correctly
+rounded fp32 value of the exact result (``RN32``: round to nearest, ties to even; an exact zero sum is +0) - a kernel
+that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside SPEC.md section 4 - so the
+result is a function of the inputs alone: the same bytes on every machine, whatever BLAS kernel, thread split or
+NumPy SIMD variant computes the float64 intermediates (tests/test_attention_determinism.py; how, below).
 
 1. QSFA: ``K_nope = decode(code) * tile_scale`` (one fp32 multiply), rounded to the query dtype
    (bf16 RINT, fp16 ROUND = half away from zero; SPEC.md 3.6). The RoPE part is taken as stored. The
    query dtype value V is the same rounded NoPE (MLA-absorb). SFA: K and V are already in the query dtype.
-2. ``s = fp32(q . k) * fp32(scale_value)``: fp32 accumulation (the kernel's cube unit accumulates
-   exact 16x16-bit products in fp32; the order of accumulation is the BLAS one here, so the last bit of
-   a score may differ from a kernel's). Tokens that are not selected get ``-2e38`` (not ``-inf``), as
-   in the kernel; their probability underflows to exactly 0.
-3. ``m = max(s)``, ``e = exp(s - m)``, ``l = sum(e)`` in fp32.
-4. Probabilities are rounded to the query dtype before ``P @ V`` (fp32 accumulation). Where exactly is
+2. ``s = RN32(q . k) * fp32(scale_value)`` (an fp32 multiply): the kernel's cube unit accumulates exact 16x16-bit
+   products in fp32 in its own order. Tokens that are not selected get ``-2e38`` (not ``-inf``), as in the
+   kernel; their probability underflows to exactly 0.
+3. ``m = max(s)``; ``e = RN32(exp(s - m))`` with ``s - m`` an fp32 subtraction; ``l = RN32(sum e)``.
+4. Probabilities are rounded to the query dtype before ``P @ V`` (``RN32`` of the exact sum). Where exactly is
    **OPEN** and is the parameter ``probability_rounding``:
 
-   * ``"unnormalised"`` (default): ``P = round(e)``, ``o = (P @ V) / l``. This is what the kernels do
+   * ``"unnormalised"`` (default): ``P = round(e)``, ``o = RN32(P @ V) / l`` (fp32 divide). This is what the kernels do
      (vllm-ascend csrc/attention/kv_quant_sparse_flash_attention/op_kernel/arch35/
      kv_quant_sparse_flash_attention_service_vector_mla.h: the softmax stage casts ``exp(s - max)`` to
      the query dtype for the second matmul and the final stage divides by the fp32 sum; the rope0 test
      module there names "the known normalized-probability versus unnormalized-exp rounding difference").
      With it, uniform attention gives exactly the mean of the selected V.
-   * ``"normalised"``: ``P = round(e / l)``, ``o = P @ V`` - the vLLM-Ascend test golden
+   * ``"normalised"``: ``P = round(e / l)`` (fp32 divide), ``o = RN32(P @ V)`` - the vLLM-Ascend test golden
      (tests/e2e/nightly/single_node/ops/singlecard_ops/test_kv_quant_sparse_flash_attention.py:
      ``torch.softmax`` in fp32, then ``probs.to(bfloat16)`` before the PV matmul).
 
    The kernel's online softmax rescales per 128-token tile with a running max; that tiling is not
    modelled (it is tiling-dependent), so a correct kernel matches within tolerance, not bit for bit.
 5. ``out = round(o)`` to the query dtype (same rule as 1).
+
+SFA sinks (fp32 steps): ``lse = m + RN32(ln l)``, ``out /= 1 + RN32(exp(sink - lse))`` and, when the LSE includes
+the sink, ``l += RN32(exp(sink - m))``.
+
+How the values are made exact. Products of two 16-bit floats (or one-byte codes) are exact in float64, so each dot
+product is a sum of exact terms, which BLAS sums in float64 in some order. The oracle bounds, per row of q (or P)
+and per token (or column of V), the 2-norm (P @ V: the row's 1-norm and the column's largest entry) and the
+exponent ``lq`` of the lowest set bit of the values (from the 16-bit exponent fields and, for QSFA, the tile
+scales): where ``norm_i * norm_j <= 2^(lq_i + lq_j + 53)`` no partial sum in any order can round, the float64 sum
+is exact and one cast gives RN32 (bf16 data: nearly every pair). The other pairs, the softmax sum, exp and log are
+certified: if both ends of ``approx -+ bound`` (float64 summation in any order errs by at most
+``4 n 2^-53 sum |terms|``; glibc's and NumPy's float64 exp / log by under 1 ulp, bounded by 2^-48 relative) round
+to the same fp32 bits, those are RN32 of the exact value. The rest - an exact fp32 tie, a value within the bound of
+a rounding boundary, a handful of the 2^31 fp32 exp arguments - are evaluated exactly: an error-free TwoSum tree,
+then ``math.fsum``; exp / log in 60-digit :mod:`decimal`. Assumed: IEEE float64 and a BLAS whose dot products are
+sums of the products (every BLAS in use; no Strassen-like schemes).
 
 A row that selects no token (causal threshold <= 0, first index -1, every index past the threshold,
 or a BSND padding row past ``actQ``) gets ``out = 0`` and ``softmax_max = softmax_sum = 0`` (the
@@ -61,6 +81,9 @@ unselected positions are zeroed, so nothing a row did not select is ever read in
 
 from __future__ import annotations
 
+import decimal
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -81,11 +104,15 @@ __all__ = [
 NOPE_DIM = 512
 TILE = 128
 ROPE_DIM = 64
+_DEQUANT_BLOCK = 8192  # packed rows per fp32 dequantisation block (bounds the fp32 temporaries)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 #: rounding of fp32 values to the query dtype at the kernel's rounding points (SPEC.md 3.6)
 QUERY_ROUNDING = {"bfloat16": "rint", "float16": "round"}
 PROBABILITY_ROUNDINGS = ("unnormalised", "normalised")
+#: significand bits of the query dtypes; their smallest subnormal
+_PRECISION = {"bfloat16": 8, "float16": 11}
+_TINY = {"bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}
 PRECISIONS = ("faithful", "exact")
 
 
@@ -175,14 +202,336 @@ def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# fp32 results as correctly rounded values: the same bits whatever order, BLAS kernel or SIMD variant computed
+# the float64 approximation
+
+
+_U64 = 2.0 ** -53  # float64 unit roundoff
+#: relative margin around NumPy's float64 exp / log (glibc and NumPy's AVX512F kernels stay below 1 ulp = 2^-52)
+_TRANSCENDENTAL_MARGIN = 2.0 ** -48
+
+
+def sum_error_bound(n_terms: int, abs_total):
+    """Bound of ``|float64 sum - exact sum|`` for ``n_terms`` exact float64 terms summed in any order, with or
+    without FMA (any BLAS kernel, any thread split), given ``abs_total >= sum |term|``: ``4 n 2^-53 abs_total``,
+    twice the classical ``gamma_{n-1} abs_total`` (the factor 2 covers the rounding of ``abs_total`` itself and of
+    ``approx -+ bound`` in :func:`certified_f32`)."""
+    return (4.0 * max(int(n_terms), 1) * _U64) * abs_total
+
+
+def certified_f32(approx, bound, exact, *, relative=False):
+    """fp32 round-to-nearest-even ``RN32(x)`` of real values ``x`` known through float64 ``approx``.
+
+    ``|approx - x| <= bound`` (an array broadcastable to approx, or with ``relative=True`` a float: the bound is
+    ``bound * |approx|`` for ``approx >= 0``); a non-zero bound must be at least ``2^-52 |approx|`` and ``bound = 0``
+    means approx is x. Where ``fp32(approx - bound)`` and ``fp32(approx + bound)`` have the same bits, rounding is
+    monotonic so RN32(x) is those bits, whatever the approximation was. Elsewhere (x closer than ``bound`` to an
+    fp32 rounding boundary or to zero: a fraction of about ``bound / ulp32`` of the elements)
+    ``exact(flat_indices) -> float32`` supplies the values. Returns a new float32 array of approx's shape.
+    """
+    lo = np.empty(approx.shape, np.float32)
+    hi = np.empty(approx.shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if relative:
+            np.multiply(approx, 1.0 - bound, out=lo, casting="same_kind")
+            np.multiply(approx, 1.0 + bound, out=hi, casting="same_kind")
+        else:
+            np.subtract(approx, bound, out=lo, casting="same_kind")
+            np.add(approx, bound, out=hi, casting="same_kind")
+    bad = lo.view(np.int32) != hi.view(np.int32)
+    if bad.any():
+        idx = np.flatnonzero(bad)
+        lo.reshape(-1)[idx] = exact(idx)
+    return lo
+
+
+def exact_sum_f32(terms: np.ndarray) -> np.ndarray:
+    """RN32 of the exact sum of each row of ``terms`` (float64 ``[M, n]``, every term an exact value, e.g. a
+    product of two 16-bit floats); a sum that is exactly zero gives +0 (an accumulator that starts at +0).
+
+    An error-free pairwise tree (TwoSum at every node) turns each row into ``s + sum(errors)`` exactly; their
+    float64 sum is certified with its ~``n^2 2^-106 sum|terms|`` error bound. Rows still undecided (an exact
+    fp32 tie, or cancellation below that bound) are summed exactly by ``math.fsum``.
+    """
+    t = np.asarray(terms, np.float64)
+    m = t.shape[0]
+    if m == 0:
+        return np.zeros(0, np.float32)
+    s, errs = t, []
+    while s.shape[1] > 1:
+        if s.shape[1] % 2:
+            s = np.concatenate([s, np.zeros((m, 1))], axis=1)
+        a, b = s[:, 0::2], s[:, 1::2]
+        x = a + b
+        z = x - a
+        errs.append((a - (x - z)) + (b - z))  # TwoSum: a + b == x + err exactly
+        s = x
+    e = np.concatenate(errs, axis=1) if errs else np.zeros((m, 1))
+    approx = s[:, 0] + e.sum(axis=1)
+    bound = sum_error_bound(e.shape[1] + 2, np.abs(e).sum(axis=1) + np.abs(approx))
+    bound[np.abs(e).max(axis=1) == 0] = 0.0  # no rounding anywhere: s[:, 0] is the exact sum, approx == s
+    return certified_f32(approx, bound, lambda idx: np.array([_fsum_f32(t[i]) for i in idx], np.float32))
+
+
+def _fsum_f32(row: np.ndarray) -> np.float32:
+    """RN32 of the exact sum of one row (math.fsum is RN64 of it; only an fp32 midpoint can round twice wrongly,
+    the sign of the exact remainder decides it)."""
+    terms = row.tolist()
+    s = math.fsum(terms)
+    if s == 0:
+        return np.float32(0.0)
+    with np.errstate(over="ignore"):
+        f = np.float32(s)
+    if not np.isfinite(f) or float(f) == s:
+        return f
+    other = np.nextafter(f, np.float32(np.inf) if s > float(f) else np.float32(-np.inf))
+    if (float(f) + float(other)) / 2 != s:
+        return f
+    rest = math.fsum(terms + [-s])
+    if rest == 0:
+        return f  # a true tie: the cast rounded it to even
+    return max(f, other) if rest > 0 else min(f, other)
+
+
+def _nearest_f32(d: decimal.Decimal) -> np.float32:
+    """RN32 of a (non-tie) decimal value, by exact comparison with the fp32 neighbours of its float rounding."""
+    top = decimal.Decimal(float(np.finfo(np.float32).max)) + decimal.Decimal(2.0 ** 103)
+    if abs(d) >= top:
+        return np.float32(np.copysign(np.inf, float(d)))
+    c = np.float32(float(d))
+    cands = [c, np.nextafter(c, np.float32(-np.inf)), np.nextafter(c, np.float32(np.inf))]
+    return min((x for x in cands if np.isfinite(x)), key=lambda x: abs(decimal.Decimal(float(x)) - d))
+
+
+def _decimal_f32(x: np.ndarray, fn: str) -> np.ndarray:
+    """RN32 of exp / ln of the fp32 values ``x`` (few of them) from 60-digit :mod:`decimal` arithmetic."""
+    xs, inv = np.unique(np.asarray(x, np.float32), return_inverse=True)
+    res = np.empty(xs.size, np.float32)
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        for i, v in enumerate(xs.tolist()):
+            res[i] = _nearest_f32(getattr(decimal.Decimal(v), fn)())
+    return res[inv.reshape(-1)]
+
+
+def exp_f32(x: np.ndarray, out64: np.ndarray | None = None) -> np.ndarray:
+    """RN32(e^x) of float32 ``x``: float64 exp rounded once, certified with a 2^-48 relative margin (NumPy's
+    float32 exp has CPU-dependent SIMD variants; its float64 exp differs by up to an ulp between them); the rare
+    arguments whose e^x lies closer than that to an fp32 rounding boundary go through :mod:`decimal`.
+    ``out64``: optional float64 scratch of x's shape."""
+    y = np.exp(x, out=out64, dtype=np.float64)
+    return certified_f32(y, _TRANSCENDENTAL_MARGIN, lambda idx: _decimal_f32(x.reshape(-1)[idx], "exp"),
+                         relative=True)
+
+
+def log_f32(x: np.ndarray) -> np.ndarray:
+    """RN32(ln x) of positive float32 ``x`` (same method as :func:`exp_f32`)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.log(x, dtype=np.float64)
+    return certified_f32(y, _TRANSCENDENTAL_MARGIN * np.abs(y),
+                         lambda idx: _decimal_f32(x.reshape(-1)[idx], "ln"))
+
+
+# Exactness of float64 dot products. Facts about each row a_m of a (and column b_n of b): ``norm`` bounds the
+# 2-norm (or, where a caller says so, a Hoelder pair: the 1-norm of a_m and the largest |entry| of b_n) and every
+# non-zero entry is a multiple of ``2^lq``. Then every product a_mk b_kn is a multiple of 2^(lq_m + lq_n), every
+# partial sum is bounded by norm_m * norm_n, and if that bound is at most 2^(lq_m + lq_n + 53) no partial sum of
+# any order ever rounds: the float64 result is the exact sum.
+
+_NO_LQ = 4096  # "no non-zero entry": never limits exactness
+_LQ_LUTS: dict = {}
+
+
+def _exact_lq(values: np.ndarray) -> np.ndarray:
+    """Exponent of the lowest set bit of each finite non-zero float64 value (``_NO_LQ`` for 0 / non-finite)."""
+    v = np.asarray(values, np.float64)
+    ok = np.isfinite(v) & (v != 0)
+    m, e = np.frexp(np.where(ok, np.abs(v), 1.0))
+    big = (m * 2.0 ** 53).astype(np.int64)  # the 53-bit significand as an integer (exact)
+    low = np.frexp((big & -big).astype(np.float64))[1] - 1  # trailing zeros of the significand
+    return np.where(ok, e - 53 + low, _NO_LQ).astype(np.int16)
+
+
+def lq_table(dtype_name: str) -> np.ndarray:
+    """int16 table over the bit patterns of a 16-bit float (65536) or a one-byte code format (256): the exponent of
+    the lowest set bit of the value (``_NO_LQ`` for zero)."""
+    lut = _LQ_LUTS.get(dtype_name)
+    if lut is None:
+        if dtype_name in _QDT:
+            with np.errstate(invalid="ignore"):
+                vals = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16).view(_QDT[dtype_name]).astype(np.float64)
+        else:
+            vals = decode_nope(np.arange(256, dtype=np.uint8), dtype_name, np.float64)
+        lut = _LQ_LUTS[dtype_name] = _exact_lq(vals)
+    return lut
+
+
+def _code_range(fmt: str):
+    """(largest |decoded code|, None for int8 else a float64 table |decoded code| with inf for zero / non-finite)
+    of a one-byte NoPE format: the value range the dequantised K's error analysis uses."""
+    if fmt == "int8":
+        return 128.0, None
+    vals = np.abs(decode_nope(np.arange(256, dtype=np.uint8), fmt, np.float64))
+    fin = np.isfinite(vals)
+    return float(vals[fin].max()), np.where(fin & (vals > 0), vals, np.inf)
+
+
+#: 16-bit floats: (bits of the exponent field's lowest bit, exponent of a significand's last bit at field 0)
+_FIELD16 = {"bfloat16": (7, -134), "float16": (10, -25)}
+
+
+def min_lq(bits: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Per row (last axis) of a uint16 view of 16-bit floats (or a uint8 array of one-byte codes): a lower bound
+    of the lowest set bit's exponent over the row's non-zero values (``_NO_LQ`` for an all-zero row). 16-bit: the
+    smallest magnitude's exponent less the significand bits (3 passes over the 2-byte data, no table)."""
+    if dtype_name not in _FIELD16:
+        return lq_table(dtype_name)[bits].min(axis=-1)
+    shift, low = _FIELD16[dtype_name]
+    mag = bits & np.uint16(0x7FFF)
+    mag -= np.uint16(1)  # zero wraps to 0xFFFF: never the minimum of a row with a non-zero value
+    mn = mag.min(axis=-1).astype(np.int32)
+    return np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)
+
+
+def row_facts(x64: np.ndarray, bits: np.ndarray, dtype_name: str):
+    """(2-norm bound, lq) of every row (last axis) of ``x64`` (float64), whose values are the 16-bit floats or
+    one-byte codes ``bits`` (a uint16 / uint8 view of the same values) of ``dtype_name``."""
+    norm = np.sqrt(np.einsum("...d,...d->...", x64, x64)) * (1 + 2.0 ** -40)
+    return norm, min_lq(bits, dtype_name)
+
+
+def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None):
+    """Facts (see :func:`_dot_f32`) of faithful dequantised QSFA rows, from the tile scales and the RoPE bits:
+    ``(k_norm [n], k_lq [n], v_max [n, 4], v_lq [n, 4])`` - a 2-norm bound and lq of each K row (NoPE + RoPE), and
+    per NoPE tile the largest |entry| and lq of V.
+
+    codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its float64
+    values) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
+    ``|v| <= c_max s (1 + 2^-7) + tiny_q`` (the absolute term covers subnormal results), and a non-zero one has
+    ``|c| >= c_min`` (the tile's smallest non-zero |code|; 1 for int8), so it is a multiple of ``2^(e - p)`` for the
+    exponent e of ``c_min s (1 - 2^-7)`` and p the significand bits of the query dtype (a normal v is at least that
+    bound; a subnormal v's quantum, tiny_q, is coarser still).
+    """
+    n = codes.shape[0]
+    c_max, abs_codes = _code_range(fmt)
+    s_abs = np.abs(np.asarray(scales, np.float64))
+    vmax = (c_max * (1 + 2.0 ** -7)) * s_abs + _TINY[qdtype]  # [n, 4]
+    c_min = 1.0 if abs_codes is None else abs_codes[codes].reshape(n, -1, TILE).min(axis=-1)
+    with np.errstate(invalid="ignore"):  # inf * 0: a tile without non-zero codes and a zero scale
+        low = c_min * s_abs * (1 - 2.0 ** -7)
+    ok = np.isfinite(low) & (low > 0)
+    vlq = np.where(ok, np.frexp(np.where(ok, low, 1.0))[1] - _PRECISION[qdtype], _NO_LQ)
+    k_sq = TILE * np.einsum("nt,nt->n", vmax, vmax)
+    k_lq = vlq.min(axis=-1)
+    if rope64 is not None:
+        k_sq += np.einsum("nd,nd->n", rope64, rope64)
+        k_lq = np.minimum(k_lq, min_lq(rope_bits, qdtype))
+    return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
+
+
+def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts) -> np.ndarray:
+    """RN32 of the exact batched dot products ``a @ b`` (float64 ``[c, M, K] @ [c, K, N]`` holding 16-bit floats or
+    one-byte codes, so every product is exact), the same bits whatever BLAS kernel computed the float64 matmul.
+
+    a_facts = (norm, lq) ``[c, M]`` per row of a, b_facts = (norm, lq) ``[c, N]`` per column of b (see above).
+    Pairs proven exact are rounded once from the matmul; the others (rows or columns with a wide exponent span)
+    are certified with the error bound ``4 K 2^-53 norm_m norm_n`` and, where undecided, summed exactly.
+    """
+    approx = np.matmul(a, b)
+    out = np.empty(approx.shape, np.float32)
+    np.add(approx, 0.0, out=out, casting="same_kind")  # one rounding; an exact zero sum is +0
+    (an, aq), (bn, bq) = a_facts, b_facts
+    with np.errstate(divide="ignore"):
+        room = aq + 53 - np.log2(an) - 2.0 ** -20  # [c, M]: a column n is exact with row m if its span fits
+        span = np.log2(bn) - bq  # [c, N]
+    cand_c, cand_n = np.nonzero(span > room.min(axis=1)[:, None])  # columns some row cannot pair exactly with
+    if cand_c.size == 0:
+        return out
+    pi, mi = np.nonzero(span[cand_c, cand_n][:, None] > room[cand_c])
+    ci, ni = cand_c[pi], cand_n[pi]
+    bound = sum_error_bound(a.shape[-1], an[ci, mi] * bn[ci, ni])
+    out[ci, mi, ni] = certified_f32(approx[ci, mi, ni], bound,
+                                    lambda j: exact_sum_f32(a[ci[j], mi[j], :] * b[ci[j], :, ni[j]]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # the shared core
 
 
 def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False) -> int:
-    """Query rows per chunk: at most ``chunk_size`` row x head pairs and ``16 * chunk_size`` gathered
-    tokens (halved in exact mode, whose arrays are float64)."""
-    rows = max(1, min(int(chunk_size) // max(n_heads, 1), (16 * int(chunk_size)) // max(width, 1)))
-    return max(1, rows // 2) if exact else rows
+    """Query rows per chunk: at most ``chunk_size / 2`` row x head pairs and ``8 * chunk_size`` gathered tokens
+    (both modes hold K, V and the scores in float64). ``exact`` is accepted for compatibility; it no longer
+    changes the answer."""
+    return max(1, min(int(chunk_size) // max(2 * n_heads, 1), (8 * int(chunk_size)) // max(width, 1)))
+
+
+def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, probability_rounding, sink,
+                    lse_includes_sink):
+    """The kernel's fp32 pipeline on one chunk; every fp32 accumulation is the correctly rounded fp32 value of the
+    exact result (see the module docstring).
+
+    q [c, N, Dqk], k [c, W, Dqk], v [c, W, dv]: float64 arrays holding query-dtype values (unselected tokens
+    zero); valid [c, W]. q_facts (2-norm bound, lq) [c, N] per query row, k_facts [c, W] per token, v_facts =
+    (max |entry|, lq) [c, dv] per column of V (see :func:`_dot_f32`). Returns o [c, N, dv] fp32 (before the output
+    rounding), m, l [c, N] fp32.
+    """
+    w = k.shape[1]
+    s = _dot_f32(q, k.transpose(0, 2, 1), q_facts, k_facts)  # RN32(q . k)  [c, N, W]
+    s *= scale  # fp32 multiply
+    np.copyto(s, MASK_VALUE, where=~valid[:, None, :])  # -2e38, not -inf (the kernel's value)
+    m = s.max(axis=-1)  # [c, N]
+    s -= m[..., None]  # fp32 subtract (exact IEEE operation)
+    scratch = np.empty(s.shape, np.float64)
+    e = exp_f32(s, out64=scratch)  # RN32(exp(s - m))
+    s = None
+    l64 = np.add.reduce(e, axis=-1, dtype=np.float64)
+    l = certified_f32(l64, sum_error_bound(w, l64),  # all terms >= 0: sum |e| = l
+                      lambda idx: exact_sum_f32(e.reshape(-1, w)[idx].astype(np.float64)))
+    # facts of P's rows (Hoelder: 1-norm): every non-zero P_j >= e_min (1 - 2^-7) [/ l], sum P <= (1 + 2^-6) sum e
+    e_min = np.min(e, axis=-1, where=e > 0, initial=np.inf).astype(np.float64)
+    slack = w * _TINY[qdtype]
+    if probability_rounding == "normalised":
+        e /= l[..., None]  # fp32 divide
+        p_low, p_sum = e_min / l * (1 - 2.0 ** -6), np.full(l.shape, 1 + 2.0 ** -5 + slack)
+    else:
+        p_low, p_sum = e_min * (1 - 2.0 ** -6), l * (1 + 2.0 ** -6) + slack
+    p_lq = np.where(np.isfinite(p_low) & (p_low > 0), np.frexp(p_low)[1] - _PRECISION[qdtype], _NO_LQ)
+    p = scratch  # P rounded to the query dtype, held in float64 for the exact-product matmul
+    if qdtype == "bfloat16":
+        np.copyto(p, e.astype(_QDT["bfloat16"]))
+    else:
+        np.copyto(p, _fp16_round_away(e))
+    e = None  # free before the second matmul
+    o = _dot_f32(p, v, (p_sum, p_lq), v_facts)  # RN32(P @ V)
+    if probability_rounding != "normalised":
+        o /= l[..., None]  # fp32 divide
+    if sink is not None:  # fp32 steps, exp / log correctly rounded
+        with np.errstate(over="ignore"):
+            lse = m + log_f32(l)
+            o /= (np.float32(1) + exp_f32(sink[None, :] - lse))[..., None]
+            if lse_includes_sink:
+                l = l + exp_f32(sink[None, :] - m)
+    return o, m, l
+
+
+def _exact_chunk(q, k, v, valid, scale, sink, lse_includes_sink):
+    """float64 attention with no intermediate rounding (``precision="exact"``)."""
+    s = np.matmul(q, k.transpose(0, 2, 1))
+    s *= scale
+    np.copyto(s, np.float64(MASK_VALUE), where=~valid[:, None, :])
+    m = s.max(axis=-1)
+    s -= m[..., None]
+    np.exp(s, out=s)
+    l = s.sum(axis=-1)
+    o = np.matmul(s, v) / l[..., None]
+    if sink is not None:
+        with np.errstate(over="ignore"):
+            lse = m + np.log(l)
+            o /= (1 + np.exp(sink[None, :] - lse))[..., None]
+            if lse_includes_sink:
+                l = l + np.exp(sink[None, :] - m)
+    return o, m, l
 
 
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
@@ -190,8 +539,10 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
           lse_includes_sink=False):
     """Attention over selected tokens for every query row.
 
-    load_q(row_ids) -> q [c, N, Dqk] (float32 faithful / float64 exact).
-    load_kv(storage [c, W] int64, valid [c, W]) -> (K [c, W, Dqk], V [c, W, dv]); invalid rows zero.
+    load_q(row_ids) -> (q [c, N, Dqk] float64, facts (2-norm bound, lq) [c, N] or None in exact mode).
+    load_kv(storage [c, W] int64, valid [c, W]) -> (K [c, W, Dqk], V [c, W, dv], k_facts [c, W], v_facts
+    (max |entry|, lq) [c, W, G] per token and group of dv / G columns; facts None in exact mode), K / V float64
+    (faithful: query-dtype values; exact: the exact dequantised values); invalid tokens zero.
     Returns out [R, N, dv] (query dtype, or float64 exact), softmax_max, softmax_sum [R, N]
     (float32, or float64 exact).
     """
@@ -205,39 +556,24 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     mx = np.zeros((n_rows, n_heads), fdt)
     sm = np.zeros((n_rows, n_heads), fdt)
     active = np.nonzero(limit > 0)[0]
-    step = _rows_per_chunk(chunk_size, n_heads, width, exact)
-    scale = np.float64(scale_value) if exact else np.float32(scale_value)
+    step = _rows_per_chunk(chunk_size, n_heads, width)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
     for start in range(0, active.size, step):
         r = active[start:start + step]
         tok, valid = selected_tokens(idx[r], thr[r], limit[r], sparse_block_size)
         storage = kvm.storage_rows(rows.batch[r][:, None], tok)
-        k, v = load_kv(storage, valid)
-        q = load_q(r)
-        s = np.matmul(q, k.transpose(0, 2, 1))  # [c, N, W]
-        s *= scale
-        np.copyto(s, fdt(MASK_VALUE), where=~valid[:, None, :])  # -2e38, not -inf (the kernel's value)
-        m = s.max(axis=-1)  # [c, N]
-        s -= m[..., None]
-        np.exp(s, out=s)
-        l = s.sum(axis=-1)
-        empty = ~valid.any(axis=1)  # rows without a selected token
+        k, v, k_facts, v_facts = load_kv(storage, valid)
+        q, q_facts = load_q(r)
         if exact:
-            o = np.matmul(s, v) / l[..., None]
-        elif probability_rounding == "normalised":
-            s /= l[..., None]
-            round_to_query_dtype_inplace(s, qdtype)
-            o = np.matmul(s, v)
+            o, m, l = _exact_chunk(q, k, v, valid, np.float64(scale_value), sink, lse_includes_sink)
         else:
-            round_to_query_dtype_inplace(s, qdtype)
-            o = np.matmul(s, v)
-            o /= l[..., None]
-        if sink is not None:
-            with np.errstate(over="ignore"):
-                lse = m + np.log(l)
-                o /= (1 + np.exp(sink[None, :] - lse))[..., None]
-                if lse_includes_sink:
-                    l = l + np.exp(sink[None, :] - m)
+            vmax, vlq = v_facts  # per column of V: the largest entry and the smallest quantum over the tokens
+            g = dv // vmax.shape[-1]
+            v_cols = (np.repeat(vmax.max(axis=1), g, axis=-1), np.repeat(vlq.min(axis=1), g, axis=-1))
+            o, m, l = _faithful_chunk(q, q_facts, k, k_facts, v, v_cols, valid, np.float32(scale_value), qdtype,
+                                      probability_rounding, sink, lse_includes_sink)
+        del k, v, q
+        empty = ~valid.any(axis=1)  # rows without a selected token
         o[empty] = 0
         m[empty] = 0
         l[empty] = 0
@@ -301,7 +637,6 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     """
     _check_common(precision, probability_rounding)
     exact = precision == "exact"
-    fdt = np.float64 if exact else np.float32
     qdt = _qdt_name(query)
     rope = int(rope_head_dim)
     kvd = key.shape[-1]
@@ -313,30 +648,49 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     q2d = query.reshape(-1, n_heads, query.shape[-1])
 
     def load_q(r):
-        q = np.zeros((r.size, n_heads, dqk), fdt)
-        q[..., :query.shape[-1]] = q2d[r]
-        return q
+        q = np.zeros((r.size, n_heads, dqk), np.float64)
+        qr = q2d[r]
+        q[..., :query.shape[-1]] = qr
+        return q, (None if exact else row_facts(q, qr.view(np.uint16), qdt))
+
+    def nope_scaled(codes, scales, out):
+        """``out[...] = decode(codes) * scales`` (tile-wise; out [n, 4, 128] of the scales' dtype): one multiply,
+        in which int8 / FP8 codes decode exactly."""
+        if fmt == "hifloat8":
+            decode_nope_into(out.reshape(-1, NOPE_DIM), codes, fmt)
+            np.multiply(out, scales[:, :, None], out=out)
+        else:
+            np.multiply(_code_view(codes, fmt).reshape(out.shape), scales[:, :, None], out=out)
 
     def dequant(packed):
-        """Packed rows [n, kvd] (uint8) -> K [n, 576] (fdt): NoPE decoded, scaled, rounded; RoPE as stored."""
+        """Packed rows [n, kvd] (uint8) -> (K [n, 576] float64, facts): NoPE decoded and scaled (faithful: one
+        fp32 multiply rounded to the query dtype; exact: the exact float64 product); RoPE as stored. Faithful
+        facts, from the tile scales and the RoPE bits (see :func:`_dot_f32`): per row a 2-norm bound and lq, per
+        row and NoPE tile the largest |entry| and lq; None in exact mode."""
         n = packed.shape[0]
-        scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4").astype(fdt)
-        k = np.empty((n, dqk), fdt)
-        kn = k[:, :NOPE_DIM]  # written in place: no temporaries of K's size
-        kn3 = kn.reshape(n, NOPE_DIM // TILE, TILE)
-        codes = packed[:, :NOPE_DIM]
-        if fmt == "hifloat8":
-            decode_nope_into(kn, codes, fmt)
-            np.multiply(kn3, scales[:, :, None], out=kn3)
-        else:  # int8 / FP8 decode exactly inside the multiply: one pass, one rounding (fp32; exact in float64)
-            np.multiply(_code_view(codes, fmt).reshape(n, NOPE_DIM // TILE, TILE), scales[:, :, None], out=kn3)
-        if not exact:
-            round_to_query_dtype_inplace(kn, qdt)
+        scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4")
+        k = np.empty((n, dqk), np.float64)
+        kn = k[:, :NOPE_DIM]  # written in place
+        if exact:
+            nope_scaled(packed[:, :NOPE_DIM], scales.astype(np.float64), kn.reshape(n, NOPE_DIM // TILE, TILE))
+        else:  # fp32 product, query-dtype rounding, widened (exactly) into K; in blocks to bound the temporaries
+            tmp = np.empty((min(n, _DEQUANT_BLOCK), NOPE_DIM // TILE, TILE), np.float32)
+            for a in range(0, n, _DEQUANT_BLOCK):
+                b = min(n, a + _DEQUANT_BLOCK)
+                t = tmp[:b - a]
+                nope_scaled(packed[a:b, :NOPE_DIM], scales[a:b], t)
+                t2 = t.reshape(b - a, NOPE_DIM)
+                kn[a:b] = t2.astype(_QDT[qdt]) if qdt == "bfloat16" else _fp16_round_away(t2)
         if rope:
-            k[:, NOPE_DIM:] = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt])
+            rope64 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float64)
+            k[:, NOPE_DIM:] = rope64
         else:
             k[:, NOPE_DIM:] = 0
-        return k
+        if exact:
+            return k, None
+        return k, qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt,
+                                 packed[:, NOPE_DIM:scale_off].view(np.uint16) if rope else None,
+                                 rope64 if rope else None)
 
     def load_kv(storage, valid):
         c, w = storage.shape
@@ -344,14 +698,24 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         bad = ~valid.reshape(-1)
         uniq, inv = np.unique(flat, return_inverse=True)
         if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
-            k = dequant(key2d[uniq])[inv.reshape(-1)]
+            k, facts = dequant(key2d[uniq])
+            inv = inv.reshape(-1)
+            k = k[inv]
             k[bad] = 0  # unselected tokens: K = V = 0 (whatever the cache holds there)
+            if facts is not None:
+                facts = [f[inv] for f in facts]
+                for f, empty in zip(facts, (0.0, _NO_LQ, 0.0, _NO_LQ)):
+                    f[bad] = empty
         else:  # decode: gather the selected packed rows once, dequantise them
             packed = key2d[flat]
-            packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows)
-            k = dequant(packed)
+            packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows), facts of zeros
+            k, facts = dequant(packed)
         k = k.reshape(c, w, dqk)
-        return k, k[..., :NOPE_DIM]
+        if facts is None:
+            return k, k[..., :NOPE_DIM], None, None
+        k_norm, k_lq, vmax, vlq = facts
+        return (k, k[..., :NOPE_DIM], (k_norm.reshape(c, w), k_lq.reshape(c, w)),
+                (vmax.reshape(c, w, -1), vlq.reshape(c, w, -1)))
 
     rows, kvm = _rows_and_kv(query, key, layout_query, layout_kv, actual_seq_lengths_query,
                              actual_seq_lengths_kv, block_table)
@@ -384,7 +748,6 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
     """
     _check_common(precision, probability_rounding)
     exact = precision == "exact"
-    fdt = np.float64 if exact else np.float32
     qdt = _qdt_name(query)
     n_heads = query.shape[-2]
     d = query.shape[-1]
@@ -398,27 +761,47 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
     dv = key.shape[-1] if value is None else value.shape[-1]
 
     def load_q(r):
-        q = np.empty((r.size, n_heads, d + dr), fdt)
-        q[..., :d] = q2d[r]
+        q = np.empty((r.size, n_heads, d + dr), np.float64)
+        qa = q2d[r]
+        q[..., :d] = qa
         if has_rope:
-            q[..., d:] = qr2d[r]
-        return q
+            qb = qr2d[r]
+            q[..., d:] = qb
+        if exact:
+            return q, None
+        norm, lq = row_facts(q, qa.view(np.uint16), qdt)
+        if has_rope:
+            lq = np.minimum(lq, min_lq(qb.view(np.uint16), qdt))
+        return q, (norm, lq)
 
     def load_kv(storage, valid):
         c, w = storage.shape
         flat = storage.reshape(-1)
         bad = ~valid.reshape(-1)
-        k = np.empty((flat.size, d + dr), fdt)
-        k[:, :d] = k2d[flat]
+        k = np.empty((flat.size, d + dr), np.float64)
+        kb = k2d[flat]
+        k[:, :d] = kb
         if has_rope:
-            k[:, d:] = kr2d[flat]
+            krb = kr2d[flat]
+            k[:, d:] = krb
         k[bad] = 0
-        k = k.reshape(c, w, d + dr)
-        if v2d is None:
-            return k, k[..., :dv]
-        v = v2d[flat].astype(fdt)
-        v[bad] = 0
-        return k, v.reshape(c, w, dv)
+        if v2d is None:  # V = key
+            v, vb = k[:, :dv], kb
+        else:
+            vb = v2d[flat]
+            v = vb.astype(np.float64)
+            v[bad] = 0
+        if exact:
+            return k.reshape(c, w, d + dr), v.reshape(c, w, dv), None, None
+        k_norm, k_lq = row_facts(k, kb.view(np.uint16), qdt)
+        if has_rope:
+            k_lq = np.minimum(k_lq, min_lq(krb.view(np.uint16), qdt))
+        vmax = np.abs(v).max(axis=-1)
+        v_lq = min_lq(vb.view(np.uint16), qdt)
+        k_lq[bad] = _NO_LQ
+        v_lq[bad] = _NO_LQ
+        return (k.reshape(c, w, d + dr), v.reshape(c, w, dv), (k_norm.reshape(c, w), k_lq.reshape(c, w)),
+                (vmax.reshape(c, w, 1), v_lq.reshape(c, w, 1)))
 
     rows, kvm = _rows_and_kv(query, key, layout_query, layout_kv, actual_seq_lengths_query,
                              actual_seq_lengths_kv, block_table)

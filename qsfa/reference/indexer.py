@@ -6,13 +6,15 @@ threshold)``, the same right-down causal rule as sparse attention, :mod:`qsfa.re
     score(i, j) = sum_h w[i, h] * ReLU(q[i, h] . k[j])                          (lightning_indexer)
     score(i, j) = sum_h w[i, h] * ReLU((sq[i, h] * sk[j]) * (qc[i, h] . kc[j]))  (quant_lightning_indexer)
 
-evaluated in fp32: the dot products accumulate exact products in fp32 (BLAS order), the scale product
-``sq * sk`` is one fp32 multiply (the doc's ``(Scale_Q @ Scale_K^T) * (Q @ K^T)``), ReLU, times the fp32
-weight, summed over heads in head order. The output is the indices of the ``min(sparse_count, valid)``
-largest scores in descending score order, padded with -1. Ties: **OPEN** - parameter ``tie_break``,
-default ``"lower_index"`` (equal scores keep increasing token order: a stable descending sort).
-Scores are exact on integer-valued inputs, so the order is then exactly defined; on general inputs a
-kernel that sums in another order may swap near-ties.
+evaluated in fp32 (SPEC.md 3.7): the dot product of exact products accumulated in fp32, the scale product
+``sq * sk`` one fp32 multiply (the doc's ``(Scale_Q @ Scale_K^T) * (Q @ K^T)``) times it, ReLU, times the fp32
+weight, summed over heads in fp32. Both accumulations (``q . k`` and the sum over heads) are modelled as the
+correctly rounded fp32 value of the exact sum (round to nearest even; an exact zero sum is +0), computed as in
+:mod:`qsfa.reference.attention` (float64 sums proven exact or certified, exact sums where undecided), so the scores
+and hence the indices are the same on every machine. The output is the indices of the ``min(sparse_count,
+valid)`` largest scores in descending score order, padded with -1. Ties: **OPEN** - parameter ``tie_break``,
+default ``"lower_index"`` (equal scores keep increasing token order: a stable descending sort). A kernel that
+sums in fp32 in its own order lands within a few ulps of these scores and may swap near-ties.
 
 ``return_value`` (lightning_indexer): the selected scores rounded to the query dtype (RINT), shape of the
 indices; padding entries hold ``-inf`` (the value of a padding entry is not documented).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .attention import decode_nope
+from .attention import _dot_f32, _qdt_name, certified_f32, decode_nope, exact_sum_f32, row_facts, sum_error_bound
 from .attn_layout import kv_map, query_rows, row_limits
 
 __all__ = ["lightning_indexer", "quant_lightning_indexer", "top_k_desc", "TIE_BREAKS"]
@@ -49,10 +51,12 @@ def top_k_desc(scores: np.ndarray, k: int, n_valid: np.ndarray):
     return idx, val
 
 
-def _run(query_f32, key_f32_rows, head_weights, *, rows, kvm, sparse_count, sparse_mode, chunk_size,
+def _run(query_rows, key_rows, head_weights, *, rows, kvm, sparse_count, sparse_mode, chunk_size,
          key_scale_rows=None, query_scale=None):
-    """Shared driver. query_f32(r) -> [c, N1, D]; key_f32_rows(flat rows) -> [n, D]; head_weights(r) ->
-    [c, N1]; key_scale_rows(flat rows) -> [n] or None; query_scale(r) -> [c, N1] or None."""
+    """Shared driver. query_rows(r) -> (q [c, N1, D], facts [c, N1]) and key_rows(flat rows) -> (k [n, D],
+    facts [n]): float64 holding the 16-bit values / decoded codes (exact) and their (2-norm bound, lq) row facts
+    (:func:`qsfa.reference.attention.row_facts`); head_weights(r) -> [c, N1] fp32; key_scale_rows(flat rows) ->
+    [n] fp32 or None; query_scale(r) -> [c, N1] fp32 or None."""
     n_rows = rows.batch.size
     thr, limit = row_limits(rows, kvm.act_kv, sparse_mode)
     idx_out = np.full((n_rows, sparse_count), -1, np.int32)
@@ -63,23 +67,45 @@ def _run(query_f32, key_f32_rows, head_weights, *, rows, kvm, sparse_count, spar
             continue
         s_b = int(limit[rb].max())
         flat = kvm.storage_rows(np.full(s_b, b), np.arange(s_b))
-        k = key_f32_rows(flat)  # [S, D]
+        k, (k_norm, k_lq) = key_rows(flat)  # [S, D] float64
+        kt, k_facts = k.T[None], (k_norm[None], k_lq[None])  # [1, D, S]
         ks = None if key_scale_rows is None else key_scale_rows(flat)  # [S]
-        n1 = query_f32(rb[:1]).shape[1]
+        n1 = head_weights(rb[:1]).shape[1]
         step = max(1, int(chunk_size) * 64 // max(n1 * s_b, 1))
         for start in range(0, rb.size, step):
             r = rb[start:start + step]
-            dots = np.matmul(query_f32(r), k.T)  # [c, N1, S] fp32
+            q, (q_norm, q_lq) = query_rows(r)
+            c = r.size
+            # RN32(q_h . k_j): exact products, correctly rounded sum (one float64 matmul)
+            dots = _dot_f32(q.reshape(1, c * n1, -1), kt, (q_norm.reshape(1, -1), q_lq.reshape(1, -1)),
+                            k_facts).reshape(c, n1, s_b)
             if ks is not None:
-                dots *= query_scale(r)[:, :, None] * ks[None, None, :]
+                dots *= query_scale(r)[:, :, None] * ks[None, None, :]  # fp32: (sq * sk) * dot
             np.maximum(dots, 0, out=dots)
-            dots *= head_weights(r)[:, :, None]
-            sc = dots.sum(axis=1) + np.float32(0)  # [c, S]; + 0 turns -0 into +0
+            dots *= head_weights(r)[:, :, None]  # fp32
+            # sum over heads: RN32 of the exact sum of the fp32 terms
+            approx = np.add.reduce(dots, axis=1, dtype=np.float64)  # [c, S]
+            bound = sum_error_bound(n1, np.add.reduce(np.abs(dots), axis=1, dtype=np.float64))
+            sc = certified_f32(approx, bound, lambda i: exact_sum_f32(
+                dots[i // s_b, :, i % s_b].astype(np.float64)))
+            sc += np.float32(0)  # -0 -> +0
             sc[np.arange(s_b)[None, :] >= limit[r][:, None]] = -np.inf
             i, v = top_k_desc(sc, sparse_count, limit[r])
             idx_out[r] = i
             val_out[r] = v
     return idx_out, val_out
+
+
+def _rows16(x, qdt):
+    """16-bit rows -> (float64 values, row facts)."""
+    x64 = x.astype(np.float64)
+    return x64, row_facts(x64, x.view(np.uint16), qdt)
+
+
+def _rows8(codes, fmt):
+    """One-byte code rows (uint8) -> (decoded float64 values, row facts)."""
+    x64 = decode_nope(codes, fmt, np.float64)
+    return x64, row_facts(x64, codes, fmt)
 
 
 def _shape(x, layout_query, lead):
@@ -110,7 +136,8 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
     q2 = query.reshape(-1, n1, d)
     k2 = key.reshape(-1, key.shape[-1])
     w2 = weights.reshape(-1, n1)
-    idx, val = _run(lambda r: q2[r].astype(np.float32), lambda f: k2[f].astype(np.float32),
+    qname = _qdt_name(query)
+    idx, val = _run(lambda r: _rows16(q2[r], qname), lambda f: _rows16(k2[f], qname),
                     lambda r: w2[r].astype(np.float32), rows=rows, kvm=kvm, sparse_count=int(sparse_count),
                     sparse_mode=sparse_mode, chunk_size=chunk_size)
     idx = _shape(idx, layout_query, lead)
@@ -145,7 +172,7 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
     w2 = weights.reshape(-1, n1)
     qs2 = query_dequant_scale.reshape(-1, n1)
     ks1 = key_dequant_scale.reshape(-1)
-    idx, _ = _run(lambda r: decode_nope(q2[r], qfmt), lambda f: decode_nope(k2[f], kfmt),
+    idx, _ = _run(lambda r: _rows8(q2[r], qfmt), lambda f: _rows8(k2[f], kfmt),
                   lambda r: w2[r].astype(np.float32), rows=rows, kvm=kvm, sparse_count=int(sparse_count),
                   sparse_mode=sparse_mode, chunk_size=chunk_size,
                   key_scale_rows=lambda f: ks1[f].astype(np.float32),
