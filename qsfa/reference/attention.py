@@ -63,17 +63,19 @@ kernel zeroes such rows; vllm-ascend ZeroInvalidAttnOut / ZeroInvalidLse).
 
 ``precision="exact"``: float64 end to end with no intermediate rounding - K dequantised exactly
 (``decode(code) * scale`` is exact in float64), ``scale_value`` as the given Python float, exact
-softmax, no probability or output rounding. The attention output and the LSE outputs are float64.
+softmax, no probability or output rounding. The attention output and the LSE outputs are float64 (their last
+bits follow the machine's float64 BLAS and exp; they are a reference for tolerances, not golden bytes).
 
 rope_head_dim = 0 (QSFA): the kernel "skips reading the RoPE input and zero-fills the internal RoPE
 region" (seed 000); the reference does the same (an internal 576-wide K with zero RoPE), so a 528-byte
 cache gives bit-identical results to the same data zero-padded to 656 bytes.
 
 Memory: the work is done in chunks of query rows; ``chunk_size`` bounds both the number of
-``query row x head`` pairs (score matrices) and, via ``16 * chunk_size``, the gathered KV tokens per
-chunk, so peak working memory is independent of the number of query tokens (about
-``chunk_size * 16 * 10 KB``, ~330 MB at the default 2048 for 576-wide K and 128 heads, plus the
-outputs); results do not depend on ``chunk_size`` (every row is reduced over its full index width).
+``query row x head`` pairs (``chunk_size / 2``: score matrices) and the gathered KV tokens per chunk
+(``8 * chunk_size``), both held in float64, so peak working memory is independent of the number of query
+tokens (K: ``chunk_size * 8 * 4.6 KB``, 75 MB at the default 2048 for 576-wide K; measured prefill peak with 128
+heads about 120 MiB besides the outputs, benchmarks/attention.py); results do not depend on ``chunk_size``
+(every row is reduced over its full index width).
 Per chunk the selected packed rows are gathered once and dequantised (decode), or - when the chunk's rows
 share most cache rows (prefill) - each distinct cache row is dequantised once and the float rows gathered;
 unselected positions are zeroed, so nothing a row did not select is ever read into a result.

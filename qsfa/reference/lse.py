@@ -13,7 +13,10 @@ merges to ``out = 0, m = l = 0``.
 
 The merge is computed in float64 and returned in the dtypes of the inputs, rounded once from float64
 (16-bit outputs with the query-dtype rule of :mod:`qsfa.reference.attention`: bf16 RINT, fp16 ROUND;
-float32 statistics and outputs by NumPy's RNE cast).
+float32 statistics and outputs by NumPy's RNE cast). Its only operation that is not IEEE-exact is the float64
+``exp`` (glibc, or NumPy's own AVX512F kernel, which differ by at most an ulp), so a result's bytes could
+differ between machines only where the float64 value lies within an ulp of a rounding boundary (about 2^-29 of
+fp32 results, less for 16-bit ones); the attention oracles themselves are exact in that respect.
 """
 
 from __future__ import annotations
