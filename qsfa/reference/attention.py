@@ -481,7 +481,8 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
     w = k.shape[1]
     s = _dot_f32(q, k.transpose(0, 2, 1), q_facts, k_facts)  # RN32(q . k)  [c, N, W]
     s *= scale  # fp32 multiply
-    np.copyto(s, MASK_VALUE, where=~valid[:, None, :])  # -2e38, not -inf (the kernel's value)
+    if not valid.all():
+        np.copyto(s, MASK_VALUE, where=~valid[:, None, :])  # -2e38, not -inf (the kernel's value)
     m = s.max(axis=-1)  # [c, N]
     s -= m[..., None]  # fp32 subtract (exact IEEE operation)
     scratch = np.empty(s.shape, np.float64)
@@ -491,7 +492,9 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
     l = certified_f32(l64, sum_error_bound(w, l64),  # all terms >= 0: sum |e| = l
                       lambda idx: exact_sum_f32(e.reshape(-1, w)[idx].astype(np.float64)))
     # facts of P's rows (Hoelder: 1-norm): every non-zero P_j >= e_min (1 - 2^-7) [/ l], sum P <= (1 + 2^-6) sum e
-    e_min = np.min(e, axis=-1, where=e > 0, initial=np.inf).astype(np.float64)
+    e_min = e.min(axis=-1).astype(np.float64)
+    if not e_min.all():  # unselected tokens (or underflow) give P = 0: the smallest non-zero one matters
+        e_min = np.min(e, axis=-1, where=e > 0, initial=np.inf).astype(np.float64)
     slack = w * _TINY[qdtype]
     if probability_rounding == "normalised":
         e /= l[..., None]  # fp32 divide
