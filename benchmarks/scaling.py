@@ -5,7 +5,8 @@ Q_N = 128, int8 packed PA cache (block 128), sparse_mode 3, bf16 query:
 
 * ``sparse_size``     - decode rows (B = 4, Q_S = 1) with 256 .. 2048 indices per row;
 * ``query_tokens``    - TND prefill with 2048 indices per token, 256 .. 32768 query tokens (the full
-                        run includes the 32K-token prefill; peak memory is measured with tracemalloc);
+                        run includes the 32K-token prefill; peak memory is measured with tracemalloc and
+                        reported with and without the output array, 4 GiB of bf16 at 32K tokens);
 * ``context_length``  - decode with 2048 indices over a KV cache of 4K .. 128K tokens (the cost should
                         not grow: only the selected rows are read).
 
@@ -50,13 +51,22 @@ def _decode_case(rng, batch, kv_len, sparse):
 
 
 def _prefill_case(rng, q_tokens, sparse):
+    """Built in float32 chunks: a 32K-token query is 4.5 GiB in bf16, and float64 temporaries of it would
+    not fit in a 24 GiB machine."""
     kv_len = q_tokens + sparse  # every causal row has at least `sparse` visible tokens
     cache, nblk = _cache(rng, kv_len)
     table = np.arange(nblk, dtype=np.int32)[None, :]
-    q = (rng.standard_normal((q_tokens, Q_N, 576)) * 0.5).astype(ml_dtypes.bfloat16)
-    thr = kv_len - q_tokens + np.arange(q_tokens) + 1  # causal threshold of each row
-    idx = (rng.random((q_tokens, sparse)) * thr[:, None]).astype(np.int32)  # valid, may repeat
-    return dict(query=q, key=cache, value=cache, sparse_indices=idx.reshape(q_tokens, 1, sparse),
+    q = np.empty((q_tokens, Q_N, 576), ml_dtypes.bfloat16)
+    idx = np.empty((q_tokens, 1, sparse), np.int32)
+    step = 1024
+    for a in range(0, q_tokens, step):
+        b = min(a + step, q_tokens)
+        q[a:b] = rng.standard_normal((b - a, Q_N, 576), dtype=np.float32) * np.float32(0.5)
+        thr = kv_len - q_tokens + np.arange(a, b) + 1  # causal threshold of each row
+        idx[a:b, 0] = (rng.random((b - a, sparse), dtype=np.float32) * thr[:, None]).astype(np.int32)
+    thr_all = (kv_len - q_tokens + np.arange(q_tokens, dtype=np.int32) + 1)[:, None, None]
+    np.minimum(idx, thr_all - 1, out=idx)  # float32 rounding could reach the threshold itself
+    return dict(query=q, key=cache, value=cache, sparse_indices=idx,
                 scale_value=576 ** -0.5, block_table=table,
                 actual_seq_lengths_query=np.array([q_tokens], np.int32),
                 actual_seq_lengths_kv=np.array([kv_len], np.int32),
@@ -85,9 +95,12 @@ def _sweep(axis, points, make, repeat):
         if first is None:
             first = (w, t)
         linear = Timing(first[1].median_s * w / first[0], 0, 0, 0, 0)
+        out_bytes = int(np.prod(args["query"].shape[:-1])) * 512 * 2  # attention_out, bf16
         rows.append(row("scaling", f"{axis}={w}", t, baseline_name="linear from first point", baseline=linear,
-                        axis=axis, work=w, peak_mib=peak / 2**20))
-        print(f"   {axis}={w}: {t.median_s:.3f} s, peak {peak / 2**20:.0f} MiB", flush=True)
+                        axis=axis, work=w, peak_mib=peak / 2**20, output_mib=out_bytes / 2**20,
+                        notes=f"working set {(peak - out_bytes) / 2**20:.0f} MiB + output {out_bytes / 2**20:.0f} MiB"))
+        print(f"   {axis}={w}: {t.median_s:.3f} s, peak {peak / 2**20:.0f} MiB "
+              f"(output {out_bytes / 2**20:.0f} MiB)", flush=True)
     return rows
 
 
