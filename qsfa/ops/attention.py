@@ -280,6 +280,27 @@ def _lens(a, p):
     return None if v is None else np.asarray(v).astype(np.int64).reshape(-1)
 
 
+def _doubled_lengths(param):
+    """A change that makes a lengths array twice as long as the batch."""
+
+    def change(a):
+        a[param] = np.concatenate([a[param], a[param]]).astype(np.int32)
+
+    return change
+
+
+def _decreasing_prefix(param):
+    """A change that makes a prefix-sum lengths array decrease (first = last, last = 0)."""
+
+    def change(a):
+        v = a[param].copy()
+        v[0] = v[-1]
+        v[-1] = 0
+        a[param] = v
+
+    return change
+
+
 def length_rules(n: Names, kv_seq_dim_name="KV_S"):
     """actual_seq_lengths_query / _kv (or _key) and block_table rules, in dependency order."""
     lq, lk = "actual_seq_lengths_query", n.lens_kv
@@ -398,22 +419,16 @@ def length_rules(n: Names, kv_seq_dim_name="KV_S"):
         return f"block_table[{b}, {j}] = {int(bt[b, j])}"
 
     # violates
-    def q_bad_size(a):
-        a[lq] = np.concatenate([a[lq], a[lq]]).astype(np.int32)
+    q_bad_size = _doubled_lengths(lq)
 
     def q_bad_range(a):
         v = a[lq].copy()
         v[-1] = (a["query"].shape[1] if a["layout_query"] == "BSND" else a["query"].shape[0]) + 1
         a[lq] = v
 
-    def q_bad_prefix(a):
-        v = a[lq].copy()
-        v[0] = v[-1]
-        v[-1] = 0
-        a[lq] = v
+    q_bad_prefix = _decreasing_prefix(lq)
 
-    def k_bad_size(a):
-        a[lk] = np.concatenate([a[lk], a[lk]]).astype(np.int32)
+    k_bad_size = _doubled_lengths(lk)
 
     def k_bad_range(a):
         v = a[lk].copy()
@@ -423,11 +438,7 @@ def length_rules(n: Names, kv_seq_dim_name="KV_S"):
         v[-1] = lim + 1
         a[lk] = v
 
-    def k_bad_prefix(a):
-        v = a[lk].copy()
-        v[0] = v[-1]
-        v[-1] = 0
-        a[lk] = v
+    k_bad_prefix = _decreasing_prefix(lk)
 
     def bt_bad_values(a):
         bt = a["block_table"].copy()
