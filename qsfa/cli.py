@@ -24,6 +24,13 @@ SUBCOMMAND_MODULES = {
     "conformance": "qsfa.conformance.cli",
 }
 
+#: what to install when a subcommand's optional dependency is missing
+INSTALL_HINTS = {
+    "hypothesis": "pip install 'qsfa[conformance]'",
+    "torch": "pip install 'qsfa[torch]'",
+    "matplotlib": "pip install 'qsfa[plot]'",
+}
+
 
 class UsageError(Exception):
     """Raised by subcommands for bad user input: printed as one line, exit status 2."""
@@ -54,11 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as e:
-            if e.name != mod:
+            if e.name == mod:  # this build has no such subcommand
+                continue
+            if e.name is None or e.name.split(".")[0] == "qsfa":
                 raise
+            _register_unavailable(sub, name, e.name)  # an optional dependency is missing
             continue
         module.register(sub)
     return p
+
+
+def _register_unavailable(sub, name: str, missing: str):
+    """A subcommand whose optional dependency is not installed: it still parses, and says what to install."""
+    top = missing.split(".")[0]
+    hint = INSTALL_HINTS.get(top, f"pip install {top}")
+    why = f"'qsfa {name}' needs the {top} package, which is not installed ({hint})"
+    # no option prefix: every word after the subcommand (--help included) is taken as-is
+    p = sub.add_parser(name, help=f"(unavailable: {top} is not installed)", add_help=False, prefix_chars="\0")
+    p.add_argument("rest", nargs="*")
+
+    def func(args):
+        raise UsageError(why)
+
+    p.set_defaults(func=func)
 
 
 def main(argv=None) -> int:
