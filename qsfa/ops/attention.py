@@ -929,6 +929,19 @@ SFA_SPARSE_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _N_SFA = Names(SFA, sfa_case, source=SFA_SOURCE)
 
 
+def _head_dim_and_kv_head_rules(n: Names, d: int, kv_heads_name: str) -> list:
+    """query and key last dimension must be ``d``; the KV head dimension (-2) must be 1 (SFA, indexers)."""
+    rules = []
+    for param in ("query", "key"):
+        rules.append(rule(n, f"{param}_head_dim", param, "shape", f"D (last dimension) must be {d}",
+                          lambda a, p=param: None if a[p].shape[-1] == d else tuple(a[p].shape),
+                          edit(n, lambda a, p=param: a.update({p: np.ascontiguousarray(a[p][..., :d // 2])}))))
+    rules.append(rule(n, "kv_heads", "key", "shape", f"{kv_heads_name} (dimension -2) must be 1",
+                      lambda a: None if a.key.shape[-2] == 1 else tuple(a.key.shape),
+                      edit(n, lambda a: a.update(key=np.ascontiguousarray(np.repeat(a["key"], 2, axis=-2))))))
+    return rules
+
+
 def _sfa_rules():
     n = _N_SFA
     r = []
@@ -958,15 +971,7 @@ def _sfa_rules():
     r.append(_ndim_rule(n, "value", lambda a: a.key.ndim, "number of dimensions must be that of key"))
     r.append(_ndim_rule(n, "key_rope", lambda a: a.key.ndim, "number of dimensions must be that of key"))
     r += nonempty_rules(n, ("query", "key", "value"))
-    r.append(rule(n, "query_head_dim", "query", "shape", "D (last dimension) must be 512",
-                  lambda a: None if a.query.shape[-1] == 512 else tuple(a.query.shape),
-                  edit(n, lambda a: a.update(query=np.ascontiguousarray(a["query"][..., :256])))))
-    r.append(rule(n, "key_head_dim", "key", "shape", "D (last dimension) must be 512",
-                  lambda a: None if a.key.shape[-1] == 512 else tuple(a.key.shape),
-                  edit(n, lambda a: a.update(key=np.ascontiguousarray(a["key"][..., :256])))))
-    r.append(rule(n, "kv_heads", "key", "shape", "KV_N (dimension -2) must be 1",
-                  lambda a: None if a.key.shape[-2] == 1 else tuple(a.key.shape),
-                  edit(n, lambda a: a.update(key=np.ascontiguousarray(np.repeat(a["key"], 2, axis=-2))))))
+    r += _head_dim_and_kv_head_rules(n, 512, "KV_N")
     r.append(rule(n, "query_heads", "query", "shape", f"Q_N (dimension -2) must be {one_of(SFA_QUERY_HEADS)}",
                   lambda a: None if a.query.shape[-2] in SFA_QUERY_HEADS else tuple(a.query.shape),
                   edit(n, n_heads=3)))
@@ -1092,15 +1097,7 @@ _N_LI = Names(LI, indexer_case, layout_kv="layout_key", lens_kv="actual_seq_leng
 
 def _indexer_shape_rules(n: Names, op: str, src: str):
     r = []
-    r.append(rule(n, "query_head_dim", "query", "shape", "D (last dimension) must be 128",
-                  lambda a: None if a.query.shape[-1] == 128 else tuple(a.query.shape),
-                  edit(n, lambda a: a.update(query=np.ascontiguousarray(a["query"][..., :64])))))
-    r.append(rule(n, "key_head_dim", "key", "shape", "D (last dimension) must be 128",
-                  lambda a: None if a.key.shape[-1] == 128 else tuple(a.key.shape),
-                  edit(n, lambda a: a.update(key=np.ascontiguousarray(a["key"][..., :64])))))
-    r.append(rule(n, "kv_heads", "key", "shape", "N2 (dimension -2) must be 1",
-                  lambda a: None if a.key.shape[-2] == 1 else tuple(a.key.shape),
-                  edit(n, lambda a: a.update(key=np.ascontiguousarray(np.repeat(a["key"], 2, axis=-2))))))
+    r += _head_dim_and_kv_head_rules(n, 128, "N2")
     r.append(rule(n, "query_heads", "query", "shape", "N1 (dimension -2) must be in [1, 64]",
                   lambda a: None if 1 <= a.query.shape[-2] <= 64 else tuple(a.query.shape), edit(n, n_heads=72)))
     r.append(rule(n, "weights_shape", "weights", "shape", "must be query.shape[:-1] ([B, S1, N1] or [T, N1])",
