@@ -135,8 +135,6 @@ def make_case(*, batch, q_per_batch, q_n, sparse, kv_len, block_size=64, layout_
 
 def _work(args) -> tuple[float, float, int]:
     """(flops, unique bytes, selected tokens) of one call, from the reference's own token selection."""
-    import numpy as np
-
     from qsfa.reference.attn_layout import kv_map, query_rows, row_limits, selected_tokens
 
     q = args["query"]

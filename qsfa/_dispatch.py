@@ -17,7 +17,6 @@ Backends only compute. Adding one means registering a :class:`Backend` and its i
 from __future__ import annotations
 
 import importlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -309,6 +308,3 @@ def _copy_into(orig, computed):
         src = to_numpy(computed) if is_torch(computed) else np.asarray(computed)
         np.copyto(orig, src.view(orig.dtype) if src.dtype != orig.dtype else src)
 
-
-def signature_of(fn: Callable) -> inspect.Signature:
-    return inspect.signature(fn)

@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
 import ml_dtypes  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402
 
 from qsfa.compare import assert_bytes_equal, compare_float  # noqa: E402
 from qsfa.kernels import _common as C  # noqa: E402

@@ -101,7 +101,7 @@ def _decode(params, args, outputs):
     fmt = params.get("fmt")
     return {
         ("input", "codes"): ArrayMeta(layout=f"{fmt} codes in code order", format=fmt if fmt not in ("bfloat16", "float16") else None),
-        ("output", "values"): ArrayMeta(layout=f"float32 value of each code (NaN codes give NaN)"),
+        ("output", "values"): ArrayMeta(layout="float32 value of each code (NaN codes give NaN)"),
     }
 
 
