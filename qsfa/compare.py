@@ -1,4 +1,4 @@
-"""Comparing a backend's (or kernel's) results with the oracle: SPEC.md section 4.
+"""Comparing a backend's (or kernel's) results with the oracle: docs/numerics/comparison.md#float-criterion.
 
 * Byte outputs (format codes, packed rows, caches) are compared byte for byte. The report names the
   first differing positions and, when the format is known, their decoded values. Never a tolerance.
@@ -9,7 +9,7 @@
 * Ascend (msprobe) statistics are reported beside the verdict: the share of elements whose relative error
   exceeds 0.1% ("dual thousandths") and 1% ("dual hundredths"), and the ULP distance histogram.
 
-The cos_diff thresholds and the fp32 atol/rtol are qsfa's choice (SPEC.md names none): 1e-5 for 16-bit
+The cos_diff thresholds and the fp32 atol/rtol are qsfa's choice (no public source names one; docs/numerics/comparison.md#float-criterion): 1e-5 for 16-bit
 outputs and 1e-7 for fp32 (FlashMLA's test uses 1e-5 for bf16 decode and 1e-7 for its sparse kernels).
 """
 
@@ -176,7 +176,7 @@ def ulp_distance(actual, golden, dtype: str) -> np.ndarray:
 
 def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | None = None,
                   name: str = "", max_report: int = 10) -> CompareResult:
-    """The SPEC.md section 4 criterion for float outputs (see module docstring)."""
+    """The docs/numerics/comparison.md#float-criterion criterion for float outputs (see module docstring)."""
     a_in, g_in = _host(actual), _host(golden)
     dt = dtype or dtype_name(g_in)
     tol = tol or TOLERANCES.get(dt, TOLERANCES["float32"])
