@@ -105,7 +105,7 @@ def compare_bytes(actual, golden, *, name: str = "", fmt: str | None = None, max
     dt = dtype_name(g)
     if a.shape != g.shape or a.dtype.itemsize != g.dtype.itemsize:
         return CompareResult(name, "bytes", False, tuple(g.shape), dt, int(g.size), int(g.size),
-                             message=f"shape/itemsize mismatch: actual {a.shape} {dtype_name(a)}, "
+                             message=f"FAIL: shape/itemsize mismatch: actual {a.shape} {dtype_name(a)}, "
                                      f"golden {g.shape} {dt}")
     ab, gb = _as_bytes(a), _as_bytes(g)
     diff = ab != gb
@@ -129,9 +129,9 @@ def compare_bytes(actual, golden, *, name: str = "", fmt: str | None = None, max
                 w["actual_decoded"] = decoded(av.view(np.uint8) if hasattr(av, "view") else av)
             res.worst.append(w)
         first = res.worst[0]["index"]
-        res.message = f"{n_fail} of {g.size} elements differ; first at index {first}"
+        res.message = f"FAIL: {n_fail} of {g.size} elements differ; first at index {first}"
     else:
-        res.message = f"all {g.size} elements identical"
+        res.message = f"PASS: all {g.size} elements identical"
     return res
 
 
@@ -183,7 +183,7 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     res = CompareResult(name, "float", False, tuple(g_in.shape), dt, int(g_in.size), int(g_in.size),
                         tolerance=asdict(tol))
     if a_in.shape != g_in.shape:
-        res.message = f"shape mismatch: actual {a_in.shape}, golden {g_in.shape}"
+        res.message = f"FAIL: shape mismatch: actual {a_in.shape}, golden {g_in.shape}"
         return res
     a = a_in.astype(np.float64)
     g = g_in.astype(np.float64)
@@ -222,7 +222,7 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
              f"rel>0.1%: {100 * res.share_rel_gt_1e3:.3f}%"]
     if int(mask_bad.sum()):
         parts.insert(0, f"{int(mask_bad.sum())} non-finite mismatches")
-    res.message = "; ".join(parts)
+    res.message = ("PASS: " if res.passed else "FAIL: ") + "; ".join(parts)
     return res
 
 
