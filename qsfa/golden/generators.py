@@ -232,7 +232,7 @@ def gen_dynamic_block_quant(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
-# KvCompressEpilog (SPEC 3.4)
+# KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog)
 
 
 @register_generator("kv_compress_epilog")
@@ -311,7 +311,7 @@ def rope_tables(positions: np.ndarray, dim: int, dtype: str, base: float = 10000
 
 
 # --------------------------------------------------------------------------------------------------
-# QSFA C8 cache writers (SPEC 3.2)
+# QSFA C8 cache writers (docs/numerics/cache-writers.md#c8_cache_write)
 
 
 def _c8_slots(params, rng, t, num_slots):
@@ -360,7 +360,7 @@ def gen_c8_rmsnorm_rope_cache(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
-# QSFA attention (SPEC 3.6)
+# QSFA attention (docs/numerics/attention.md#kv_quant_sparse_flash_attention)
 
 #: byte written into every packed KV row no selected token lives in (tails of pages and of BSND
 #: sequences, unused pages): int8 127, RoPE 0x7F7F (~3.4e38), scales 0x7F7F7F7F (~3.4e38); a kernel that
@@ -471,7 +471,7 @@ def gen_qsfa_attention(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
-# KvRmsNormRopeCache V1 / V2 (SPEC 3.3)
+# KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 
 
 @register_generator("kv_rmsnorm_rope_cache")

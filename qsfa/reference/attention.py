@@ -1,4 +1,4 @@
-"""Sparse flash attention oracles: QSFA (packed quantised KV) and SFA (float KV). SPEC.md 3.6.
+"""Sparse flash attention oracles: QSFA (packed quantised KV) and SFA (float KV). docs/numerics/attention.md#kv_quant_sparse_flash_attention.
 
 Both compute, for every query row and query head,
 
@@ -13,12 +13,12 @@ Precision modes
 ``precision="faithful"`` (default) rounds where the Ascend kernel rounds. Every fp32 accumulation (the dot
 products ``q . k`` and ``P @ V``, the softmax sum) and every fp32 ``exp`` / ``log`` is modelled as the correctly
 rounded fp32 value of the exact result (``RN32``: round to nearest, ties to even; an exact zero sum is +0) - a kernel
-that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside SPEC.md section 4 - so the
+that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside docs/numerics/comparison.md#float-criterion - so the
 result is a function of the inputs alone: the same bytes on every machine, whatever BLAS kernel, thread split or
 NumPy SIMD variant computes the float64 intermediates (tests/test_attention_determinism.py; how, below).
 
 1. QSFA: ``K_nope = decode(code) * tile_scale`` (one fp32 multiply), rounded to the query dtype
-   (bf16 RINT, fp16 ROUND = half away from zero; SPEC.md 3.6). The RoPE part is taken as stored. The
+   (bf16 RINT, fp16 ROUND = half away from zero; docs/numerics/attention.md#rounding-points). The RoPE part is taken as stored. The
    query dtype value V is the same rounded NoPE (MLA-absorb). SFA: K and V are already in the query dtype.
 2. ``s = RN32(q . k) * fp32(scale_value)`` (an fp32 multiply): the kernel's cube unit accumulates exact 16x16-bit
    products in fp32 in its own order. Tokens that are not selected get ``-2e38`` (not ``-inf``), as in the
@@ -109,7 +109,7 @@ ROPE_DIM = 64
 _DEQUANT_BLOCK = 8192  # packed rows per fp32 dequantisation block (bounds the fp32 temporaries)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
-#: rounding of fp32 values to the query dtype at the kernel's rounding points (SPEC.md 3.6)
+#: rounding of fp32 values to the query dtype at the kernel's rounding points (docs/numerics/attention.md#rounding-points)
 QUERY_ROUNDING = {"bfloat16": "rint", "float16": "round"}
 PROBABILITY_ROUNDINGS = ("unnormalised", "normalised")
 #: significand bits of the query dtypes; their smallest subnormal
