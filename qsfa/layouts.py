@@ -7,6 +7,9 @@
 * NZ fractal storage of paged caches (docs/numerics/layouts.md#nz): :func:`nz_columns`, :func:`nz_view`,
   :func:`nz_to_nd`, :func:`nd_to_nz`.
 * Slot addressing of paged caches (docs/numerics/layouts.md#paged-caches): :func:`slot_positions`.
+* FlashMLA MODEL1 FP8 sparse cache (DeepSeek V4: 448 E4M3FN NoPE + 64 bf16 RoPE, E8M0 scales of 64-value
+  tiles; ``docs/numerics/flashmla-model1.md``): :func:`flashmla_model1_quantize`,
+  :func:`flashmla_model1_dequantize` (operators, ``backend=`` as everywhere), :func:`flashmla_model1_block_bytes`.
 
 All functions take and return NumPy arrays; see :mod:`qsfa.reference.packing` for the layouts in detail.
 """
@@ -27,6 +30,8 @@ from .reference.packing import (
     row_offsets,
     unpack_rows,
 )
+from .ops.layouts import flashmla_model1_dequantize, flashmla_model1_quantize
+from .reference.flashmla_model1 import block_bytes as flashmla_model1_block_bytes
 from .reference.scatter import slot_positions
 
 __all__ = [
@@ -43,4 +48,7 @@ __all__ = [
     "nz_to_nd",
     "nd_to_nz",
     "slot_positions",
+    "flashmla_model1_quantize",
+    "flashmla_model1_dequantize",
+    "flashmla_model1_block_bytes",
 ]

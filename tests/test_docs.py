@@ -244,3 +244,60 @@ def test_the_outside_pattern_catches_the_old_forms():
         assert _OUTSIDE.search(old), old
     for fine in ("_NO_SPECIALS", "shared memory", "torch.cuda.shared_mem", "spec_example"):
         assert not _OUTSIDE.search(fine), fine
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the decode tables of formats.md say what the code decodes
+
+
+def _section(page: pathlib.Path, heading: str) -> str:
+    text = page.read_text()
+    start = text.index(f"\n## {heading}\n")
+    nxt = text.find("\n## ", start + 1)
+    return text[start:nxt if nxt > 0 else None]
+
+
+def _table_rows(section: str):
+    for line in section.splitlines():
+        if line.startswith("|") and not re.match(r"\|\s*-", line):
+            yield [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _value(expr: str) -> float:
+    """A value cell such as '1.75 × 2^-7 = 0.013671875' or '32768 (largest finite)': the last expression."""
+    expr = re.sub(r"\([a-z ]+\)", "", expr.split("=")[-1]).replace("×", "*").replace("^", "**").strip()
+    assert re.fullmatch(r"[-+*/().\d\s]+", expr), expr
+    return float(eval(expr, {"__builtins__": {}}))  # digits and operators only (checked above)
+
+
+def test_formats_page_fp4_table_is_the_decode_of_every_code():
+    import numpy as np
+
+    rows = [r for r in _table_rows(_section(NUMERICS / "formats.md", "float4_e2m1")) if r[0].startswith("0x")]
+    seen = {}
+    for r in rows:
+        for code, _bits, value in (r[0:3], r[3:6]):
+            seen[int(code, 16)] = float(value)
+    assert sorted(seen) == list(range(16))
+    got = formats.decode(np.arange(16, dtype=np.uint8), "float4_e2m1")
+    for c, v in seen.items():
+        assert got[c] == v and np.signbit(got[c]) == v.__repr__().startswith("-"), (c, v, got[c])
+
+
+def test_formats_page_hifloat8_worked_examples_decode_as_stated():
+    import numpy as np
+
+    rows = [r for r in _table_rows(_section(NUMERICS / "formats.md", "hifloat8")) if re.fullmatch(r"0x[0-9A-F]{2}", r[0])]
+    assert len(rows) >= 10
+    for r in rows:
+        code, value = int(r[0], 16), _value(r[-1])
+        got = float(formats.decode(np.array([code], np.uint8), "hifloat8")[0])
+        assert got == value, (r[0], r[-1], got)
+        assert int(r[1].split()[0] + r[1].split()[1], 2) == code & 0x7F, r  # the bits column is the code
+
+
+def test_formats_page_hifloat8_encode_examples():
+    import numpy as np
+
+    codes = formats.encode(np.float32([1.0625, 22.0, 40960.0, 1.5 * 2.0 ** -17]), "hifloat8")
+    assert [int(c) for c in codes] == [0x09, 0x42, 0x6F, 0x07]  # the page's worked encodes

@@ -792,6 +792,9 @@ def _build() -> list[Property]:
             props += [_page_permutation(op), _topk(op)]
     if MERGE in have:
         props.append(_merge_single())
+    from .properties_more import more_properties
+
+    props += more_properties(have, Property, _examples)
     order = {op: i for i, op in enumerate(ops)}
     props.sort(key=lambda p: (order.get(p.op, 99), p.kind != "vs_reference", p.name))
     names = [p.name for p in props]

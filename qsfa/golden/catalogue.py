@@ -204,6 +204,36 @@ register_set("c8-cache", "QSFA C8 cache writers: packed 656/528-byte rows from k
 
 
 # --------------------------------------------------------------------------------------------------
+# FlashMLA MODEL1 FP8 sparse cache (docs/numerics/flashmla-model1.md)
+
+M1Q, M1D = "layouts.flashmla_model1_quantize", "layouts.flashmla_model1_dequantize"
+
+
+def flashmla_model1_cases() -> list[Case]:
+    out = []
+    for bs in (1, 2, 64):
+        out.append(_case(f"m1q-bs{bs}", M1Q, "flashmla_model1",
+                         f"MODEL1 quantise, block_size {bs} ({bs * 584} data bytes padded to a multiple of 576), "
+                         "a zero tile and a 1e-4-floor tile per token", block_num=2, block_size=bs, zero_tiles=True,
+                         tiny_tiles=True, seed_name=f"m1-bs{bs}"))
+        out.append(_case(f"m1d-bs{bs}", M1D, "flashmla_model1",
+                         f"MODEL1 dequantise of the m1q-bs{bs} cache (same k)", block_num=2, block_size=bs,
+                         zero_tiles=True, tiny_tiles=True, for_dequantize=True, seed_name=f"m1-bs{bs}"))
+    out.append(_case("m1q-bs72-spread", M1Q, "flashmla_model1",
+                     "MODEL1 quantise, block_size 72 (no block padding: 72 * 584 = 73 * 576), tile magnitudes "
+                     "2^-30..2^30", block_num=1, block_size=72, spread=True))
+    out.append(_case("m1d-random-bytes", M1D, "flashmla_model1",
+                     "MODEL1 dequantise of random bytes: NaN codes, the NaN scale byte 0xFF, bf16 overflow to inf, "
+                     "subnormal products", block_num=3, block_size=3, random_bytes=True))
+    return out
+
+
+register_set("flashmla-model1", "FlashMLA MODEL1 FP8 sparse cache (DeepSeek V4): quantise and dequantise, block "
+             "sizes 1/2/64/72, zero and 1e-4-floor tiles, tile magnitudes over 2^+-30, random cache bytes",
+             flashmla_model1_cases)
+
+
+# --------------------------------------------------------------------------------------------------
 # KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 
 _KRR_MODES = ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ")

@@ -270,6 +270,32 @@ def gen_kv_compress_epilog(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
+# FlashMLA MODEL1 cache (docs/numerics/flashmla-model1.md)
+
+
+@register_generator("flashmla_model1")
+def gen_flashmla_model1(params, rng):
+    """k bf16 ``[block_num, block_size, 1, 512]`` randn * ``scale``; ``zero_tiles`` zeroes NoPE tile 1 of
+    every token (scale byte 0x72) and ``tiny_tiles`` scales tile 2 by 1e-4 (the 1e-4 amax floor);
+    ``spread`` multiplies each tile by 2^[-30, 30). For ``layouts.flashmla_model1_dequantize`` (``for_dequantize``)
+    the input is the reference quantiser's cache of that k, or (``random_bytes``) uniform random bytes."""
+    nb, bs = int(params["block_num"]), int(params["block_size"])
+    from ..reference.flashmla_model1 import block_bytes, quantize
+
+    if params.get("random_bytes"):
+        return {"cache": rng.integers(0, 256, (nb, block_bytes(bs)), dtype=np.uint8)}
+    k = randn(rng, (nb, bs, 1, 512), "float32", params.get("scale", 1.0))
+    if params.get("spread"):
+        k *= np.exp2(rng.integers(-30, 30, (nb, bs, 1, 8))).repeat(64, axis=-1).astype(np.float32)
+    if params.get("zero_tiles"):
+        k[..., 64:128] = 0
+    if params.get("tiny_tiles"):
+        k[..., 128:192] *= np.float32(1e-4)
+    k = k.astype(ml_dtypes.bfloat16)
+    return {"cache": quantize(k)} if params.get("for_dequantize") else {"k": k}
+
+
+# --------------------------------------------------------------------------------------------------
 # rotary tables
 
 
