@@ -1,4 +1,4 @@
-"""Dynamic block quantisation (``npu_dynamic_block_quant``, SPEC.md 3.1) and the int8 per-tile rule.
+"""Dynamic block quantisation (``npu_dynamic_block_quant``, docs/numerics/quantisers.md#dynamic_block_quant) and the int8 per-tile rule.
 
 Per block (``row_block_size x col_block_size`` elements of the last two dimensions; edge blocks are
 partial and take the amax over the elements that exist)::
@@ -18,7 +18,7 @@ Special values, as in the CANN golden of DynamicBlockQuant (cann ops-nn quant/dy
 tests): inf/nan do not enter the amax; +-inf quantise to +-TYPE_MAX_FINITE and nan to 0. An all-zero
 block has scale 0 and codes 0 (0/0 is treated as 0).
 
-``scale_order`` (SPEC.md 2, **OPEN**): ``"divide"`` (default; the aclnn doc) quantises ``x / scale``;
+``scale_order`` (docs/numerics/open-facts.md#scale_order, **OPEN**): ``"divide"`` (default; the aclnn doc) quantises ``x / scale``;
 ``"multiply"`` quantises ``x * fp32(TYPE_MAX / amax)`` (the op-plugin test golden
 test/test_custom_ops/test_npu_dynamic_block_quant.py multiplies by the fp32 reciprocal ``127.0 / amax``;
 the two differ by one code at rare ties). "multiply" is only defined when ``min_scale == 0``.
@@ -35,7 +35,7 @@ from .scales import dynamic_block_scale
 
 __all__ = ["TYPE_MAX", "FINITE_MAX", "SCALE_ORDERS", "dynamic_block_quant", "int8_tile_quant", "block_amax"]
 
-#: the two quantisation orders of SPEC.md 2 (OPEN): x / scale, or x * fp32(TYPE_MAX / amax)
+#: the two quantisation orders of docs/numerics/open-facts.md#scale_order (OPEN): x / scale, or x * fp32(TYPE_MAX / amax)
 SCALE_ORDERS = ("divide", "multiply")
 
 #: TYPE_MAX of the scale rule per destination format
@@ -123,7 +123,7 @@ def dynamic_block_quant(x: np.ndarray, *, min_scale: float = 0.0, round_mode: st
 
 
 def int8_tile_quant(x: np.ndarray, tile_size: int = 128, scale_order: str = "divide"):
-    """The int8 dynamic rule of SPEC.md 2 over 1 x ``tile_size`` tiles of the last dimension.
+    """The int8 dynamic rule of docs/numerics/quantisers.md#int8-dynamic over 1 x ``tile_size`` tiles of the last dimension.
 
     ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero tile gives ``s = 0`` and
     ``q = 0`` (qsfa's definition; OPEN on hardware). ``x``: ``[..., D]`` with ``D % tile_size == 0``.
