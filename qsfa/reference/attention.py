@@ -83,6 +83,8 @@ unselected positions are zeroed, so nothing a row did not select is ever read in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import decimal
 import math
 
@@ -461,6 +463,22 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------
 # the shared core
 
+_ROW_RANGE = contextvars.ContextVar("qsfa_attention_row_range", default=None)
+
+
+@contextlib.contextmanager
+def only_rows(start: int, stop: int):
+    """Within the block the attention oracles compute only the query rows ``start <= r < stop`` and leave the
+    other rows of every output zero. Rows are numbered in flattened order (``b * Q_S + s`` for BSND, the token
+    for TND): row ``r`` of every output is ``output.reshape(rows, -1)[r]``. A row's bytes do not depend on which
+    other rows are computed with it, so a call split into row ranges (``qsfa.distributed``) assembles to the same
+    bytes."""
+    token = _ROW_RANGE.set((int(start), int(stop)))
+    try:
+        yield
+    finally:
+        _ROW_RANGE.reset(token)
+
 
 def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False) -> int:
     """Query rows per chunk: at most ``chunk_size / 2`` row x head pairs and ``8 * chunk_size`` gathered tokens
@@ -562,6 +580,9 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     mx = np.zeros((n_rows, n_heads), fdt)
     sm = np.zeros((n_rows, n_heads), fdt)
     active = np.nonzero(limit > 0)[0]
+    row_range = _ROW_RANGE.get()
+    if row_range is not None:
+        active = active[(active >= row_range[0]) & (active < row_range[1])]
     step = _rows_per_chunk(chunk_size, n_heads, width)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
     for start in range(0, active.size, step):
