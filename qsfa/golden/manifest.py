@@ -124,9 +124,14 @@ def _check_array_name(case: str, name: str):
         raise GoldenInputError(f"case {case}: array name {name!r} is not a plain identifier")
 
 
-def _write_case(case: Case, out: str, file_format: str) -> dict:
-    inputs = case.inputs()
-    outputs = case.run("reference", inputs)
+def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = None,
+                outputs: dict | None = None) -> dict:
+    """Write one case's files under ``out``; returns its manifest entry. ``inputs`` / ``outputs``: already
+    computed (``qsfa.distributed`` assembles attention outputs from row ranges), else computed here."""
+    if inputs is None:
+        inputs = case.inputs()
+    if outputs is None:
+        outputs = case.run("reference", inputs)
     args = case.args(inputs)
     metas = describe(case.op, case.params, args, outputs)
     folder = os.path.join(out, case.name)
@@ -208,12 +213,22 @@ def _write_case(case: Case, out: str, file_format: str) -> dict:
     }
 
 
+def case_error(case: Case, e: Exception) -> GoldenInputError:
+    """The error reported for a case that could not be written: named, the cause's message kept."""
+    if isinstance(e, (GoldenInputError, InvalidArgument, InvalidDtype)):
+        return GoldenInputError(f"case {case.name}: {e}")
+    # a case the operator cannot run
+    return GoldenInputError(f"case {case.name}: {case.op} failed: {type(e).__name__}: {e}")
+
+
 def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_name: str | None = None,
-             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None) -> dict:
+             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None, executor=None) -> dict:
     """Run every case on the reference backend and write inputs, outputs and ``manifest.json``.
 
     Cases whose operator is not in this build of qsfa are skipped and listed under ``"skipped"``.
-    Returns the manifest.
+    ``executor(cases, out, file_format) -> entries`` (optional) writes the cases' files and returns their
+    manifest entries in case order, instead of the loop here (``qsfa.distributed.golden_executor``: a Dask
+    cluster computes, this process writes). Returns the manifest.
     """
     from .. import __version__
 
@@ -230,19 +245,19 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
                for c in cases if c.op not in ops]
     created = not os.path.isdir(out)
     _prepare_out(out)
-    bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1, stream=stream)
+    bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1 and executor is None,
+                   stream=stream)
     entries = []
     try:
-        for c in run_cases:
-            bar.step(c.name)
-            try:
-                entries.append(_write_case(c, out, file_format))
-            except GoldenInputError as e:
-                raise GoldenInputError(f"case {c.name}: {e}") from e
-            except (InvalidArgument, InvalidDtype) as e:
-                raise GoldenInputError(f"case {c.name}: {e}") from e
-            except Exception as e:  # a case the operator cannot run: name it, keep the cause chained
-                raise GoldenInputError(f"case {c.name}: {c.op} failed: {type(e).__name__}: {e}") from e
+        if executor is not None:
+            entries = list(executor(run_cases, out, file_format))
+        else:
+            for c in run_cases:
+                bar.step(c.name)
+                try:
+                    entries.append(_write_case(c, out, file_format))
+                except Exception as e:
+                    raise case_error(c, e) from e
     except BaseException:
         _remove_partial(out, [c.name for c in run_cases], created)
         raise
