@@ -141,6 +141,17 @@ def writer_cases():
                     x = np.nan_to_num(x.astype(np.float32), posinf=1.0, neginf=-1.0, nan=0.0).astype(x.dtype)
                 return qsfa.dynamic_block_quant(x, **kw)
             out[f"dynamic_block_quant-{i}-{len(shape)}d"] = q
+        for shape in ((1024, 512), (4, 256, 512)):  # blocks that tile x exactly (the fast path), finite and not
+            for finite in (True, False):
+                def qt(kw=kw, shape=shape, i=i, finite=finite):
+                    _, x, _ = _writer_inputs(40 + i, specials=not finite)
+                    x = x[:, :512].reshape(shape)
+                    if not finite and (kw.get("dst_type") in ("float8_e5m2", "hifloat8")
+                                       or kw.get("scale_order") == "multiply"):
+                        return ()
+                    x.reshape(-1, 512)[17, 128:256] = -0.0  # a negative-zero block
+                    return qsfa.dynamic_block_quant(x, **kw)
+                out[f"dynamic_block_quant-{i}-tiled-{len(shape)}d-{'finite' if finite else 'specials'}"] = qt
     return out
 
 
