@@ -27,7 +27,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from qsfa._dispatch import Backend, register_backend, register_impl, unregister_backend
 from qsfa.cli import main
 from qsfa.conformance import run_conformance, select
-from qsfa.distributed import GoldenExecutor, run_sharded
+from qsfa.distributed import ClusterUsageError, GoldenExecutor, run_sharded
+from qsfa.distributed._cluster import check_same_code
 from qsfa.distributed.golden import assemble, case_task, rows_task
 from qsfa.golden import Case, generate, get_set, register_generator
 from qsfa.golden.generators import get_generator
@@ -346,6 +347,16 @@ def test_cli_on_a_dask_scheduler_and_workers(dask_processes, tmp_path, capsys):
                           "--scheduler", dask_processes]) == 0
     s, d = (json.load(open(tmp_path / f)) for f in ("s.json", "d.json"))
     assert _strip(s) == _strip(d) and d["summary"]["passed"] == len(d["results"]) > 0
+
+
+def test_workers_running_other_code_are_refused(client, monkeypatch):
+    import qsfa
+
+    check_same_code(client, ("hypothesis",))  # the same environment: accepted
+    monkeypatch.setattr(qsfa, "__version__", "0.0.9")  # this process only
+    with pytest.raises(ClusterUsageError, match=r"2 of 2 workers run other code than this process.*"
+                                                r"qsfa 0\.1\.0 \(sources [0-9a-f]+\) \(here: 0\.0\.9 \(sources"):
+        check_same_code(client)
 
 
 def test_cli_usage_errors(capsys, tmp_path):
