@@ -28,7 +28,7 @@ from .._errors import InvalidArgument, InvalidDtype
 from .guard import create_new, is_inside, lexists_plain_dir, lexists_plain_file
 from .io import GoldenInputError
 from .meta import describe
-from .schema import ARRAY_NAME, check_manifest
+from .schema import ARRAY_NAME, WRITTEN_NAME, check_manifest
 
 __all__ = ["MANIFEST", "GOLDEN_FORMAT", "generate", "load_manifest", "load_array", "case_from_entry",
            "Progress", "select_shard", "parse_shard"]
@@ -85,9 +85,10 @@ def _prepare_out(out: str, names=()) -> None:
     """``out`` must be new, empty, or a previous golden directory.
 
     A previous golden directory's files are removed first - only what its (fully checked) manifest
-    lists, and only regular files (never symbolic links) whose real path is in ``out``; a listed path
-    or a case folder of this run that is a link or not a regular file/folder refuses the run before
-    anything is deleted. Files that are not listed stay.
+    lists, and only regular files (never symbolic links) whose real path is in ``out``. The run is
+    refused before anything is deleted when a listed path or a case folder of this run is a link or not
+    a regular file / folder, or when a case folder of this run holds an unlisted entry with the name of
+    a file generate writes (it would have to be overwritten). Other files stay.
     """
     if os.path.lexists(out) and not os.path.isdir(out):
         raise GoldenInputError(f"--out {out} exists and is not a directory")
@@ -100,8 +101,7 @@ def _prepare_out(out: str, names=()) -> None:
         if os.path.lexists(d) and not lexists_plain_dir(d):
             raise GoldenInputError(f"--out {out}: {n} exists and is not a plain folder (a symbolic link or a "
                                    "file): refusing to write there")
-    entries = os.listdir(root)
-    if not entries:
+    if not os.listdir(root):
         return
     man_path = os.path.join(root, MANIFEST)
     if not os.path.lexists(man_path):
@@ -127,6 +127,15 @@ def _prepare_out(out: str, names=()) -> None:
                 raise GoldenInputError(f"--out {out}: {rel}, listed in its {MANIFEST}, is not a regular file "
                                        "inside it (a symbolic link?): refusing to delete it")
             doomed.append(p)
+    gone = set(doomed)
+    for n in names:  # what this run writes must not land on a file no manifest lists
+        d = os.path.join(root, n)
+        if not lexists_plain_dir(d):
+            continue
+        for f in os.listdir(d):
+            if WRITTEN_NAME.match(f) and os.path.join(d, f) not in gone:
+                raise GoldenInputError(f"--out {out}: {n}/{f} is in the way and no earlier {MANIFEST} of it lists "
+                                       "it: refusing to overwrite it")
     for p in doomed:
         os.remove(p)
     for d in dirs:

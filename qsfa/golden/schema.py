@@ -27,14 +27,15 @@ from . import io as gio
 from .guard import check_component, declared_nbytes, field_error, max_array_bytes
 from .io import GoldenInputError
 
-__all__ = ["check_manifest", "check_shape", "check_dtype", "ARRAY_NAME", "ROLE_PREFIX"]
+__all__ = ["check_manifest", "check_shape", "check_dtype", "ARRAY_NAME", "ROLE_PREFIX", "WRITTEN_NAME"]
 
 GOLDEN_FORMAT = "qsfa-golden/1"
 FILE_FORMATS = ("bin", "npz")
 ROLE_PREFIX = {"input": "in", "output": "out", "mask": "mask"}
 ARRAY_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_LEAF = re.compile(r"^(case\.json|arrays\.npz|(in|out|mask)\.[A-Za-z0-9_]+\.bin)$")
+#: the names of the files generate writes in a case folder
+WRITTEN_NAME = _LEAF = re.compile(r"^(case\.json|arrays\.npz|(in|out|mask)\.[A-Za-z0-9_]+\.bin)$")
 _MANIFEST = "manifest.json"
 _INT64_MAX = (1 << 63) - 1
 
