@@ -25,7 +25,7 @@ import numpy as np
 from . import io as gio
 from .case import Case, available_ops
 from .._errors import InvalidArgument, InvalidDtype
-from .guard import create_new, is_inside, lexists_plain_dir, lexists_plain_file
+from .guard import check_component, create_new, is_inside, lexists_plain_dir, lexists_plain_file
 from .io import GoldenInputError
 from .meta import describe
 from .schema import ARRAY_NAME, WRITTEN_NAME, check_manifest
@@ -167,18 +167,44 @@ def _new_file(made: list, path: str):
     return f
 
 
-def _write_case(case: Case, out: str, file_format: str, made: list | None = None) -> dict:
-    inputs = case.inputs()
-    outputs = case.run("reference", inputs)
-    args = case.args(inputs)
-    metas = describe(case.op, case.params, args, outputs)
-    made = [] if made is None else made
-    folder = os.path.join(out, case.name)
+def _case_folder(out: str, name: str, made: list) -> str:
+    """``out/name``: made now (and remembered), or an existing plain folder - never a link."""
+    check_component(name, out, "case name", kind="case folder")
+    folder = os.path.join(out, name)
     if not os.path.lexists(folder):
         os.mkdir(folder)
         made.append(folder)
     elif not lexists_plain_dir(folder):
         raise GoldenInputError(f"{folder} is not a plain folder (a symbolic link?): refusing to write there")
+    return folder
+
+
+def write_case_files(out: str, files: dict, made: list) -> None:
+    """Write ``{"<case>/<file>": bytes}`` under ``out`` as generate writes its own files: only the names
+    generate writes, each a new file in a plain case folder, all remembered in ``made`` (for
+    :func:`_remove_partial`). Used for files computed elsewhere (``qsfa.distributed``)."""
+    for rel, data in files.items():
+        parts = rel.split("/") if isinstance(rel, str) else []
+        if len(parts) != 2 or not WRITTEN_NAME.match(parts[1]):
+            raise GoldenInputError(f"{out}: refusing to write {rel!r}: not a file name generate writes")
+        folder = _case_folder(out, parts[0], made)
+        with _new_file(made, os.path.join(folder, parts[1])) as f:
+            f.write(data)
+
+
+def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = None,
+                outputs: dict | None = None, made: list | None = None) -> dict:
+    """Write one case's files under ``out``; returns its manifest entry. ``inputs`` / ``outputs``: already
+    computed (``qsfa.distributed`` assembles attention outputs from row ranges), else computed here.
+    Every file and folder made is appended to ``made``."""
+    if inputs is None:
+        inputs = case.inputs()
+    if outputs is None:
+        outputs = case.run("reference", inputs)
+    args = case.args(inputs)
+    metas = describe(case.op, case.params, args, outputs)
+    made = [] if made is None else made
+    _case_folder(out, case.name, made)
 
     arrays, members, files = [], {}, {}
     mask_items = []
@@ -258,12 +284,24 @@ def _write_case(case: Case, out: str, file_format: str, made: list | None = None
     }
 
 
+def case_error(case: Case, e: Exception) -> GoldenInputError:
+    """The error reported for a case that could not be written: named, the cause's message kept."""
+    if isinstance(e, (GoldenInputError, InvalidArgument, InvalidDtype)):
+        return GoldenInputError(f"case {case.name}: {e}")
+    # a case the operator cannot run
+    return GoldenInputError(f"case {case.name}: {case.op} failed: {type(e).__name__}: {e}")
+
+
 def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_name: str | None = None,
-             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None) -> dict:
+             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None, executor=None) -> dict:
     """Run every case on the reference backend and write inputs, outputs and ``manifest.json``.
 
     Cases whose operator is not in this build of qsfa are skipped and listed under ``"skipped"``.
-    Returns the manifest.
+    ``executor(cases, out, file_format, made=made) -> entries`` (optional) writes the cases' files (with
+    :func:`write_case_files` / ``_write_case(..., made=made)``, so a failed run removes exactly what it
+    made) and returns their manifest entries in case order, instead of the loop here
+    (``qsfa.distributed.golden_executor``: a Dask cluster computes, this process writes). Returns the
+    manifest.
     """
     from .. import __version__
 
@@ -285,19 +323,19 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
     _prepare_out(out, [c.name for c in run_cases])
     out = os.path.realpath(out)
     made: list = []
-    bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1, stream=stream)
+    bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1 and executor is None,
+                   stream=stream)
     entries = []
     try:
-        for c in run_cases:
-            bar.step(c.name)
-            try:
-                entries.append(_write_case(c, out, file_format, made))
-            except GoldenInputError as e:
-                raise GoldenInputError(f"case {c.name}: {e}") from e
-            except (InvalidArgument, InvalidDtype) as e:
-                raise GoldenInputError(f"case {c.name}: {e}") from e
-            except Exception as e:  # a case the operator cannot run: name it, keep the cause chained
-                raise GoldenInputError(f"case {c.name}: {c.op} failed: {type(e).__name__}: {e}") from e
+        if executor is not None:
+            entries = list(executor(run_cases, out, file_format, made=made))
+        else:
+            for c in run_cases:
+                bar.step(c.name)
+                try:
+                    entries.append(_write_case(c, out, file_format, made=made))
+                except Exception as e:
+                    raise case_error(c, e) from e
     except BaseException:
         _remove_partial(out, made, created)
         raise
