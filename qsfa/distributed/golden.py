@@ -163,7 +163,9 @@ class GoldenExecutor:
         splits: dict = {}  # case index -> (split future, split dict, {start: rows result}, expected count)
         try:
             for i, c in enumerate(cases):
-                tasks.submit(case_task, c, file_format, self.chunk_rows, label=f"case-{c.name}", tag=("case", i, 0))
+                # attention cases first (the long ones); row tasks before other cases (a split case waits on them)
+                tasks.submit(case_task, c, file_format, self.chunk_rows, label=f"case-{c.name}", tag=("case", i, 0),
+                             priority=int(c.op in ROW_SPLIT_OPS))
             for (kind, i, start), fut in tasks.completed():
                 c = cases[i]
                 try:
@@ -181,7 +183,8 @@ class GoldenExecutor:
                     splits[i] = (fut, res, {}, len(starts))
                     for a in starts:
                         b = min(rows, a + per)
-                        tasks.submit(rows_task, c, fut, a, b, label=f"rows-{c.name}-{a}-{b}", tag=("rows", i, a))
+                        tasks.submit(rows_task, c, fut, a, b, label=f"rows-{c.name}-{a}-{b}", tag=("rows", i, a),
+                                     priority=2)
                         self.row_tasks += 1
                 else:  # rows
                     split_fut, split, parts, count = splits[i]
