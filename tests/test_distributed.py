@@ -262,6 +262,19 @@ def _register_wrong_scatter():
     return Toy.name
 
 
+def _shrink_counts_aside(report: dict) -> dict:
+    """A falsified property's call counts include hypothesis' shrinking, whose number of calls can differ by one
+    between processes (seen here: 116 serially under pytest, 115 in a worker); the example it ends on, the
+    message and the case file do not."""
+    d = _strip(report)
+    for r in d["results"]:
+        if r["status"] == "failed":
+            assert r["examples"] > 10 and r["failed"] >= 1  # shrinking ran
+            r.pop("examples"), r.pop("passed"), r.pop("failed")
+    d.pop("summary")
+    return d
+
+
 def test_a_falsified_property_is_saved_by_the_client_as_serially(client, tmp_path):
     name = _register_wrong_scatter()
     client.register_plugin(_WrongScatter())
@@ -273,19 +286,22 @@ def test_a_falsified_property_is_saved_by_the_client_as_serially(client, tmp_pat
     finally:
         client.unregister_worker_plugin(_WrongScatter.name)
         unregister_backend(name)
-    assert [r.status for r in report.results] == [r.status for r in serial.results]
-    assert "failed" in [r.status for r in report.results]
-    assert _strip(report.to_dict()) == json.loads(json.dumps(_strip(serial.to_dict())).replace(
+    serial, dist = serial.to_dict(), report.to_dict()
+    assert [r["status"] for r in dist["results"]] == [r["status"] for r in serial["results"]]
+    assert [r["status"] for r in dist["results"]].count("failed") == 3
+    assert dist["summary"]["failed"] == serial["summary"]["failed"] == 3
+    assert _shrink_counts_aside(dist) == json.loads(json.dumps(_shrink_counts_aside(serial)).replace(
         str(tmp_path / "s"), str(tmp_path / "d")))
-    for r in report.results:
-        if r.case_file:
-            assert r.case_file.startswith(str(tmp_path / "d"))
-            stem = os.path.basename(r.case_file)[:-5]
-            s_files = sorted(f for f in os.listdir(tmp_path / "s") if f.startswith(stem + "."))
-            assert s_files == sorted(f for f in os.listdir(tmp_path / "d") if f.startswith(stem + "."))
-            for f in s_files:
-                if not f.endswith(".conformance.json"):  # the sidecar holds its creation time
-                    assert filecmp.cmp(tmp_path / "s" / f, tmp_path / "d" / f, shallow=False), f
+    saved = [r["case_file"] for r in dist["results"] if r["case_file"]]
+    assert len(saved) == 3
+    for case_file in saved:
+        assert case_file.startswith(str(tmp_path / "d"))  # written by the client into its --cases-dir
+        stem = os.path.basename(case_file)[:-5]
+        s_files = sorted(f for f in os.listdir(tmp_path / "s") if f.startswith(stem + "."))
+        assert s_files == sorted(f for f in os.listdir(tmp_path / "d") if f.startswith(stem + "."))
+        for f in s_files:
+            if not f.endswith(".conformance.json"):  # the sidecar holds its creation time
+                assert filecmp.cmp(tmp_path / "s" / f, tmp_path / "d" / f, shallow=False), f
 
 
 # --------------------------------------------------------------------------------------------------
