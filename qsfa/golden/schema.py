@@ -95,7 +95,7 @@ def check_shape(v, itemsize: int, path, field: str, kind: str = "manifest field"
 def _check_array(e, c_name: str, files: dict, file_format, path, where: str) -> None:
     _typed(e, dict, path, where, "an object")
     role = _need(e, "role", path, where)
-    if role not in ROLE_PREFIX:
+    if not isinstance(role, str) or role not in ROLE_PREFIX:
         raise _err(path, f"{where}.role", role, f"must be one of {sorted(ROLE_PREFIX)}")
     name = _typed(_need(e, "name", path, where), str, path, f"{where}.name", "a string")
     if not ARRAY_NAME.match(name):
@@ -207,8 +207,11 @@ def check_manifest(man, path) -> dict:
     if shard is not None:
         _typed(shard, dict, path, "shard", "an object {index, count}")
         i, n = shard.get("index"), shard.get("count")
-        if not (_is_int(i) and _is_int(n) and 0 <= i < n):
-            raise _err(path, "shard", shard, "needs integers 0 <= index < count")
+        for k, v in (("index", i), ("count", n)):
+            if not _is_int(v):
+                raise _err(path, f"shard.{k}", v, "must be an integer")
+        if not 0 <= i < n:
+            raise _err(path, "shard", shard, "needs 0 <= index < count")
     skipped = man.get("skipped", [])
     _typed(skipped, list, path, "skipped", "a list")
     for i, s in enumerate(skipped):
