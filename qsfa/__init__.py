@@ -32,6 +32,8 @@ _LAZY = {
     "register_impl": "qsfa._dispatch",
     "Backend": "qsfa._dispatch",
     "operators": "qsfa._dispatch",
+    # chips
+    "resolve_chip": "qsfa.chips",
     # quantisation
     "dynamic_block_quant": "qsfa.ops.quant",
     # cache writers
@@ -59,6 +61,7 @@ _SUBMODULES = {
     "conformance",
     "golden",
     "compare",
+    "chips",
     "npu",
     "ops",
 }

@@ -203,7 +203,7 @@ define_operator(OP, CONTRACT, outputs=("y", "scale"), reference=_reference,
 
 
 def dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type="int8", row_block_size=1,
-                        col_block_size=128, dst_type_max=0.0, scale_order="divide", backend="reference"):
+                        col_block_size=128, dst_type_max=0.0, scale_order="divide", chip=None, backend="reference"):
     """Quantise ``x`` block by block with one float32 scale per block (``npu_dynamic_block_quant``).
 
     Computes, per ``row_block_size x col_block_size`` block of the last two dimensions (edge blocks are
@@ -227,6 +227,8 @@ def dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type="int8",
                       (torch_npu: 15, 56, 224, 32768 on Ascend 950).
       scale_order:    **OPEN** (SPEC.md 2): "divide" (default, ``x / scale``) or "multiply"
                       (``x * TYPE_MAX / amax``, the op-plugin test golden's order); not a torch_npu argument.
+      chip:           None | "A2" | "A3" | "950": whose block limits apply (:data:`BLOCK_LIMITS`); None = the npu
+                      device's chip, else :func:`qsfa.resolve_chip`'s rule. docs/numerics/chips.md.
       backend:        "reference" | "npu" | "triton".
     Returns ``(y, scale)``: ``y`` of x's shape (int8; float8_e4m3fn / float8_e5m2 as ml_dtypes arrays or
     torch float8 tensors; HiFloat8 as uint8 codes), ``scale`` float32 ``[(B,) ceil(M/rb), ceil(N/cb)]``.
@@ -234,4 +236,4 @@ def dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type="int8",
     args = dict(x=x, min_scale=min_scale, round_mode=round_mode, dst_type=dst_type,
                 row_block_size=row_block_size, col_block_size=col_block_size, dst_type_max=dst_type_max,
                 scale_order=scale_order)
-    return run(OP, args, backend)
+    return run(OP, args, backend, chip=chip)

@@ -1,0 +1,154 @@
+"""Per-chip numerics: which chip a call models, and that chip's rounding and saturation points.
+
+Every public operator takes ``chip=None | "A2" | "A3" | "950"`` (keyword). The chip decides two things:
+
+* **constraints** - the contract's ``chips=`` rules of that chip are checked (``Constraint.chips``);
+* **numerics** - every rounding / saturation point the chip's kernel has, handed to the reference (and
+  the Triton kernels) as plain parameters (``k_rounding``, ``p_rounding``, ``out_rounding``,
+  ``hifloat8_overflow``, ...). The table, with the kernel source of every cell, is
+  ``docs/numerics/chips.md``; :data:`ATTENTION_ROUNDING` and :data:`KRR_HIFLOAT8_OVERFLOW` are that table
+  as data.
+
+Which chip a call models (:func:`resolve_chip`, the same rule the dispatch layer applies):
+
+1. an explicit ``chip=`` (validated against that chip's limits);
+2. else the npu backend's device chip (an explicit chip that differs from it is an error);
+3. else **"950" when the call breaks a limit of Atlas A2/A3 that the 950 does not have** (a rule with
+   ``chips={"A2", "A3"}``: e.g. an FP8 or HiFloat8 KV, Q_N = 48), **otherwise "A2"** (also when every chip
+   rejects the call and only the reference, which accepts the union, runs it). A2 and A3 build the same
+   kernel sources (the non-``arch35`` ``op_kernel`` files), so "A2" stands for both; their numerics are
+   identical.
+
+``qsfa.resolve_chip(op, **args)`` tells a caller which chip a call with those arguments models (the golden
+manifests record it per case as ``"chip"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Mapping
+
+from ._contract import CHIPS, Args
+
+__all__ = [
+    "CHIPS",
+    "ROUNDINGS",
+    "ATTENTION_ROUNDING",
+    "KRR_HIFLOAT8_OVERFLOW",
+    "attention_rounding",
+    "qsfa_numerics",
+    "sfa_numerics",
+    "krr_numerics",
+    "check_chip",
+    "chip_for_args",
+    "resolve_chip",
+    "front_door",
+]
+
+#: rounding modes of an fp32 -> 16-bit cast: "rint" = round half to even (AscendC CAST_RINT), "round" = round
+#: half away from zero (AscendC CAST_ROUND)
+ROUNDINGS = ("rint", "round")
+
+_A2A3 = {
+    "k": {"bfloat16": "rint", "float16": "round"},
+    "p": {"bfloat16": "round", "float16": "round"},
+    "out": {"bfloat16": "rint", "float16": "round"},
+}
+_950 = {
+    "k": {"bfloat16": "rint", "float16": "rint"},
+    "p": {"bfloat16": "round", "float16": "round"},
+    "out": {"bfloat16": "round", "float16": "round"},
+}
+#: Attention (QSFA and SFA): chip -> rounding point -> query dtype -> mode. Points: "k" = the dequantised K
+#: NoPE (QSFA only) cast to the query dtype, "p" = the probabilities exp(s - max) cast to the query dtype
+#: before P @ V, "out" = the attention output cast to the query dtype. Sources: docs/numerics/chips.md.
+ATTENTION_ROUNDING = {"A2": _A2A3, "A3": _A2A3, "950": _950}
+
+#: KvRmsNormRopeCache HiFloat8 cache: what a value beyond HiFloat8's range becomes. The 950 kernel casts with
+#: ``SatMode::NO_SAT`` (-> +-Inf); A2/A3 have no HiFloat8 cache (rule a2a3_int8_only), qsfa's default there is
+#: the saturating cast. Sources: docs/numerics/chips.md#kvrmsnormropecache.
+KRR_HIFLOAT8_OVERFLOW = {"A2": "saturate", "A3": "saturate", "950": "inf"}
+
+#: the chip whose numerics the bare reference functions use when no mode is passed
+DEFAULT_CHIP = "A2"
+
+
+def check_chip(chip) -> str | None:
+    """``chip`` itself when it is None or one of :data:`CHIPS`; otherwise the project's error."""
+    if chip is None or (isinstance(chip, str) and chip in CHIPS):
+        return chip
+    from ._errors import InvalidArgument
+
+    raise InvalidArgument("value", "chip", repr(chip), "chip must be None, 'A2', 'A3' or '950'")
+
+
+def attention_rounding(chip: str | None, qdtype: str, *, dequant: bool = True) -> dict:
+    """The attention rounding parameters (``k_rounding``, ``p_rounding``, ``out_rounding``) of ``chip`` for a
+    query of dtype ``qdtype`` ("bfloat16" / "float16"); ``dequant=False`` (SFA: K is not dequantised) leaves
+    ``k_rounding`` out. ``chip=None`` is :data:`DEFAULT_CHIP`."""
+    table = ATTENTION_ROUNDING[chip or DEFAULT_CHIP]
+    out = {f"{p}_rounding": table[p][qdtype] for p in (("k", "p", "out") if dequant else ("p", "out"))}
+    return out
+
+
+def qsfa_numerics(chip: str, args: Mapping) -> dict:
+    """``Operator.numerics`` of kv_quant_sparse_flash_attention: the three attention rounding modes."""
+    from ._arrays import dtype_name
+
+    return attention_rounding(chip, dtype_name(args["query"]))
+
+
+def sfa_numerics(chip: str, args: Mapping) -> dict:
+    """``Operator.numerics`` of sparse_flash_attention (K is not dequantised: P and output modes)."""
+    from ._arrays import dtype_name
+
+    return attention_rounding(chip, dtype_name(args["query"]), dequant=False)
+
+
+def krr_numerics(chip: str, args: Mapping) -> dict:
+    """``Operator.numerics`` of kv_rmsnorm_rope_cache: the HiFloat8 cache's overflow rule."""
+    return {"hifloat8_overflow": KRR_HIFLOAT8_OVERFLOW[chip]}
+
+
+def chip_for_args(contract, args: Mapping) -> str:
+    """Rule 3 of the module docstring for already valid ``args`` (NumPy views): "950" when a rule limited to
+    A2/A3 (not the 950) rejects them, else "A2". Only the chip rules run (cheap)."""
+    a = args if isinstance(args, Args) else Args(args)
+    for c in contract.constraints:
+        if c.chips is not None and "A2" in c.chips and "950" not in c.chips and c.check(a) is not None:
+            return "950"
+    return "A2"
+
+
+def front_door(op: str):
+    """The public function of operator ``op`` (``qsfa.<op>``, or ``qsfa.formats.<name>`` for "formats.*")."""
+    if op.startswith("formats."):
+        return getattr(importlib.import_module("qsfa.formats"), op.split(".", 1)[1])
+    return getattr(importlib.import_module("qsfa"), op)
+
+
+def resolve_chip(op: str, /, *args: Any, **kwargs: Any) -> str:
+    """The chip whose constraints and numerics a call ``qsfa.<op>(*args, **kwargs)`` uses (see the module
+    docstring for the rule). ``backend`` and ``chip`` may be among the arguments, as in the call itself.
+
+    >>> qsfa.resolve_chip("kv_quant_sparse_flash_attention", query, key, value, idx, 0.04)  # int8 KV: "A2"
+    """
+    from ._arrays import is_torch, to_numpy
+    from ._dispatch import get_backend, operator
+
+    opr = operator(op)
+    fn = front_door(op)
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = dict(bound.arguments)
+    chip = check_chip(call.pop("chip", None))
+    backend = call.pop("backend", "reference")
+    be_chip = get_backend(backend, require_usable=False).chip() if backend != "reference" else None
+    if chip is not None:
+        return chip
+    if be_chip is not None:
+        return be_chip
+    host = Args({n: (to_numpy(v) if is_torch(v) else v) for n, v in call.items()})
+    opr.contract.validate(host)  # invalid arguments get the operator's own error, not a chip
+    return chip_for_args(opr.contract, host)
