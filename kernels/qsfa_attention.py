@@ -1,4 +1,4 @@
-"""Triton kernel: QSFA (kv_quant_sparse_flash_attention) decode and prefill, SPEC.md 3.6.
+"""Triton kernel: QSFA (kv_quant_sparse_flash_attention) decode and prefill, docs/numerics/attention.md#kv_quant_sparse_flash_attention.
 
 Work split: one program per (query row, block of BLOCK_H heads, block of BLOCK_DV output columns). All
 Q_N heads share the single KV head, so one gathered K/V tile serves BLOCK_H heads (the decode speed-up).
@@ -23,7 +23,7 @@ O_ROUND: RINT or ROUND = half away from zero; docs/numerics/chips.md), as qsfa.r
 explicitly on bit patterns (kernels/_common.py), so the interpreter and a GPU agree. The interpreter's ``tl.dot`` is wrong for bf16 operands (raw uint16 bits),
 so under ``TRITON_INTERPRET=1`` dot operands are widened exactly to fp32; on a GPU the dots take the
 16-bit operands directly. ``tl.exp`` is numpy's float32 exp in the interpreter and an approximate
-``ex2`` on GPUs (a last-bit difference in P that the SPEC.md 4 tolerance absorbs).
+``ex2`` on GPUs (a last-bit difference in P that the docs/numerics/comparison.md#float-criterion tolerance absorbs).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class Constraint:
              hardware limit of (checked only when a backend validates for that chip).
     violate: ``violate(valid_args_dict) -> dict`` returning a copy that breaks exactly this rule;
              used by tests and invalid-argument strategies.
-    source:  where the rule comes from (SPEC.md section, seed, torch_npu meta check).
+    source:  where the rule comes from (docs/numerics page#anchor, seed, torch_npu meta check).
     """
 
     id: str

@@ -98,6 +98,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.quant",
     "qsfa.ops.cache",
     "qsfa.ops.attention",
+    "qsfa.ops.layouts",
 )
 
 

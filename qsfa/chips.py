@@ -40,6 +40,8 @@ __all__ = [
     "qsfa_numerics",
     "sfa_numerics",
     "krr_numerics",
+    "dbq_numerics",
+    "DYNAMIC_BLOCK_QUANT_ORDER",
     "check_chip",
     "chip_for_args",
     "resolve_chip",
@@ -69,6 +71,11 @@ ATTENTION_ROUNDING = {"A2": _A2A3, "A3": _A2A3, "950": _950}
 #: ``SatMode::NO_SAT`` (-> +-Inf); A2/A3 have no HiFloat8 cache (rule a2a3_int8_only), qsfa's default there is
 #: the saturating cast. Sources: docs/numerics/chips.md#kvrmsnormropecache.
 KRR_HIFLOAT8_OVERFLOW = {"A2": "saturate", "A3": "saturate", "950": "inf"}
+
+#: dynamic_block_quant: the chip kernel's order of the scale arithmetic (qsfa.reference.quant.SCALE_ORDERS): A2/A3
+#: multiply by fp32(fp32(1/amax) * TYPE_MAX) and output amax * fp32(1/TYPE_MAX); the 950 divides. Sources:
+#: docs/numerics/chips.md#dynamic_block_quant.
+DYNAMIC_BLOCK_QUANT_ORDER = {"A2": "reciprocal", "A3": "reciprocal", "950": "divide"}
 
 #: the chip whose numerics the bare reference functions use when no mode is passed
 DEFAULT_CHIP = "A2"
@@ -111,6 +118,11 @@ def krr_numerics(chip: str, args: Mapping) -> dict:
     return {"hifloat8_overflow": KRR_HIFLOAT8_OVERFLOW[chip]}
 
 
+def dbq_numerics(chip: str, args: Mapping) -> dict:
+    """``Operator.numerics`` of dynamic_block_quant: the chip's scale order where the caller left it None."""
+    return {} if args.get("scale_order") is not None else {"scale_order": DYNAMIC_BLOCK_QUANT_ORDER[chip]}
+
+
 def chip_for_args(contract, args: Mapping) -> str:
     """Rule 3 of the module docstring for already valid ``args`` (NumPy views): "950" when a rule limited to
     A2/A3 (not the 950) rejects them, else "A2". Only the chip rules run (cheap)."""
@@ -122,9 +134,11 @@ def chip_for_args(contract, args: Mapping) -> str:
 
 
 def front_door(op: str):
-    """The public function of operator ``op`` (``qsfa.<op>``, or ``qsfa.formats.<name>`` for "formats.*")."""
-    if op.startswith("formats."):
-        return getattr(importlib.import_module("qsfa.formats"), op.split(".", 1)[1])
+    """The public function of operator ``op``: ``qsfa.<op>``, or ``qsfa.<module>.<name>`` for "<module>.<name>"
+    ("formats.encode", "layouts.flashmla_model1_quantize")."""
+    if "." in op:
+        mod, name = op.split(".", 1)
+        return getattr(importlib.import_module(f"qsfa.{mod}"), name)
     return getattr(importlib.import_module("qsfa"), op)
 
 
@@ -138,10 +152,18 @@ def resolve_chip(op: str, /, *args: Any, **kwargs: Any) -> str:
     from ._dispatch import get_backend, operator
 
     opr = operator(op)
-    fn = front_door(op)
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    call = dict(bound.arguments)
+    try:
+        fn = front_door(op)
+    except (ImportError, AttributeError):  # an operator registered without a qsfa front door: its arguments
+        fn = None
+    if fn is None:
+        if args:
+            raise TypeError(f"resolve_chip({op!r}): pass the arguments by name (the operator has no front door)")
+        call = dict(kwargs)
+    else:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
     chip = check_chip(call.pop("chip", None))
     backend = call.pop("backend", "reference")
     be_chip = get_backend(backend, require_usable=False).chip() if backend != "reference" else None

@@ -1040,3 +1040,6 @@ def invalid_args(op: str, bounds: Bounds | None = None, *, chip: str | None = No
 def with_bounds(b: Bounds, **changes) -> Bounds:
     """A copy of ``b`` with some fields changed."""
     return replace(b, **changes)
+
+
+from . import strategies_more  # noqa: E402,F401  (registers the strategies of the operators it covers)

@@ -27,7 +27,8 @@ def _split(values):
 def register(subparsers):
     p = subparsers.add_parser(
         "conformance", help="hypothesis conformance runs of the property catalogue against a backend",
-        description="Run qsfa's conformance properties (backend vs reference, metamorphic, invalid inputs) "
+        description="Run qsfa's conformance properties (backend vs reference, and metamorphic relations - the "
+                    "rejection of invalid inputs among them: --properties '*.invalid_rejected') "
                     "with hypothesis; print a per-operator table, write reports, save falsifying examples as "
                     "replayable golden case files.")
     p.add_argument("--backend", default=None,
@@ -36,7 +37,8 @@ def register(subparsers):
     p.add_argument("--properties", nargs="+", metavar="NAME",
                    help="only these properties: full names, fnmatch patterns ('*.page_permutation') or families "
                         "('vs_reference')")
-    p.add_argument("--kind", nargs="+", choices=("vs_reference", "metamorphic"), help="only properties of these kinds")
+    p.add_argument("--kind", nargs="+", choices=("vs_reference", "metamorphic"),
+                   help="only properties of these kinds (the invalid-input properties are metamorphic)")
     p.add_argument("--max-examples", type=int, metavar="N", help="examples per property (default: the profile's)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed (default: the profile's; ci is derandomised)")
     p.add_argument("--profile", choices=("ci", "dev", "nightly"), help="hypothesis profile and size bounds "

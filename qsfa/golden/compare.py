@@ -1,6 +1,6 @@
 """``qsfa golden compare DIR --actual FILE_OR_DIR``: a kernel's outputs against a golden directory.
 
-Each selected output is compared with :mod:`qsfa.compare` (SPEC.md section 4):
+Each selected output is compared with :mod:`qsfa.compare` (docs/numerics/comparison.md#float-criterion):
 
 * ``compare: "bytes"`` outputs (codes, scales, caches, indices) bit for bit; each differing element is
   named by index, byte offset in the file, the packed-row field it falls in and its decoded golden and

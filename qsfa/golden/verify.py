@@ -100,7 +100,7 @@ def _recompute(folder: str, c: dict, stored: dict, report: VerifyReport):
             if e.get("compare") == "float" and list(new.shape) == e["shape"]:
                 f = qcompare.compare_float(new, old, dtype=e["dtype"], name=name)
                 within = "within" if f.passed else "outside"
-                msg += (f"; max {f.max_ulp} ULP, {within} the SPEC.md 4 tolerance (the reference's float outputs "
+                msg += (f"; max {f.max_ulp} ULP, {within} the docs/numerics/comparison.md#float-criterion tolerance (the reference's float outputs "
                         "are the same bytes on every machine: the golden was made by a qsfa whose numerics differ)")
             report.problems.append(f"{e['file']}{':' + e['key'] if e.get('key') else ''}: recomputed output "
                                    f"differs: {msg}")

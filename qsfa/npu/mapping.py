@@ -102,13 +102,13 @@ class NpuCall:
 #: Parameters of our operators that no torch_npu call takes, and why dropping them is right.
 IGNORED = {
     "chunk_size": "memory bound of the NumPy reference only",
-    "scale_order": "OPEN fact of the reference model (SPEC.md 2); the device does what it does - run both "
+    "scale_order": "OPEN fact of the reference model (docs/numerics/open-facts.md#scale_order); the device does what it does - run both "
                    "reference variants against backend='npu' to settle it",
-    "pad_to": "OPEN fact of the reference model; the device does what it does",
-    "fp4_nibble_order": "OPEN fact of the reference model; the device does what it does",
-    "lse_includes_sink": "OPEN fact of the reference model (SPEC.md 3.6); the device does what it does",
-    "tie_break": "OPEN fact of the reference model (SPEC.md 3.7); the device does what it does",
-    "probability_rounding": "OPEN fact of the reference model (where P is rounded); the device does what it "
+    "pad_to": "OPEN fact of the reference model (docs/numerics/open-facts.md#pad_to); the device does what it does",
+    "fp4_nibble_order": "OPEN fact of the reference model (docs/numerics/open-facts.md#nibble_order); the device does what it does",
+    "lse_includes_sink": "OPEN fact of the reference model (docs/numerics/open-facts.md#lse_includes_sink); the device does what it does",
+    "tie_break": "OPEN fact of the reference model (docs/numerics/open-facts.md#tie_break); the device does what it does",
+    "probability_rounding": "OPEN fact of the reference model (docs/numerics/open-facts.md#probability_rounding); the device does what it "
                             "does",
     "precision": "reference precision mode; backend_limits accepts only 'faithful' on the device",
 }

@@ -1,11 +1,12 @@
-"""Public front doors of the attention group: QSFA, SFA, the lightning indexers, the LSE merge (SPEC.md 3.6-3.7).
+"""Public front doors of the attention group: QSFA, SFA, the lightning indexers, the LSE merge (docs/numerics/attention.md,
+docs/numerics/indexer.md).
 
 Operators (one :class:`~qsfa._contract.Contract` each, every documented rule a constraint with a
 ``violate`` function; chip limits as ``chips=`` constraints):
 
 * ``kv_quant_sparse_flash_attention`` - QSFA over packed int8 / FP8 / HiFloat8 rows (seed 000);
 * ``sparse_flash_attention`` - SFA over a float16 / bfloat16 KV (torch_npu ``npu_sparse_flash_attention``);
-* ``lightning_indexer`` / ``quant_lightning_indexer`` - top-k token selection (SPEC.md 3.7);
+* ``lightning_indexer`` / ``quant_lightning_indexer`` - top-k token selection (docs/numerics/indexer.md#lightning_indexer);
 * ``merge_attention_lse`` - the context-parallel merge of partial results.
 
 Plain functions over those operators: :func:`attention` (routes by key dtype as vLLM-Ascend does),
@@ -721,7 +722,7 @@ def indexer_case(*, layout_query="BSND", layout_kv="BSND", explicit_lengths=Fals
 # QSFA: kv_quant_sparse_flash_attention
 
 QSFA = "kv_quant_sparse_flash_attention"
-QSFA_SOURCE = "SPEC.md 3.6; seed 000 (QSFA operator guide); vllm-ascend QSFA custom op"
+QSFA_SOURCE = "docs/numerics/attention.md#kv_quant_sparse_flash_attention; seed 000 (QSFA operator guide); vllm-ascend QSFA custom op"
 QSFA_KEY_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
 QSFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 128)
 QSFA_SPARSE_BLOCK_SIZES = (1, 2, 4, 8, 16)
@@ -927,7 +928,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
 # SFA: sparse_flash_attention
 
 SFA = "sparse_flash_attention"
-SFA_SOURCE = "SPEC.md 3.6; torch_npu npu_sparse_flash_attention doc and meta registration"
+SFA_SOURCE = "docs/numerics/attention.md#sparse_flash_attention; torch_npu npu_sparse_flash_attention doc and meta registration"
 SFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 SFA_SPARSE_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _N_SFA = Names(SFA, sfa_case, source=SFA_SOURCE)
@@ -1094,7 +1095,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
 # lightning_indexer
 
 LI = "lightning_indexer"
-LI_SOURCE = "SPEC.md 3.7; torch_npu npu_lightning_indexer doc (Ascend/op-plugin) and meta registration"
+LI_SOURCE = "docs/numerics/indexer.md#lightning_indexer; torch_npu npu_lightning_indexer doc (Ascend/op-plugin) and meta registration"
 LI_SPARSE_COUNTS = tuple(range(1, 2049)) + (3072, 4096, 5120, 6144, 7168, 8192)
 INDEXER_HEADS_950 = (8, 16, 24, 32, 64)
 _N_LI = Names(LI, indexer_case, layout_kv="layout_key", lens_kv="actual_seq_lengths_key", source=LI_SOURCE)
@@ -1179,7 +1180,7 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
                       block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
                       pre_tokens=INT64_MAX, next_tokens=INT64_MAX, return_value=False, tie_break="lower_index",
                       chip=None, backend="reference"):
-    """The ``sparse_count`` best KV tokens per query row (torch_npu ``npu_lightning_indexer``, SPEC.md 3.7).
+    """The ``sparse_count`` best KV tokens per query row (torch_npu ``npu_lightning_indexer``, docs/numerics/indexer.md#lightning_indexer).
 
     ``score(i, j) = sum_h weights[i, h] * ReLU(query[i, h] . key[j])`` in fp32 over the tokens row i may
     see (right-down causal for sparse_mode 3, as sparse attention); the indices of the
@@ -1209,7 +1210,7 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
 # quant_lightning_indexer
 
 QLI = "quant_lightning_indexer"
-QLI_SOURCE = "SPEC.md 3.7; torch_npu npu_quant_lightning_indexer doc (Ascend/op-plugin) and meta registration"
+QLI_SOURCE = "docs/numerics/indexer.md#quant_lightning_indexer; torch_npu npu_quant_lightning_indexer doc (Ascend/op-plugin) and meta registration"
 QLI_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
 _N_QLI = Names(QLI, lambda **kw: indexer_case(quant=True, **kw), layout_kv="layout_key",
                lens_kv="actual_seq_lengths_key", source=QLI_SOURCE)
@@ -1357,7 +1358,7 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
 # merge_attention_lse
 
 MERGE = "merge_attention_lse"
-MERGE_SOURCE = "SPEC.md 3.6 (context-parallel merge of partial results)"
+MERGE_SOURCE = "docs/numerics/attention.md#merge_attention_lse (context-parallel merge of partial results)"
 
 
 def merge_case(*, layout_query="BSND", parts=2, seed=0):
@@ -1440,7 +1441,7 @@ def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query
     """Merge partial attention results computed over disjoint shards of each row's selected tokens.
 
     ``m = max m_p``, ``w_p = l_p exp(m_p - m)``, ``l = sum w_p``, ``out = sum w_p out_p / l`` in float64
-    (SPEC.md 3.6); an empty shard (``m_p = l_p = 0``) carries no weight and does not take part in the max;
+    (docs/numerics/attention.md#merge_attention_lse); an empty shard (``m_p = l_p = 0``) carries no weight and does not take part in the max;
     a row with only empty shards gives ``out = 0, m = l = 0``. See :mod:`qsfa.reference.lse`.
 
     attention_out: the P partial outputs, a sequence or an array stacked on axis 0 (``[P, B, S, N, D]``

@@ -1,4 +1,4 @@
-"""Sparse flash attention oracles: QSFA (packed quantised KV) and SFA (float KV). SPEC.md 3.6.
+"""Sparse flash attention oracles: QSFA (packed quantised KV) and SFA (float KV). docs/numerics/attention.md#kv_quant_sparse_flash_attention.
 
 Both compute, for every query row and query head,
 
@@ -13,7 +13,7 @@ Precision modes
 ``precision="faithful"`` (default) rounds where the Ascend kernel rounds. Every fp32 accumulation (the dot
 products ``q . k`` and ``P @ V``, the softmax sum) and every fp32 ``exp`` / ``log`` is modelled as the correctly
 rounded fp32 value of the exact result (``RN32``: round to nearest, ties to even; an exact zero sum is +0) - a kernel
-that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside SPEC.md section 4 - so the
+that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside docs/numerics/comparison.md#float-criterion - so the
 result is a function of the inputs alone: the same bytes on every machine, whatever BLAS kernel, thread split or
 NumPy SIMD variant computes the float64 intermediates (tests/test_attention_determinism.py; how, below).
 

@@ -1,4 +1,4 @@
-"""KvRmsNormRopeCache V1 / V2 (SPEC.md 3.3, seed 004; torch_npu ``npu_kv_rmsnorm_rope_cache[_v2]``).
+"""KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache, seed 004; torch_npu ``npu_kv_rmsnorm_rope_cache[_v2]``).
 
 ``kv [Bkv, N, Skv, D]`` (fp16/bf16) is normalised / rotated in float32 and scattered into two caches:
 

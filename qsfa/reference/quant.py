@@ -1,4 +1,4 @@
-"""Dynamic block quantisation (``npu_dynamic_block_quant``, SPEC.md 3.1) and the int8 per-tile rule.
+"""Dynamic block quantisation (``npu_dynamic_block_quant``, docs/numerics/quantisers.md#dynamic_block_quant) and the int8 per-tile rule.
 
 Per block (``row_block_size x col_block_size`` elements of the last two dimensions; edge blocks are
 partial and take the amax over the elements that exist)::
@@ -18,10 +18,20 @@ Special values, as in the CANN golden of DynamicBlockQuant (cann ops-nn quant/dy
 tests): inf/nan do not enter the amax; +-inf quantise to +-TYPE_MAX_FINITE and nan to 0. An all-zero
 block has scale 0 and codes 0 (0/0 is treated as 0).
 
-``scale_order`` (SPEC.md 2, **OPEN**): ``"divide"`` (default; the aclnn doc) quantises ``x / scale``;
-``"multiply"`` quantises ``x * fp32(TYPE_MAX / amax)`` (the op-plugin test golden
-test/test_custom_ops/test_npu_dynamic_block_quant.py multiplies by the fp32 reciprocal ``127.0 / amax``;
-the two differ by one code at rare ties). "multiply" is only defined when ``min_scale == 0``.
+``scale_order`` - the order of the scale arithmetic, per chip (docs/numerics/chips.md#dynamic_block_quant):
+
+* ``"divide"`` (default here; the Ascend 950 kernel and the aclnn doc): ``scale = amax / TYPE_MAX``,
+  ``y = x / scale`` (fp32 divides);
+* ``"reciprocal"`` (the A2/A3 kernel): ``y = x * fp32(fp32(1 / amax) * TYPE_MAX)`` (a reciprocal, then a
+  multiply: two roundings) and ``scale = amax * fp32(1 / TYPE_MAX)``; with ``min_scale`` the multiplier is
+  ``max(m, min_scale)`` and the scale ``min(scale, fp32(1 / min_scale))``;
+* ``"reciprocal_multiply"``: the A2/A3 kernel's multiplier with the correctly rounded ``scale = amax / TYPE_MAX``
+  - the op-plugin test golden (test/test_custom_ops/test_npu_dynamic_block_quant.py ``calc_base``) bit for bit:
+  torch evaluates ``127.0 / x_amax`` as ``reciprocal(x_amax) * 127`` and ``x_amax / 127.0`` as one division;
+* ``"multiply"``: ``y = x * fp32(TYPE_MAX / amax)`` (one correctly rounded division), ``scale = amax / TYPE_MAX``;
+  only defined when ``min_scale == 0``.
+
+The public operator's ``scale_order=None`` takes the chip's order (qsfa.chips.DYNAMIC_BLOCK_QUANT_ORDER).
 
 The scale arithmetic is :func:`qsfa.reference.scales.dynamic_block_scale`.
 """
@@ -35,8 +45,9 @@ from .scales import dynamic_block_scale
 
 __all__ = ["TYPE_MAX", "FINITE_MAX", "SCALE_ORDERS", "dynamic_block_quant", "int8_tile_quant", "block_amax"]
 
-#: the two quantisation orders of SPEC.md 2 (OPEN): x / scale, or x * fp32(TYPE_MAX / amax)
-SCALE_ORDERS = ("divide", "multiply")
+#: the quantisation orders (module docstring): the 950 kernel's, the A2/A3 kernel's, the op-plugin test golden's, and
+#: one correctly rounded multiplier
+SCALE_ORDERS = ("divide", "reciprocal", "reciprocal_multiply", "multiply")
 
 #: TYPE_MAX of the scale rule per destination format
 TYPE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "hifloat8": 32768.0}
@@ -112,6 +123,16 @@ def dynamic_block_quant(x: np.ndarray, *, min_scale: float = 0.0, round_mode: st
         elif scale_order == "multiply":
             assert not min_scale, "scale_order='multiply' needs min_scale == 0"
             y = xf * _expand((type_max / amax).astype(np.float32), m, n, rb, cb)
+        elif scale_order in ("reciprocal", "reciprocal_multiply"):
+            mult = (np.float32(1) / amax).astype(np.float32) * type_max  # two fp32 roundings
+            if min_scale:
+                mult = np.maximum(mult, np.float32(min_scale))
+            y = xf * _expand(mult.astype(np.float32), m, n, rb, cb)
+            y[(_expand(amax, m, n, rb, cb) == 0) & np.isfinite(xf)] = 0  # all-zero block: codes 0 (not 0 * inf)
+            if scale_order == "reciprocal":
+                scale = (amax * (np.float32(1) / type_max)).astype(np.float32)
+                if min_scale:
+                    scale = np.minimum(scale, np.float32(1) / np.float32(min_scale))
         else:
             raise ValueError(f"unknown scale_order {scale_order!r}")
     y = np.where(np.isnan(y), np.float32(0), y)  # nan inputs and 0/0 -> 0
@@ -123,7 +144,7 @@ def dynamic_block_quant(x: np.ndarray, *, min_scale: float = 0.0, round_mode: st
 
 
 def int8_tile_quant(x: np.ndarray, tile_size: int = 128, scale_order: str = "divide"):
-    """The int8 dynamic rule of SPEC.md 2 over 1 x ``tile_size`` tiles of the last dimension.
+    """The int8 dynamic rule of docs/numerics/quantisers.md#int8-dynamic over 1 x ``tile_size`` tiles of the last dimension.
 
     ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero tile gives ``s = 0`` and
     ``q = 0`` (qsfa's definition; OPEN on hardware). ``x``: ``[..., D]`` with ``D % tile_size == 0``.

@@ -1,4 +1,4 @@
-"""RMSNorm and interleave RoPE in float32, with the kernels' operation order (SPEC.md 3.3).
+"""RMSNorm and interleave RoPE in float32, with the kernels' operation order (docs/numerics/cache-writers.md#rmsnorm-and-rope).
 
 Both follow the Ascend kernels of KvRmsNormRopeCache ([OT] posembedding/kv_rms_norm_rope_cache/op_kernel,
 ``RmsNormWithQuant`` / ``RopeBasicComputeVF``): every step is one float32 operation, nothing is fused.
