@@ -45,6 +45,7 @@ __all__ = [
     "check_chip",
     "chip_for_args",
     "resolve_chip",
+    "chip_violation",
     "front_door",
 ]
 
@@ -142,6 +143,41 @@ def front_door(op: str):
     return getattr(importlib.import_module("qsfa"), op)
 
 
+def _bind(op: str, args, kwargs) -> dict:
+    """Every argument of a call ``qsfa.<op>(*args, **kwargs)``, defaults filled in from its front door."""
+    try:
+        fn = front_door(op)
+    except (ImportError, AttributeError):  # an operator registered without a qsfa front door: its arguments
+        fn = None
+    if fn is None:
+        if args:
+            raise TypeError(f"{op!r} has no front door: pass the arguments by name")
+        return dict(kwargs)
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def chip_violation(op: str, /, *args: Any, **kwargs: Any):
+    """The error (InvalidArgument / InvalidDtype) of the first chip-limited rule a call ``qsfa.<op>(...,
+    chip=...)`` breaks for its chip, or None (also None without a chip)."""
+    from ._arrays import is_torch, to_numpy
+    from ._dispatch import operator
+
+    call = _bind(op, args, kwargs)
+    chip = check_chip(call.pop("chip", None))
+    call.pop("backend", None)
+    if chip is None:
+        return None
+    a = Args({n: (to_numpy(v) if is_torch(v) else v) for n, v in call.items()})
+    for c in operator(op).contract.constraints:
+        if c.chips is not None and c.applies_to(chip):
+            actual = c.check(a)
+            if actual is not None:
+                return c.error(actual)
+    return None
+
+
 def resolve_chip(op: str, /, *args: Any, **kwargs: Any) -> str:
     """The chip whose constraints and numerics a call ``qsfa.<op>(*args, **kwargs)`` uses (see the module
     docstring for the rule). ``backend`` and ``chip`` may be among the arguments, as in the call itself.
@@ -152,18 +188,7 @@ def resolve_chip(op: str, /, *args: Any, **kwargs: Any) -> str:
     from ._dispatch import get_backend, operator
 
     opr = operator(op)
-    try:
-        fn = front_door(op)
-    except (ImportError, AttributeError):  # an operator registered without a qsfa front door: its arguments
-        fn = None
-    if fn is None:
-        if args:
-            raise TypeError(f"resolve_chip({op!r}): pass the arguments by name (the operator has no front door)")
-        call = dict(kwargs)
-    else:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-        bound.apply_defaults()
-        call = dict(bound.arguments)
+    call = _bind(op, args, kwargs)
     chip = check_chip(call.pop("chip", None))
     backend = call.pop("backend", "reference")
     be_chip = get_backend(backend, require_usable=False).chip() if backend != "reference" else None

@@ -78,7 +78,8 @@ class CompareResult:
     def __str__(self):
         verdict = "PASS" if self.passed else "FAIL"
         head = f"{verdict} {self.name or '<tensor>'} [{self.kind}] shape={self.shape} dtype={self.dtype}"
-        lines = [head, f"  {self.message}"] if self.message else [head]
+        msg = self.message.removeprefix(f"{verdict}: ")  # the head line already gives the verdict
+        lines = [head, f"  {msg}"] if msg else [head]
         for w in self.worst:
             lines.append("  " + ", ".join(f"{k}={_fmt(v)}" for k, v in w.items()))
         return "\n".join(lines)

@@ -196,6 +196,15 @@ def test_every_public_operator_has_its_section(name):
                            f"(or an <a id=\"{name}\"></a> anchor) to its family page")
 
 
+@pytest.mark.parametrize("name", sorted(operators()))
+def test_every_operator_contract_cites_the_numerics_pages(name):
+    """Constraint sources say where a rule comes from: a numerics page (and the public source), never a
+    document outside the repository."""
+    sources = [c.source or "" for c in operators()[name].contract.constraints]
+    assert any("docs/numerics/" in s for s in sources), f"no constraint of {name} cites docs/numerics/"
+    assert not [s for s in sources if _OUTSIDE.search(s)]
+
+
 @pytest.mark.parametrize("fmt", formats.FORMAT_NAMES)
 def test_every_format_has_its_section(fmt):
     assert fmt in anchors(NUMERICS / "formats.md"), f"format {fmt!r} has no '## {fmt}' section in formats.md"
@@ -222,6 +231,7 @@ _OUTSIDE = re.compile("|".join((
     r"\.\./" + "shared",
     r"(?<![\w/.-])" + "sha" + "red/",
     "seeds" + "/",
+    r"\[(?:OT|VA|OP|FM)" + r"\]",  # the source abbreviations of the old outside document
 )))
 
 
@@ -240,7 +250,7 @@ def test_nothing_points_outside_the_repository():
 
 def test_the_outside_pattern_catches_the_old_forms():
     for old in ("see SPEC" + ".md 3.6", "(SPEC" + " 1.1)", "SPEC" + " section 4 tolerances", "../" + "sha" + "red/x",
-                "kept in " + "sha" + "red/"):
+                "kept in " + "sha" + "red/", "the [" + "OT] kernels"):
         assert _OUTSIDE.search(old), old
     for fine in ("_NO_SPECIALS", "shared memory", "torch.cuda.shared_mem", "spec_example"):
         assert not _OUTSIDE.search(fine), fine

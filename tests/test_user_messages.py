@@ -52,3 +52,11 @@ def test_conformance_help_names_only_the_kinds_it_accepts():
     assert "--kind {" + ",".join(KINDS) + "}" in flat
     assert "invalid inputs)" not in flat  # listed as a third kind before; it is a metamorphic property
     assert "*.invalid_rejected" in flat
+
+
+def test_str_of_a_verdict_names_it_once():
+    a = np.arange(4, dtype=np.uint8)
+    b = a.copy()
+    b[1] = 9
+    text = str(compare_bytes(b, a, name="codes"))
+    assert text.startswith("FAIL codes [bytes]") and text.count("FAIL") == 1

@@ -295,7 +295,7 @@ def format_report(report: CompareReport, max_worst: int = 5) -> str:
                       f"rel>0.1%={100 * res.share_rel_gt_1e3:.3f}%"
                       + (f" max_ulp={res.max_ulp}" if res.max_ulp is not None else ""))
         else:
-            detail = res.message
+            detail = res.message.removeprefix("PASS: ").removeprefix("FAIL: ")  # the verdict has its column
         if r.masked:
             detail += f" ({r.masked} unspecified elements not compared)"
         rows.append((r.case, r.output, r.criterion, "PASS" if res.passed else "FAIL",
@@ -306,7 +306,7 @@ def format_report(report: CompareReport, max_worst: int = 5) -> str:
     for r in failing:
         res = r.result
         lines.append("")
-        lines.append(f"{r.case}/{r.output} ({r.actual_path}): {res.message}")
+        lines.append(f"{r.case}/{r.output} ({r.actual_path}): {res.message.removeprefix('FAIL: ')}")
         for w in res.worst[:max_worst]:
             parts = [f"index {w['index']}"]
             if "byte_offset" in w:

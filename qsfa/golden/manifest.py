@@ -125,9 +125,14 @@ def _check_array_name(case: str, name: str):
         raise GoldenInputError(f"case {case}: array name {name!r} is not a plain identifier")
 
 
-def _write_case(case: Case, out: str, file_format: str) -> dict:
-    inputs = case.inputs()
-    outputs = case.run("reference", inputs)
+def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = None,
+                outputs: dict | None = None) -> dict:
+    """Write one case's files under ``out``; returns its manifest entry. ``inputs`` / ``outputs``: already
+    computed (``qsfa.distributed`` assembles attention outputs from row ranges), else computed here."""
+    if inputs is None:
+        inputs = case.inputs()
+    if outputs is None:
+        outputs = case.run("reference", inputs)
     args = case.args(inputs)
     chip = resolve_chip(case.op, **args)  # the chip whose numerics the outputs model (qsfa.chips)
     metas = describe(case.op, case.params, args, outputs)
@@ -211,24 +216,37 @@ def _write_case(case: Case, out: str, file_format: str) -> dict:
     }
 
 
-def _chip_limit(case: Case, err) -> bool:
-    """Whether ``err`` is a chip-limited rule of the case's operator firing for the chip the case asks for."""
-    if "chip" not in case.params or not getattr(err, "constraint_id", None):
-        return False
-    from .._dispatch import operator
+def case_error(case: Case, e: Exception) -> GoldenInputError:
+    """The error reported for a case that could not be written: named, the cause's message kept."""
+    if isinstance(e, (GoldenInputError, InvalidArgument, InvalidDtype)):
+        return GoldenInputError(f"case {case.name}: {e}")
+    # a case the operator cannot run
+    return GoldenInputError(f"case {case.name}: {case.op} failed: {type(e).__name__}: {e}")
+
+
+def _beyond_chip(case: Case) -> str:
+    """Why the chip a case asks for (``params["chip"]``, from ``--chip``) cannot run it ("" if it can): the first
+    chip-limited rule of the operator the case's arguments break for that chip."""
+    chip = case.params.get("chip")
+    if chip is None:
+        return ""
+    from ..chips import chip_violation
 
     try:
-        return operator(case.op).contract.constraint(err.constraint_id).chips is not None
-    except KeyError:
-        return False
+        err = chip_violation(case.op, **case.args(case.inputs()))
+    except Exception:  # noqa: BLE001 - an invalid case fails in the run itself, with its own message
+        return ""
+    return f"chip {chip}: {err}" if err is not None else ""
 
 
 def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_name: str | None = None,
-             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None) -> dict:
+             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None, executor=None) -> dict:
     """Run every case on the reference backend and write inputs, outputs and ``manifest.json``.
 
     Cases whose operator is not in this build of qsfa are skipped and listed under ``"skipped"``.
-    Returns the manifest.
+    ``executor(cases, out, file_format) -> entries`` (optional) writes the cases' files and returns their
+    manifest entries in case order, instead of the loop here (``qsfa.distributed.golden_executor``: a Dask
+    cluster computes, this process writes). Returns the manifest.
     """
     from .. import __version__
 
@@ -243,24 +261,24 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
     run_cases = [c for c in cases if c.op in ops]
     skipped = [{"name": c.name, "op": c.op, "reason": f"operator {c.op!r} is not in this build of qsfa"}
                for c in cases if c.op not in ops]
+    beyond = {c.name: why for c in run_cases if (why := _beyond_chip(c))}  # --chip: cases that chip cannot run
+    skipped += [{"name": c.name, "op": c.op, "reason": beyond[c.name]} for c in run_cases if c.name in beyond]
+    run_cases = [c for c in run_cases if c.name not in beyond]
     created = not os.path.isdir(out)
     _prepare_out(out)
-    bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1, stream=stream)
+    bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1 and executor is None,
+                   stream=stream)
     entries = []
     try:
-        for c in run_cases:
-            bar.step(c.name)
-            try:
-                entries.append(_write_case(c, out, file_format))
-            except GoldenInputError as e:
-                raise GoldenInputError(f"case {c.name}: {e}") from e
-            except (InvalidArgument, InvalidDtype) as e:
-                if _chip_limit(c, e):  # --chip: a case that chip cannot run is skipped, not an error
-                    skipped.append({"name": c.name, "op": c.op, "reason": f"chip {c.params['chip']}: {e}"})
-                    continue
-                raise GoldenInputError(f"case {c.name}: {e}") from e
-            except Exception as e:  # a case the operator cannot run: name it, keep the cause chained
-                raise GoldenInputError(f"case {c.name}: {c.op} failed: {type(e).__name__}: {e}") from e
+        if executor is not None:
+            entries = list(executor(run_cases, out, file_format))
+        else:
+            for c in run_cases:
+                bar.step(c.name)
+                try:
+                    entries.append(_write_case(c, out, file_format))
+                except Exception as e:
+                    raise case_error(c, e) from e
     except BaseException:
         _remove_partial(out, [c.name for c in run_cases], created)
         raise

@@ -833,9 +833,9 @@ def _qsfa_rules():
     r.append(scale_value_rule(n))
     r.append(bool_rule(n, "return_softmax_lse"))
     r.append(finite_rule(n, "query"))
-    r.append(choice_rule(n, "precision", PRECISIONS, source="qsfa (not a torch_npu parameter)"))
+    r.append(choice_rule(n, "precision", PRECISIONS, source="docs/numerics/attention.md#rounding-points (qsfa's parameter, not torch_npu's)"))
     r.append(choice_rule(n, "probability_rounding", PROBABILITY_ROUNDINGS,
-                         source="qsfa (OPEN: where P is rounded; see qsfa.reference.attention)"))
+                         source="docs/numerics/open-facts.md#probability_rounding"))
     # chip limits (seed 000 constraint section)
     r.append(rule(n, "a2a3_query_heads", "query", "shape", "Atlas A2/A3 do not support Q_N = 48",
                   lambda a: None if a.query.shape[-2] != 48 else tuple(a.query.shape), edit(n, n_heads=48),
@@ -1024,9 +1024,9 @@ def _sfa_rules():
         n, "sinks_finite", "sinks", "value", "must not contain inf or nan",
         lambda a: None if a.get("sinks") is None or np.isfinite(a.sinks).all() else "non-finite",
         edit(n, setting(sinks=np.array([np.nan], np.float32)))))
-    r.append(choice_rule(n, "precision", PRECISIONS, source="qsfa (not a torch_npu parameter)"))
+    r.append(choice_rule(n, "precision", PRECISIONS, source="docs/numerics/attention.md#rounding-points (qsfa's parameter, not torch_npu's)"))
     r.append(choice_rule(n, "probability_rounding", PROBABILITY_ROUNDINGS,
-                         source="qsfa (OPEN: where P is rounded; see qsfa.reference.attention)"))
+                         source="docs/numerics/open-facts.md#probability_rounding"))
     r.append(rule(n, "chip_attention_mode", "attention_mode", "value", "the NPU kernels support only attention_mode 2",
                   lambda a: None if a.attention_mode == 2 else a.attention_mode, edit(n, setting(attention_mode=0)),
                   chips=("A2", "A3", "950")))
@@ -1154,7 +1154,7 @@ def _li_rules():
                   edit(n, setting(return_value=True), layout_kv="PA_BSND")))
     r.append(finite_rule(n, "query"))
     r.append(finite_rule(n, "weights"))
-    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="qsfa (OPEN: order of equal scores)"))
+    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="docs/numerics/open-facts.md#tie_break"))
     r.append(rule(n, "950_query_heads", "query", "shape", f"Ascend 950 supports N1 {one_of(INDEXER_HEADS_950)}",
                   lambda a: None if a.query.shape[-2] in INDEXER_HEADS_950 else tuple(a.query.shape),
                   edit(n, n_heads=4), chips=("950",)))
@@ -1287,7 +1287,7 @@ def _qli_rules():
                   edit(n, lambda a: a.update(key_dequant_scale=np.ascontiguousarray(a["key_dequant_scale"][:, :1])))))
     for p in ("weights", "query_dequant_scale", "key_dequant_scale"):
         r.append(finite_rule(n, p))
-    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="qsfa (OPEN: order of equal scores)"))
+    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="docs/numerics/open-facts.md#tie_break"))
 
     def a2a3(a):
         f = _code_format(a.query, a.get("query_dtype"))

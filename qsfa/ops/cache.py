@@ -1178,7 +1178,7 @@ KRR_CONTRACT = Contract(
         _rule(KRR, "a2a3_v1_dims", "kv", "shape",
               "Atlas A2/A3 V1 (the DeepSeek MLA kernel) need Dv = 512 (RMSNorm) and Dk = 64 (RoPE)",
               _chip_a2a3_v1_dims, lambda args: copy_args(args), chips=_A2A3,
-              source="[OT] posembedding/kv_rms_norm_rope_cache/op_host/kv_rms_norm_rope_cache_ds_tiling.cpp"),
+              source="cannmirror/ops-transformer posembedding/kv_rms_norm_rope_cache/op_host/kv_rms_norm_rope_cache_ds_tiling.cpp"),
     ],
     example=lambda rng: kv_rmsnorm_rope_cache_example(rng),
     inplace=("k_cache", "ckv_cache"),
@@ -1222,7 +1222,7 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
     k_cache, ``v`` -> ckv_cache. RMSNorm: ``gamma * (x / sqrt(mean(x^2) + epsilon))`` in fp32; interleave RoPE:
     ``cat(x[0::2], x[1::2]) * cos + cat(-x[1::2], x[0::2]) * sin`` in fp32.
 
-    Rounding points (from the [OT] kernels): a 16-bit cache gets the fp32 result rounded once (RINT) to the
+    Rounding points (from the cannmirror/ops-transformer kernels): a 16-bit cache gets the fp32 result rounded once (RINT) to the
     cache dtype; an 8-bit cache is quantised from the fp32 result - ``y = x * scale (+ offset)`` in fp32, then
     INT8 ``clamp(RINT(y), -128, 127)``, FP8 RINT + saturation, HiFloat8 ties-away and, on the 950 (the only chip
     with HiFloat8 caches), no saturation (beyond the range: +-Inf; docs/numerics/chips.md); V2 RoPEs the

@@ -1,4 +1,4 @@
-"""KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog, seed 002; [OT] attention/kv_compress_epilog/): quantise bf16 rows, scatter by slot.
+"""KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog, seed 002; cannmirror/ops-transformer attention/kv_compress_epilog/): quantise bf16 rows, scatter by slot.
 
 ``x [..., d]`` bfloat16 with ``n = d - 64`` NoPE columns first and the last 64 columns the RoPE. Each token
 becomes one row of ``kv_cache_col`` bytes written at ``cache[s // blockSize, s % blockSize, 0, :kvCacheCol]``

@@ -22,7 +22,7 @@ caches, 32 for 8-bit caches; docs/numerics/layouts.md#nz):
 
 * N = 1: ``[block_num, D // c, block_size, 1, c]`` (the seed's layout); element ``(blk, pos, d)`` at flat
   offset ``blk*bs*D + (d//c)*bs*c + pos*c + d%c``;
-* N > 1: ``[block_num, N, D // c, block_size, c]`` (the [OT] golden's layout).
+* N > 1: ``[block_num, N, D // c, block_size, c]`` (the cannmirror/ops-transformer golden's layout).
 
 :func:`nz_view` returns a writable, zero-copy view ``[block_num, block_size, N, D // c, c]`` of either
 form; :func:`nz_to_nd` / :func:`nd_to_nz` convert to and from the logical ``[block_num, block_size, N, D]``.
