@@ -32,6 +32,9 @@ _LAZY = {
     "register_impl": "qsfa._dispatch",
     "Backend": "qsfa._dispatch",
     "operators": "qsfa._dispatch",
+    # threads of the reference oracle
+    "set_num_threads": "qsfa.reference.parallel",
+    "get_num_threads": "qsfa.reference.parallel",
     # quantisation
     "dynamic_block_quant": "qsfa.ops.quant",
     # cache writers
