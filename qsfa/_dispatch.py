@@ -91,6 +91,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.cache",
     "qsfa.ops.attention",
     "qsfa.ops.layouts",
+    "qsfa.ops.cache_more",
 )
 
 

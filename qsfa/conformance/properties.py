@@ -240,6 +240,7 @@ _WRITERS = {
     "c8_cache_write": ("slot_mapping", ("k_nope", "k_rope"), "row"),
     "c8_rmsnorm_rope_cache": ("slot_mapping", ("kv", "cos", "sin"), "row"),
     "kv_compress_epilog": ("slot_mapping", ("x",), "kce"),
+    "kv_compress_epilog_vllm": ("slot_mapping", ("x",), None),
     "kv_rmsnorm_rope_cache": ("index", (), None),
 }
 

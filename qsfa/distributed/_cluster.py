@@ -99,7 +99,8 @@ def _attempt(fn, key, env, *args):
     try:
         from distributed import get_worker
 
-        get_worker().log_event(ATTEMPT_TOPIC, {"key": key, "pid": os.getpid()})
+        w = get_worker()
+        w.log_event(ATTEMPT_TOPIC, {"key": key, "worker": w.address, "pid": os.getpid()})
     except ValueError:  # not on a worker (a test calling it directly)
         pass
     if env:
@@ -142,6 +143,7 @@ class Tasks:
         self.client = client
         self.env = dict(env or {})
         self.run_id = uuid.uuid4().hex[:10]
+        self.workers_at_start = _n_workers(client)
         self.labels: dict = {}  # key -> label
         self.tags: dict = {}  # key -> caller's tag
         self.futures: dict = {}  # key -> future, until taken
@@ -194,8 +196,8 @@ class Tasks:
             for _, msg in self.client.get_events("all"):
                 if not isinstance(msg, dict) or msg.get("action") != "remove-worker":
                     continue
-                hit = [k for k in set(msg.get("processing-tasks") or ()) | set(msg.get("lost-computed-tasks") or ())
-                       if k in self.labels]
+                # tasks it was running; results it held that are recomputed show up as extra attempts
+                hit = [k for k in msg.get("processing-tasks") or () if k in self.labels]
                 for k in hit:
                     died[k] = died.get(k, 0) + 1
                 if hit:
@@ -205,8 +207,12 @@ class Tasks:
             extra = max(attempts.get(k, 1) - 1, died.get(k, 0))
             if extra > 0:
                 reruns[label] = extra
-        try:
-            workers = len(self.client.scheduler_info().get("workers", {}))
-        except Exception:  # noqa: BLE001
-            workers = 0
-        return RunSummary(tasks=len(self.labels), workers=workers, reruns=reruns, lost_workers=sorted(set(lost)))
+        return RunSummary(tasks=len(self.labels), workers=max(self.workers_at_start, _n_workers(self.client)),
+                          reruns=reruns, lost_workers=sorted(set(lost)))
+
+
+def _n_workers(client) -> int:
+    try:
+        return len(client.scheduler_info().get("workers", {}))
+    except Exception:  # noqa: BLE001
+        return 0

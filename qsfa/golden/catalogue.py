@@ -234,6 +234,45 @@ register_set("flashmla-model1", "FlashMLA MODEL1 FP8 sparse cache (DeepSeek V4):
 
 
 # --------------------------------------------------------------------------------------------------
+# vLLM-Ascend kv_compress_epilog (docs/numerics/cache-writers.md#kv_compress_epilog_vllm)
+
+KCEV = "kv_compress_epilog_vllm"
+
+
+def kv_compress_epilog_vllm_cases() -> list[Case]:
+    out = [_case("kcev-vllm-call", KCEV, "kv_compress_epilog_vllm",
+                 "vLLM-Ascend's own call (device_op.py): d 512, group 64, round_scale, layout 1, E4M3FN cache, "
+                 "zero groups, a 448 group (doubled power-of-two scale), two -1 slots", d=512, bs=6, skip=2,
+                 quant_group_size=64, round_scale_flag=True, layout=1, zero_groups=True, pow2_group=True)]
+    for gs in (64, 128):
+        for rs in (True, False):
+            for fmt in ("float8_e4m3fn", "float8_e5m2"):
+                tag = f"g{gs}-{'rs' if rs else 'nors'}-{'e4m3' if fmt == 'float8_e4m3fn' else 'e5m2'}"
+                out.append(_case(f"kcev-l1-{tag}", KCEV, "kv_compress_epilog_vllm",
+                                 f"layout 1, group {gs}, round_scale {rs}, {fmt} cache, d 576, a -1 slot",
+                                 d=576, bs=5, skip=1, quant_group_size=gs, round_scale_flag=rs, layout=1,
+                                 cache_dtype=fmt, zero_groups=True, seed_name=f"kcev-{tag}"))
+                out.append(_case(f"kcev-l2-{tag}", KCEV, "kv_compress_epilog_vllm",
+                                 f"layout 2 (blocks of values, then scales), group {gs}, round_scale {rs}, {fmt}, "
+                                 "d 576, block_size 4", d=576, bs=5, skip=1, quant_group_size=gs, round_scale_flag=rs,
+                                 layout=2, cache_dtype=fmt, block_size=4, block_num=2, zero_groups=True,
+                                 seed_name=f"kcev-{tag}"))
+    out.append(_case("kcev-l2-model1", KCEV, "kv_compress_epilog_vllm",
+                     "layout 2 with d 512, group 64: FlashMLA's MODEL1 geometry (576 value + 8 scale bytes per "
+                     "token), block_size 8", d=512, bs=8, quant_group_size=64, layout=2, block_size=8, block_num=2,
+                     tail=0))
+    out.append(_case("kcev-partial-group", KCEV, "kv_compress_epilog_vllm",
+                     "d 208: 144 NoPE values, partial last group (64 + 64 + 16 / 128 + 16), int32 slots",
+                     d=208, bs=3, quant_group_size=128, layout=1, slot_dtype="int32"))
+    return out
+
+
+register_set("kv-compress-epilog-vllm", "vLLM-Ascend's kv_compress_epilog (MXFP8, Ascend 950): its own call, "
+             "layouts 1 and 2, groups 64/128, round_scale on/off, E4M3FN and E5M2 caches, partial groups",
+             kv_compress_epilog_vllm_cases)
+
+
+# --------------------------------------------------------------------------------------------------
 # KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 
 _KRR_MODES = ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ")

@@ -296,6 +296,39 @@ def gen_flashmla_model1(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
+# vLLM-Ascend kv_compress_epilog (docs/numerics/cache-writers.md#kv_compress_epilog_vllm)
+
+
+@register_generator("kv_compress_epilog_vllm")
+def gen_kv_compress_epilog_vllm(params, rng):
+    """x bf16 ``[bs, d]`` randn * ``scale``; ``zero_groups`` zeroes the first NoPE group of the first token and
+    the whole NoPE of the last; ``pow2_group`` puts 448 in the first token (a scale that is a power of two before
+    rounding); cache of sentinel bytes in ``cache_dtype`` - layout 1 ``[slots, 1, row bytes + tail]``, layout 2
+    ``[block_num, block_size, 1, values + scales + tail]``; ``skip`` slots are -1."""
+    from ..reference import kv_compress_epilog_vllm as kv
+
+    d, t = int(params["d"]), int(params["bs"])
+    gs = int(params.get("quant_group_size", 64))
+    x = randn(rng, (t, d), "float32", params.get("scale", 1.0))
+    if params.get("zero_groups"):
+        x[0, :gs] = 0
+        x[-1, :d - 64] = 0
+    if params.get("pow2_group"):
+        x[0, d - 64 - 1] = 448.0
+    tail = int(params.get("tail", 32))
+    if int(params.get("layout", 1)) == 1:
+        num = int(params.get("num_slots", 2 * t))
+        shape = (num, 1, kv.kv_cache_col(d, gs) + tail)
+    else:
+        bs, bn = int(params.get("block_size", 4)), int(params.get("block_num", 2))
+        num = bs * bn
+        shape = (bn, bs, 1, kv.value_per_token(d) + kv.scale_per_token(d, gs) + tail)
+    cache = sentinel_filled(shape, np.uint8).view(getattr(ml_dtypes, params.get("cache_dtype", "float8_e4m3fn")))
+    return {"kv_compress_cache": cache, "x": x.astype(ml_dtypes.bfloat16),
+            "slot_mapping": slot_mapping(rng, t, num, int(params.get("skip", 0)), params.get("slot_dtype", "int64"))}
+
+
+# --------------------------------------------------------------------------------------------------
 # rotary tables
 
 
