@@ -151,10 +151,12 @@ class GoldenExecutor:
             message += f" (could not save its case file: {type(e).__name__}: {e})"
         return GoldenInputError(message)
 
-    def __call__(self, cases, out: str, file_format: str) -> list:
+    def __call__(self, cases, out: str, file_format: str, made: list | None = None) -> list:
+        """``made``: every file and folder written is appended (generate removes exactly those on failure)."""
         from ..golden.io import GoldenInputError
         from ..golden.manifest import _write_case, case_error
 
+        made = [] if made is None else made
         cases = list(cases)
         entries: list = [None] * len(cases)
         tasks = Tasks(self.client, "generate", self.progress)
@@ -174,7 +176,7 @@ class GoldenExecutor:
                 if res["kind"] == "error":
                     raise self._fail(c, res["message"], out)
                 if res["kind"] == "files":
-                    entries[i] = self._write_files(out, res)
+                    entries[i] = self._write_files(out, res, made)
                 elif res["kind"] == "split":
                     rows, per = res["rows"], res["per"]
                     starts = list(range(0, rows, per))
@@ -191,7 +193,7 @@ class GoldenExecutor:
                         del splits[i]
                         try:
                             entries[i] = _write_case(c, out, file_format, inputs=split["inputs"],
-                                                     outputs=assemble(parts))
+                                                     outputs=assemble(parts), made=made)
                         except (MemoryError, OSError):
                             raise
                         except Exception as e:  # noqa: BLE001
@@ -209,15 +211,14 @@ class GoldenExecutor:
         return entries
 
     @staticmethod
-    def _write_files(out: str, res: dict) -> dict:
+    def _write_files(out: str, res: dict, made: list) -> dict:
         from ..golden.io import GoldenInputError
+        from ..golden.manifest import write_case_files
 
         entry = res["entry"]
-        for rel, data in res["files"].items():
+        for rel in res["files"]:
             if not _safe_rel(rel) or rel not in entry["files"]:
                 raise GoldenInputError(f"a worker returned file {rel!r}, which is not in its case's entry")
-            path = os.path.join(out, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(data)
+        # new files in plain case folders only (no links followed, nothing overwritten), as a serial run
+        write_case_files(out, res["files"], made)
         return entry

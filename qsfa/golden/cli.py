@@ -16,9 +16,14 @@ HELP = "golden tensor case sets: generate, verify, compare, list"
 
 
 def _usage_error(e: Exception):
+    """One line on stderr, whatever the message holds (paths and values may carry newlines)."""
     from ..cli import UsageError
 
-    return UsageError(str(e))
+    if isinstance(e, OSError) and e.strerror:
+        text = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    else:
+        text = str(e)
+    return UsageError(text.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 def _cmd_generate(args) -> int:
@@ -32,7 +37,7 @@ def _cmd_generate(args) -> int:
             cases = get_set(args.set).cases()
             label = args.set
         else:
-            cases = [Case.load(args.case)]
+            cases = [Case.load(args.case, allow_outside_inputs=args.allow_outside_inputs)]
             label = None
         if args.only:
             cases = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
@@ -52,7 +57,7 @@ def _cmd_generate(args) -> int:
                 man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
                                executor=ex)
                 summary = ex.summary
-    except (GoldenInputError, ClusterUsageError, DistributedUnavailable) as e:
+    except (GoldenInputError, ClusterUsageError, DistributedUnavailable, OSError) as e:
         raise _usage_error(e) from None
     n = len(man["cases"])
     files = sum(len(c["files"]) for c in man["cases"])
@@ -90,7 +95,7 @@ def _cmd_verify(args) -> int:
 
     try:
         rep = verify(args.dir, recompute=args.recompute, progress=not args.quiet)
-    except GoldenInputError as e:
+    except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
     for p in rep.problems:
         print(f"FAIL {p}")
@@ -111,7 +116,7 @@ def _cmd_compare(args) -> int:
     try:
         rep = compare_dir(args.dir, args.actual, cases=args.case, outputs=args.output,
                           keep_errors=bool(args.histogram))
-    except GoldenInputError as e:
+    except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
     print(format_report(rep))
     if args.json:
@@ -167,6 +172,9 @@ def register(subparsers):
     p.add_argument("--only", action="append", metavar="PATTERN",
                    help="only the cases whose names match (glob; repeatable), e.g. --only 'decode-*'")
     p.add_argument("--shard", metavar="i/n", help="only cases k with k %% n == i (0 <= i < n), after --only")
+    p.add_argument("--allow-outside-inputs", action="store_true",
+                   help="with --case: let the case file name input files outside its own folder (absolute "
+                        "paths, '..', symbolic links out); refused by default")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, metavar="N",

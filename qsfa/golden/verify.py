@@ -16,7 +16,7 @@ from .. import compare as qcompare
 from . import io as gio
 from .case import available_ops
 from .io import GoldenInputError
-from .manifest import Progress, case_from_entry, load_manifest, load_storage
+from .manifest import Progress, case_from_entry, golden_path, load_manifest, load_storage
 
 __all__ = ["verify", "VerifyReport"]
 
@@ -38,7 +38,7 @@ def _check_files(folder: str, c: dict, report: VerifyReport) -> bool:
     ok = True
     for rel, info in c["files"].items():
         report.files += 1
-        path = os.path.join(folder, rel)
+        path = golden_path(folder, rel)
         if not os.path.isfile(path):
             report.problems.append(f"{rel}: missing")
             ok = False
