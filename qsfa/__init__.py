@@ -34,6 +34,9 @@ _LAZY = {
     "operators": "qsfa._dispatch",
     # chips
     "resolve_chip": "qsfa.chips",
+    # threads of the reference oracle
+    "set_num_threads": "qsfa.reference.parallel",
+    "get_num_threads": "qsfa.reference.parallel",
     # quantisation
     "dynamic_block_quant": "qsfa.ops.quant",
     # cache writers

@@ -168,7 +168,7 @@ ENCODE_CONTRACT = Contract(
         value_in("formats.encode", "rounding", ROUNDING_MODES + (None,), bad="nearest", source=_SRC),
         Constraint(
             id="formats.encode.rounding_supported", param="rounding", kind="value",
-            reason="the format does not support this rounding mode (hifloat8: round only; float8_e8m0 "
+            reason="the format does not support this rounding mode (hifloat8: round or hybrid; float8_e8m0 "
                    "adds floor and ceil)",
             check=_check_rounding_supported, violate=set_param("rounding", "floor"), source=_SRC,
         ),
@@ -213,8 +213,10 @@ def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, 
     fmt:      one of :data:`FORMAT_NAMES`.
     saturate: clamp beyond-range values (Inf included) to +-max finite; otherwise +-Inf / NaN where the
               format has them, and an error for int8 / float4_e2m1.
-    rounding: "rint" (ties to even) | "round" (ties away) | float8_e8m0 also "floor" / "ceil"; None =
-              the format's default (hifloat8 "round", float8_e8m0 "floor", others "rint").
+    rounding: "rint" (ties to even) | "round" (ties away) | float8_e8m0 also "floor" / "ceil" | hifloat8 also
+              "hybrid" (ties away for |e| <= 3, deterministic SSR elsewhere;
+              docs/numerics/formats.md#hybrid-rounding); None = the format's default (hifloat8 "round",
+              float8_e8m0 "floor", others "rint").
     backend:  "reference" (the only implementation of this operator).
 
     Returns codes of x's shape: uint8 (8-bit formats; int8 as two's complement bytes; float4_e2m1 one

@@ -97,6 +97,7 @@ import numpy as np
 
 from ._workspace import scratch
 from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
+from .parallel import run_chunks
 
 __all__ = [
     "kv_quant_sparse_flash_attention",
@@ -608,7 +609,8 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         active = active[(active >= row_range[0]) & (active < row_range[1])]
     step = _rows_per_chunk(chunk_size, n_heads, width)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
-    for start in range(0, active.size, step):
+
+    def chunk(start):  # one chunk of rows; chunks are independent (run_chunks may run them on a thread pool)
         r = active[start:start + step]
         tok, valid = selected_tokens(idx[r], thr[r], limit[r], sparse_block_size)
         storage = kvm.storage_rows(rows.batch[r][:, None], tok)
@@ -630,6 +632,8 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         out[r] = o if exact else round_q16(o, qdtype, out_rounding or DEFAULT_ROUNDING["out"][qdtype])
         mx[r] = m
         sm[r] = l
+
+    run_chunks(chunk, range(0, active.size, step))
     return out, mx, sm
 
 
