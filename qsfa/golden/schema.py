@@ -186,6 +186,7 @@ def _check_case(c, i: int, path, file_format, seen: set) -> None:
     if "seed" in c and not (_is_int(c["seed"]) and 0 <= c["seed"] <= _INT64_MAX):
         raise _err(path, f"{where}.seed", c["seed"], "must be an integer in [0, 2**63)")
     _typed(c.get("generator"), str, path, f"{where}.generator", "a string or null", none=True)
+    _typed(c.get("chip"), str, path, f"{where}.chip", "a chip name or null", none=True)
     _typed(c.get("description", ""), str, path, f"{where}.description", "a string")
 
 
