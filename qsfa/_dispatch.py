@@ -26,6 +26,9 @@ from ._arrays import caller_kind, is_torch, to_numpy, to_torch
 from ._contract import Args, Constraint, Contract
 from ._errors import (
     BackendUnavailable,
+    InvalidArgument,
+    InvalidDtype,
+    Raw,
     NotImplementedByBackend,
     UnknownBackend,
     UnsupportedByBackend,
@@ -244,7 +247,7 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
     kind = caller_kind([args[n] for n in names], names)
 
     # Host NumPy views for validation (zero-copy for CPU tensors).
-    host = Args({n: (to_numpy(v) if is_torch(v) else v) for n, v in args.items()})
+    host = Args({n: (_host_view(n, v) if is_torch(v) else v) for n, v in args.items()})
     normalised = op.contract.validate(host, chip=be.chip())
     for c in be.limits(op_name):
         actual = c.check(normalised)
@@ -272,7 +275,10 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
             else:
                 call_args[n] = v
 
-    result = impl(**call_args)
+    try:
+        result = impl(**call_args)
+    except MemoryError as e:
+        raise _out_of_memory(host) from e
 
     for n, (orig, computed) in copy_back.items():
         _copy_into(orig, computed)
@@ -290,6 +296,28 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
         else:
             out.append(kind.wrap(r))
     return out[0] if single else tuple(out)
+
+
+def _host_view(name: str, t):
+    """``to_numpy`` of a tensor argument; a layout or dtype NumPy cannot hold is an error naming it."""
+    if str(t.layout) != "torch.strided":
+        raise InvalidArgument("layout", name, str(t.layout).replace("torch.", ""),
+                              "only dense (strided) tensors are supported; call .to_dense() first")
+    try:
+        return to_numpy(t)
+    except (TypeError, RuntimeError) as e:
+        raise InvalidDtype("dtype", name, str(t.dtype).replace("torch.", ""),
+                           f"has no NumPy equivalent ({type(e).__name__}: {e})") from e
+
+
+def _out_of_memory(host: Mapping) -> InvalidArgument:
+    """A MemoryError of a backend, reported against the largest array argument."""
+    arrays = [(v.size * v.dtype.itemsize, n, v) for n, v in host.items() if isinstance(v, np.ndarray)]
+    if not arrays:
+        return InvalidArgument("value", "arguments", Raw("out of memory"), "the call ran out of memory")
+    _, name, v = max(arrays, key=lambda t: t[0])
+    return InvalidArgument("shape", name, Raw(f"shape {tuple(v.shape)} of {v.dtype}"),
+                           "the computation ran out of memory for an input of this size; split the call")
 
 
 def _same_device(a, b) -> bool:

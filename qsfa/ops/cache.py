@@ -22,7 +22,7 @@ import numpy as np
 
 from .._arrays import dtype_name
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, is_num, ndim_in, rule, set_param, set_params
-from .._contract import Contract, copy_args, one_of
+from .._contract import Contract, copy_args, one_of, params
 from .._dispatch import define_operator, run
 from ..reference import c8_cache as _c8
 from ..reference import kv_compress_epilog as _kce
@@ -150,6 +150,7 @@ SC_CONTRACT = Contract(
     ],
     example=_sc_example,
     inplace=("cache",),
+    params=params("cache:array rows:array slot_mapping:array"),
 )
 
 
@@ -267,6 +268,7 @@ C8_CONTRACT = Contract(
     ],
     example=_c8_example,
     inplace=("kv_cache",),
+    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"),
 )
 
 
@@ -380,6 +382,8 @@ C8R_CONTRACT = Contract(
     ],
     example=_c8r_example,
     inplace=("kv_cache",),
+    params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
+                  " rope_head_dim:int key_dtype:str scale_order:str"),
 )
 
 
@@ -516,6 +520,8 @@ KCE_CONTRACT = Contract(
     ],
     example=_kce_example,
     inplace=("cache",),
+    params=params("cache:array x:array slot_mapping:array quant_group_size:int quant_mode:int round_scale:bool"
+                  " x_scale:float pad_to:int fp4_nibble_order:str"),
 )
 
 
@@ -1181,6 +1187,9 @@ KRR_CONTRACT = Contract(
     ],
     example=lambda rng: kv_rmsnorm_rope_cache_example(rng),
     inplace=("k_cache", "ckv_cache"),
+    params=params("kv:array gamma:array cos:array sin:array index:array k_cache:array ckv_cache:array"
+                  " k_rope_scale:array? c_kv_scale:array? k_rope_offset:array? c_kv_offset:array? v:array?"
+                  " epsilon:float cache_mode:str is_output_kv:bool k_cache_dtype:str? ckv_cache_dtype:str?"),
 )
 
 
