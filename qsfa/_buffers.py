@@ -101,7 +101,7 @@ def array_rules(op: str, name: str) -> list[Constraint]:
                                                     writeable=False)
         return out
 
-    return [Constraint(id=f"{op}.{name}_size", param=name, kind="shape",
+    return [Constraint(id=f"{op}.{name}_size", param=name, kind="shape", drawn=False,
                        reason=f"its logical size exceeds this machine's memory ({_gib(memory_bytes())}); only a "
                               "broadcast / stride-0 view can declare that much, and the reference materialises it",
                        check=check, violate=violate, source=_SOURCE)]
@@ -162,7 +162,7 @@ def inplace_rules(op: str, name: str) -> list[Constraint]:
 
     def r(cid, kind, reason, check, violate, dtype=False):
         return Constraint(id=f"{op}.{name}_{cid}", param=name, kind=kind, reason=reason, check=check,
-                          dtype=dtype, violate=violate, source=_SOURCE)
+                          dtype=dtype, violate=violate, source=_SOURCE, drawn=cid == "holds_bytes")
 
     return [
         r("writable", "value", "an in-place buffer must be writable", writable, make_readonly),

@@ -65,6 +65,9 @@ class Constraint:
     violate: ``violate(valid_args_dict) -> dict`` returning a copy that breaks exactly this rule;
              used by tests and invalid-argument strategies.
     source:  where the rule comes from (SPEC.md section, seed, torch_npu meta check).
+    drawn:   whether invalid-argument strategies (``qsfa.strategies.invalid_args``) may draw it; False for the
+             generic buffer rules whose violation does not survive copying the arguments (read-only, stride-0,
+             aliased and huge broadcast views: tests/test_contracts.py and tests/test_hostile_inputs.py cover them).
     """
 
     id: str
@@ -76,6 +79,7 @@ class Constraint:
     chips: frozenset | None = None
     violate: Callable[[dict], dict] | None = None
     source: str = ""
+    drawn: bool = True
 
     def applies_to(self, chip: str | None) -> bool:
         return self.chips is None or (chip is not None and chip in self.chips)

@@ -553,12 +553,13 @@ def finite_rule(n: Names, param):
     return rule(n, f"{param}_finite", param, "value", "must not contain inf or nan", check, edit(n, change))
 
 
-def _key_rows_read(a, n: Names):
-    """``(rows, where)``: the key rows the call reads (``[R, ..., D]``) and, per row, ``(batch, token)``.
+def _key_rows_read(a, n: Names, param=None):
+    """``(rows, where)``: the rows of ``param`` (default the key; any array in the key's layout) the call reads
+    (``[R, ..., D]``) and, per row, ``(batch, token)``.
 
     Only tokens below each batch's KV length are read; rows past it (a paged cache's unused slots,
     padding) may hold anything."""
-    key, lay, lens = a[n.key], a[n.layout_kv], act_kv(a, n)
+    key, lay, lens = a[param or n.key], a[n.layout_kv], act_kv(a, n)
     lens = np.maximum(lens, 0)
     b_idx = np.repeat(np.arange(lens.size), lens)
     t_idx = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
@@ -572,12 +573,16 @@ def _key_rows_read(a, n: Names):
     return key[blk, t_idx % bs], (b_idx, t_idx)
 
 
-def key_rows_finite_rule(n: Names):
-    """No inf / nan in a key row the call reads (as the query and weights rules: a non-finite score would
-    silently drop the token from the top-k)."""
+def key_rows_finite_rule(n: Names, param=None):
+    """No inf / nan in a row of the key (or of ``param``, an array in the key's layout: value, key_rope) that
+    the call reads, as the query rules: a non-finite score silently drops a token from the indexer's top-k and
+    turns attention rows into NaN."""
+    param = param or n.key
 
     def check(a):
-        rows, (b_idx, t_idx) = _key_rows_read(a, n)
+        if a.get(param) is None:
+            return None
+        rows, (b_idx, t_idx) = _key_rows_read(a, n, param)
         if not rows.size:
             return None
         i = first_nonfinite(rows)
@@ -587,12 +592,12 @@ def key_rows_finite_rule(n: Names):
         return Raw(f"{float(rows.reshape(-1)[i])} in batch {int(b_idx[r])}, token {int(t_idx[r])}")
 
     def change(a):
-        v = a[n.key].copy()
+        v = a[param].copy()
         v.reshape(-1)[0] = np.inf
-        a[n.key] = v
+        a[param] = v
 
-    return rule(n, f"{n.key}_finite", n.key, "value", "the key rows the call reads must not contain inf or nan",
-                check, edit(n, change))
+    return rule(n, f"{param}_finite", param, "value",
+                f"the {param} rows within the KV lengths must not contain inf or nan", check, edit(n, change))
 
 
 def scale_value_rule(n: Names):
@@ -1062,6 +1067,8 @@ def _sfa_rules():
     r.append(bool_rule(n, "return_softmax_lse"))
     r.append(bool_rule(n, "lse_includes_sink"))
     r.append(finite_rule(n, "query"))
+    r.append(finite_rule(n, "query_rope"))
+    r += [key_rows_finite_rule(n, p) for p in ("key", "value", "key_rope")]
     r.append(rule(  # (finite_rule's violate needs an array in the example; sinks is None there)
         n, "sinks_finite", "sinks", "value", "must not contain inf or nan",
         lambda a: None if a.get("sinks") is None or np.isfinite(a.sinks).all() else "non-finite",
@@ -1466,6 +1473,7 @@ def _merge_rules():
     r.append(rule(n, "softmax_max_values", "softmax_max", "value", "must be finite",
                   lambda a: None if np.isfinite(a.softmax_max).all() else "non-finite",
                   edit(n, lambda a: a.update(softmax_max=a["softmax_max"] * np.float32(np.inf)))))
+    r.append(finite_rule(n, "attention_out"))
     return r
 
 

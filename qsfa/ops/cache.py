@@ -806,12 +806,12 @@ def _krr_rope_width(a):
     return None if ok else r
 
 
-def _krr_fmt_names(a):
-    for p in ("k_cache_dtype", "ckv_cache_dtype"):
+def _krr_fmt_name(p):
+    def check(a):
         v = a.get(p)
-        if v is not None and v not in KRR_FORMATS:
-            return f"{p}={v!r}"
-    return None
+        return None if v is None or v in KRR_FORMATS else v
+
+    return check
 
 
 def _krr_fmt_arrays(which):
@@ -1094,7 +1094,9 @@ KRR_CONTRACT = Contract(
               source=KRR_SRC),
         dtype_in(KRR, "index", ("int64",), source=KRR_SRC),
         _rule(KRR, "cache_dtype_names", "k_cache_dtype", "value", f"must be None or {one_of(KRR_FORMATS)}",
-              _krr_fmt_names, set_param("k_cache_dtype", "int4"), source=KRR_SRC),
+              _krr_fmt_name("k_cache_dtype"), set_param("k_cache_dtype", "int4"), source=KRR_SRC),
+        _rule(KRR, "ckv_cache_dtype_names", "ckv_cache_dtype", "value", f"must be None or {one_of(KRR_FORMATS)}",
+              _krr_fmt_name("ckv_cache_dtype"), set_param("ckv_cache_dtype", "int4"), source=KRR_SRC),
         _rule(KRR, "k_cache_format", "k_cache", "dtype",
               "k_cache's dtype must carry k_cache_dtype (a uint8 buffer needs the name, e.g. 'hifloat8')",
               _krr_fmt_arrays("k"), set_param("k_cache_dtype", "hifloat8"), dtype=True, source=KRR_SRC),
