@@ -1,4 +1,4 @@
-"""Triton kernel: QSFA (kv_quant_sparse_flash_attention) decode and prefill, SPEC.md 3.6.
+"""Triton kernel: QSFA (kv_quant_sparse_flash_attention) decode and prefill, docs/numerics/attention.md#kv_quant_sparse_flash_attention.
 
 Work split: one program per (query row, block of BLOCK_H heads, block of BLOCK_DV output columns). All
 Q_N heads share the single KV head, so one gathered K/V tile serves BLOCK_H heads (the decode speed-up).
@@ -23,7 +23,7 @@ qsfa.reference.attention; both are done explicitly on bit patterns (kernels/_com
 interpreter and a GPU agree. The interpreter's ``tl.dot`` is wrong for bf16 operands (raw uint16 bits),
 so under ``TRITON_INTERPRET=1`` dot operands are widened exactly to fp32; on a GPU the dots take the
 16-bit operands directly. ``tl.exp`` is numpy's float32 exp in the interpreter and an approximate
-``ex2`` on GPUs (a last-bit difference in P that the SPEC.md 4 tolerance absorbs).
+``ex2`` on GPUs (a last-bit difference in P that the docs/numerics/comparison.md#float-criterion tolerance absorbs).
 """
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     probability_rounding: "unnormalised" (round ``exp(s - max)``; P @ V divided by the sum at the end) or
             "normalised" (round ``p / sum``; always runs two-pass) - the reference's OPEN parameter.
     fp16_rounding: how fp32 values are rounded to an fp16 query dtype at the three rounding points
-            (K, P, out): "round" (half away from zero, SPEC.md 3.6, default) or "rint". bf16 is always RINT.
+            (K, P, out): "round" (half away from zero, docs/numerics/attention.md#rounding-points, default) or "rint". bf16 is always RINT.
     config: tiling (:class:`KernelConfig`); None = :func:`default_config`.
     _fault: tests only - ``"threshold_off_by_one"`` or ``"ignore_stop"`` run a deliberately broken variant.
     Returns ``(attention_out, softmax_max, softmax_sum)``; the LSE tensors are fp32 ``[B, 1, Q_S, Q_N]`` /

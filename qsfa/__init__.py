@@ -37,6 +37,7 @@ _LAZY = {
     # cache writers
     "kv_rmsnorm_rope_cache": "qsfa.ops.cache",
     "kv_compress_epilog": "qsfa.ops.cache",
+    "kv_compress_epilog_vllm": "qsfa.ops.cache_more",
     "c8_cache_write": "qsfa.ops.cache",
     "c8_rmsnorm_rope_cache": "qsfa.ops.cache",
     "scatter_by_slot": "qsfa.ops.cache",

@@ -64,7 +64,7 @@ class Constraint:
              hardware limit of (checked only when a backend validates for that chip).
     violate: ``violate(valid_args_dict) -> dict`` returning a copy that breaks exactly this rule;
              used by tests and invalid-argument strategies.
-    source:  where the rule comes from (SPEC.md section, seed, torch_npu meta check).
+    source:  where the rule comes from (docs/numerics page#anchor, seed, torch_npu meta check).
     drawn:   whether invalid-argument strategies (``qsfa.strategies.invalid_args``) may draw it; False for the
              generic buffer rules whose violation does not survive copying the arguments (read-only, stride-0,
              aliased and huge broadcast views: tests/test_contracts.py and tests/test_hostile_inputs.py cover them).

@@ -93,6 +93,8 @@ _OPERATOR_MODULES = (
     "qsfa.ops.quant",
     "qsfa.ops.cache",
     "qsfa.ops.attention",
+    "qsfa.ops.layouts",
+    "qsfa.ops.cache_more",
 )
 
 

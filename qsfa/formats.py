@@ -1,7 +1,7 @@
 """Public number-format API: exact encode / decode of qsfa's storage formats and the scale rules.
 
-The numerics live in :mod:`qsfa.reference.formats` (SPEC.md section 1) and :mod:`qsfa.reference.scales`
-(SPEC.md section 2); this module re-exports them and routes :func:`encode`, :func:`decode`,
+The numerics live in :mod:`qsfa.reference.formats` (docs/numerics/formats.md#summary) and :mod:`qsfa.reference.scales`
+(docs/numerics/quantisers.md#scale-rules); this module re-exports them and routes :func:`encode`, :func:`decode`,
 :func:`pack_fp4` and :func:`unpack_fp4` through the one dispatch path (operators ``formats.encode``,
 ``formats.decode``, ``formats.pack_fp4``, ``formats.unpack_fp4``), so bad arguments are rejected by a
 :class:`~qsfa._contract.Contract` with the usual ``Invalid <kind> for <param>, ...`` message, and torch
@@ -69,7 +69,7 @@ __all__ = [
     "out_of_range",
 ] + list(_scales.__all__)
 
-_SRC = "SPEC.md section 1"
+_SRC = "docs/numerics/formats.md#summary"
 _NO_SPECIALS = ("int8", "float4_e2m1")
 _INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -317,7 +317,7 @@ def _at_least_1d(op, param):
 
     return Constraint(
         id=f"{op}.{param}_ndim", param=param, kind="dim", reason="needs at least one dimension",
-        check=lambda a: None if a[param].ndim >= 1 else a[param].ndim, violate=violate, source="SPEC.md 1.2",
+        check=lambda a: None if a[param].ndim >= 1 else a[param].ndim, violate=violate, source="docs/numerics/formats.md#fp4-packing",
     )
 
 
@@ -333,24 +333,24 @@ def _make_odd(args):
 
 
 def _nibble_order(op):
-    return value_in(op, "nibble_order", NIBBLE_ORDERS, source="SPEC.md 1.2 (OPEN)")
+    return value_in(op, "nibble_order", NIBBLE_ORDERS, source="docs/numerics/open-facts.md#nibble_order (OPEN)")
 
 
 PACK_CONTRACT = Contract(
     op="formats.pack_fp4",
     constraints=[
-        is_array("formats.pack_fp4", "codes", source="SPEC.md 1.2"),
-        dtype_in("formats.pack_fp4", "codes", ("uint8",), source="SPEC.md 1.2"),
+        is_array("formats.pack_fp4", "codes", source="docs/numerics/formats.md#fp4-packing"),
+        dtype_in("formats.pack_fp4", "codes", ("uint8",), source="docs/numerics/formats.md#fp4-packing"),
         _at_least_1d("formats.pack_fp4", "codes"),
         Constraint(
             id="formats.pack_fp4.codes_last_axis_even", param="codes", kind="shape",
             reason="the last axis must have an even length (two codes per byte)",
-            check=_check_even, violate=_make_odd, source="SPEC.md 1.2",
+            check=_check_even, violate=_make_odd, source="docs/numerics/formats.md#fp4-packing",
         ),
         Constraint(
             id="formats.pack_fp4.codes_range", param="codes", kind="value",
             reason="float4_e2m1 codes must be in [0, 15]",
-            check=_check_fp4_codes("codes"), violate=_fp4_code_16, source="SPEC.md 1.2",
+            check=_check_fp4_codes("codes"), violate=_fp4_code_16, source="docs/numerics/formats.md#fp4-packing",
         ),
         _nibble_order("formats.pack_fp4"),
     ],
@@ -366,7 +366,7 @@ define_operator("formats.pack_fp4", PACK_CONTRACT, outputs=("packed",),
 def pack_fp4(codes, *, nibble_order: str = "low_first", backend: str = "reference"):
     """Pack float4_e2m1 codes two per byte along the last axis: uint8 ``[..., 2k]`` -> uint8 ``[..., k]``.
 
-    nibble_order (**OPEN**, SPEC 1.2): "low_first" (default) = element 2i in the low nibble
+    nibble_order (**OPEN**, docs/numerics/open-facts.md#nibble_order): "low_first" (default) = element 2i in the low nibble
     (``byte = lo | hi << 4``); "high_first" = element 2i in the high nibble.
     """
     return run("formats.pack_fp4", dict(codes=codes, nibble_order=nibble_order), backend)
@@ -375,8 +375,8 @@ def pack_fp4(codes, *, nibble_order: str = "low_first", backend: str = "referenc
 UNPACK_CONTRACT = Contract(
     op="formats.unpack_fp4",
     constraints=[
-        is_array("formats.unpack_fp4", "packed", source="SPEC.md 1.2"),
-        dtype_in("formats.unpack_fp4", "packed", ("uint8",), source="SPEC.md 1.2"),
+        is_array("formats.unpack_fp4", "packed", source="docs/numerics/formats.md#fp4-packing"),
+        dtype_in("formats.unpack_fp4", "packed", ("uint8",), source="docs/numerics/formats.md#fp4-packing"),
         _at_least_1d("formats.unpack_fp4", "packed"),
         _nibble_order("formats.unpack_fp4"),
     ],

@@ -468,8 +468,11 @@ def strided_like(a: np.ndarray, strides) -> np.ndarray:
     """A fresh array with ``a``'s values laid out with (positive) byte ``strides``; the gaps hold 0xA5."""
     item = a.dtype.itemsize
     span = sum((n - 1) * s for n, s in zip(a.shape, strides)) + item if a.size else item
-    buf = np.full(-(-span // item) * item, 0xA5, np.uint8).view(a.dtype)
-    out = np.lib.stride_tricks.as_strided(buf, shape=a.shape, strides=tuple(strides))
+    # as_strided goes through the array interface, which does not know ml_dtypes (bfloat16, float8): stride
+    # an unsigned integer carrier of the same size and view it as the dtype afterwards
+    carrier = np.dtype(f"u{item}") if item in (1, 2, 4, 8) else a.dtype
+    buf = np.full(-(-span // item) * item, 0xA5, np.uint8).view(carrier)
+    out = np.lib.stride_tricks.as_strided(buf, shape=a.shape, strides=tuple(strides)).view(a.dtype)
     out[...] = a
     return out
 
@@ -1040,3 +1043,6 @@ def invalid_args(op: str, bounds: Bounds | None = None, *, chip: str | None = No
 def with_bounds(b: Bounds, **changes) -> Bounds:
     """A copy of ``b`` with some fields changed."""
     return replace(b, **changes)
+
+
+from . import strategies_more  # noqa: E402,F401  (registers the strategies of the operators it covers)

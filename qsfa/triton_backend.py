@@ -5,7 +5,7 @@ Operators implemented:
 * ``c8_cache_write``: :func:`qsfa.kernels.c8_cache_writer.launch_c8_cache_write` (bit-exact with the
   reference: quantise + pack + scatter in one launch);
 * ``kv_quant_sparse_flash_attention``: :func:`qsfa.kernels.qsfa_attention.launch_qsfa_attention`
-  (within SPEC.md section 4 of the faithful reference; int8 and FP8 E4M3FN NoPE).
+  (within docs/numerics/comparison.md#float-criterion of the faithful reference; int8 and FP8 E4M3FN NoPE).
 
 The operator contract validates every call before a kernel runs; :func:`limits` adds what the kernels
 themselves do not cover, as data (each a :class:`~qsfa._contract.Constraint` with a ``violate``

@@ -55,10 +55,13 @@ class Case:
 
 def public_function(op: str):
     """The public callable of an operator (``qsfa.formats.encode`` for "formats.encode")."""
+    import importlib
+
     import qsfa
 
-    if op.startswith("formats."):
-        return getattr(qsfa.formats, op.split(".", 1)[1])
+    if "." in op:  # "formats.encode" -> qsfa.formats.encode, "layouts.x" -> qsfa.layouts.x
+        mod, name = op.split(".", 1)
+        return getattr(importlib.import_module(f"qsfa.{mod}"), name)
     return getattr(qsfa, op)
 
 

@@ -136,7 +136,7 @@ def test_exact_equals_dense_float64_golden(key_fmt, rope, sbs, mode):
 
 
 # ---------------------------------------------------------------------------------------------------
-# faithful mode = the per-row golden (vLLM-Ascend style) within SPEC.md 4 tolerances
+# faithful mode = the per-row golden (vLLM-Ascend style) within docs/numerics/comparison.md#float-criterion tolerances
 
 
 @pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
@@ -159,11 +159,11 @@ def test_faithful_matches_per_row_golden(qdtype, key_fmt, normalised):
     qsfa.compare.assert_close(mx[:, 0], g_max, dtype="float32")
     qsfa.compare.assert_close(sm[:, 0], g_sum, dtype="float32")
     # a golden accumulating in fp32 in a fixed sequential order (not BLAS's, whose order and so last bits change
-    # with the CPU's kernel): within the SPEC.md 4 tolerance. (Not within 2 ULP: on outputs near zero P @ V
-    # cancels, and the golden's own fp32 accumulation error, up to gamma_W sum |p v|, is many ULP of a tiny
-    # result; the oracle's value is the correctly rounded one.)
-    # So no fixed tolerance holds for it: both it and the oracle lie within the derived bound of the exact result
-    # (error_bound below: any fp32 accumulation order), hence within twice the bound of each other.
+    # with the CPU's kernel). Not within the docs/numerics/comparison.md#float-criterion tolerance, let alone 2 ULP:
+    # on outputs near zero P @ V cancels, and the golden's own fp32 accumulation error, up to gamma_W sum |p v|, is
+    # many ULP of a tiny result; the oracle's value is the correctly rounded one. So no fixed tolerance holds for
+    # it: both it and the oracle lie within the derived bound of the exact result (error_bound below: any fp32
+    # accumulation order), hence within twice the bound of each other.
     g32_out, g32_max, g32_sum = golden_faithful(case, normalised=normalised)
     exact = qsfa.kv_quant_sparse_flash_attention(**{**args, "precision": "exact"})[0]
     bound = error_bound(case)

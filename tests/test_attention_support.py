@@ -184,7 +184,7 @@ def dequant_f64(case: Case):
 
 
 def round_q(x, qdtype):
-    """float32 x rounded to the query dtype the way SPEC.md 3.6 says (bf16 RINT, fp16 ROUND)."""
+    """float32 x rounded to the query dtype the way docs/numerics/attention.md#rounding-points says (bf16 RINT, fp16 ROUND)."""
     return formats.round_to(np.asarray(x, np.float32), qdtype, rounding="rint" if qdtype == "bfloat16" else "round")
 
 

@@ -1,4 +1,4 @@
-"""dynamic_block_quant (SPEC.md 3.1): hand-worked codes, edge blocks, dtype codes, errors, and random cases
+"""dynamic_block_quant (docs/numerics/quantisers.md#dynamic_block_quant): hand-worked codes, edge blocks, dtype codes, errors, and random cases
 against a slow per-block loop that encodes with ml_dtypes / en_dtypes (independent of qsfa.reference.formats)."""
 
 import ml_dtypes

@@ -1,8 +1,8 @@
-"""The "triton" backend through the public API, against the reference backend (SPEC.md section 4).
+"""The "triton" backend through the public API, against the reference backend (docs/numerics/comparison.md#float-criterion).
 
 * ``c8_cache_write``: byte for byte (``assert_bytes_equal``), NumPy and torch callers, int8 and FP8 caches,
   both OPEN scale orders, sentinel-filled caches with -1 slots.
-* ``kv_quant_sparse_flash_attention``: ``compare_float`` (SPEC.md 4 tolerances) on the attention output
+* ``kv_quant_sparse_flash_attention``: ``compare_float`` (docs/numerics/comparison.md#float-criterion tolerances) on the attention output
   and, when requested, softmax_max / softmax_sum; every layout, sparse_block_size, rope 0/64, fp16/bf16,
   int8/FP8 NoPE, empty rows, both OPEN probability_rounding choices; a deliberately broken kernel
   variant must fail the same check.
@@ -79,7 +79,7 @@ def check_c8_cache_write(args, backend="triton"):
 
 def check_attention(args, backend="triton"):
     """``qsfa.kv_quant_sparse_flash_attention(**args, backend=backend)`` against the reference backend:
-    SPEC.md 4 criterion (``compare_float``) on attention_out and, when requested, on softmax_max /
+    docs/numerics/comparison.md#float-criterion criterion (``compare_float``) on attention_out and, when requested, on softmax_max /
     softmax_sum (fp32 tolerances); empty LSE outputs when not. Raises AssertionError with the report."""
     got = qsfa.kv_quant_sparse_flash_attention(**args, backend=backend)
     want = qsfa.kv_quant_sparse_flash_attention(**args, backend="reference")
@@ -150,7 +150,7 @@ def test_c8_torch_caller_in_place_fp8_cache():
 
 
 def test_c8_pipeline_slots_and_sentinel_then_attention():
-    """SPEC.md 5 pipeline case: cache prefilled with 17, slots [0..4, -1]; then attention over that cache."""
+    """docs/numerics/attention.md#scenarios pipeline case: cache prefilled with 17, slots [0..4, -1]; then attention over that cache."""
     rng = np.random.default_rng(3)
     T = 6
     k_nope = (rng.standard_normal((T, 512)) * 2).astype(BF16)

@@ -1,5 +1,5 @@
 """Helpers of the property checks: calling an operator on copies, comparing outputs, and an independent
-(written from SPEC.md 3.6, not from qsfa.reference) model of sparse token selection and KV addressing.
+(written from docs/numerics/attention.md#token-selection, not from qsfa.reference) model of sparse token selection and KV addressing.
 
 Everything here is vectorised over query rows and tokens; loops run over batches (a handful) only.
 """
@@ -65,7 +65,7 @@ _FLOAT = ("float16", "bfloat16", "float32", "float64")
 
 def compare_outputs(got: dict, want: dict, kinds: dict | None = None, *, label: str = "",
                     fmt: str | None = None) -> list[str]:
-    """Compare two output dicts; ``kinds[name]`` is "bytes" (default) or "float" (the SPEC.md section 4
+    """Compare two output dicts; ``kinds[name]`` is "bytes" (default) or "float" (the docs/numerics/comparison.md#float-criterion
     criterion with the output dtype's tolerances). ``fmt``: a qsfa.formats name whose decoded values are
     shown beside differing one-byte codes. Returns one message per failing output."""
     kinds = kinds or {}
@@ -88,7 +88,7 @@ def compare_outputs(got: dict, want: dict, kinds: dict | None = None, *, label: 
 
 
 # ---------------------------------------------------------------------------------------------------
-# independent model of SPEC.md 3.6 token selection
+# independent model of docs/numerics/attention.md#token-selection token selection
 
 
 def _i64(a):
@@ -147,7 +147,7 @@ def selection(args: dict, *, key="key", layout="layout_kv", lens="actual_seq_len
 
     Returns ``(weights [R, S] int64, batch [R], act_kv [B], storage, n_read [R])`` with S = max actKV (>= 1)
     and ``n_read`` the number of leading index entries each row reads:
-    ``weights[r, j]`` = how many of the row's read index entries select token j of its batch. Per SPEC.md
+    ``weights[r, j]`` = how many of the row's read index entries select token j of its batch. Per docs/numerics/attention.md#token-selection
     3.6: threshold = actKV - actQ + i + 1 (sparse_mode 3) or actKV (0), padding rows see nothing; the first
     ``min(sparse_size, ceil(threshold / sbs))`` entries are read, stopping at the first negative one; entry t
     covers tokens ``[t*sbs, t*sbs + sbs)`` clipped to ``[0, min(actKV, threshold))``.
@@ -199,7 +199,7 @@ def gather_tokens(rows_of: np.ndarray, storage, batch_id: int, s_max: int, act_k
 
 def round_query_dtype(x: np.ndarray, qdtype: str) -> np.ndarray:
     """float32 ``x`` rounded to the query dtype at the kernel's rounding point (bf16 RINT, fp16 ROUND;
-    SPEC.md 3.6) and returned as float64."""
+    docs/numerics/attention.md#kv_quant_sparse_flash_attention) and returned as float64."""
     from .. import formats
 
     rounding = "rint" if qdtype == "bfloat16" else "round"

@@ -1,11 +1,12 @@
-"""Public front doors of the attention group: QSFA, SFA, the lightning indexers, the LSE merge (SPEC.md 3.6-3.7).
+"""Public front doors of the attention group: QSFA, SFA, the lightning indexers, the LSE merge (docs/numerics/attention.md,
+docs/numerics/indexer.md).
 
 Operators (one :class:`~qsfa._contract.Contract` each, every documented rule a constraint with a
 ``violate`` function; chip limits as ``chips=`` constraints):
 
 * ``kv_quant_sparse_flash_attention`` - QSFA over packed int8 / FP8 / HiFloat8 rows (seed 000);
 * ``sparse_flash_attention`` - SFA over a float16 / bfloat16 KV (torch_npu ``npu_sparse_flash_attention``);
-* ``lightning_indexer`` / ``quant_lightning_indexer`` - top-k token selection (SPEC.md 3.7);
+* ``lightning_indexer`` / ``quant_lightning_indexer`` - top-k token selection (docs/numerics/indexer.md#lightning_indexer);
 * ``merge_attention_lse`` - the context-parallel merge of partial results.
 
 Plain functions over those operators: :func:`attention` (routes by key dtype as vLLM-Ascend does),
@@ -767,7 +768,7 @@ def indexer_case(*, layout_query="BSND", layout_kv="BSND", explicit_lengths=Fals
 # QSFA: kv_quant_sparse_flash_attention
 
 QSFA = "kv_quant_sparse_flash_attention"
-QSFA_SOURCE = "SPEC.md 3.6; seed 000 (QSFA operator guide); vllm-ascend QSFA custom op"
+QSFA_SOURCE = "docs/numerics/attention.md#kv_quant_sparse_flash_attention; seed 000 (QSFA operator guide); vllm-ascend QSFA custom op"
 QSFA_KEY_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
 QSFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 128)
 QSFA_SPARSE_BLOCK_SIZES = (1, 2, 4, 8, 16)
@@ -878,9 +879,9 @@ def _qsfa_rules():
     r.append(scale_value_rule(n))
     r.append(bool_rule(n, "return_softmax_lse"))
     r.append(finite_rule(n, "query"))
-    r.append(choice_rule(n, "precision", PRECISIONS, source="qsfa (not a torch_npu parameter)"))
+    r.append(choice_rule(n, "precision", PRECISIONS, source="docs/numerics/attention.md#rounding-points (qsfa's parameter, not torch_npu's)"))
     r.append(choice_rule(n, "probability_rounding", PROBABILITY_ROUNDINGS,
-                         source="qsfa (OPEN: where P is rounded; see qsfa.reference.attention)"))
+                         source="docs/numerics/open-facts.md#probability_rounding"))
     # chip limits (seed 000 constraint section)
     r.append(rule(n, "a2a3_query_heads", "query", "shape", "Atlas A2/A3 do not support Q_N = 48",
                   lambda a: None if a.query.shape[-2] != 48 else tuple(a.query.shape), edit(n, n_heads=48),
@@ -975,7 +976,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
 # SFA: sparse_flash_attention
 
 SFA = "sparse_flash_attention"
-SFA_SOURCE = "SPEC.md 3.6; torch_npu npu_sparse_flash_attention doc and meta registration"
+SFA_SOURCE = "docs/numerics/attention.md#sparse_flash_attention; torch_npu npu_sparse_flash_attention doc and meta registration"
 SFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 SFA_SPARSE_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _N_SFA = Names(SFA, sfa_case, source=SFA_SOURCE)
@@ -1073,9 +1074,9 @@ def _sfa_rules():
         n, "sinks_finite", "sinks", "value", "must not contain inf or nan",
         lambda a: None if a.get("sinks") is None or np.isfinite(a.sinks).all() else "non-finite",
         edit(n, setting(sinks=np.array([np.nan], np.float32)))))
-    r.append(choice_rule(n, "precision", PRECISIONS, source="qsfa (not a torch_npu parameter)"))
+    r.append(choice_rule(n, "precision", PRECISIONS, source="docs/numerics/attention.md#rounding-points (qsfa's parameter, not torch_npu's)"))
     r.append(choice_rule(n, "probability_rounding", PROBABILITY_ROUNDINGS,
-                         source="qsfa (OPEN: where P is rounded; see qsfa.reference.attention)"))
+                         source="docs/numerics/open-facts.md#probability_rounding"))
     r.append(rule(n, "chip_attention_mode", "attention_mode", "value", "the NPU kernels support only attention_mode 2",
                   lambda a: None if a.attention_mode == 2 else a.attention_mode, edit(n, setting(attention_mode=0)),
                   chips=("A2", "A3", "950")))
@@ -1148,7 +1149,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
 # lightning_indexer
 
 LI = "lightning_indexer"
-LI_SOURCE = "SPEC.md 3.7; torch_npu npu_lightning_indexer doc (Ascend/op-plugin) and meta registration"
+LI_SOURCE = "docs/numerics/indexer.md#lightning_indexer; torch_npu npu_lightning_indexer doc (Ascend/op-plugin) and meta registration"
 LI_SPARSE_COUNTS = tuple(range(1, 2049)) + (3072, 4096, 5120, 6144, 7168, 8192)
 INDEXER_HEADS_950 = (8, 16, 24, 32, 64)
 _N_LI = Names(LI, indexer_case, layout_kv="layout_key", lens_kv="actual_seq_lengths_key", source=LI_SOURCE)
@@ -1208,7 +1209,7 @@ def _li_rules():
     r.append(finite_rule(n, "query"))
     r.append(finite_rule(n, "weights"))
     r.append(key_rows_finite_rule(n))
-    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="qsfa (OPEN: order of equal scores)"))
+    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="docs/numerics/open-facts.md#tie_break"))
     r.append(rule(n, "950_query_heads", "query", "shape", f"Ascend 950 supports N1 {one_of(INDEXER_HEADS_950)}",
                   lambda a: None if a.query.shape[-2] in INDEXER_HEADS_950 else tuple(a.query.shape),
                   edit(n, n_heads=4), chips=("950",)))
@@ -1237,7 +1238,7 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
                       block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
                       pre_tokens=INT64_MAX, next_tokens=INT64_MAX, return_value=False, tie_break="lower_index",
                       backend="reference"):
-    """The ``sparse_count`` best KV tokens per query row (torch_npu ``npu_lightning_indexer``, SPEC.md 3.7).
+    """The ``sparse_count`` best KV tokens per query row (torch_npu ``npu_lightning_indexer``, docs/numerics/indexer.md#lightning_indexer).
 
     ``score(i, j) = sum_h weights[i, h] * ReLU(query[i, h] . key[j])`` in fp32 over the tokens row i may
     see (right-down causal for sparse_mode 3, as sparse attention); the indices of the
@@ -1267,7 +1268,7 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
 # quant_lightning_indexer
 
 QLI = "quant_lightning_indexer"
-QLI_SOURCE = "SPEC.md 3.7; torch_npu npu_quant_lightning_indexer doc (Ascend/op-plugin) and meta registration"
+QLI_SOURCE = "docs/numerics/indexer.md#quant_lightning_indexer; torch_npu npu_quant_lightning_indexer doc (Ascend/op-plugin) and meta registration"
 QLI_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
 _N_QLI = Names(QLI, lambda **kw: indexer_case(quant=True, **kw), layout_kv="layout_key",
                lens_kv="actual_seq_lengths_key", source=QLI_SOURCE)
@@ -1344,7 +1345,7 @@ def _qli_rules():
                   edit(n, lambda a: a.update(key_dequant_scale=np.ascontiguousarray(a["key_dequant_scale"][:, :1])))))
     for p in ("weights", "query_dequant_scale", "key_dequant_scale"):
         r.append(finite_rule(n, p))
-    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="qsfa (OPEN: order of equal scores)"))
+    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="docs/numerics/open-facts.md#tie_break"))
 
     def a2a3(a):
         f = _code_format(a.query, a.get("query_dtype"))
@@ -1419,7 +1420,7 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
 # merge_attention_lse
 
 MERGE = "merge_attention_lse"
-MERGE_SOURCE = "SPEC.md 3.6 (context-parallel merge of partial results)"
+MERGE_SOURCE = "docs/numerics/attention.md#merge_attention_lse (context-parallel merge of partial results)"
 
 
 def merge_case(*, layout_query="BSND", parts=2, seed=0):
@@ -1518,7 +1519,7 @@ def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query
     """Merge partial attention results computed over disjoint shards of each row's selected tokens.
 
     ``m = max m_p``, ``w_p = l_p exp(m_p - m)``, ``l = sum w_p``, ``out = sum w_p out_p / l`` in float64
-    (SPEC.md 3.6); an empty shard (``m_p = l_p = 0``) carries no weight and does not take part in the max;
+    (docs/numerics/attention.md#merge_attention_lse); an empty shard (``m_p = l_p = 0``) carries no weight and does not take part in the max;
     a row with only empty shards gives ``out = 0, m = l = 0``. See :mod:`qsfa.reference.lse`.
 
     attention_out: the P partial outputs, a sequence of arrays / tensors or an array stacked on axis 0 (``[P, B, S, N, D]``

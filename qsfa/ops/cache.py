@@ -1,13 +1,13 @@
-"""Public front doors of the cache writers (SPEC.md 3.2-3.5).
+"""Public front doors of the cache writers (docs/numerics/cache-writers.md).
 
 Operators (each = one :class:`~qsfa._contract.Contract` holding every documented rule as data, plus the
 reference computation in :mod:`qsfa.reference`):
 
-* :func:`scatter_by_slot` - the shared scatter of rows into a paged cache by slot (SPEC.md 3.5);
+* :func:`scatter_by_slot` - the shared scatter of rows into a paged cache by slot (docs/numerics/cache-writers.md#scatter_by_slot);
 * :func:`c8_cache_write` - the QSFA C8 writer's quantise + pack + scatter stage (bit-exact, kernel-checked);
 * :func:`c8_rmsnorm_rope_cache` - RMSNorm + interleave RoPE + :func:`c8_cache_write` (vllm-ascend's writer);
-* :func:`kv_rmsnorm_rope_cache` - torch_npu ``npu_kv_rmsnorm_rope_cache`` / ``_v2`` (SPEC.md 3.3);
-* :func:`kv_compress_epilog` - aclnn KvCompressEpilog (SPEC.md 3.4).
+* :func:`kv_rmsnorm_rope_cache` - torch_npu ``npu_kv_rmsnorm_rope_cache`` / ``_v2`` (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache);
+* :func:`kv_compress_epilog` - aclnn KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog).
 
 Every cache is listed in its contract's ``inplace``; a rejected call writes nothing.
 """
@@ -116,7 +116,7 @@ def _slot_rules(op, param, num_slots, *, source, example_valid_slot=0):
 # --------------------------------------------------------------------------------------- scatter_by_slot
 
 SC = "scatter_by_slot"
-SC_SRC = "SPEC.md 3.5"
+SC_SRC = "docs/numerics/cache-writers.md#scatter_by_slot"
 
 
 def _sc_example(rng):
@@ -178,7 +178,7 @@ def scatter_by_slot(cache, rows, slot_mapping, backend="reference"):
 
 C8 = "c8_cache_write"
 C8R = "c8_rmsnorm_rope_cache"
-C8_SRC = "SPEC.md 3.2; vllm-ascend vllm_ascend/attention/sfa_v1.py (custom_kv_rmsnorm_rope, _store_parallel_kv)"
+C8_SRC = "docs/numerics/cache-writers.md#c8_cache_write; vllm-ascend vllm_ascend/attention/sfa_v1.py (custom_kv_rmsnorm_rope, _store_parallel_kv)"
 SCALE_ORDERS = ("divide", "multiply")
 
 
@@ -218,9 +218,9 @@ def _c8_key_rules(op):
               lambda a: None if a.key_dtype in _c8.KEY_DTYPES else a.key_dtype, set_param("key_dtype", "hifloat8"),
               source=C8_SRC),
         _rule(op, "scale_order_value", "scale_order", "value",
-              f"must be {one_of(SCALE_ORDERS)} (SPEC.md 2 OPEN: x / s or x * 127 / amax)",
+              f"must be {one_of(SCALE_ORDERS)} (docs/numerics/open-facts.md#scale_order OPEN: x / s or x * 127 / amax)",
               lambda a: None if a.scale_order in SCALE_ORDERS else a.scale_order, set_param("scale_order", "bogus"),
-              source="SPEC.md 2"),
+              source="docs/numerics/open-facts.md#scale_order"),
         _rule(op, "a2a3_key_dtype", "key_dtype", "value", "Atlas A2/A3 packed caches are int8 only",
               lambda a: None if a.key_dtype == "int8" else a.key_dtype, set_param("key_dtype", "float8_e4m3fn"),
               chips=("A2", "A3"), source=C8_SRC),
@@ -286,11 +286,11 @@ def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", 
 
     For token t with slot s = slot_mapping[t] (-1: nothing written), row ``kv_cache[s // bs, s % bs, 0]``
     receives: bytes [0, 512) the NoPE quantised per 1x128 tile, then the 64 RoPE values' raw 16-bit bytes
-    (rope 64 only), then the 4 tile scales as little-endian fp32 (SPEC.md 3.2). Bytes of other rows are
+    (rope 64 only), then the 4 tile scales as little-endian fp32 (docs/numerics/layouts.md#packed-qsfa-row). Bytes of other rows are
     untouched.
 
     key_dtype "int8" (A2/A3): ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero
-    tile gives ``s = 0, q = 0`` (SPEC.md 2, OPEN on hardware). "float8_e4m3fn" (950, vllm-ascend's A5 branch
+    tile gives ``s = 0, q = 0`` (docs/numerics/open-facts.md#zero-tile, OPEN on hardware). "float8_e4m3fn" (950, vllm-ascend's A5 branch
     calls ``npu_dynamic_block_quant(dst_type=float8_e4m3fn)``): ``s = amax / 448``, ``q = E4M3FN(x / s)``
     RINT + saturation. HiFloat8 NoPE is not offered: no public writer says how its scale is computed.
 
@@ -300,7 +300,7 @@ def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", 
       slot_mapping: ``[T]`` int32 / int64; -1 skips; otherwise unique and < block_num * block_size.
       kv_cache:     ``[block_num, block_size, 1, 656 | 528]`` uint8 / int8 / float8_e4m3fn, updated in place.
       key_dtype:    "int8" (default) or "float8_e4m3fn".
-      scale_order:  **OPEN** (SPEC.md 2): "divide" (default, ``x / s``) or "multiply" (``x * fp32(127 / amax)``).
+      scale_order:  **OPEN** (docs/numerics/open-facts.md#scale_order): "divide" (default, ``x / s``) or "multiply" (``x * fp32(127 / amax)``).
     Returns ``kv_cache``.
     """
     args = dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slot_mapping, kv_cache=kv_cache, key_dtype=key_dtype,
@@ -430,7 +430,7 @@ def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilo
 # --------------------------------------------------------------------------------- kv_compress_epilog
 
 KCE = "kv_compress_epilog"
-KCE_SRC = "SPEC.md 3.4; seed 002 (KvCompressEpilog)"
+KCE_SRC = "docs/numerics/cache-writers.md#kv_compress_epilog; seed 002 (KvCompressEpilog)"
 
 
 def _kce_d(a):
@@ -502,13 +502,13 @@ KCE_CONTRACT = Contract(
         _rule(KCE, "x_scale_value", "x_scale", "value", "must be a finite number",
               lambda a: None if _is_num(a.x_scale) and math.isfinite(a.x_scale) else a.x_scale,
               set_param("x_scale", float("inf")), source=KCE_SRC),
-        _rule(KCE, "pad_to_value", "pad_to", "value", "must be one of {32, 128} (SPEC.md 3.4 OPEN)",
+        _rule(KCE, "pad_to_value", "pad_to", "value", "must be one of {32, 128} (docs/numerics/open-facts.md#pad_to OPEN)",
               lambda a: None if _is_int(a.pad_to) and a.pad_to in (32, 128) else a.pad_to, set_param("pad_to", 64),
-              source="SPEC.md 3.4 (OPEN: padding granularity)"),
+              source="docs/numerics/open-facts.md#pad_to (OPEN: padding granularity)"),
         _rule(KCE, "fp4_nibble_order_value", "fp4_nibble_order", "value",
-              "must be one of {'low_first', 'high_first'} (SPEC.md 1.2 OPEN)",
+              "must be one of {'low_first', 'high_first'} (docs/numerics/open-facts.md#nibble_order OPEN)",
               lambda a: None if a.fp4_nibble_order in ("low_first", "high_first") else a.fp4_nibble_order,
-              set_param("fp4_nibble_order", "bogus"), source="SPEC.md 1.2 (OPEN: FP4 nibble order)"),
+              set_param("fp4_nibble_order", "bogus"), source="docs/numerics/open-facts.md#nibble_order (OPEN: FP4 nibble order)"),
         _rule(KCE, "head_dim", "cache", "shape", "headDim (cache.shape[3]) must be >= kvCacheCol, the bytes per row",
               lambda a: None if a.cache.shape[3] >= _kce_col(a) else f"headDim {a.cache.shape[3]} < kvCacheCol "
               f"{_kce_col(a)}", _edit(lambda o: o.update(cache=np.zeros((3, 4, 1, 512), np.uint8))),
@@ -562,9 +562,9 @@ def kv_compress_epilog(cache, x, slot_mapping, *, quant_group_size=64, quant_mod
       quant_mode:       0 (bf16 scales), 1 (E8M0 scales, default), 2 (HiF8 RoPE + FP4 NoPE).
       round_scale:      ceil the group scales to powers of two (modes 0/1).
       x_scale:          mode 2's static RoPE multiplier (fp32).
-      pad_to:           **OPEN** (SPEC.md 3.4): row padding granularity of modes 0 and 2, default 32 (tiling
+      pad_to:           **OPEN** (docs/numerics/open-facts.md#pad_to): row padding granularity of modes 0 and 2, default 32 (tiling
                         code and docs); 128 per an older comment. Not an aclnn argument.
-      fp4_nibble_order: **OPEN** (SPEC.md 1.2): "low_first" (default: element 2i in the low nibble) or
+      fp4_nibble_order: **OPEN** (docs/numerics/open-facts.md#nibble_order): "low_first" (default: element 2i in the low nibble) or
                         "high_first". Not an aclnn argument.
     Returns ``cache``.
     """
@@ -576,7 +576,7 @@ def kv_compress_epilog(cache, x, slot_mapping, *, quant_group_size=64, quant_mod
 # ----------------------------------------------------------------------------- kv_rmsnorm_rope_cache
 
 KRR = "kv_rmsnorm_rope_cache"
-KRR_SRC = "SPEC.md 3.3; seed 004 (aclnnKvRmsNormRopeCacheV2); torch_npu npu_kv_rmsnorm_rope_cache meta"
+KRR_SRC = "docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache; seed 004 (aclnnKvRmsNormRopeCacheV2); torch_npu npu_kv_rmsnorm_rope_cache meta"
 KRR_MODES = _krr.CACHE_MODES
 KRR_FORMATS = _krr.QUANT_FORMATS + _krr.FLOAT_FORMATS
 QUANT_PARAMS = (("k_rope_scale", "k_rope_offset", "k"), ("c_kv_scale", "c_kv_offset", "ckv"))
@@ -1185,7 +1185,7 @@ KRR_CONTRACT = Contract(
         _rule(KRR, "a2a3_v1_dims", "kv", "shape",
               "Atlas A2/A3 V1 (the DeepSeek MLA kernel) need Dv = 512 (RMSNorm) and Dk = 64 (RoPE)",
               _chip_a2a3_v1_dims, lambda args: copy_args(args), chips=_A2A3,
-              source="[OT] posembedding/kv_rms_norm_rope_cache/op_host/kv_rms_norm_rope_cache_ds_tiling.cpp"),
+              source="cannmirror/ops-transformer posembedding/kv_rms_norm_rope_cache/op_host/kv_rms_norm_rope_cache_ds_tiling.cpp"),
     ],
     example=lambda rng: kv_rmsnorm_rope_cache_example(rng),
     inplace=("k_cache", "ckv_cache"),
@@ -1220,7 +1220,7 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
                           k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
                           is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None, backend="reference"):
     """RMSNorm + interleave RoPE + optional static quantisation, scattered into two caches in place
-    (torch_npu ``npu_kv_rmsnorm_rope_cache`` and ``npu_kv_rmsnorm_rope_cache_v2``; SPEC.md 3.3).
+    (torch_npu ``npu_kv_rmsnorm_rope_cache`` and ``npu_kv_rmsnorm_rope_cache_v2``; docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache).
 
     V1 (``v`` None; N = 1): ``c_kv = RMSNorm(kv[..., :Dv]) * gamma`` -> ckv_cache and
     ``k_rope = RoPE(kv[..., Dv:])`` (the raw input) -> k_cache, with Dv = len(gamma), Dk = cos width.
@@ -1228,7 +1228,7 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
     k_cache, ``v`` -> ckv_cache. RMSNorm: ``gamma * (x / sqrt(mean(x^2) + epsilon))`` in fp32; interleave RoPE:
     ``cat(x[0::2], x[1::2]) * cos + cat(-x[1::2], x[0::2]) * sin`` in fp32.
 
-    Rounding points (from the [OT] kernels): a 16-bit cache gets the fp32 result rounded once (RINT) to the
+    Rounding points (from the cannmirror/ops-transformer kernels): a 16-bit cache gets the fp32 result rounded once (RINT) to the
     cache dtype; an 8-bit cache is quantised from the fp32 result - ``y = x * scale (+ offset)`` in fp32, then
     INT8 ``clamp(RINT(y), -128, 127)``, FP8 RINT + saturation, HiFloat8 ties-away + saturation; V2 RoPEs the
     fp32 RMSNorm output (no rounding in between). ``k_rope`` / ``c_kv`` are the fp32 results rounded to kv's

@@ -1,4 +1,4 @@
-"""Public front door of ``dynamic_block_quant`` (torch_npu ``npu_dynamic_block_quant``, SPEC.md 3.1).
+"""Public front door of ``dynamic_block_quant`` (torch_npu ``npu_dynamic_block_quant``, docs/numerics/quantisers.md#dynamic_block_quant).
 
 The contract holds every documented rule: operator rules (dtypes, ranks, names, value ranges) and the
 per-chip limits of the torch_npu / aclnn docs as ``chips=`` constraints (also exported as plain data in
@@ -41,7 +41,7 @@ BLOCK_LIMITS = {
                 col_block_sizes=(64, 128, 192, 256), dst_type_max=(0.0, 15.0, 56.0, 224.0, 32768.0)),
 }
 
-SOURCE = "SPEC.md 3.1; torch_npu npu_dynamic_block_quant doc (Ascend/op-plugin)"
+SOURCE = "docs/numerics/quantisers.md#dynamic_block_quant; torch_npu npu_dynamic_block_quant doc (Ascend/op-plugin)"
 
 
 def dst_type_name(v):
@@ -181,7 +181,7 @@ CONTRACT = Contract(
               _dst_type_max_hif8, set_param("dst_type_max", 15.0)),
         _rule("scale_order_value", "scale_order", "value", f"must be {one_of(_ref.SCALE_ORDERS)}",
               lambda a: None if a.scale_order in _ref.SCALE_ORDERS else a.scale_order,
-              set_param("scale_order", "bogus"), source="SPEC.md 2 (OPEN: quantise x / s or x * 127 / amax)"),
+              set_param("scale_order", "bogus"), source="docs/numerics/open-facts.md#scale_order (OPEN: quantise x / s or x * 127 / amax)"),
         _rule("scale_order_min_scale", "min_scale", "value",
               "scale_order='multiply' is defined only without a min_scale bound (min_scale == 0)",
               _multiply_min_scale, _with(scale_order="multiply", min_scale=0.5)),
@@ -227,7 +227,7 @@ def dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type="int8",
       row_block_size, col_block_size: block shape (chip limits in :data:`BLOCK_LIMITS`).
       dst_type_max:   0 = the type's own max; otherwise (HiFloat8 only) the TYPE_MAX used in the scale
                       (torch_npu: 15, 56, 224, 32768 on Ascend 950).
-      scale_order:    **OPEN** (SPEC.md 2): "divide" (default, ``x / scale``) or "multiply"
+      scale_order:    **OPEN** (docs/numerics/open-facts.md#scale_order): "divide" (default, ``x / scale``) or "multiply"
                       (``x * TYPE_MAX / amax``, the op-plugin test golden's order); not a torch_npu argument.
       backend:        "reference" | "npu" | "triton".
     Returns ``(y, scale)``: ``y`` of x's shape (int8; float8_e4m3fn / float8_e5m2 as ml_dtypes arrays or

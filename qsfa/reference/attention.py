@@ -1,4 +1,4 @@
-"""Sparse flash attention oracles: QSFA (packed quantised KV) and SFA (float KV). SPEC.md 3.6.
+"""Sparse flash attention oracles: QSFA (packed quantised KV) and SFA (float KV). docs/numerics/attention.md#kv_quant_sparse_flash_attention.
 
 Both compute, for every query row and query head,
 
@@ -13,12 +13,12 @@ Precision modes
 ``precision="faithful"`` (default) rounds where the Ascend kernel rounds. Every fp32 accumulation (the dot
 products ``q . k`` and ``P @ V``, the softmax sum) and every fp32 ``exp`` / ``log`` is modelled as the correctly
 rounded fp32 value of the exact result (``RN32``: round to nearest, ties to even; an exact zero sum is +0) - a kernel
-that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside SPEC.md section 4 - so the
+that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside docs/numerics/comparison.md#float-criterion - so the
 result is a function of the inputs alone: the same bytes on every machine, whatever BLAS kernel, thread split or
 NumPy SIMD variant computes the float64 intermediates (tests/test_attention_determinism.py; how, below).
 
 1. QSFA: ``K_nope = decode(code) * tile_scale`` (one fp32 multiply), rounded to the query dtype
-   (bf16 RINT, fp16 ROUND = half away from zero; SPEC.md 3.6). The RoPE part is taken as stored. The
+   (bf16 RINT, fp16 ROUND = half away from zero; docs/numerics/attention.md#rounding-points). The RoPE part is taken as stored. The
    query dtype value V is the same rounded NoPE (MLA-absorb). SFA: K and V are already in the query dtype.
 2. ``s = RN32(q . k) * fp32(scale_value)`` (an fp32 multiply): the kernel's cube unit accumulates exact 16x16-bit
    products in fp32 in its own order. Tokens that are not selected get ``-2e38`` (not ``-inf``), as in the
@@ -83,12 +83,15 @@ unselected positions are zeroed, so nothing a row did not select is ever read in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import decimal
 import math
 
 import ml_dtypes
 import numpy as np
 
+from ._workspace import scratch
 from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
 
 __all__ = [
@@ -106,10 +109,10 @@ __all__ = [
 NOPE_DIM = 512
 TILE = 128
 ROPE_DIM = 64
-_DEQUANT_BLOCK = 8192  # packed rows per fp32 dequantisation block (bounds the fp32 temporaries)
+_DEQUANT_BLOCK = 512  # packed rows per fp32 dequantisation block (its temporaries stay in cache)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
-#: rounding of fp32 values to the query dtype at the kernel's rounding points (SPEC.md 3.6)
+#: rounding of fp32 values to the query dtype at the kernel's rounding points (docs/numerics/attention.md#rounding-points)
 QUERY_ROUNDING = {"bfloat16": "rint", "float16": "round"}
 PROBABILITY_ROUNDINGS = ("unnormalised", "normalised")
 #: significand bits of the query dtypes; their smallest subnormal
@@ -407,8 +410,8 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     ``(k_norm [n], k_lq [n], v_max [n, 4], v_lq [n, 4])`` - a 2-norm bound and lq of each K row (NoPE + RoPE), and
     per NoPE tile the largest |entry| and lq of V.
 
-    codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its float64
-    values) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
+    codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its values,
+    float32 or float64: squares are summed in float64) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
     ``|v| <= c_max s (1 + 2^-7) + tiny_q`` (the absolute term covers subnormal results), and a non-zero one has
     ``|c| >= c_min`` (the tile's smallest non-zero |code|; 1 for int8), so it is a multiple of ``2^(e - p)`` for the
     exponent e of ``c_min s (1 - 2^-7)`` and p the significand bits of the query dtype (a normal v is at least that
@@ -426,7 +429,7 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     k_sq = TILE * np.einsum("nt,nt->n", vmax, vmax)
     k_lq = vlq.min(axis=-1)
     if rope64 is not None:
-        k_sq += np.einsum("nd,nd->n", rope64, rope64)
+        k_sq += np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64)
         k_lq = np.minimum(k_lq, min_lq(rope_bits, qdtype))
     return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
 
@@ -439,7 +442,7 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts) -> np.ndarray:
     Pairs proven exact are rounded once from the matmul; the others (rows or columns with a wide exponent span)
     are certified with the error bound ``4 K 2^-53 norm_m norm_n`` and, where undecided, summed exactly.
     """
-    approx = np.matmul(a, b)
+    approx = np.matmul(a, b, out=scratch("dot_approx", a.shape[:-1] + b.shape[-1:], np.float64))
     out = np.empty(approx.shape, np.float32)
     np.add(approx, 0.0, out=out, casting="same_kind")  # one rounding; an exact zero sum is +0
     (an, aq), (bn, bq) = a_facts, b_facts
@@ -459,6 +462,22 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------------
 # the shared core
+
+_ROW_RANGE = contextvars.ContextVar("qsfa_attention_row_range", default=None)
+
+
+@contextlib.contextmanager
+def only_rows(start: int, stop: int):
+    """Within the block the attention oracles compute only the query rows ``start <= r < stop`` and leave the
+    other rows of every output zero. Rows are numbered in flattened order (``b * Q_S + s`` for BSND, the token
+    for TND): row ``r`` of every output is ``output.reshape(rows, -1)[r]``. A row's bytes do not depend on which
+    other rows are computed with it, so a call split into row ranges (``qsfa.distributed``) assembles to the same
+    bytes."""
+    token = _ROW_RANGE.set((int(start), int(stop)))
+    try:
+        yield
+    finally:
+        _ROW_RANGE.reset(token)
 
 
 def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False) -> int:
@@ -485,8 +504,8 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
         np.copyto(s, MASK_VALUE, where=~valid[:, None, :])  # -2e38, not -inf (the kernel's value)
     m = s.max(axis=-1)  # [c, N]
     s -= m[..., None]  # fp32 subtract (exact IEEE operation)
-    scratch = np.empty(s.shape, np.float64)
-    e = exp_f32(s, out64=scratch)  # RN32(exp(s - m))
+    e64 = scratch("faithful_e64", s.shape, np.float64)
+    e = exp_f32(s, out64=e64)  # RN32(exp(s - m))
     s = None
     l64 = np.add.reduce(e, axis=-1, dtype=np.float64)
     l = certified_f32(l64, sum_error_bound(w, l64),  # all terms >= 0: sum |e| = l
@@ -502,7 +521,7 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
     else:
         p_low, p_sum = e_min * (1 - 2.0 ** -6), l * (1 + 2.0 ** -6) + slack
     p_lq = np.where(np.isfinite(p_low) & (p_low > 0), np.frexp(p_low)[1] - _PRECISION[qdtype], _NO_LQ)
-    p = scratch  # P rounded to the query dtype, held in float64 for the exact-product matmul
+    p = e64  # P rounded to the query dtype, held in float64 for the exact-product matmul
     if qdtype == "bfloat16":
         np.copyto(p, e.astype(_QDT["bfloat16"]))
     else:
@@ -561,6 +580,9 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     mx = np.zeros((n_rows, n_heads), fdt)
     sm = np.zeros((n_rows, n_heads), fdt)
     active = np.nonzero(limit > 0)[0]
+    row_range = _ROW_RANGE.get()
+    if row_range is not None:
+        active = active[(active >= row_range[0]) & (active < row_range[1])]
     step = _rows_per_chunk(chunk_size, n_heads, width)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
     for start in range(0, active.size, step):
@@ -674,28 +696,34 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         row and NoPE tile the largest |entry| and lq; None in exact mode."""
         n = packed.shape[0]
         scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4")
-        k = np.empty((n, dqk), np.float64)
+        k = scratch("qsfa_k", (n, dqk), np.float64)
         kn = k[:, :NOPE_DIM]  # written in place
         if exact:
             nope_scaled(packed[:, :NOPE_DIM], scales.astype(np.float64), kn.reshape(n, NOPE_DIM // TILE, TILE))
         else:  # fp32 product, query-dtype rounding, widened (exactly) into K; in blocks to bound the temporaries
-            tmp = np.empty((min(n, _DEQUANT_BLOCK), NOPE_DIM // TILE, TILE), np.float32)
+            blk = min(n, _DEQUANT_BLOCK)
+            tmp = np.empty((blk, NOPE_DIM // TILE, TILE), np.float32)
+            t16 = np.empty((blk, NOPE_DIM), _QDT[qdt])
             for a in range(0, n, _DEQUANT_BLOCK):
                 b = min(n, a + _DEQUANT_BLOCK)
                 t = tmp[:b - a]
                 nope_scaled(packed[a:b, :NOPE_DIM], scales[a:b], t)
                 t2 = t.reshape(b - a, NOPE_DIM)
-                kn[a:b] = t2.astype(_QDT[qdt]) if qdt == "bfloat16" else _fp16_round_away(t2)
+                if qdt == "bfloat16":
+                    np.copyto(t16[:b - a], t2, casting="unsafe")  # RINT (ml_dtypes: round half to even)
+                    np.copyto(kn[a:b], t16[:b - a])
+                else:
+                    np.copyto(kn[a:b], _fp16_round_away(t2))
         if rope:
-            rope64 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float64)
-            k[:, NOPE_DIM:] = rope64
+            rope32 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float32)  # exact widening
+            np.copyto(k[:, NOPE_DIM:], rope32)
         else:
             k[:, NOPE_DIM:] = 0
         if exact:
             return k, None
         return k, qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt,
                                  packed[:, NOPE_DIM:scale_off].view(np.uint16) if rope else None,
-                                 rope64 if rope else None)
+                                 rope32 if rope else None)
 
     def load_kv(storage, valid):
         c, w = storage.shape
@@ -705,7 +733,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
             k, facts = dequant(key2d[uniq])
             inv = inv.reshape(-1)
-            k = k[inv]
+            k = np.take(k, inv, axis=0, out=scratch("qsfa_k_gathered", (inv.size, dqk), np.float64))
             k[bad] = 0  # unselected tokens: K = V = 0 (whatever the cache holds there)
             if facts is not None:
                 facts = [f[inv] for f in facts]

@@ -1,11 +1,11 @@
-"""The C8 cache writer of the QSFA pipeline (SPEC.md 3.2, last paragraph) as two stages.
+"""The C8 cache writer of the QSFA pipeline (docs/numerics/cache-writers.md#c8_cache_write, last paragraph) as two stages.
 
 Stage 2, :func:`c8_cache_write` - quantise + pack + scatter, bit-exact and what a kernel is checked
 against: the NoPE ``[T, 512]`` is quantised per 1x128 tile with one fp32 scale per tile, the RoPE bytes
 are copied as stored, and the packed 656-byte (rope 64) or 528-byte (rope 0) rows
 (:mod:`qsfa.reference.packing`) are scattered into ``[block_num, block_size, 1, W]`` by slot (-1 skipped).
 
-* key_dtype "int8" (Atlas A2/A3): the int8 dynamic rule of SPEC.md 2, ``s = amax / 127`` (fp32),
+* key_dtype "int8" (Atlas A2/A3): the int8 dynamic rule of docs/numerics/quantisers.md#int8-dynamic, ``s = amax / 127`` (fp32),
   ``q = clamp(RINT(x / s), -127, 127)``, an all-zero tile gives ``s = 0, q = 0``.
 * key_dtype "float8_e4m3fn" (Ascend 950): vllm-ascend's writer calls ``npu_dynamic_block_quant`` with
   ``dst_type=float8_e4m3fn`` (vllm_ascend/attention/sfa_v1.py ``custom_kv_rmsnorm_rope``, the A5 branch

@@ -1,4 +1,4 @@
-"""Reference number formats (SPEC.md section 1): exact encode / decode of every format qsfa stores.
+"""Reference number formats (docs/numerics/formats.md): exact encode / decode of every format qsfa stores.
 
 Formats (``FORMAT_NAMES``) and their raw code dtypes:
 
@@ -8,7 +8,7 @@ format              layout                                      codes        def
 ``int8``            two's complement                            uint8        "rint" ("round")
 ``float8_e4m3fn``   s.eeee.mmm, bias 7, 0x7F/0xFF NaN, no Inf   uint8        "rint" ("round")
 ``float8_e5m2``     s.eeeee.mm, bias 15, IEEE Inf/NaN           uint8        "rint" ("round")
-``hifloat8``        tapered (SPEC 1.1), 0x80 NaN, 0x6F/0xEF Inf uint8        "round" (TA) only
+``hifloat8``        tapered, 0x80 NaN, 0x6F/0xEF Inf            uint8        "round" (TA) only
 ``float4_e2m1``     s.ee.m, bias 1, no Inf/NaN                  uint8 (0-15) "rint" ("round")
 ``float8_e8m0``     unsigned exponent, 2^(b-127), 0xFF NaN      uint8        "floor" ("ceil", "rint", "round")
 ``bfloat16``        top half of fp32                            uint16       "rint" ("round")
@@ -17,7 +17,7 @@ format              layout                                      codes        def
 
 Rounding: "rint" = round to nearest, ties to even; "round" = round to nearest, ties away from zero
 (HiFloat8's TA, Ascend's CAST_ROUND). For float8_e8m0 the modes act in the linear domain: "floor" is the
-byte-extraction rule of SPEC section 2 (``(bits(s) >> 23) & 0xFF``), "ceil" the round_scale rule
+byte-extraction rule of docs/numerics/quantisers.md#e8m0-store (``(bits(s) >> 23) & 0xFF``), "ceil" the round_scale rule
 (``(bits >> 23) + (mantissa != 0)``), "rint"/"round" the nearest power of two (ties 1.5*2^k to the even
 code / upwards).
 
@@ -100,7 +100,7 @@ _MODES = {
     "float16": ("rint", "round"),
 }
 
-#: FP4 nibble orders (SPEC 1.2, OPEN): "low_first" = element 2i in the low nibble (default).
+#: FP4 nibble orders (docs/numerics/open-facts.md#nibble_order, OPEN): "low_first" = element 2i in the low nibble (default).
 NIBBLE_ORDERS = ("low_first", "high_first")
 
 #: Elements processed per step of the vectorised encoders (temporaries of 256 KiB stay in cache).
@@ -289,7 +289,7 @@ def _decode_table(fmt: str) -> np.ndarray:
 
 
 def _hif8_table() -> np.ndarray:
-    """The 256 HiFloat8 values (SPEC 1.1), float64."""
+    """The 256 HiFloat8 values (docs/numerics/formats.md#hifloat8), float64."""
     vals = np.empty(256)
     for c in range(128):  # 128 codes, built once
         if c < 8:  # 0000 mmm: zero, denormals 2^(m-23)
@@ -572,7 +572,7 @@ def _hif8_encode_tables():
     """Two lookup tables that make HiFloat8 encoding two gathers.
 
     ADD[bits >> 23] (512 entries: sign + fp32 exponent field ef): half of the dropped part of the
-    mantissa for the binade e = ef - 127 (SPEC 1.1 classes: |e| <= 3 keeps 3 mantissa bits, 4..7 keeps
+    mantissa for the binade e = ef - 127 (docs/numerics/formats.md#hifloat8 classes: |e| <= 3 keeps 3 mantissa bits, 4..7 keeps
     2, 8..15 keeps 1; -23..-16 are the denormal powers of two (0 bits); e < -23 adds nothing (-> 0);
     e >= 16 rounds to a power of two, which is an overflow anyway). Adding it to the fp32 pattern is
     the TA rounding: a carry moves into the next binade by itself.
@@ -715,7 +715,7 @@ def round_to(x, fmt: str, *, saturate: bool = False, rounding: str | None = None
 def pack_fp4(codes, *, nibble_order: str = "low_first") -> np.ndarray:
     """Pack float4_e2m1 codes (uint8, one code 0..15 per element) two per byte along the last axis.
 
-    codes: uint8 ``[..., 2k]`` -> uint8 ``[..., k]``. nibble_order (**OPEN**, SPEC 1.2): "low_first"
+    codes: uint8 ``[..., 2k]`` -> uint8 ``[..., k]``. nibble_order (**OPEN**, docs/numerics/open-facts.md#nibble_order): "low_first"
     (default, best evidence) puts element 2i in the low nibble and 2i+1 in the high one
     (``byte = lo | hi << 4``); "high_first" the reverse.
     """

@@ -1,4 +1,4 @@
-"""KvRmsNormRopeCache V1 / V2 (SPEC.md 3.3, seed 004; torch_npu ``npu_kv_rmsnorm_rope_cache[_v2]``).
+"""KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache, seed 004; torch_npu ``npu_kv_rmsnorm_rope_cache[_v2]``).
 
 ``kv [Bkv, N, Skv, D]`` (fp16/bf16) is normalised / rotated in float32 and scattered into two caches:
 
@@ -8,7 +8,7 @@
 * V2 (``v`` given; N in {1, 2, 4, 8}; len(gamma) = D; rope = cos width):
   ``r = RMSNorm(kv)``; ``k = cat(RoPE(r[..., :rope]), r[..., rope:])`` -> k_cache; ``v`` -> ckv_cache.
 
-Rounding points (settled from the [OT] kernels ``kv_rms_norm_rope_cache_b16_pa_bnsd_quant.h``
+Rounding points (settled from the cannmirror/ops-transformer kernels ``kv_rms_norm_rope_cache_b16_pa_bnsd_quant.h``
 (``RmsNormWithQuant`` / ``RopeWithQuant``) and ``arch35/kv_rms_norm_rope_cache_regbase_*.h``, and the V2
 golden of the CANN ATK test ``FunctionKvRmsNormRopeCache``):
 
