@@ -168,7 +168,7 @@ ENCODE_CONTRACT = Contract(
         value_in("formats.encode", "rounding", ROUNDING_MODES + (None,), bad="nearest", source=_SRC),
         Constraint(
             id="formats.encode.rounding_supported", param="rounding", kind="value",
-            reason="the format does not support this rounding mode (hifloat8: round only; float8_e8m0 "
+            reason="the format does not support this rounding mode (hifloat8: round or hybrid; float8_e8m0 "
                    "adds floor and ceil)",
             check=_check_rounding_supported, violate=set_param("rounding", "floor"), source=_SRC,
         ),
@@ -206,21 +206,24 @@ define_operator("formats.encode", ENCODE_CONTRACT, outputs=("codes",), reference
                 doc="raw codes of x in a number format")
 
 
-def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, backend: str = "reference"):
+def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, chip: str | None = None,
+           backend: str = "reference"):
     """Raw codes of ``x`` rounded to number format ``fmt``.
 
     x:        float32 / float64 / float16 / bfloat16 array or tensor, any shape.
     fmt:      one of :data:`FORMAT_NAMES`.
     saturate: clamp beyond-range values (Inf included) to +-max finite; otherwise +-Inf / NaN where the
               format has them, and an error for int8 / float4_e2m1.
-    rounding: "rint" (ties to even) | "round" (ties away) | float8_e8m0 also "floor" / "ceil"; None =
-              the format's default (hifloat8 "round", float8_e8m0 "floor", others "rint").
+    rounding: "rint" (ties to even) | "round" (ties away) | float8_e8m0 also "floor" / "ceil" | hifloat8 also
+              "hybrid" (ties away for |e| <= 3, deterministic SSR elsewhere;
+              docs/numerics/formats.md#hybrid-rounding); None = the format's default (hifloat8 "round",
+              float8_e8m0 "floor", others "rint").
     backend:  "reference" (the only implementation of this operator).
 
     Returns codes of x's shape: uint8 (8-bit formats; int8 as two's complement bytes; float4_e2m1 one
     code 0..15 per byte) or uint16 bit patterns (bfloat16, float16), in the caller's array kind.
     """
-    return run("formats.encode", dict(x=x, fmt=fmt, saturate=saturate, rounding=rounding), backend)
+    return run("formats.encode", dict(x=x, fmt=fmt, saturate=saturate, rounding=rounding), backend, chip=chip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -288,7 +291,7 @@ define_operator("formats.decode", DECODE_CONTRACT, outputs=("values",),
                 reference=lambda codes, fmt: _ref.decode(codes, fmt), doc="float32 values of raw codes")
 
 
-def decode(codes, fmt: str, *, backend: str = "reference"):
+def decode(codes, fmt: str, *, chip: str | None = None, backend: str = "reference"):
     """float32 values of raw ``codes`` of format ``fmt`` (NaN codes -> nan, Inf codes -> +-inf).
 
     codes:   uint8 (8-bit formats, int8 also int8, float4_e2m1 one code 0..15 per byte) or uint16
@@ -297,12 +300,14 @@ def decode(codes, fmt: str, *, backend: str = "reference"):
     backend: "reference".
     Returns float32 of codes' shape.
     """
-    return run("formats.decode", dict(codes=codes, fmt=fmt), backend)
+    return run("formats.decode", dict(codes=codes, fmt=fmt), backend, chip=chip)
 
 
-def round_to(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, backend: str = "reference"):
+def round_to(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, chip: str | None = None,
+             backend: str = "reference"):
     """``x`` rounded to ``fmt`` and back as float32: ``decode(encode(x, fmt, ...), fmt)``."""
-    return decode(encode(x, fmt, saturate=saturate, rounding=rounding, backend=backend), fmt, backend=backend)
+    return decode(encode(x, fmt, saturate=saturate, rounding=rounding, chip=chip, backend=backend), fmt, chip=chip,
+                  backend=backend)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -363,13 +368,13 @@ define_operator("formats.pack_fp4", PACK_CONTRACT, outputs=("packed",),
                 doc="two float4_e2m1 codes per byte")
 
 
-def pack_fp4(codes, *, nibble_order: str = "low_first", backend: str = "reference"):
+def pack_fp4(codes, *, nibble_order: str = "low_first", chip: str | None = None, backend: str = "reference"):
     """Pack float4_e2m1 codes two per byte along the last axis: uint8 ``[..., 2k]`` -> uint8 ``[..., k]``.
 
     nibble_order (**OPEN**, docs/numerics/open-facts.md#nibble_order): "low_first" (default) = element 2i in the low nibble
     (``byte = lo | hi << 4``); "high_first" = element 2i in the high nibble.
     """
-    return run("formats.pack_fp4", dict(codes=codes, nibble_order=nibble_order), backend)
+    return run("formats.pack_fp4", dict(codes=codes, nibble_order=nibble_order), backend, chip=chip)
 
 
 UNPACK_CONTRACT = Contract(
@@ -389,6 +394,6 @@ define_operator("formats.unpack_fp4", UNPACK_CONTRACT, outputs=("codes",),
                 doc="float4_e2m1 codes from packed bytes")
 
 
-def unpack_fp4(packed, *, nibble_order: str = "low_first", backend: str = "reference"):
+def unpack_fp4(packed, *, nibble_order: str = "low_first", chip: str | None = None, backend: str = "reference"):
     """Inverse of :func:`pack_fp4`: uint8 ``[..., k]`` -> uint8 codes ``[..., 2k]`` (0..15 each)."""
-    return run("formats.unpack_fp4", dict(packed=packed, nibble_order=nibble_order), backend)
+    return run("formats.unpack_fp4", dict(packed=packed, nibble_order=nibble_order), backend, chip=chip)

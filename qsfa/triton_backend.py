@@ -68,6 +68,7 @@ _ATTN_PARAMS = {
     "actual_seq_lengths_kv", "sparse_block_size", "layout_query", "layout_kv", "sparse_mode", "pre_tokens",
     "next_tokens", "attention_mode", "quant_scale_repo_mode", "tile_size", "rope_head_dim",
     "return_softmax_lse", "key_dtype", "precision", "probability_rounding",
+    "k_rounding", "p_rounding", "out_rounding",  # the requested chip's modes (qsfa.chips)
 }
 
 
@@ -96,6 +97,7 @@ def kv_quant_sparse_flash_attention(**args):
         return_softmax_lse=bool(args.get("return_softmax_lse", False)),
         key_dtype=args.get("key_dtype") or "int8",
         probability_rounding=args.get("probability_rounding") or "unnormalised",
+        k_rounding=args.get("k_rounding"), p_rounding=args.get("p_rounding"), out_rounding=args.get("out_rounding"),
     )
 
 

@@ -67,3 +67,20 @@ def test_every_parameter_has_a_declared_type(op_name):
     assert set(example) == set(contract.params), f"{op_name}: example vs declared params"
     for c in contract.constraints:
         assert c.param in contract.params or c.param == "tensors", f"{c.id} names undeclared {c.param!r}"
+
+
+@pytest.mark.parametrize("op_name", sorted(operators()))
+def test_declared_optional_matches_the_public_signature(op_name):
+    """A public parameter whose default is None must be declared optional ('name:type?'), else the generic type
+    rule rejects the default call."""
+    import importlib
+    import inspect
+
+    import qsfa
+
+    mod, _, name = op_name.rpartition(".")
+    fn = getattr(importlib.import_module(f"qsfa.{mod}") if mod else qsfa, name)
+    declared = operators()[op_name].contract.params
+    for p in inspect.signature(fn).parameters.values():
+        if p.name in declared and p.default is None:
+            assert declared[p.name].optional, f"{op_name}.{p.name} defaults to None but is declared required"

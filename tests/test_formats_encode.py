@@ -79,6 +79,8 @@ def test_midpoints_ties_and_neighbours(fmt, saturate):
     mid = (vals[:-1] + vals[1:]) / 2
     assert np.array_equal(mid, F.midpoints(fmt)[F.midpoints(fmt) > 0])
     for rounding in F.rounding_modes(fmt):
+        if rounding == "hybrid":  # not a nearest rounding above |e| = 3: tests/test_formats_hybrid.py
+            continue
         if rounding == "rint":
             expect_mid = np.where(lo % 2 == 0, lo, hi)
         elif rounding in ("round", "ceil"):

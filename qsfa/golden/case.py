@@ -24,6 +24,7 @@ operator's public function; the generator sees all ``params``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import re
@@ -207,6 +208,19 @@ class Case:
                 params[k] = v
         return cls(name=name, op=op, params=params, seed=seed, generator=None, description=description,
                    inputs_given=inputs)
+
+    def for_chip(self, chip: str | None) -> "Case":
+        """This case run for ``chip`` ("A2", "A3", "950"; None: the case as it is): ``chip`` joins its params,
+        so the operator checks that chip's limits and uses its rounding modes (docs/numerics/chips.md)."""
+        if chip is None:
+            return self
+        from ..chips import check_chip
+
+        try:
+            check_chip(chip)
+        except ValueError as e:
+            raise GoldenInputError(str(e)) from None
+        return dataclasses.replace(self, params={**self.params, "chip": chip})
 
     # -- inputs -----------------------------------------------------------------------------------
 

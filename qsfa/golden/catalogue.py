@@ -75,7 +75,7 @@ def _case(name: str, op: str, generator: str, description: str = "", *, seed_nam
 _FORMATS_8BIT = ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8", "float8_e8m0")
 _DEFAULT_ROUNDING = {"int8": "rint", "float8_e4m3fn": "rint", "float8_e5m2": "rint", "hifloat8": "round",
                      "float8_e8m0": "floor", "float4_e2m1": "rint"}
-_OTHER_ROUNDINGS = {"int8": ("round",), "float8_e4m3fn": ("round",), "float8_e5m2": ("round",), "hifloat8": (),
+_OTHER_ROUNDINGS = {"int8": ("round",), "float8_e4m3fn": ("round",), "float8_e5m2": ("round",), "hifloat8": ("hybrid",),
                     "float8_e8m0": ("ceil", "rint", "round"), "float4_e2m1": ("round",)}
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from .._arrays import dtype_name, is_torch, to_numpy
 from .._checks import dtype_in, is_array
 from .._contract import Constraint, Contract, copy_args, one_of, params
+from .. import chips as _chips
 from .._dispatch import define_operator, run
 from .._errors import InvalidArgument, Raw
 from ..reference import attention as _ref
@@ -912,7 +913,7 @@ def _qsfa_reference(**args):
 
 
 define_operator(QSFA, QSFA_CONTRACT, outputs=("attention_out", "softmax_max", "softmax_sum"),
-                reference=_qsfa_reference,
+                reference=_qsfa_reference, numerics=_chips.qsfa_numerics,
                 doc="Sparse flash attention over a packed int8/fp8/HiFloat8 KV cache (QSFA).")
 
 
@@ -922,7 +923,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                                     pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
                                     quant_scale_repo_mode=1, tile_size=128, rope_head_dim=64,
-                                    return_softmax_lse=False, key_dtype="int8", backend="reference",
+                                    return_softmax_lse=False, key_dtype="int8", chip=None, backend="reference",
                                     precision="faithful", probability_rounding="unnormalised"):
     """Sparse flash attention over a packed quantised KV cache (vllm-ascend ``npu_kv_quant_sparse_flash_attention``).
 
@@ -951,6 +952,9 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
       rope_head_dim: 0 or 64. return_softmax_lse: also return softmax_max / softmax_sum (not on 950).
       key_dtype: NoPE format, "int8" (A2/A3), "float8_e4m3fn", "hifloat8" (950; HiFloat8 needs
               sparse_size 2048 and rope 64). A float8_e4m3fn key array needs key_dtype="float8_e4m3fn".
+      chip: None | "A2" | "A3" | "950": the chip whose limits and rounding points (K, P, output) the call
+              models; None = the npu device's chip, else the rule of :func:`qsfa.resolve_chip` (950 when the
+              call breaks an A2/A3 limit, else A2). docs/numerics/chips.md.
       backend: "reference" | "npu" | "triton".
       precision: "faithful" (the kernel's rounding points) or "exact" (float64, no rounding; float64 out).
       probability_rounding: **OPEN** - "unnormalised" (default; round exp(s - max), divide by the fp32 sum
@@ -969,7 +973,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 attention_mode=attention_mode, quant_scale_repo_mode=quant_scale_repo_mode, tile_size=tile_size,
                 rope_head_dim=rope_head_dim, return_softmax_lse=return_softmax_lse, key_dtype=key_dtype,
                 precision=precision, probability_rounding=probability_rounding)
-    return run(QSFA, args, backend)
+    return run(QSFA, args, backend, chip=chip)
 
 
 # ==================================================================================================
@@ -1099,15 +1103,15 @@ def _sfa_reference(**args):
 
 
 define_operator(SFA, SFA_CONTRACT, outputs=("attention_out", "softmax_max", "softmax_sum"),
-                reference=_sfa_reference, doc="Sparse flash attention over a float16/bfloat16 KV (SFA).")
+                numerics=_chips.sfa_numerics, reference=_sfa_reference, doc="Sparse flash attention over a float16/bfloat16 KV (SFA).")
 
 
 def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
                            actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
                            key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                            pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
-                           return_softmax_lse=False, sinks=None, lse_includes_sink=False, backend="reference",
-                           precision="faithful", probability_rounding="unnormalised"):
+                           return_softmax_lse=False, sinks=None, lse_includes_sink=False, chip=None,
+                           backend="reference", precision="faithful", probability_rounding="unnormalised"):
     """Sparse flash attention over a float KV (torch_npu ``npu_sparse_flash_attention``).
 
     Computes per query row and head ``softmax(scale_value * [q, q_rope] . [k, k_rope]^T) @ v`` over the
@@ -1130,7 +1134,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
               ``out = out_without_sink / (1 + exp(sink - lse))``.
       lse_includes_sink: **OPEN** (default False, as FlashMLA / FlashInfer): whether the returned
               softmax_sum includes ``exp(sink - softmax_max)``.
-      backend, precision, probability_rounding: as :func:`kv_quant_sparse_flash_attention`.
+      chip, backend, precision, probability_rounding: as :func:`kv_quant_sparse_flash_attention` (the chip
+              selects the P and output roundings).
     Returns ``(attention_out like query, softmax_max, softmax_sum)`` (LSE shapes as QSFA; empty ``[0]``
     when not requested).
     """
@@ -1142,7 +1147,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                 attention_mode=attention_mode, return_softmax_lse=return_softmax_lse, sinks=sinks,
                 lse_includes_sink=lse_includes_sink, precision=precision,
                 probability_rounding=probability_rounding)
-    return run(SFA, args, backend)
+    return run(SFA, args, backend, chip=chip)
 
 
 # ==================================================================================================
@@ -1237,7 +1242,7 @@ define_operator(LI, LI_CONTRACT, outputs=("sparse_indices", "sparse_values"), re
 def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
                       block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
                       pre_tokens=INT64_MAX, next_tokens=INT64_MAX, return_value=False, tie_break="lower_index",
-                      backend="reference"):
+                      chip=None, backend="reference"):
     """The ``sparse_count`` best KV tokens per query row (torch_npu ``npu_lightning_indexer``, docs/numerics/indexer.md#lightning_indexer).
 
     ``score(i, j) = sum_h weights[i, h] * ReLU(query[i, h] . key[j])`` in fp32 over the tokens row i may
@@ -1261,7 +1266,7 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
                 actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table, layout_query=layout_query,
                 layout_key=layout_key, sparse_count=sparse_count, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
                 next_tokens=next_tokens, return_value=return_value, tie_break=tie_break)
-    return run(LI, args, backend)
+    return run(LI, args, backend, chip=chip)
 
 
 # ==================================================================================================
@@ -1394,7 +1399,7 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
                             key_quant_mode=0, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
                             block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
                             sparse_mode=3, pre_tokens=INT64_MAX, next_tokens=INT64_MAX, query_dtype=None,
-                            key_dtype=None, tie_break="lower_index", backend="reference"):
+                            key_dtype=None, tie_break="lower_index", chip=None, backend="reference"):
     """Lightning indexer on quantised inputs (torch_npu ``npu_quant_lightning_indexer``).
 
     ``score(i, j) = sum_h weights[i, h] * ReLU((query_dequant_scale[i, h] * key_dequant_scale[j]) *
@@ -1413,7 +1418,7 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
                 block_table=block_table, layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
                 sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens, query_dtype=query_dtype,
                 key_dtype=key_dtype, tie_break=tie_break)
-    return run(QLI, args, backend)
+    return run(QLI, args, backend, chip=chip)
 
 
 # ==================================================================================================
@@ -1515,7 +1520,8 @@ def _stack(parts, name):
     return np.stack(parts)
 
 
-def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query="BSND", backend="reference"):
+def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query="BSND", chip=None,
+                        backend="reference"):
     """Merge partial attention results computed over disjoint shards of each row's selected tokens.
 
     ``m = max m_p``, ``w_p = l_p exp(m_p - m)``, ``l = sum w_p``, ``out = sum w_p out_p / l`` in float64
@@ -1530,7 +1536,7 @@ def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query
     """
     args = dict(attention_out=_stack(attention_out, "attention_out"), softmax_max=_stack(softmax_max, "softmax_max"),
                 softmax_sum=_stack(softmax_sum, "softmax_sum"), layout_query=layout_query)
-    return run(MERGE, args, backend)
+    return run(MERGE, args, backend, chip=chip)
 
 
 # ==================================================================================================
@@ -1540,7 +1546,7 @@ def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query
 def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, query_rope=None, key_rope=None,
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
-              key_dtype=None, rope_head_dim=None, backend="reference", precision="faithful",
+              key_dtype=None, rope_head_dim=None, chip=None, backend="reference", precision="faithful",
               probability_rounding="unnormalised"):
     """Sparse attention, routed by the key's dtype exactly as vLLM-Ascend does.
 
@@ -1560,7 +1566,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
       key_dtype:   QSFA NoPE format; default: "float8_e4m3fn" for an FP8 array, else "int8".
       rope_head_dim: QSFA; default from the packed width (656 -> 64, 528 -> 0).
       block_table, actual_seq_lengths_query / _kv, sparse_block_size, layout_query, layout_kv, sparse_mode,
-      return_softmax_lse, backend, precision, probability_rounding: as the operators.
+      return_softmax_lse, chip, backend, precision, probability_rounding: as the operators.
     Returns ``(attention_out, softmax_max, softmax_sum)`` of the operator it routes to.
     """
     from ..reference.attention import is_quant_key
@@ -1571,7 +1577,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
     common = dict(block_table=block_table, actual_seq_lengths_query=actual_seq_lengths_query,
                   actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                   layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
-                  return_softmax_lse=return_softmax_lse, backend=backend, precision=precision,
+                  return_softmax_lse=return_softmax_lse, chip=chip, backend=backend, precision=precision,
                   probability_rounding=probability_rounding)
     if is_quant_key(key):
         if key_rope is not None:

@@ -23,6 +23,7 @@ import numpy as np
 from .._arrays import dtype_name
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, is_num, ndim_in, rule, set_param, set_params
 from .._contract import Contract, copy_args, one_of, params
+from .. import chips as _chips
 from .._dispatch import define_operator, run
 from ..reference import c8_cache as _c8
 from ..reference import kv_compress_epilog as _kce
@@ -162,7 +163,7 @@ define_operator(SC, SC_CONTRACT, outputs=("cache",), reference=_sc_reference,
                 doc="Write rows into a paged cache by slot; -1 skips.")
 
 
-def scatter_by_slot(cache, rows, slot_mapping, backend="reference"):
+def scatter_by_slot(cache, rows, slot_mapping, backend="reference", *, chip=None):
     """Write ``rows[t]`` to ``cache[s // block_size, s % block_size]`` for each slot ``s = slot_mapping[t]``.
 
     cache:        ``[block_num, block_size, *row_shape]`` any dtype, updated in place and returned.
@@ -171,7 +172,7 @@ def scatter_by_slot(cache, rows, slot_mapping, backend="reference"):
                   values must lie in ``[0, block_num * block_size)`` and must not repeat (rejected before
                   any write).
     """
-    return run(SC, dict(cache=cache, rows=rows, slot_mapping=slot_mapping), backend)
+    return run(SC, dict(cache=cache, rows=rows, slot_mapping=slot_mapping), backend, chip=chip)
 
 
 # ------------------------------------------------------------------------------------------ C8 writers
@@ -281,7 +282,7 @@ define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
 
 
 def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", scale_order="divide",
-                   backend="reference"):
+                   chip=None, backend="reference"):
     """Quantise, pack and scatter one packed QSFA row per token (the kernel-checkable C8 writer stage).
 
     For token t with slot s = slot_mapping[t] (-1: nothing written), row ``kv_cache[s // bs, s % bs, 0]``
@@ -305,7 +306,7 @@ def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", 
     """
     args = dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slot_mapping, kv_cache=kv_cache, key_dtype=key_dtype,
                 scale_order=scale_order)
-    return run(C8, args, backend)
+    return run(C8, args, backend, chip=chip)
 
 
 def _c8r_example(rng):
@@ -397,7 +398,7 @@ define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_referen
 
 
 def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilon=1e-6, rope_head_dim=64,
-                          key_dtype="int8", scale_order="divide", backend="reference"):
+                          key_dtype="int8", scale_order="divide", chip=None, backend="reference"):
     """The QSFA C8 cache writer from a latent KV: RMSNorm + interleave RoPE + :func:`c8_cache_write`.
 
     Mirrors vllm-ascend (vllm_ascend/attention/sfa_v1.py ``custom_kv_rmsnorm_rope`` then
@@ -424,7 +425,7 @@ def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilo
     """
     args = dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slot_mapping, kv_cache=kv_cache,
                 epsilon=epsilon, rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order)
-    return run(C8R, args, backend)
+    return run(C8R, args, backend, chip=chip)
 
 
 # --------------------------------------------------------------------------------- kv_compress_epilog
@@ -537,7 +538,7 @@ define_operator(KCE, KCE_CONTRACT, outputs=("cache",), reference=_kce_reference,
 
 
 def kv_compress_epilog(cache, x, slot_mapping, *, quant_group_size=64, quant_mode=1, round_scale=True, x_scale=1.0,
-                       pad_to=32, fp4_nibble_order="low_first", backend="reference"):
+                       pad_to=32, fp4_nibble_order="low_first", chip=None, backend="reference"):
     """Quantise bf16 rows ``x [..., d]`` and scatter them into ``cache`` by slot (aclnn KvCompressEpilog).
 
     With n = d - 64 NoPE columns first and the last 64 columns the RoPE, each written row is
@@ -570,7 +571,7 @@ def kv_compress_epilog(cache, x, slot_mapping, *, quant_group_size=64, quant_mod
     """
     args = dict(cache=cache, x=x, slot_mapping=slot_mapping, quant_group_size=quant_group_size, quant_mode=quant_mode,
                 round_scale=round_scale, x_scale=x_scale, pad_to=pad_to, fp4_nibble_order=fp4_nibble_order)
-    return run(KCE, args, backend)
+    return run(KCE, args, backend, chip=chip)
 
 
 # ----------------------------------------------------------------------------- kv_rmsnorm_rope_cache
@@ -1196,11 +1197,13 @@ KRR_CONTRACT = Contract(
 
 
 def _krr_reference(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale, c_kv_scale, k_rope_offset,
-                   c_kv_offset, v, epsilon, cache_mode, is_output_kv, k_cache_dtype, ckv_cache_dtype):
+                   c_kv_offset, v, epsilon, cache_mode, is_output_kv, k_cache_dtype, ckv_cache_dtype,
+                   hifloat8_overflow="saturate"):
     return _krr.kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale=k_rope_scale,
                                       c_kv_scale=c_kv_scale, k_rope_offset=k_rope_offset, c_kv_offset=c_kv_offset,
                                       v=v, epsilon=epsilon, cache_mode=cache_mode, is_output_kv=is_output_kv,
-                                      k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype)
+                                      k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype,
+                                      hifloat8_overflow=hifloat8_overflow)
 
 
 def _krr_normalise(a):
@@ -1213,12 +1216,14 @@ def _krr_normalise(a):
 KRR_CONTRACT.normalise = _krr_normalise
 
 define_operator(KRR, KRR_CONTRACT, outputs=("k_cache", "ckv_cache", "k_rope", "c_kv"), reference=_krr_reference,
+                numerics=_chips.krr_numerics,
                 doc="KvRmsNormRopeCache V1/V2: RMSNorm + interleave RoPE + static quant + scatter into two caches.")
 
 
 def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None, c_kv_scale=None,
                           k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
-                          is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None, backend="reference"):
+                          is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None, chip=None,
+                          backend="reference"):
     """RMSNorm + interleave RoPE + optional static quantisation, scattered into two caches in place
     (torch_npu ``npu_kv_rmsnorm_rope_cache`` and ``npu_kv_rmsnorm_rope_cache_v2``; docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache).
 
@@ -1230,7 +1235,8 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
 
     Rounding points (from the cannmirror/ops-transformer kernels): a 16-bit cache gets the fp32 result rounded once (RINT) to the
     cache dtype; an 8-bit cache is quantised from the fp32 result - ``y = x * scale (+ offset)`` in fp32, then
-    INT8 ``clamp(RINT(y), -128, 127)``, FP8 RINT + saturation, HiFloat8 ties-away + saturation; V2 RoPEs the
+    INT8 ``clamp(RINT(y), -128, 127)``, FP8 RINT + saturation, HiFloat8 ties-away and, on the 950 (the only chip
+    with HiFloat8 caches), no saturation (beyond the range: +-Inf; docs/numerics/chips.md); V2 RoPEs the
     fp32 RMSNorm output (no rounding in between). ``k_rope`` / ``c_kv`` are the fp32 results rounded to kv's
     dtype (V2 ``c_kv`` = v).
 
@@ -1260,4 +1266,4 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
                 k_rope_scale=k_rope_scale, c_kv_scale=c_kv_scale, k_rope_offset=k_rope_offset,
                 c_kv_offset=c_kv_offset, v=v, epsilon=epsilon, cache_mode=cache_mode, is_output_kv=is_output_kv,
                 k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype)
-    return run(KRR, args, backend)
+    return run(KRR, args, backend, chip=chip)
