@@ -291,6 +291,7 @@ def fake_backends():
     def impl(name):
         def f(**kw):
             seen[name] = kw
+            seen.setdefault(name + "_all", []).append(kw)
             return ref.kv_quant_sparse_flash_attention(**kw)
         return f
 
@@ -380,3 +381,21 @@ def test_torch_rtruediv_is_reciprocal_times():
     got = (127.0 / torch.from_numpy(a)).numpy()
     assert got.tobytes() == ((np.float32(1) / a) * np.float32(127)).astype(np.float32).tobytes()
     assert (got != np.float32(127) / a).mean() > 0.1
+
+
+def test_conformance_runs_model_the_requested_chip(fake_backends):
+    """qsfa conformance --chip: every call (backend and reference) models that chip; a device backend of another
+    chip is an error; without --chip a device backend's own chip is used."""
+    pytest.importorskip("hypothesis")
+    from qsfa.conformance.properties import get
+    from qsfa.conformance.runner import run_property
+
+    prop = get("kv_quant_sparse_flash_attention.vs_reference")
+    r = run_property(prop, "fake_chip_device", chip="A2", max_examples=2, seed=1)
+    assert r.status == "error" and "runs on chip '950'" in r.message
+    r = run_property(prop, "fake_chip_software", chip="950", max_examples=3, seed=1)
+    assert r.status == "passed" and r.chip == "950", r.message
+    calls = fake_backends["software_all"]
+    assert calls and all(c["k_rounding"] == "rint" and c["out_rounding"] == "round" for c in calls)
+    r = run_property(prop, "fake_chip_device", max_examples=2, seed=1)
+    assert r.chip == "950" and r.status == "passed", r.message
