@@ -159,10 +159,10 @@ def test_case_from_args_replays_the_call(tmp_path):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(format="qsfa-case/2"), "format must be 'qsfa-case/1'"),
+    (lambda d: d.update(format="qsfa-case/2"), "for format, actual: 'qsfa-case/2', reason: must be 'qsfa-case/1'"),
     (lambda d: d.update(extra=1), "unknown field(s) ['extra']"),
     (lambda d: d.pop("op"), "missing ['op']"),
-    (lambda d: d.update(seed=-1), "seed must be a non-negative integer"),
+    (lambda d: d.update(seed=-1), "for seed, actual: -1, reason: must be a non-negative integer"),
     (lambda d: d.update(name="a b"), "case name 'a b' must match"),
     (lambda d: d["inputs"]["x"].update(shape=[4, 8]), "Invalid shape for .npy header, actual: [3, 8], reason: expected [4, 8]."),
     (lambda d: d["inputs"]["x"].update(sha256="0" * 64), "does not match its sha256"),

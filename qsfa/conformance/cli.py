@@ -188,7 +188,7 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
         else:
             D.require("--workers/--scheduler")
             where = {"workers": D.check_workers(args.workers)} if args.workers is not None else {"scheduler": args.scheduler}
-            with D.connect(**where, env=env) as client:
+            with D.connect(**where, env=env, same_code=("hypothesis", "numpy")) as client:
                 report, summary = run_sharded(selected, args.backend or "reference", progress=not args.quiet,
                                               client=client, env=env, **kw)
     except (D.ClusterUsageError, D.DistributedUnavailable) as e:

@@ -200,7 +200,7 @@ def resolve_inside(root, rel, file, field: str, *, allow_outside: bool = False, 
     if not is_inside(root_real, path):
         raise field_error(file, field, rel, f"resolves outside {root_real} (through '..' or a symbolic link); "
                           "pass --allow-outside-inputs to permit this", kind)
-    return _real(path)
+    return path  # the name as given (its extension says how to read it), known to resolve inside
 
 
 def lexists_plain_file(path) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .._arrays import dtype_name
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, is_num, ndim_in, rule, set_param, set_params
-from .._contract import Contract, copy_args, one_of
+from .._contract import Contract, copy_args, one_of, params
 from .. import chips as _chips
 from .._dispatch import define_operator, run
 from ..reference import c8_cache as _c8
@@ -151,6 +151,7 @@ SC_CONTRACT = Contract(
     ],
     example=_sc_example,
     inplace=("cache",),
+    params=params("cache:array rows:array slot_mapping:array"),
 )
 
 
@@ -268,6 +269,7 @@ C8_CONTRACT = Contract(
     ],
     example=_c8_example,
     inplace=("kv_cache",),
+    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"),
 )
 
 
@@ -381,6 +383,8 @@ C8R_CONTRACT = Contract(
     ],
     example=_c8r_example,
     inplace=("kv_cache",),
+    params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
+                  " rope_head_dim:int key_dtype:str scale_order:str"),
 )
 
 
@@ -517,6 +521,8 @@ KCE_CONTRACT = Contract(
     ],
     example=_kce_example,
     inplace=("cache",),
+    params=params("cache:array x:array slot_mapping:array quant_group_size:int quant_mode:int round_scale:bool"
+                  " x_scale:float pad_to:int fp4_nibble_order:str"),
 )
 
 
@@ -801,12 +807,12 @@ def _krr_rope_width(a):
     return None if ok else r
 
 
-def _krr_fmt_names(a):
-    for p in ("k_cache_dtype", "ckv_cache_dtype"):
+def _krr_fmt_name(p):
+    def check(a):
         v = a.get(p)
-        if v is not None and v not in KRR_FORMATS:
-            return f"{p}={v!r}"
-    return None
+        return None if v is None or v in KRR_FORMATS else v
+
+    return check
 
 
 def _krr_fmt_arrays(which):
@@ -1089,7 +1095,9 @@ KRR_CONTRACT = Contract(
               source=KRR_SRC),
         dtype_in(KRR, "index", ("int64",), source=KRR_SRC),
         _rule(KRR, "cache_dtype_names", "k_cache_dtype", "value", f"must be None or {one_of(KRR_FORMATS)}",
-              _krr_fmt_names, set_param("k_cache_dtype", "int4"), source=KRR_SRC),
+              _krr_fmt_name("k_cache_dtype"), set_param("k_cache_dtype", "int4"), source=KRR_SRC),
+        _rule(KRR, "ckv_cache_dtype_names", "ckv_cache_dtype", "value", f"must be None or {one_of(KRR_FORMATS)}",
+              _krr_fmt_name("ckv_cache_dtype"), set_param("ckv_cache_dtype", "int4"), source=KRR_SRC),
         _rule(KRR, "k_cache_format", "k_cache", "dtype",
               "k_cache's dtype must carry k_cache_dtype (a uint8 buffer needs the name, e.g. 'hifloat8')",
               _krr_fmt_arrays("k"), set_param("k_cache_dtype", "hifloat8"), dtype=True, source=KRR_SRC),
@@ -1182,6 +1190,9 @@ KRR_CONTRACT = Contract(
     ],
     example=lambda rng: kv_rmsnorm_rope_cache_example(rng),
     inplace=("k_cache", "ckv_cache"),
+    params=params("kv:array gamma:array cos:array sin:array index:array k_cache:array ckv_cache:array"
+                  " k_rope_scale:array? c_kv_scale:array? k_rope_offset:array? c_kv_offset:array? v:array?"
+                  " epsilon:float cache_mode:str is_output_kv:bool k_cache_dtype:str? ckv_cache_dtype:str?"),
 )
 
 
