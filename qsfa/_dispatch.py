@@ -28,6 +28,8 @@ from ._contract import Args, Constraint, Contract
 from ._errors import (
     BackendUnavailable,
     InvalidArgument,
+    InvalidDtype,
+    Raw,
     NotImplementedByBackend,
     UnknownBackend,
     UnsupportedByBackend,
@@ -261,7 +263,7 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
     kind = caller_kind([args[n] for n in names], names)
 
     # Host NumPy views for validation (zero-copy for CPU tensors).
-    host = Args({n: (to_numpy(v) if is_torch(v) else v) for n, v in args.items()})
+    host = Args({n: (_host_view(n, v) if is_torch(v) else v) for n, v in args.items()})
     be_chip = be.chip()
     if chip is not None and be_chip is not None and chip != be_chip:
         raise InvalidArgument("value", "chip", repr(chip),
@@ -297,7 +299,10 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
 
     if op.numerics is not None and be.models_numerics:
         call_args.update(op.numerics(chip or chip_for_args(op.contract, host), normalised))
-    result = impl(**call_args)
+    try:
+        result = impl(**call_args)
+    except MemoryError as e:
+        raise _out_of_memory(host) from e
 
     for n, (orig, computed) in copy_back.items():
         _copy_into(orig, computed)
@@ -315,6 +320,28 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
         else:
             out.append(kind.wrap(r))
     return out[0] if single else tuple(out)
+
+
+def _host_view(name: str, t):
+    """``to_numpy`` of a tensor argument; a layout or dtype NumPy cannot hold is an error naming it."""
+    if str(t.layout) != "torch.strided":
+        raise InvalidArgument("layout", name, str(t.layout).replace("torch.", ""),
+                              "only dense (strided) tensors are supported; call .to_dense() first")
+    try:
+        return to_numpy(t)
+    except (TypeError, RuntimeError) as e:
+        raise InvalidDtype("dtype", name, str(t.dtype).replace("torch.", ""),
+                           f"has no NumPy equivalent ({type(e).__name__}: {e})") from e
+
+
+def _out_of_memory(host: Mapping) -> InvalidArgument:
+    """A MemoryError of a backend, reported against the largest array argument."""
+    arrays = [(v.size * v.dtype.itemsize, n, v) for n, v in host.items() if isinstance(v, np.ndarray)]
+    if not arrays:
+        return InvalidArgument("value", "arguments", Raw("out of memory"), "the call ran out of memory")
+    _, name, v = max(arrays, key=lambda t: t[0])
+    return InvalidArgument("shape", name, Raw(f"shape {tuple(v.shape)} of {v.dtype}"),
+                           "the computation ran out of memory for an input of this size; split the call")
 
 
 def _same_device(a, b) -> bool:

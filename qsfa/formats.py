@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import dtype_in, is_array, set_param, value_in
-from ._contract import Constraint, Contract, copy_args
+from ._contract import Constraint, Contract, copy_args, params
 from ._dispatch import define_operator, run
 from ._errors import Raw
 from .reference import formats as _ref
@@ -194,6 +194,7 @@ ENCODE_CONTRACT = Contract(
         ),
     ],
     example=_encode_example,
+    params=params("x:array fmt:str saturate:bool rounding:str?"),
 )
 
 
@@ -283,6 +284,7 @@ DECODE_CONTRACT = Contract(
         ),
     ],
     example=lambda rng: dict(codes=rng.integers(0, 256, 16).astype(np.uint8), fmt="float8_e4m3fn"),
+    params=params("codes:array fmt:str"),
 )
 
 define_operator("formats.decode", DECODE_CONTRACT, outputs=("values",),
@@ -358,6 +360,7 @@ PACK_CONTRACT = Contract(
         _nibble_order("formats.pack_fp4"),
     ],
     example=lambda rng: dict(codes=rng.integers(0, 16, (3, 8)).astype(np.uint8), nibble_order="low_first"),
+    params=params("codes:array nibble_order:str"),
 )
 
 define_operator("formats.pack_fp4", PACK_CONTRACT, outputs=("packed",),
@@ -383,6 +386,7 @@ UNPACK_CONTRACT = Contract(
         _nibble_order("formats.unpack_fp4"),
     ],
     example=lambda rng: dict(packed=rng.integers(0, 256, (3, 4)).astype(np.uint8), nibble_order="low_first"),
+    params=params("packed:array nibble_order:str"),
 )
 
 define_operator("formats.unpack_fp4", UNPACK_CONTRACT, outputs=("codes",),

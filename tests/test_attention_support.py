@@ -203,13 +203,20 @@ def golden_faithful(case: Case, *, sbs=1, sparse_mode=3, scale=SCALE, normalised
                     chip=None):
     """Per-row loop golden in the vLLM-Ascend style with the kernel's rounding points (float32).
 
-    accumulate: "float32" - ``q @ K^T``, ``P @ V``, ``exp`` and the softmax sum in fp32 NumPy / BLAS (some fp32
-    order, like a kernel); "float64" - the same products and sums in float64 (exact products) rounded once to fp32,
-    exp in float64 rounded once: the correctly rounded values the oracle models, except where a float64 result
-    lies within its own rounding error of an fp32 rounding boundary.
+    accumulate: "float32" - ``q @ K^T``, ``P @ V`` and the softmax sum accumulated in fp32 one term at a time in
+    index order (``np.cumsum``: a fixed order, like a kernel's, and the same bits on every CPU - no BLAS, no SIMD
+    reduction; each product of two 16-bit floats is exact in fp32), exp in float64 rounded once to fp32;
+    "float64" - the same products and sums in float64 (exact products) rounded once to fp32, exp in float64
+    rounded once: the correctly rounded values the oracle models, except where a float64 result lies within its
+    own rounding error of an fp32 rounding boundary.
     chip: whose rounding modes (:data:`CHIP_MODES`); None = the chip qsfa resolves for the case (int8 KV: A2, an
     FP8 / HiFloat8 KV is Ascend 950 only)."""
     wide = accumulate == "float64"
+    assert accumulate in ("float32", "float64"), accumulate
+
+    def seq_dot(x, y):  # [M, K] @ [K, N] in fp32, summed sequentially over K
+        return np.cumsum(x[:, :, None] * y[None, :, :], axis=1, dtype=np.float32)[:, -1, :]
+
     qd = case.qdtype
     modes = CHIP_MODES["A2" if chip in ("A2", "A3") or (chip is None and case.key_fmt == "int8") else "950"]
     km, pm, om = modes["k"][qd], modes["p"][qd], modes["out"][qd]
@@ -229,16 +236,16 @@ def golden_faithful(case: Case, *, sbs=1, sparse_mode=3, scale=SCALE, normalised
             if wide:
                 s = (q.astype(np.float64) @ k[b, toks].T.astype(np.float64)).astype(np.float32) * np.float32(scale)
             else:
-                s = (q @ k[b, toks].T) * np.float32(scale)
+                s = seq_dot(q, k[b, toks].T.astype(np.float32)) * np.float32(scale)
             m = s.max(axis=-1, keepdims=True)
-            e = np.exp((s - m).astype(np.float64)).astype(np.float32) if wide else np.exp(s - m)
-            l = e.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32) if wide else e.sum(axis=-1,
-                                                                                                          keepdims=True)
+            e = np.exp((s - m).astype(np.float64)).astype(np.float32)
+            l = (e.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32) if wide
+                 else np.cumsum(e, axis=-1, dtype=np.float32)[:, -1:])
             p = round_q(e / l, qd, pm) if normalised else round_q(e, qd, pm)
             if wide:
                 o = (p.astype(np.float64) @ kn[b, toks].astype(np.float64)).astype(np.float32)
             else:
-                o = p @ kn[b, toks]
+                o = seq_dot(p.astype(np.float32), kn[b, toks].astype(np.float32))
             if not normalised:
                 o = o / l
             out[b, i] = round_q(o, qd, om)

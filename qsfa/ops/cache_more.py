@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, rule, set_param
-from .._contract import Contract, copy_args
+from .._contract import Contract, copy_args, params
 from .._dispatch import define_operator, run
 from .._errors import Raw
 from ..reference import kv_compress_epilog_vllm as _kv
@@ -135,6 +135,8 @@ KCEV_CONTRACT = Contract(
     ],
     example=_kcev_example,
     inplace=("kv_compress_cache",),
+    params=params("kv_compress_cache:array x:array slot_mapping:array quant_group_size:int quant_mode:int"
+                  " round_scale_flag:bool layout:int"),
 )
 
 

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_int, ndim_in, rule, set_param
-from .._contract import Contract
+from .._contract import Contract, params
 from .._dispatch import define_operator, run
 from .._errors import Raw
 from ..reference import flashmla_model1 as _m1
@@ -56,6 +56,7 @@ QUANTIZE_CONTRACT = Contract(
         all_finite(QUANTIZE, "k", source=SOURCE),
     ],
     example=_q_example,
+    params=params("k:array"),
 )
 
 define_operator(QUANTIZE, QUANTIZE_CONTRACT, outputs=("cache",), reference=lambda k: _m1.quantize(k),
@@ -107,6 +108,7 @@ DEQUANTIZE_CONTRACT = Contract(
              _cache_width, set_param("block_size", 4), source=SOURCE),
     ],
     example=_dq_example,
+    params=params("cache:array block_size:int"),
 )
 
 define_operator(DEQUANTIZE, DEQUANTIZE_CONTRACT, outputs=("k",),

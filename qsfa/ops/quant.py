@@ -14,7 +14,7 @@ import numpy as np
 
 from .._arrays import dtype_name
 from .._checks import dtype_in, is_array, is_int, is_num, ndim_in, rule, set_param, set_params
-from .._contract import Contract, copy_args, one_of
+from .._contract import Contract, copy_args, one_of, params
 from .. import chips as _chips
 from .._dispatch import define_operator, run
 from ..reference import quant as _ref
@@ -191,6 +191,8 @@ CONTRACT = Contract(
     ],
     example=_example,
     normalise=_normalise,
+    params=params("x:array min_scale:float round_mode:str dst_type:any row_block_size:int col_block_size:int"
+                  " dst_type_max:float scale_order:str?"),
 )
 
 

@@ -118,7 +118,9 @@ def dynamic_block_quant(x: np.ndarray, *, min_scale: float = 0.0, round_mode: st
     if two_d:
         xf = xf[None]
     b, m, n = xf.shape
-    rb, cb = int(row_block_size), int(col_block_size)
+    # a block at least as large as the matrix is the whole matrix: clamping gives the same blocks and keeps
+    # a huge declared block size (2**40) from padding to its size
+    rb, cb = min(int(row_block_size), max(m, 1)), min(int(col_block_size), max(n, 1))
     type_max = np.float32(dst_type_max if dst_type_max else TYPE_MAX[dst_type])
     finite_max = np.float32(FINITE_MAX[dst_type])
     q = scale = None
