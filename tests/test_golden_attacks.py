@@ -347,3 +347,16 @@ def test_python_m_qsfa_cli_reports_usage_errors_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "qsfa.cli", "golden", "verify", str(tmp_path / "nope")],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "golden directory not found" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text,depth", [
+    (b"", 0), (b"[]", 1), (b'{"a": [1, {"b": "[[["}]}', 3), (b"[" * 10 + b"]" * 10, 10),
+    (b"[][][[]]", 2), (b'"\\"[[[" [', 1), (b'{"k\\\\": "{"}', 1),
+])
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 22])
+def test_nesting_depth_scan(text, depth, chunk):
+    """The pre-parse depth scan ignores brackets inside strings (escaped quotes included) and carries the
+    depth across its chunks."""
+    from qsfa.golden.guard import _nesting_depth
+
+    assert _nesting_depth(text, chunk=chunk) == depth
