@@ -61,6 +61,25 @@ def _variant(args, *, qdt=None, fmt=None, wide=False, rope0=False, seed=0):
     return a
 
 
+def _padded(args, huge=False):
+    """Rows with unselected entries: -1 padding, indices past the KV length, and (huge) rows whose selected scores
+    overflow to -inf, so the masked tokens' -2e38 is the row max."""
+    a = dict(args)
+    idx = a["sparse_indices"].copy()
+    w = idx.shape[-1]
+    idx[0, ..., w // 3:] = -1
+    idx[1, ..., : w // 2] = int(a["actual_seq_lengths_kv"][1]) + np.arange(w // 2)  # past the KV: unselected
+    a["sparse_indices"] = idx
+    if huge:  # non-negative codes and positive scales: q . k overflows to -inf for every selected token
+        q = a["query"].astype(np.float32)
+        q[0, 0, :4, :512] = -3e38
+        a["query"] = q.astype(a["query"].dtype)
+        cache = a["key"].view(np.int8).copy()
+        cache[..., :512] = np.abs(cache[..., :512])
+        a["key"] = a["value"] = cache
+    return a
+
+
 def _sfa_case(seed=3, batch=2, heads=16, kv=2048, sparse=512):
     rng = np.random.default_rng(seed)
     k = (rng.standard_normal((batch, kv, 1, 512)) * 0.5).astype(BF16)
@@ -91,6 +110,10 @@ def cases():
         "qsfa-rope0": lambda: qs(**_variant(small, rope0=True, seed=7), **lse),
         "qsfa-prefill-wide": lambda: qs(**_variant(pre, wide=True, seed=8), **lse),
         "sfa-sinks": lambda: qsfa.sparse_flash_attention(**_sfa_case()),
+        "qsfa-padded": lambda: qs(**_padded(small), **lse),
+        "qsfa-prefill-causal": lambda: qs(**prefill_case(np.random.default_rng(9), q_tokens=96, sparse=256, heads=16,
+                                                         cached=192), **lse),
+        "qsfa-masked-max": lambda: qs(**_padded(small, huge=True), **lse),
     }
     out.update(writer_cases())
     return out
