@@ -32,6 +32,8 @@ _LAZY = {
     "register_impl": "qsfa._dispatch",
     "Backend": "qsfa._dispatch",
     "operators": "qsfa._dispatch",
+    # chips
+    "resolve_chip": "qsfa.chips",
     # threads of the reference oracle
     "set_num_threads": "qsfa.reference.parallel",
     "get_num_threads": "qsfa.reference.parallel",
@@ -63,6 +65,7 @@ _SUBMODULES = {
     "conformance",
     "golden",
     "compare",
+    "chips",
     "npu",
     "ops",
 }

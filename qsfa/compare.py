@@ -2,10 +2,12 @@
 
 * Byte outputs (format codes, packed rows, caches) are compared byte for byte. The report names the
   first differing positions and, when the format is known, their decoded values. Never a tolerance.
-* Float outputs (attention, LSE) use the FlashMLA-style criterion: non-finite masks must match; an element
-  passes if ``abs_err < atol`` **or** ``rel_err = |a - r| / (|r| + 1e-6) < rtol``; and the whole tensor
-  needs ``cos_diff = 1 - 2*sum(a*r) / sum(a^2 + r^2)`` (float64) ``<= cos_tol``. Per-dtype atol/rtol are the
-  vLLM-Ascend ones (bf16 6e-2 / 7.8125e-3, fp16 2.5e-5 / 5e-3).
+* Float outputs (attention, LSE) use the project's criterion (docs/numerics/comparison.md#float-criterion):
+  non-finite masks must match; an element passes when ``|a - r| <= atol + rtol * |r|`` (the
+  ``torch.testing.assert_close`` form, as vLLM-Ascend applies its tolerances - not FlashMLA's looser
+  "abs_err < atol or rel_err < rtol"); and the whole tensor needs FlashMLA's
+  ``cos_diff = 1 - 2*sum(a*r) / sum(a^2 + r^2)`` (float64) ``<= cos_tol``. Per-dtype atol/rtol are the
+  vLLM-Ascend ones (bf16 6e-2 / 7.8125e-3, fp16 2.5e-5 / 5e-3). ``rel_err = |a - r| / (|r| + 1e-6)`` is reported.
 * Ascend (msprobe) statistics are reported beside the verdict: the share of elements whose relative error
   exceeds 0.1% ("dual thousandths") and 1% ("dual hundredths"), and the ULP distance histogram.
 
@@ -193,7 +195,7 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     both = fin_a & fin_g
     abs_err = np.where(both, np.abs(a - g), 0.0)
     rel_err = np.where(both, abs_err / (np.abs(g) + 1e-6), 0.0)
-    elem_fail = mask_bad | (both & ~((abs_err < tol.atol) | (rel_err < tol.rtol)))
+    elem_fail = mask_bad | (both & ~(abs_err <= tol.atol + tol.rtol * np.abs(np.where(both, g, 0.0))))
     res.n_fail = int(elem_fail.sum())
     res.max_abs = float(abs_err.max()) if abs_err.size else 0.0
     res.max_rel = float(rel_err.max()) if rel_err.size else 0.0

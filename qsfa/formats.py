@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import dtype_in, is_array, set_param, value_in
-from ._contract import Constraint, Contract, copy_args
+from ._contract import Constraint, Contract, copy_args, params
 from ._dispatch import define_operator, run
 from ._errors import Raw
 from .reference import formats as _ref
@@ -194,6 +194,7 @@ ENCODE_CONTRACT = Contract(
         ),
     ],
     example=_encode_example,
+    params=params("x:array fmt:str saturate:bool rounding:str?"),
 )
 
 
@@ -205,7 +206,8 @@ define_operator("formats.encode", ENCODE_CONTRACT, outputs=("codes",), reference
                 doc="raw codes of x in a number format")
 
 
-def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, backend: str = "reference"):
+def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, chip: str | None = None,
+           backend: str = "reference"):
     """Raw codes of ``x`` rounded to number format ``fmt``.
 
     x:        float32 / float64 / float16 / bfloat16 array or tensor, any shape.
@@ -221,7 +223,7 @@ def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, 
     Returns codes of x's shape: uint8 (8-bit formats; int8 as two's complement bytes; float4_e2m1 one
     code 0..15 per byte) or uint16 bit patterns (bfloat16, float16), in the caller's array kind.
     """
-    return run("formats.encode", dict(x=x, fmt=fmt, saturate=saturate, rounding=rounding), backend)
+    return run("formats.encode", dict(x=x, fmt=fmt, saturate=saturate, rounding=rounding), backend, chip=chip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -282,13 +284,14 @@ DECODE_CONTRACT = Contract(
         ),
     ],
     example=lambda rng: dict(codes=rng.integers(0, 256, 16).astype(np.uint8), fmt="float8_e4m3fn"),
+    params=params("codes:array fmt:str"),
 )
 
 define_operator("formats.decode", DECODE_CONTRACT, outputs=("values",),
                 reference=lambda codes, fmt: _ref.decode(codes, fmt), doc="float32 values of raw codes")
 
 
-def decode(codes, fmt: str, *, backend: str = "reference"):
+def decode(codes, fmt: str, *, chip: str | None = None, backend: str = "reference"):
     """float32 values of raw ``codes`` of format ``fmt`` (NaN codes -> nan, Inf codes -> +-inf).
 
     codes:   uint8 (8-bit formats, int8 also int8, float4_e2m1 one code 0..15 per byte) or uint16
@@ -297,12 +300,14 @@ def decode(codes, fmt: str, *, backend: str = "reference"):
     backend: "reference".
     Returns float32 of codes' shape.
     """
-    return run("formats.decode", dict(codes=codes, fmt=fmt), backend)
+    return run("formats.decode", dict(codes=codes, fmt=fmt), backend, chip=chip)
 
 
-def round_to(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, backend: str = "reference"):
+def round_to(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, chip: str | None = None,
+             backend: str = "reference"):
     """``x`` rounded to ``fmt`` and back as float32: ``decode(encode(x, fmt, ...), fmt)``."""
-    return decode(encode(x, fmt, saturate=saturate, rounding=rounding, backend=backend), fmt, backend=backend)
+    return decode(encode(x, fmt, saturate=saturate, rounding=rounding, chip=chip, backend=backend), fmt, chip=chip,
+                  backend=backend)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,6 +360,7 @@ PACK_CONTRACT = Contract(
         _nibble_order("formats.pack_fp4"),
     ],
     example=lambda rng: dict(codes=rng.integers(0, 16, (3, 8)).astype(np.uint8), nibble_order="low_first"),
+    params=params("codes:array nibble_order:str"),
 )
 
 define_operator("formats.pack_fp4", PACK_CONTRACT, outputs=("packed",),
@@ -362,13 +368,13 @@ define_operator("formats.pack_fp4", PACK_CONTRACT, outputs=("packed",),
                 doc="two float4_e2m1 codes per byte")
 
 
-def pack_fp4(codes, *, nibble_order: str = "low_first", backend: str = "reference"):
+def pack_fp4(codes, *, nibble_order: str = "low_first", chip: str | None = None, backend: str = "reference"):
     """Pack float4_e2m1 codes two per byte along the last axis: uint8 ``[..., 2k]`` -> uint8 ``[..., k]``.
 
     nibble_order (**OPEN**, docs/numerics/open-facts.md#nibble_order): "low_first" (default) = element 2i in the low nibble
     (``byte = lo | hi << 4``); "high_first" = element 2i in the high nibble.
     """
-    return run("formats.pack_fp4", dict(codes=codes, nibble_order=nibble_order), backend)
+    return run("formats.pack_fp4", dict(codes=codes, nibble_order=nibble_order), backend, chip=chip)
 
 
 UNPACK_CONTRACT = Contract(
@@ -380,6 +386,7 @@ UNPACK_CONTRACT = Contract(
         _nibble_order("formats.unpack_fp4"),
     ],
     example=lambda rng: dict(packed=rng.integers(0, 256, (3, 4)).astype(np.uint8), nibble_order="low_first"),
+    params=params("packed:array nibble_order:str"),
 )
 
 define_operator("formats.unpack_fp4", UNPACK_CONTRACT, outputs=("codes",),
@@ -387,6 +394,6 @@ define_operator("formats.unpack_fp4", UNPACK_CONTRACT, outputs=("codes",),
                 doc="float4_e2m1 codes from packed bytes")
 
 
-def unpack_fp4(packed, *, nibble_order: str = "low_first", backend: str = "reference"):
+def unpack_fp4(packed, *, nibble_order: str = "low_first", chip: str | None = None, backend: str = "reference"):
     """Inverse of :func:`pack_fp4`: uint8 ``[..., k]`` -> uint8 codes ``[..., 2k]`` (0..15 each)."""
-    return run("formats.unpack_fp4", dict(packed=packed, nibble_order=nibble_order), backend)
+    return run("formats.unpack_fp4", dict(packed=packed, nibble_order=nibble_order), backend, chip=chip)

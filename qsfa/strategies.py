@@ -1012,7 +1012,7 @@ def invalid_args(op: str, bounds: Bounds | None = None, *, chip: str | None = No
     from ._dispatch import operator
 
     contract = operator(op).contract
-    cands = [c for c in contract.constraints if c.violate is not None and c.applies_to(chip)
+    cands = [c for c in contract.constraints if c.violate is not None and c.drawn and c.applies_to(chip)
              and (constraints is None or c.id in set(constraints))]
     if not cands:
         raise ValueError(f"no constraint of {op!r} applies (chip={chip!r}, constraints={constraints!r})")

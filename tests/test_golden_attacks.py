@@ -202,3 +202,161 @@ def test_bomb_builder_is_a_real_bomb(tmp_path):
             assert not any(chunk)
             n += len(chunk)
     assert n == 64 << 20 and GIB == 1 << 30
+
+
+# --------------------------------------------------------------------------------------------------
+# every manifest field with a value of the wrong JSON type
+
+
+def _fields(obj, path=()):
+    """Every (path, value) of the manifest's checked fields (not the free-form params / call members)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield path + (k,), v
+            if k not in ("params", "call"):
+                yield from _fields(v, path + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield path + (i,), v
+            yield from _fields(v, path + (i,))
+
+
+def _field_name(path) -> str:
+    """The field as the error names it: cases[0].arrays[2].shape[1], cases[0].files['c/in.x.bin'].bytes."""
+    out = ""
+    for i, k in enumerate(path):
+        if isinstance(k, int):
+            out += f"[{k}]"
+        elif i and path[i - 1] == "files":
+            out += f"[{k!r}]"
+        else:
+            out += ("." if out else "") + k
+    return out
+
+
+_WRONG = (5, "5", True, [1], {"a": 1})
+
+
+def _wrong_values(v):
+    """Values of another JSON type than ``v`` (a null field takes a string: no string for it)."""
+    same = (lambda w: type(w) is type(v)) if v is not None else (lambda w: isinstance(w, str))
+    return [w for w in _WRONG if not same(w)]
+
+
+def _put(man, path, value):
+    obj = man
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+
+
+def test_every_manifest_field_of_a_wrong_type_is_named(template, tmp_path, capsys):
+    """verify: each field of the template's manifest, set to each value of another JSON type, is exit 2
+    with one line naming manifest.json and that field; generate (one wrong value per field) also deletes
+    and writes nothing."""
+    g = tmp_path / "g"
+    shutil.copytree(template, g)
+    good = json.loads((g / "manifest.json").read_text())
+    fields = list(_fields(good))
+    assert len(fields) > 60
+    assert {p[-1] for p, _ in fields} >= {"format", "file_format", "byte_order", "set", "shard", "index", "count",
+                                         "skipped", "qsfa_version", "cases", "name", "op", "files", "arrays",
+                                         "params", "seed", "generator", "description", "call", "sha256", "bytes",
+                                         "role", "shape", "dtype", "storage", "file", "nbytes", "format",
+                                         "layout", "compare", "masked"}
+    misses, tried = [], 0
+    for path, value in fields:
+        for k, wrong in enumerate(_wrong_values(value)):
+            man = json.loads(json.dumps(good))
+            _put(man, path, wrong)
+            (g / "manifest.json").write_text(json.dumps(man))
+            before = snapshot(g)
+            argv = ["verify", str(g), "-q"] if k else \
+                ["generate", "--set", "smoke", "--only", CASE, "--out", str(g), "-q"]
+            rc, out, err, _ = run(capsys, argv)
+            tried += 1
+            name = _field_name(path)
+            if not (rc == 2 and err.count("\n") == 1 and str(g / "manifest.json") in err
+                    and f"for {name}, actual: " in err) or snapshot(g) != before:
+                misses.append((name, wrong, argv[0], rc, err.strip()))
+    assert not misses, misses[:5]
+    assert tried > 200
+
+
+def test_every_case_file_field_of_a_wrong_type_is_named(template, tmp_path, capsys):
+    """generate --case: each field of a case file (its inputs included), set to each value of another JSON
+    type, is exit 2 with one line naming the case file and the field; no --out folder is left behind."""
+    d = tmp_path / "cases"
+    d.mkdir()
+    shutil.copyfile(template / CASE / "in.x.bin", d / "in.x.bin")
+    good = json.loads((template / CASE / "case.json").read_text())
+    fields = list(_fields(good))
+    assert {p[-1] for p, _ in fields} >= {"format", "name", "op", "params", "seed", "generator", "description",
+                                         "inputs", "x", "file", "dtype", "shape", "sha256"}
+    misses, tried = [], 0
+    for path, value in fields:
+        for wrong in _wrong_values(value):
+            c = json.loads(json.dumps(good))
+            _put(c, path, wrong)
+            (d / "c.json").write_text(json.dumps(c))
+            rc, out, err, _ = run(capsys, ["generate", "--case", str(d / "c.json"), "--out", str(tmp_path / "o"), "-q"])
+            tried += 1
+            name = _field_name(path)
+            if not (rc == 2 and err.count("\n") == 1 and str(d / "c.json") in err and f"for {name}, actual: " in err) \
+                    or (tmp_path / "o").exists():
+                misses.append((name, wrong, rc, err.strip()))
+    assert not misses, misses[:5]
+    assert tried > 40
+
+
+def test_files_computed_elsewhere_are_written_like_generate_writes_them(tmp_path):
+    """write_case_files (what the Dask executor uses): new files in plain case folders, generate's file
+    names only, every file and folder remembered for the clean-up of a failed run."""
+    from qsfa.golden.manifest import _remove_partial, write_case_files
+
+    out = tmp_path / "out"
+    out.mkdir()
+    made: list = []
+    write_case_files(str(out), {"c1/in.x.bin": b"ab", "c1/case.json": b"{}"}, made)
+    assert (out / "c1" / "in.x.bin").read_bytes() == b"ab" and len(made) == 3  # the folder and two files
+    for files, what in [({"c1/in.x.bin": b"again"}, "refusing to overwrite"),
+                        ({"../in.x.bin": b""}, "Invalid case folder for case name"),
+                        ({"../x/in.x.bin": b""}, "not a file name generate writes"),
+                        ({"c2/notes.txt": b""}, "not a file name generate writes"),
+                        ({"c3/sub/in.x.bin": b""}, "not a file name generate writes")]:
+        with pytest.raises(GoldenInputError, match=what):
+            write_case_files(str(out), files, made)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", out / "c4")
+    with pytest.raises(GoldenInputError, match="not a plain folder"):
+        write_case_files(str(out), {"c4/in.x.bin": b""}, made)
+    assert not os.listdir(tmp_path / "elsewhere") and (out / "c1" / "in.x.bin").read_bytes() == b"ab"
+    _remove_partial(str(out), made, created=False)
+    assert sorted(os.listdir(out)) == ["c4"]  # what it made is gone; the link it did not make stays
+
+
+def test_python_m_qsfa_cli_reports_usage_errors_in_one_line(tmp_path):
+    """``python -m qsfa.cli`` (the form the docs use without an install) exits 2 with one line, as the
+    console script does (before: the subcommand's UsageError escaped the __main__ copy of the module)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "qsfa.cli", "golden", "verify", str(tmp_path / "nope")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "golden directory not found" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text,depth", [
+    (b"", 0), (b"[]", 1), (b'{"a": [1, {"b": "[[["}]}', 3), (b"[" * 10 + b"]" * 10, 10),
+    (b"[][][[]]", 2), (b'"\\"[[[" [', 1), (b'{"k\\\\": "{"}', 1),
+])
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 22])
+def test_nesting_depth_scan(text, depth, chunk):
+    """The pre-parse depth scan ignores brackets inside strings (escaped quotes included) and carries the
+    depth across its chunks."""
+    from qsfa.golden.guard import _nesting_depth
+
+    assert _nesting_depth(text, chunk=chunk) == depth

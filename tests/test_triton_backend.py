@@ -112,7 +112,7 @@ def test_kernel_limits_fire_on_contract_valid_calls(op_name):
 
     op = operator(op_name)
     limits = triton_backend.limits(op_name)
-    assert limits or op_name == C8  # the C8 writer runs everything its contract accepts
+    assert limits  # C8: HiFloat8 NoPE has no kernel; QSFA: HiFloat8 keys, precision
     for c in limits:
         bad = c.violate(op.contract.example(np.random.default_rng(0)))
         assert op.contract.first_violation(bad) is None, f"{c.id}: the violating call must pass the contract"
@@ -253,3 +253,16 @@ def test_benchmark_helpers_on_cpu(layout_query):
     kw = {k: v for k, v in args.items() if k not in ("query", "key", "value", "sparse_indices", "scale_value")}
     out = launch_qsfa_attention(args["query"], args["key"], args["sparse_indices"], args["scale_value"], **kw)[0]
     assert bench._check_subset(args, out).startswith("PASS")
+
+
+# ------------------------------------------------------------------------------------------------
+# the requested chip's rounding points (the tie cases of tests/test_chips.py, docs/numerics/chips.md)
+
+@pytest.mark.parametrize("chip", [None, "A2", "950"])
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
+def test_triton_follows_the_chips_rounding(chip, qdtype):
+    import test_chips as TC
+
+    assert TC._qsfa_lane(TC._ties_p(qdtype), 1, chip=chip, backend="triton") == TC.P_EXPECT[qdtype][0]
+    assert TC._qsfa_lane(TC._ties_k(qdtype), 5, chip=chip, backend="triton") == TC.K_EXPECT[qdtype][1][chip]
+    assert TC._qsfa_lane(TC._ties_out(qdtype), 7, chip=chip, backend="triton") == TC.OUT_EXPECT[qdtype][1][chip]

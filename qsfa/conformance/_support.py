@@ -6,6 +6,9 @@ Everything here is vectorised over query rows and tokens; loops run over batches
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 
 from .. import compare as C
@@ -44,15 +47,35 @@ def _np(x):
     return to_numpy(x) if is_torch(x) else np.asarray(x)
 
 
+#: the chip the running conformance check models (``qsfa conformance --chip``, or the device's chip); every
+#: call of a property - the backend's and the reference's - passes it (docs/numerics/chips.md)
+_CHIP: contextvars.ContextVar = contextvars.ContextVar("qsfa_conformance_chip", default=None)
+
+
+def current_chip() -> str | None:
+    return _CHIP.get()
+
+
+@contextlib.contextmanager
+def modelling_chip(chip: str | None):
+    """Within the block, :func:`call` (and :func:`current_chip`) use ``chip``."""
+    token = _CHIP.set(chip)
+    try:
+        yield
+    finally:
+        _CHIP.reset(token)
+
+
 def call(op: str, args: dict, backend: str) -> dict:
-    """Run ``op`` on ``backend`` with copies of ``args`` (strided caches stay strided); return
-    ``{output name: NumPy array or None}``. The caller's arrays are never modified. Fails (PropertyFailure)
-    when the backend writes into an input array that is not one of the operator's in-place parameters."""
+    """Run ``op`` on ``backend`` with copies of ``args`` (strided caches stay strided) for the chip of
+    :func:`modelling_chip`; return ``{output name: NumPy array or None}``. The caller's arrays are never modified.
+    Fails (PropertyFailure) when the backend writes into an input array that is not one of the operator's
+    in-place parameters."""
     inplace = set(operator(op).contract.inplace)
     a = {k: clone(v) for k, v in args.items()}
     before = {k: v.tobytes() for k, v in a.items() if isinstance(v, np.ndarray) and k not in inplace}
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        res = run(op, a, backend)
+        res = run(op, a, backend, chip=current_chip())
     changed = [k for k, b in before.items() if a[k].tobytes() != b]
     if changed:
         fail(f"backend {backend!r} wrote into input(s) {changed} of {op}, which are not in-place parameters")

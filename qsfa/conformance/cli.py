@@ -39,6 +39,10 @@ def register(subparsers):
                         "('vs_reference')")
     p.add_argument("--kind", nargs="+", choices=("vs_reference", "metamorphic"),
                    help="only properties of these kinds (the invalid-input properties are metamorphic)")
+    p.add_argument("--chip", choices=("A2", "A3", "950"),
+                   help="model this chip in every call, the backend's and the reference's, and draw examples within its "
+                        "limits (default: the backend's device chip - automatic for npu - else each call's own rule; "
+                        "docs/numerics/chips.md)")
     p.add_argument("--max-examples", type=int, metavar="N", help="examples per property (default: the profile's)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed (default: the profile's; ci is derandomised)")
     p.add_argument("--profile", choices=("ci", "dev", "nightly"), help="hypothesis profile and size bounds "
@@ -136,6 +140,10 @@ def main(args) -> int:
 
     get_backend(args.backend or "reference")  # unknown / unusable backend: one line, exit 2 (qsfa.cli)
     if args.workers is not None or args.scheduler is not None or args.seed_shards != 1:
+        if args.chip is not None:
+            raise _usage(f"Invalid value for --chip, actual: {args.chip!r}, reason: the sharded runs (--workers, "
+                         "--scheduler, --seed-shards) do not take a chip yet; run without them, or leave --chip out "
+                         "(the npu backend uses its device's chip).")
         return _main_sharded(args, props, shard, b, reports)
 
     def progress(k, total, r):
@@ -144,7 +152,7 @@ def main(args) -> int:
 
     report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=args.max_examples,
                              seed=args.seed, shard_spec=shard, cases_dir=args.cases_dir or DEFAULT_CASES_DIR,
-                             bounds=b, progress=progress)
+                             bounds=b, progress=progress, chip=args.chip)
     print()
     print(R.format_table(report))
     for f in reports:
@@ -180,7 +188,7 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
         else:
             D.require("--workers/--scheduler")
             where = {"workers": D.check_workers(args.workers)} if args.workers is not None else {"scheduler": args.scheduler}
-            with D.connect(**where, env=env) as client:
+            with D.connect(**where, env=env, same_code=("hypothesis", "numpy")) as client:
                 report, summary = run_sharded(selected, args.backend or "reference", progress=not args.quiet,
                                               client=client, env=env, **kw)
     except (D.ClusterUsageError, D.DistributedUnavailable) as e:

@@ -39,6 +39,7 @@ from ._support import (
     PropertyFailure,
     call,
     compare_outputs,
+    current_chip,
     fail,
     float_kv,
     gather_tokens,
@@ -168,7 +169,7 @@ def _invalid(op: str) -> Property:
         a = {k: qst.clone(v) for k, v in ex.args.items()}
         before = _snapshot(a, inplace)
         try:
-            run(op, a, backend)
+            run(op, a, backend, chip=current_chip())
         except (InvalidArgument, InvalidDtype) as e:
             if e.constraint_id != c.id:
                 fail(f"expected constraint {c.id} to fire, got {e.constraint_id}: {e}")

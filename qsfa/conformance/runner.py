@@ -31,6 +31,7 @@ import numpy as np
 
 from .._contract import Args
 from .._errors import UnsupportedByBackend
+from ._support import modelling_chip
 from .properties import Example, Property, catalogue
 
 __all__ = [
@@ -76,6 +77,7 @@ class PropertyResult:
     reproduce: str | None = None
     seed: int | None = None
     doc: str = ""
+    chip: str | None = None  # the chip every call modelled (None: each call's own rule; docs/numerics/chips.md)
 
     @property
     def op(self) -> str:
@@ -203,10 +205,12 @@ def _within_limits(prop: Property, be) -> Callable[[Example], bool] | None:
 
 def run_property(prop: Property, backend: str = "reference", *, profile: str | None = None,
                  max_examples: int | None = None, seed: int | None = None, bounds=None,
-                 cases_dir: str | None = None, pins: dict | None = None) -> PropertyResult:
+                 cases_dir: str | None = None, pins: dict | None = None, chip: str | None = None) -> PropertyResult:
     """Run ``prop`` against ``backend`` (see the module docstring). ``bounds``: a
     :class:`qsfa.strategies.Bounds` (default: the profile's). ``cases_dir``: where a falsifying example is
-    saved (None: not saved). ``pins``: extra strategy pins (e.g. tiny shapes for an interpreter)."""
+    saved (None: not saved). ``pins``: extra strategy pins (e.g. tiny shapes for an interpreter). ``chip``: the
+    chip modelled by every call, backend's and reference's ("A2", "A3", "950"; None: the backend's device chip, or
+    each call's own rule, docs/numerics/chips.md); examples are drawn within that chip's limits."""
     from hypothesis import given, reject, settings
     from hypothesis import seed as hyp_seed
     from hypothesis.control import current_build_context
@@ -230,10 +234,15 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
         res.message = f"backend {backend!r} does not implement {', '.join(missing)}"
         return res
     try:
-        chip = be.chip()
+        be_chip = be.chip()
     except Exception as e:  # noqa: BLE001
         res.status, res.message = "error", f"backend {backend!r}: chip() failed: {type(e).__name__}: {e}"
         return res
+    if chip is not None and be_chip is not None and chip != be_chip:
+        res.status, res.message = "error", f"backend {backend!r} runs on chip {be_chip!r}, not the requested {chip!r}"
+        return res
+    chip = chip or be_chip
+    res.chip = chip
     b = bounds if bounds is not None else qst.bounds(profile)
     strategy = prop.strategy(b, chip, pins or {})
     fits = None if prop.family == "invalid_rejected" else _within_limits(prop, be)
@@ -263,7 +272,8 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     if seed is not None:
         wrapped = hyp_seed(_property_seed(seed, prop.name))(wrapped)
     try:
-        wrapped()
+        with modelling_chip(chip):
+            wrapped()
         res.status = "passed"
     except Unsatisfiable as e:
         res.status = "skipped"
@@ -435,7 +445,7 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
                     shard_spec: str | tuple | None = None, cases_dir: str | None = DEFAULT_CASES_DIR,
                     bounds=None, pins: dict | None = None,
                     progress: Callable[[int, int, PropertyResult], None] | None = None,
-                    props: list | None = None) -> ConformanceReport:
+                    props: list | None = None, chip: str | None = None) -> ConformanceReport:
     """Run the selected properties against ``backend``; see :func:`run_property` for the arguments.
     ``shard_spec``: "i/n" or ``(i, n)``. ``progress(k, total, result)`` is called after each property."""
     import hypothesis
@@ -464,7 +474,7 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
     t0 = time.perf_counter()
     for k, p in enumerate(selected, 1):
         r = run_property(p, backend, profile=profile, max_examples=max_examples, seed=seed, bounds=b,
-                         cases_dir=cases_dir, pins=pins)
+                         cases_dir=cases_dir, pins=pins, chip=chip)
         report.results.append(r)
         if progress is not None:
             progress(k, len(selected), r)

@@ -16,7 +16,8 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 
-__all__ = ["INSTALL_HINT", "DistributedUnavailable", "ClusterUsageError", "check_workers", "require", "connect", "Tasks", "RunSummary", "RETRIES"]
+__all__ = ["INSTALL_HINT", "DistributedUnavailable", "ClusterUsageError", "check_workers", "check_same_code",
+           "code_fingerprint", "require", "connect", "Tasks", "RunSummary", "RETRIES"]
 
 INSTALL_HINT = "pip install 'qsfa[distributed]'"
 
@@ -62,10 +63,11 @@ def check_workers(n) -> int:
 
 @contextlib.contextmanager
 def connect(workers: int | None = None, scheduler: str | None = None, *, env: dict | None = None,
-            timeout: float = 30.0):
+            timeout: float = 30.0, same_code: tuple = ()):
     """A ``distributed.Client``: of a new local cluster of ``workers`` processes with one thread each (closed
     on exit, Ctrl-C included), or of the running cluster at ``scheduler`` (e.g. ``tcp://host:8786``; left
-    running). ``env``: environment variables for the new workers (e.g. ``TRITON_INTERPRET``)."""
+    running), whose workers must run the same qsfa sources and versions of the modules ``same_code``
+    (:func:`check_same_code`). ``env``: environment variables for the new workers (e.g. ``TRITON_INTERPRET``)."""
     require()
     from distributed import Client, LocalCluster
 
@@ -79,7 +81,8 @@ def connect(workers: int | None = None, scheduler: str | None = None, *, env: di
                 client = Client(scheduler, timeout=timeout, set_as_default=False)
             except (OSError, TimeoutError, ValueError, TypeError) as e:
                 raise ClusterUsageError(f"Invalid value for --scheduler, actual: {scheduler!r}, reason: cannot connect "
-                                 f"({type(e).__name__}: {e}).") from None
+                                        f"({type(e).__name__}: {e}).") from None
+            check_same_code(client, same_code)
         else:
             cluster = LocalCluster(n_workers=check_workers(workers), threads_per_worker=1, processes=True,
                                    dashboard_address=None, silence_logs=logging.ERROR, env=dict(env or {}))
@@ -92,6 +95,52 @@ def connect(workers: int | None = None, scheduler: str | None = None, *, env: di
         if cluster is not None:
             with contextlib.suppress(Exception):
                 cluster.close()
+
+
+def code_fingerprint(modules: tuple = ()) -> dict:
+    """What must be equal on the client and every worker for their results to be equal: a sha256 over the qsfa
+    package's Python sources (Triton kernels aside) and the versions of ``modules`` (e.g. hypothesis, whose
+    version decides the examples a seed draws)."""
+    import hashlib
+    import importlib
+
+    import qsfa
+
+    root = os.path.dirname(os.path.abspath(qsfa.__file__))
+    h = hashlib.sha256()
+    for base, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("kernels", "__pycache__"))
+        for f in sorted(files):
+            if f.endswith((".py", ".json")):
+                path = os.path.join(base, f)
+                h.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+    out = {"qsfa": f"{qsfa.__version__} (sources {h.hexdigest()[:16]})"}
+    for m in modules:
+        try:
+            out[m] = getattr(importlib.import_module(m), "__version__", "?")
+        except ImportError:
+            out[m] = "not installed"
+    return out
+
+
+def check_same_code(client, modules: tuple = ()) -> None:
+    """Refuse (ClusterUsageError) a cluster whose workers run other qsfa sources, or other versions of
+    ``modules``, than this process: their bytes or examples could differ from a serial run's."""
+    mine = code_fingerprint(modules)
+    try:
+        theirs = client.run(code_fingerprint, modules)
+    except Exception as e:  # noqa: BLE001 - e.g. qsfa not installed on the workers
+        raise ClusterUsageError(f"Invalid value for --scheduler, actual: {client.scheduler.address!r}, reason: its "
+                                f"workers cannot run qsfa ({type(e).__name__}: {e}).") from None
+    bad = {w: fp for w, fp in theirs.items() if fp != mine}
+    if bad:
+        w, fp = sorted(bad.items())[0]
+        diff = ", ".join(f"{k} {fp.get(k)} (here: {v})" for k, v in mine.items() if fp.get(k) != v)
+        raise ClusterUsageError(f"Invalid value for --scheduler, actual: {client.scheduler.address!r}, reason: "
+                                f"{len(bad)} of {len(theirs)} workers run other code than this process, e.g. {w}: "
+                                f"{diff}; install the same qsfa there.")
 
 
 def _attempt(fn, key, env, *args):

@@ -24,6 +24,7 @@ operator's public function; the generator sees all ``params``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import re
@@ -208,6 +209,19 @@ class Case:
         return cls(name=name, op=op, params=params, seed=seed, generator=None, description=description,
                    inputs_given=inputs)
 
+    def for_chip(self, chip: str | None) -> "Case":
+        """This case run for ``chip`` ("A2", "A3", "950"; None: the case as it is): ``chip`` joins its params,
+        so the operator checks that chip's limits and uses its rounding modes (docs/numerics/chips.md)."""
+        if chip is None:
+            return self
+        from ..chips import check_chip
+
+        try:
+            check_chip(chip)
+        except ValueError as e:
+            raise GoldenInputError(str(e)) from None
+        return dataclasses.replace(self, params={**self.params, "chip": chip})
+
     # -- inputs -----------------------------------------------------------------------------------
 
     @property
@@ -329,7 +343,7 @@ class Case:
             raise GoldenInputError(f"{source}: a case must be a JSON object")
         fmt = d.get("format")
         if fmt != CASE_FORMAT:
-            raise GoldenInputError(f"{source}: format must be {CASE_FORMAT!r}, got {fmt!r}")
+            raise bad("format", fmt, f"must be {CASE_FORMAT!r}")
         missing = [k for k in ("name", "op") if k not in d]
         if missing:
             raise GoldenInputError(f"{source}: missing {missing}")
@@ -344,7 +358,9 @@ class Case:
                              "a string or null"),
                             ("description", d.get("description") is None or isinstance(d.get("description"), str),
                              "a string"),
-                            ("inputs", d.get("inputs") is None or isinstance(d.get("inputs"), Mapping), "an object")):
+                            ("inputs", d.get("inputs") is None or isinstance(d.get("inputs"), Mapping), "an object"),
+                            ("seed", "seed" not in d or (isinstance(d["seed"], int) and not isinstance(d["seed"], bool)
+                                                         and 0 <= d["seed"] < 2 ** 63), "a non-negative integer")):
             if not ok:
                 raise bad(k, d.get(k), f"must be {what}, not {type(d.get(k)).__name__}")
         refs = None
@@ -354,7 +370,7 @@ class Case:
                 _check_name("input name", k)
                 f = f"inputs.{k}"
                 if not isinstance(r, Mapping) or "file" not in r or "dtype" not in r or "shape" not in r:
-                    raise GoldenInputError(f"{source}: input {k!r} needs file, dtype and shape")
+                    raise bad(f, r, "an input needs an object with file, dtype and shape")
                 dt = check_dtype(r["dtype"], source, f"{f}.dtype", kind="case field")
                 shape = check_shape(r["shape"], gio.storage_dtype(dt).itemsize, source, f"{f}.shape",
                                     kind="case field")

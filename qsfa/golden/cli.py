@@ -43,6 +43,7 @@ def _cmd_generate(args) -> int:
             cases = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
             if not cases:
                 raise GoldenInputError(f"no case of {label or args.case} matches --only {' '.join(args.only)}")
+        cases = [c.for_chip(args.chip) for c in cases]
         selected = select_shard(cases, *shard)
         cluster = _cluster_options(args)
         summary = None
@@ -171,6 +172,10 @@ def register(subparsers):
                    help="bin: raw little-endian files + JSON (default); npz: one .npz per case")
     p.add_argument("--only", action="append", metavar="PATTERN",
                    help="only the cases whose names match (glob; repeatable), e.g. --only 'decode-*'")
+    p.add_argument("--chip", choices=("A2", "A3", "950"),
+                   help="model this chip's limits and rounding points in every case (default: each case's own "
+                        "chip rule, recorded per case in the manifest as \"chip\"); cases the chip cannot run are "
+                        "skipped and listed")
     p.add_argument("--shard", metavar="i/n", help="only cases k with k %% n == i (0 <= i < n), after --only")
     p.add_argument("--allow-outside-inputs", action="store_true",
                    help="with --case: let the case file name input files outside its own folder (absolute "

@@ -5,7 +5,8 @@ Each selected output is compared with :mod:`qsfa.compare` (docs/numerics/compari
 * ``compare: "bytes"`` outputs (codes, scales, caches, indices) bit for bit; each differing element is
   named by index, byte offset in the file, the packed-row field it falls in and its decoded golden and
   actual values;
-* ``compare: "float"`` outputs (attention, LSE) with the per-dtype abs-or-rel + cos_diff criterion and the
+* ``compare: "float"`` outputs (attention, LSE) with the per-dtype ``|a - g| <= atol + rtol * |g|`` + cos_diff
+  criterion (docs/numerics/comparison.md#float-criterion) and the
   msprobe statistics (dual thousandths, ULP histogram).
 
 Outputs with a mask file are compared only where the mask is 1 (elements the operator leaves unspecified,

@@ -29,6 +29,7 @@ from .guard import check_component, create_new, is_inside, lexists_plain_dir, le
 from .io import GoldenInputError
 from .meta import describe
 from .schema import ARRAY_NAME, WRITTEN_NAME, check_manifest
+from ..chips import resolve_chip
 
 __all__ = ["MANIFEST", "GOLDEN_FORMAT", "generate", "load_manifest", "load_array", "case_from_entry",
            "Progress", "select_shard", "parse_shard"]
@@ -202,6 +203,7 @@ def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = No
     if outputs is None:
         outputs = case.run("reference", inputs)
     args = case.args(inputs)
+    chip = resolve_chip(case.op, **args)  # the chip whose numerics the outputs model (qsfa.chips)
     metas = describe(case.op, case.params, args, outputs)
     made = [] if made is None else made
     _case_folder(out, case.name, made)
@@ -274,6 +276,7 @@ def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = No
     return {
         "name": case.name,
         "op": case.op,
+        "chip": chip,
         "params": case.params,
         "seed": case.seed,
         "generator": case.generator,
@@ -290,6 +293,21 @@ def case_error(case: Case, e: Exception) -> GoldenInputError:
         return GoldenInputError(f"case {case.name}: {e}")
     # a case the operator cannot run
     return GoldenInputError(f"case {case.name}: {case.op} failed: {type(e).__name__}: {e}")
+
+
+def _beyond_chip(case: Case) -> str:
+    """Why the chip a case asks for (``params["chip"]``, from ``--chip``) cannot run it ("" if it can): the first
+    chip-limited rule of the operator the case's arguments break for that chip."""
+    chip = case.params.get("chip")
+    if chip is None:
+        return ""
+    from ..chips import chip_violation
+
+    try:
+        err = chip_violation(case.op, **case.args(case.inputs()))
+    except Exception:  # noqa: BLE001 - an invalid case fails in the run itself, with its own message
+        return ""
+    return f"chip {chip}: {err}" if err is not None else ""
 
 
 def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_name: str | None = None,
@@ -319,6 +337,9 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
     bad = sorted({n for n in names if n == MANIFEST})
     if bad:
         raise GoldenInputError(f"a case may not be named {MANIFEST}")
+    beyond = {c.name: why for c in run_cases if (why := _beyond_chip(c))}  # --chip: cases that chip cannot run
+    skipped += [{"name": c.name, "op": c.op, "reason": beyond[c.name]} for c in run_cases if c.name in beyond]
+    run_cases = [c for c in run_cases if c.name not in beyond]
     created = not os.path.isdir(out)
     _prepare_out(out, [c.name for c in run_cases])
     out = os.path.realpath(out)

@@ -95,7 +95,7 @@ def check_shape(v, itemsize: int, path, field: str, kind: str = "manifest field"
 def _check_array(e, c_name: str, files: dict, file_format, path, where: str) -> None:
     _typed(e, dict, path, where, "an object")
     role = _need(e, "role", path, where)
-    if role not in ROLE_PREFIX:
+    if not isinstance(role, str) or role not in ROLE_PREFIX:
         raise _err(path, f"{where}.role", role, f"must be one of {sorted(ROLE_PREFIX)}")
     name = _typed(_need(e, "name", path, where), str, path, f"{where}.name", "a string")
     if not ARRAY_NAME.match(name):
@@ -186,6 +186,7 @@ def _check_case(c, i: int, path, file_format, seen: set) -> None:
     if "seed" in c and not (_is_int(c["seed"]) and 0 <= c["seed"] <= _INT64_MAX):
         raise _err(path, f"{where}.seed", c["seed"], "must be an integer in [0, 2**63)")
     _typed(c.get("generator"), str, path, f"{where}.generator", "a string or null", none=True)
+    _typed(c.get("chip"), str, path, f"{where}.chip", "a chip name or null", none=True)
     _typed(c.get("description", ""), str, path, f"{where}.description", "a string")
 
 
@@ -207,8 +208,11 @@ def check_manifest(man, path) -> dict:
     if shard is not None:
         _typed(shard, dict, path, "shard", "an object {index, count}")
         i, n = shard.get("index"), shard.get("count")
-        if not (_is_int(i) and _is_int(n) and 0 <= i < n):
-            raise _err(path, "shard", shard, "needs integers 0 <= index < count")
+        for k, v in (("index", i), ("count", n)):
+            if not _is_int(v):
+                raise _err(path, f"shard.{k}", v, "must be an integer")
+        if not 0 <= i < n:
+            raise _err(path, "shard", shard, "needs 0 <= index < count")
     skipped = man.get("skipped", [])
     _typed(skipped, list, path, "skipped", "a list")
     for i, s in enumerate(skipped):

@@ -22,7 +22,8 @@ import numpy as np
 
 from .._arrays import dtype_name
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, is_num, ndim_in, rule, set_param, set_params
-from .._contract import Contract, copy_args, one_of
+from .._contract import Contract, copy_args, one_of, params
+from .. import chips as _chips
 from .._dispatch import define_operator, run
 from ..reference import c8_cache as _c8
 from ..reference import kv_compress_epilog as _kce
@@ -150,6 +151,7 @@ SC_CONTRACT = Contract(
     ],
     example=_sc_example,
     inplace=("cache",),
+    params=params("cache:array rows:array slot_mapping:array"),
 )
 
 
@@ -161,7 +163,7 @@ define_operator(SC, SC_CONTRACT, outputs=("cache",), reference=_sc_reference,
                 doc="Write rows into a paged cache by slot; -1 skips.")
 
 
-def scatter_by_slot(cache, rows, slot_mapping, backend="reference"):
+def scatter_by_slot(cache, rows, slot_mapping, backend="reference", *, chip=None):
     """Write ``rows[t]`` to ``cache[s // block_size, s % block_size]`` for each slot ``s = slot_mapping[t]``.
 
     cache:        ``[block_num, block_size, *row_shape]`` any dtype, updated in place and returned.
@@ -170,7 +172,7 @@ def scatter_by_slot(cache, rows, slot_mapping, backend="reference"):
                   values must lie in ``[0, block_num * block_size)`` and must not repeat (rejected before
                   any write).
     """
-    return run(SC, dict(cache=cache, rows=rows, slot_mapping=slot_mapping), backend)
+    return run(SC, dict(cache=cache, rows=rows, slot_mapping=slot_mapping), backend, chip=chip)
 
 
 # ------------------------------------------------------------------------------------------ C8 writers
@@ -210,12 +212,21 @@ def _c8_cache_rules(op, *, rope_present, cache="kv_cache"):
     ]
 
 
+def _c8_dst_type_max(a):
+    v = a.get("dst_type_max", 0.0)
+    ok = _is_num(v) and math.isfinite(v) and 0 <= v <= 32768 and (v == 0 or a.key_dtype == "hifloat8")
+    return None if ok else v
+
+
 def _c8_key_rules(op):
     return [
-        _rule(op, "key_dtype_value", "key_dtype", "value",
-              f"must be {one_of(_c8.KEY_DTYPES)} (HiFloat8 NoPE: no public writer defines its scale)",
-              lambda a: None if a.key_dtype in _c8.KEY_DTYPES else a.key_dtype, set_param("key_dtype", "hifloat8"),
+        _rule(op, "key_dtype_value", "key_dtype", "value", f"must be {one_of(_c8.KEY_DTYPES)}",
+              lambda a: None if a.key_dtype in _c8.KEY_DTYPES else a.key_dtype, set_param("key_dtype", "int4"),
               source=C8_SRC),
+        _rule(op, "dst_type_max_value", "dst_type_max", "value",
+              "must be a number in [0, 32768] (0 = HiFloat8's 32768), and 0 unless key_dtype is 'hifloat8'",
+              _c8_dst_type_max, set_param("dst_type_max", 15.0),
+              source="docs/numerics/open-facts.md#hifloat8-c8-nope"),
         _rule(op, "scale_order_value", "scale_order", "value",
               f"must be {one_of(SCALE_ORDERS)} (docs/numerics/open-facts.md#scale_order OPEN: x / s or x * 127 / amax)",
               lambda a: None if a.scale_order in SCALE_ORDERS else a.scale_order, set_param("scale_order", "bogus"),
@@ -267,11 +278,13 @@ C8_CONTRACT = Contract(
     ],
     example=_c8_example,
     inplace=("kv_cache",),
+    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"),
 )
 
 
-def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order):
-    return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype, scale_order=scale_order)
+def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order, dst_type_max=0.0):
+    return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype, scale_order=scale_order,
+                              dst_type_max=dst_type_max)
 
 
 define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
@@ -279,7 +292,7 @@ define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
 
 
 def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", scale_order="divide",
-                   backend="reference"):
+                   dst_type_max=0.0, chip=None, backend="reference"):
     """Quantise, pack and scatter one packed QSFA row per token (the kernel-checkable C8 writer stage).
 
     For token t with slot s = slot_mapping[t] (-1: nothing written), row ``kv_cache[s // bs, s % bs, 0]``
@@ -290,20 +303,24 @@ def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", 
     key_dtype "int8" (A2/A3): ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero
     tile gives ``s = 0, q = 0`` (docs/numerics/open-facts.md#zero-tile, OPEN on hardware). "float8_e4m3fn" (950, vllm-ascend's A5 branch
     calls ``npu_dynamic_block_quant(dst_type=float8_e4m3fn)``): ``s = amax / 448``, ``q = E4M3FN(x / s)``
-    RINT + saturation. HiFloat8 NoPE is not offered: no public writer says how its scale is computed.
+    RINT + saturation. "hifloat8" (950; **OPEN**, docs/numerics/open-facts.md#hifloat8-c8-nope - no public
+    writer fixes it): the same call with ``dst_type=hifloat8``, ``s = amax / TYPE_MAX``, ``q = HiF8(ROUND, SAT)``
+    with TYPE_MAX = ``dst_type_max`` (0 = 32768).
 
     Parameters:
       k_nope:       ``[T, 512]`` float16 / bfloat16 (already normalised).
       k_rope:       ``[T, 64]`` of k_nope's dtype (already rotated), or None for rope 0 (528-byte rows).
       slot_mapping: ``[T]`` int32 / int64; -1 skips; otherwise unique and < block_num * block_size.
       kv_cache:     ``[block_num, block_size, 1, 656 | 528]`` uint8 / int8 / float8_e4m3fn, updated in place.
-      key_dtype:    "int8" (default) or "float8_e4m3fn".
+      key_dtype:    "int8" (default), "float8_e4m3fn" or "hifloat8".
+      dst_type_max: HiFloat8 only (**OPEN**): the TYPE_MAX of its scale, 0 (default: 32768) or any value up to 32768
+                    (torch_npu documents 15, 56, 224, 32768).
       scale_order:  **OPEN** (docs/numerics/open-facts.md#scale_order): "divide" (default, ``x / s``) or "multiply" (``x * fp32(127 / amax)``).
     Returns ``kv_cache``.
     """
     args = dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slot_mapping, kv_cache=kv_cache, key_dtype=key_dtype,
-                scale_order=scale_order)
-    return run(C8, args, backend)
+                scale_order=scale_order, dst_type_max=dst_type_max)
+    return run(C8, args, backend, chip=chip)
 
 
 def _c8r_example(rng):
@@ -380,12 +397,16 @@ C8R_CONTRACT = Contract(
     ],
     example=_c8r_example,
     inplace=("kv_cache",),
+    params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
+                  " rope_head_dim:int key_dtype:str scale_order:str"),
 )
 
 
-def _c8r_reference(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon, rope_head_dim, key_dtype, scale_order):
+def _c8r_reference(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon, rope_head_dim, key_dtype, scale_order,
+                   dst_type_max=0.0):
     return _c8.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon=epsilon,
-                                     rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order)
+                                     rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order,
+                                     dst_type_max=dst_type_max)
 
 
 define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_reference,
@@ -393,7 +414,8 @@ define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_referen
 
 
 def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilon=1e-6, rope_head_dim=64,
-                          key_dtype="int8", scale_order="divide", backend="reference"):
+                          key_dtype="int8", scale_order="divide", dst_type_max=0.0, chip=None,
+                          backend="reference"):
     """The QSFA C8 cache writer from a latent KV: RMSNorm + interleave RoPE + :func:`c8_cache_write`.
 
     Mirrors vllm-ascend (vllm_ascend/attention/sfa_v1.py ``custom_kv_rmsnorm_rope`` then
@@ -415,12 +437,13 @@ def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilo
       epsilon:       RMSNorm eps; default 1e-6 = DeepSeek-V3.2's rms_norm_eps, which vllm-ascend passes
                      (kv_a_layernorm.variance_epsilon; custom_kv_rmsnorm_rope's own default is 1e-5).
       rope_head_dim: 64 (656-byte rows) or 0 (528-byte rows, RoPE skipped).
-      key_dtype, scale_order: as :func:`c8_cache_write`.
+      key_dtype, scale_order, dst_type_max: as :func:`c8_cache_write`.
     Returns ``kv_cache``.
     """
     args = dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                epsilon=epsilon, rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order)
-    return run(C8R, args, backend)
+                epsilon=epsilon, rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order,
+                dst_type_max=dst_type_max)
+    return run(C8R, args, backend, chip=chip)
 
 
 # --------------------------------------------------------------------------------- kv_compress_epilog
@@ -516,6 +539,8 @@ KCE_CONTRACT = Contract(
     ],
     example=_kce_example,
     inplace=("cache",),
+    params=params("cache:array x:array slot_mapping:array quant_group_size:int quant_mode:int round_scale:bool"
+                  " x_scale:float pad_to:int fp4_nibble_order:str"),
 )
 
 
@@ -531,7 +556,7 @@ define_operator(KCE, KCE_CONTRACT, outputs=("cache",), reference=_kce_reference,
 
 
 def kv_compress_epilog(cache, x, slot_mapping, *, quant_group_size=64, quant_mode=1, round_scale=True, x_scale=1.0,
-                       pad_to=32, fp4_nibble_order="low_first", backend="reference"):
+                       pad_to=32, fp4_nibble_order="low_first", chip=None, backend="reference"):
     """Quantise bf16 rows ``x [..., d]`` and scatter them into ``cache`` by slot (aclnn KvCompressEpilog).
 
     With n = d - 64 NoPE columns first and the last 64 columns the RoPE, each written row is
@@ -564,7 +589,7 @@ def kv_compress_epilog(cache, x, slot_mapping, *, quant_group_size=64, quant_mod
     """
     args = dict(cache=cache, x=x, slot_mapping=slot_mapping, quant_group_size=quant_group_size, quant_mode=quant_mode,
                 round_scale=round_scale, x_scale=x_scale, pad_to=pad_to, fp4_nibble_order=fp4_nibble_order)
-    return run(KCE, args, backend)
+    return run(KCE, args, backend, chip=chip)
 
 
 # ----------------------------------------------------------------------------- kv_rmsnorm_rope_cache
@@ -800,12 +825,12 @@ def _krr_rope_width(a):
     return None if ok else r
 
 
-def _krr_fmt_names(a):
-    for p in ("k_cache_dtype", "ckv_cache_dtype"):
+def _krr_fmt_name(p):
+    def check(a):
         v = a.get(p)
-        if v is not None and v not in KRR_FORMATS:
-            return f"{p}={v!r}"
-    return None
+        return None if v is None or v in KRR_FORMATS else v
+
+    return check
 
 
 def _krr_fmt_arrays(which):
@@ -1088,7 +1113,9 @@ KRR_CONTRACT = Contract(
               source=KRR_SRC),
         dtype_in(KRR, "index", ("int64",), source=KRR_SRC),
         _rule(KRR, "cache_dtype_names", "k_cache_dtype", "value", f"must be None or {one_of(KRR_FORMATS)}",
-              _krr_fmt_names, set_param("k_cache_dtype", "int4"), source=KRR_SRC),
+              _krr_fmt_name("k_cache_dtype"), set_param("k_cache_dtype", "int4"), source=KRR_SRC),
+        _rule(KRR, "ckv_cache_dtype_names", "ckv_cache_dtype", "value", f"must be None or {one_of(KRR_FORMATS)}",
+              _krr_fmt_name("ckv_cache_dtype"), set_param("ckv_cache_dtype", "int4"), source=KRR_SRC),
         _rule(KRR, "k_cache_format", "k_cache", "dtype",
               "k_cache's dtype must carry k_cache_dtype (a uint8 buffer needs the name, e.g. 'hifloat8')",
               _krr_fmt_arrays("k"), set_param("k_cache_dtype", "hifloat8"), dtype=True, source=KRR_SRC),
@@ -1181,15 +1208,20 @@ KRR_CONTRACT = Contract(
     ],
     example=lambda rng: kv_rmsnorm_rope_cache_example(rng),
     inplace=("k_cache", "ckv_cache"),
+    params=params("kv:array gamma:array cos:array sin:array index:array k_cache:array ckv_cache:array"
+                  " k_rope_scale:array? c_kv_scale:array? k_rope_offset:array? c_kv_offset:array? v:array?"
+                  " epsilon:float cache_mode:str is_output_kv:bool k_cache_dtype:str? ckv_cache_dtype:str?"),
 )
 
 
 def _krr_reference(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale, c_kv_scale, k_rope_offset,
-                   c_kv_offset, v, epsilon, cache_mode, is_output_kv, k_cache_dtype, ckv_cache_dtype):
+                   c_kv_offset, v, epsilon, cache_mode, is_output_kv, k_cache_dtype, ckv_cache_dtype,
+                   hifloat8_overflow="saturate"):
     return _krr.kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale=k_rope_scale,
                                       c_kv_scale=c_kv_scale, k_rope_offset=k_rope_offset, c_kv_offset=c_kv_offset,
                                       v=v, epsilon=epsilon, cache_mode=cache_mode, is_output_kv=is_output_kv,
-                                      k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype)
+                                      k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype,
+                                      hifloat8_overflow=hifloat8_overflow)
 
 
 def _krr_normalise(a):
@@ -1202,12 +1234,14 @@ def _krr_normalise(a):
 KRR_CONTRACT.normalise = _krr_normalise
 
 define_operator(KRR, KRR_CONTRACT, outputs=("k_cache", "ckv_cache", "k_rope", "c_kv"), reference=_krr_reference,
+                numerics=_chips.krr_numerics,
                 doc="KvRmsNormRopeCache V1/V2: RMSNorm + interleave RoPE + static quant + scatter into two caches.")
 
 
 def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None, c_kv_scale=None,
                           k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
-                          is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None, backend="reference"):
+                          is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None, chip=None,
+                          backend="reference"):
     """RMSNorm + interleave RoPE + optional static quantisation, scattered into two caches in place
     (torch_npu ``npu_kv_rmsnorm_rope_cache`` and ``npu_kv_rmsnorm_rope_cache_v2``; docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache).
 
@@ -1219,7 +1253,8 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
 
     Rounding points (from the cannmirror/ops-transformer kernels): a 16-bit cache gets the fp32 result rounded once (RINT) to the
     cache dtype; an 8-bit cache is quantised from the fp32 result - ``y = x * scale (+ offset)`` in fp32, then
-    INT8 ``clamp(RINT(y), -128, 127)``, FP8 RINT + saturation, HiFloat8 ties-away + saturation; V2 RoPEs the
+    INT8 ``clamp(RINT(y), -128, 127)``, FP8 RINT + saturation, HiFloat8 ties-away and, on the 950 (the only chip
+    with HiFloat8 caches), no saturation (beyond the range: +-Inf; docs/numerics/chips.md); V2 RoPEs the
     fp32 RMSNorm output (no rounding in between). ``k_rope`` / ``c_kv`` are the fp32 results rounded to kv's
     dtype (V2 ``c_kv`` = v).
 
@@ -1249,4 +1284,4 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
                 k_rope_scale=k_rope_scale, c_kv_scale=c_kv_scale, k_rope_offset=k_rope_offset,
                 c_kv_offset=c_kv_offset, v=v, epsilon=epsilon, cache_mode=cache_mode, is_output_kv=is_output_kv,
                 k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype)
-    return run(KRR, args, backend)
+    return run(KRR, args, backend, chip=chip)

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, rule, set_param
-from .._contract import Contract, copy_args
+from .._contract import Contract, copy_args, params
 from .._dispatch import define_operator, run
 from .._errors import Raw
 from ..reference import kv_compress_epilog_vllm as _kv
@@ -135,6 +135,8 @@ KCEV_CONTRACT = Contract(
     ],
     example=_kcev_example,
     inplace=("kv_compress_cache",),
+    params=params("kv_compress_cache:array x:array slot_mapping:array quant_group_size:int quant_mode:int"
+                  " round_scale_flag:bool layout:int"),
 )
 
 
@@ -149,7 +151,7 @@ define_operator(KCEV, KCEV_CONTRACT, outputs=("kv_compress_cache",), reference=_
 
 
 def kv_compress_epilog_vllm(kv_compress_cache, x, slot_mapping, *, quant_group_size=64, quant_mode=2,
-                            round_scale_flag=True, layout=1, backend="reference"):
+                            round_scale_flag=True, layout=1, chip=None, backend="reference"):
     """vLLM-Ascend's ``torch.ops._C_ascend.kv_compress_epilog`` (Ascend 950): quantise bf16 ``x [T, d]`` (n = d - 64
     NoPE columns, then 64 RoPE) to FP8 with one E8M0 scale per ``quant_group_size`` NoPE values and write each
     token by slot (-1 skips) into the FP8-typed cache, in place.
@@ -173,5 +175,5 @@ def kv_compress_epilog_vllm(kv_compress_cache, x, slot_mapping, *, quant_group_s
     args = dict(kv_compress_cache=kv_compress_cache, x=x, slot_mapping=slot_mapping,
                 quant_group_size=quant_group_size, quant_mode=quant_mode, round_scale_flag=round_scale_flag,
                 layout=layout)
-    return run(KCEV, args, backend)
+    return run(KCEV, args, backend, chip=chip)
 

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_int, ndim_in, rule, set_param
-from .._contract import Contract
+from .._contract import Contract, params
 from .._dispatch import define_operator, run
 from .._errors import Raw
 from ..reference import flashmla_model1 as _m1
@@ -56,13 +56,14 @@ QUANTIZE_CONTRACT = Contract(
         all_finite(QUANTIZE, "k", source=SOURCE),
     ],
     example=_q_example,
+    params=params("k:array"),
 )
 
 define_operator(QUANTIZE, QUANTIZE_CONTRACT, outputs=("cache",), reference=lambda k: _m1.quantize(k),
                 doc="bf16 K rows into FlashMLA's MODEL1 FP8 sparse cache (E4M3FN NoPE, bf16 RoPE, E8M0 scales).")
 
 
-def flashmla_model1_quantize(k, *, backend="reference"):
+def flashmla_model1_quantize(k, *, chip=None, backend="reference"):
     """Quantise bf16 K rows into FlashMLA's MODEL1 FP8 sparse KV cache (DeepSeek V4 geometry).
 
     k:       bfloat16 ``[num_blocks, block_size, 1, 512]`` (448 NoPE + 64 RoPE), finite.
@@ -72,7 +73,7 @@ def flashmla_model1_quantize(k, *, backend="reference"):
     RoPE] rows (576 bytes each), then per token 7 E8M0 tile scales + 1 pad byte, then padding (pad bytes 0).
     Tile scale (64 NoPE values) ``s = 2^ceil(log2(max(amax / 448, 1e-4)))``, codes ``E4M3FN_RINT(x / s)``.
     """
-    return run(QUANTIZE, dict(k=k), backend)
+    return run(QUANTIZE, dict(k=k), backend, chip=chip)
 
 
 # ---------------------------------------------------------------------------------------- dequantize
@@ -107,6 +108,7 @@ DEQUANTIZE_CONTRACT = Contract(
              _cache_width, set_param("block_size", 4), source=SOURCE),
     ],
     example=_dq_example,
+    params=params("cache:array block_size:int"),
 )
 
 define_operator(DEQUANTIZE, DEQUANTIZE_CONTRACT, outputs=("k",),
@@ -114,7 +116,7 @@ define_operator(DEQUANTIZE, DEQUANTIZE_CONTRACT, outputs=("k",),
                 doc="FlashMLA MODEL1 FP8 sparse cache back to bf16 K rows (code * scale in bf16).")
 
 
-def flashmla_model1_dequantize(cache, *, block_size, backend="reference"):
+def flashmla_model1_dequantize(cache, *, block_size, chip=None, backend="reference"):
     """bf16 K rows ``[num_blocks, block_size, 1, 512]`` of a FlashMLA MODEL1 cache.
 
     cache:      uint8 (or float8_e4m3fn, FlashMLA's own dtype) ``[num_blocks, P]``, P the padded block bytes
@@ -123,4 +125,4 @@ def flashmla_model1_dequantize(cache, *, block_size, backend="reference"):
     NoPE: ``bf16(code) * bf16(2^(byte - 127))`` in bf16 (one rounding; NaN codes / byte 0xFF give NaN
     0x7FC0); RoPE: raw bits. Pad bytes are ignored.
     """
-    return run(DEQUANTIZE, dict(cache=cache, block_size=block_size), backend)
+    return run(DEQUANTIZE, dict(cache=cache, block_size=block_size), backend, chip=chip)

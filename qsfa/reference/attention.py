@@ -17,14 +17,15 @@ that accumulates in fp32 in any order lands within a few fp32 ulps of it, well i
 result is a function of the inputs alone: the same bytes on every machine, whatever BLAS kernel, thread split or
 NumPy SIMD variant computes the float64 intermediates (tests/test_attention_determinism.py; how, below).
 
-1. QSFA: ``K_nope = decode(code) * tile_scale`` (one fp32 multiply), rounded to the query dtype
-   (bf16 RINT, fp16 ROUND = half away from zero; docs/numerics/attention.md#rounding-points). The RoPE part is taken as stored. The
+1. QSFA: ``K_nope = decode(code) * tile_scale`` (one fp32 multiply), rounded to the query dtype with
+   ``k_rounding`` (A2/A3: bf16 RINT, fp16 ROUND = half away from zero; 950: RINT for both). The RoPE part is taken as stored. The
    query dtype value V is the same rounded NoPE (MLA-absorb). SFA: K and V are already in the query dtype.
 2. ``s = RN32(q . k) * fp32(scale_value)`` (an fp32 multiply): the kernel's cube unit accumulates exact 16x16-bit
    products in fp32 in its own order. Tokens that are not selected get ``-2e38`` (not ``-inf``), as in the
    kernel; their probability underflows to exactly 0.
 3. ``m = max(s)``; ``e = RN32(exp(s - m))`` with ``s - m`` an fp32 subtraction; ``l = RN32(sum e)``.
-4. Probabilities are rounded to the query dtype before ``P @ V`` (``RN32`` of the exact sum). Where exactly is
+4. Probabilities are rounded to the query dtype with ``p_rounding`` (every chip: ROUND) before ``P @ V``
+   (``RN32`` of the exact sum). Where exactly is
    **OPEN** and is the parameter ``probability_rounding``:
 
    * ``"unnormalised"`` (default): ``P = round(e)``, ``o = RN32(P @ V) / l`` (fp32 divide). This is what the kernels do
@@ -39,7 +40,10 @@ NumPy SIMD variant computes the float64 intermediates (tests/test_attention_dete
 
    The kernel's online softmax rescales per 128-token tile with a running max; that tiling is not
    modelled (it is tiling-dependent), so a correct kernel matches within tolerance, not bit for bit.
-5. ``out = round(o)`` to the query dtype (same rule as 1).
+5. ``out = round(o)`` to the query dtype with ``out_rounding`` (A2/A3: bf16 RINT, fp16 ROUND; 950: ROUND).
+
+The three modes are parameters; without them the oracle uses the A2/A3 kernels' (:data:`DEFAULT_ROUNDING`). The
+public operators pass the modes of the chip a call models (``chip=``; qsfa.chips, docs/numerics/chips.md).
 
 SFA sinks (fp32 steps): ``lse = m + RN32(ln l)``, ``out /= 1 + RN32(exp(sink - lse))`` and, when the LSE includes
 the sink, ``l += RN32(exp(sink - m))``.
@@ -113,8 +117,13 @@ ROPE_DIM = 64
 _DEQUANT_BLOCK = 512  # packed rows per fp32 dequantisation block (its temporaries stay in cache)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
-#: rounding of fp32 values to the query dtype at the kernel's rounding points (docs/numerics/attention.md#rounding-points)
+#: rounding of fp32 values to the query dtype at the K and output rounding points of the A2/A3 kernels
 QUERY_ROUNDING = {"bfloat16": "rint", "float16": "round"}
+#: the modes the oracle uses when none is passed: the A2/A3 kernels' (docs/numerics/chips.md#attention;
+#: qsfa.chips.ATTENTION_ROUNDING holds every chip's, the front doors pass the chip's modes)
+DEFAULT_ROUNDING = {"k": dict(QUERY_ROUNDING), "p": {"bfloat16": "round", "float16": "round"},
+                    "out": dict(QUERY_ROUNDING)}
+ROUNDINGS = ("rint", "round")
 PROBABILITY_ROUNDINGS = ("unnormalised", "normalised")
 #: significand bits of the query dtypes; their smallest subnormal
 _PRECISION = {"bfloat16": 8, "float16": 11}
@@ -131,16 +140,36 @@ def _qdt_name(a: np.ndarray) -> str:
     raise TypeError(f"query dtype must be float16 or bfloat16, got {dt}")
 
 
-def round_to_query_dtype(x: np.ndarray, qdtype: str) -> np.ndarray:
-    """fp32 ``x`` rounded to ``qdtype`` ("bfloat16": RINT, "float16": ROUND), returned as float32.
+def round_to_query_dtype(x: np.ndarray, qdtype: str, mode: str | None = None) -> np.ndarray:
+    """fp32 ``x`` rounded to ``qdtype`` with ``mode`` ("rint": half to even, "round": half away from zero;
+    None: :data:`QUERY_ROUNDING`, bf16 RINT and fp16 ROUND), returned as float32.
 
-    bf16 uses ml_dtypes' cast (round half to even, identical to ``formats.round_to(x, "bfloat16")``), fp16
-    :func:`_fp16_round_away`; both are checked against ``formats.round_to`` in
-    tests/test_attention_precision.py.
+    RINT is NumPy's / ml_dtypes' cast; ROUND is :func:`_fp16_round_away` / :func:`_bf16_round_away`. All four
+    are checked against ``formats.round_to`` in tests/test_attention_precision.py and tests/test_chips.py.
     """
-    if qdtype == "bfloat16":
-        return x.astype(_QDT["bfloat16"]).astype(np.float32)
-    return _fp16_round_away(x).astype(np.float32)
+    return round_q16(x, qdtype, mode).astype(np.float32)
+
+
+def round_q16(x: np.ndarray, qdtype: str, mode: str | None = None) -> np.ndarray:
+    """fp32 ``x`` rounded to ``qdtype`` with ``mode`` (see :func:`round_to_query_dtype`), as a ``qdtype`` array."""
+    mode = mode or QUERY_ROUNDING[qdtype]
+    assert mode in ROUNDINGS, mode
+    if mode == "rint":
+        with np.errstate(over="ignore"):
+            return np.asarray(x, np.float32).astype(_QDT[qdtype])
+    return _bf16_round_away(x) if qdtype == "bfloat16" else _fp16_round_away(x)
+
+
+def _bf16_round_away(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bfloat16 with ties away from zero (ROUND): bf16 is the top half of the fp32 bits, so adding half
+    a bf16 ulp (0x8000) to the sign-magnitude bits and truncating rounds the magnitude half up (overflow gives
+    +-inf); NaNs keep NumPy's cast."""
+    x = np.ascontiguousarray(x, np.float32)
+    y = ((x.view(np.uint32) + np.uint32(0x8000)) >> np.uint32(16)).astype(np.uint16).view(_QDT["bfloat16"])
+    nan = np.isnan(x)
+    if nan.any():
+        y[nan] = x[nan].astype(_QDT["bfloat16"])
+    return y
 
 
 def _fp16_round_away(x: np.ndarray) -> np.ndarray:
@@ -199,12 +228,9 @@ def _code_view(codes: np.ndarray, fmt: str) -> np.ndarray:
     return codes.view(np.int8 if fmt == "int8" else ml_dtypes.float8_e4m3fn)
 
 
-def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str) -> None:
-    """``x[...] = round_to_query_dtype(x, qdtype)`` (fp32 ``x``, any strides)."""
-    if qdtype == "bfloat16":
-        x[...] = x.astype(_QDT["bfloat16"])
-    else:
-        x[...] = round_to_query_dtype(x, qdtype)
+def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str, mode: str | None = None) -> None:
+    """``x[...] = round_to_query_dtype(x, qdtype, mode)`` (fp32 ``x``, any strides)."""
+    x[...] = round_q16(x, qdtype, mode)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -489,7 +515,7 @@ def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = Fal
 
 
 def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, probability_rounding, sink,
-                    lse_includes_sink):
+                    lse_includes_sink, p_rounding=None):
     """The kernel's fp32 pipeline on one chunk; every fp32 accumulation is the correctly rounded fp32 value of the
     exact result (see the module docstring).
 
@@ -522,11 +548,8 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
     else:
         p_low, p_sum = e_min * (1 - 2.0 ** -6), l * (1 + 2.0 ** -6) + slack
     p_lq = np.where(np.isfinite(p_low) & (p_low > 0), np.frexp(p_low)[1] - _PRECISION[qdtype], _NO_LQ)
-    p = e64  # P rounded to the query dtype, held in float64 for the exact-product matmul
-    if qdtype == "bfloat16":
-        np.copyto(p, e.astype(_QDT["bfloat16"]))
-    else:
-        np.copyto(p, _fp16_round_away(e))
+    p = e64  # P rounded to the query dtype (p_rounding), held in float64 for the exact-product matmul
+    np.copyto(p, round_q16(e, qdtype, p_rounding or DEFAULT_ROUNDING["p"][qdtype]))
     e = None  # free before the second matmul
     o = _dot_f32(p, v, (p_sum, p_lq), v_facts)  # RN32(P @ V)
     if probability_rounding != "normalised":
@@ -561,7 +584,7 @@ def _exact_chunk(q, k, v, valid, scale, sink, lse_includes_sink):
 
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
           scale_value, qdtype, precision, probability_rounding, chunk_size, sinks=None,
-          lse_includes_sink=False):
+          lse_includes_sink=False, p_rounding=None, out_rounding=None):
     """Attention over selected tokens for every query row.
 
     load_q(row_ids) -> (q [c, N, Dqk] float64, facts (2-norm bound, lq) [c, N] or None in exact mode).
@@ -597,7 +620,7 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         g = dv // vmax.shape[-1]
         v_cols = (np.repeat(vmax.max(axis=1), g, axis=-1), np.repeat(vlq.min(axis=1), g, axis=-1))
         return _faithful_chunk(q, q_facts, k, k_facts, v, v_cols, valid, np.float32(scale_value), qdtype,
-                               probability_rounding, sink, lse_includes_sink)
+                               probability_rounding, sink, lse_includes_sink, p_rounding)
 
     def chunk(start):  # one chunk of rows; chunks are independent (run_chunks may run them on a thread pool)
         r = active[start:start + step]
@@ -620,7 +643,7 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         o[empty] = 0
         m[empty] = 0
         l[empty] = 0
-        out[r] = o if exact else _to_query_dtype(round_to_query_dtype(o, qdtype), qdtype)
+        out[r] = o if exact else round_q16(o, qdtype, out_rounding or DEFAULT_ROUNDING["out"][qdtype])
         mx[r] = m
         sm[r] = l
 
@@ -668,7 +691,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     next_tokens=2**63 - 1, attention_mode=2, quant_scale_repo_mode=1,
                                     tile_size=128, rope_head_dim=64, return_softmax_lse=False,
                                     key_dtype="int8", precision="faithful",
-                                    probability_rounding="unnormalised", chunk_size=2048):
+                                    probability_rounding="unnormalised", chunk_size=2048, k_rounding=None,
+                                    p_rounding=None, out_rounding=None):
     """QSFA over a packed quantised KV cache (the oracle of ``qsfa.kv_quant_sparse_flash_attention``).
 
     query:  float16/bfloat16 ``[B, Q_S, Q_N, 512 + rope]`` (BSND) or ``[Q_T, Q_N, 512 + rope]`` (TND).
@@ -676,11 +700,15 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
             NoPE codes of ``key_dtype`` ("int8", "float8_e4m3fn", "hifloat8") at bytes [0, 512), RoPE in
             the query dtype at [512, 640) when rope_head_dim = 64, 4 fp32 tile scales last.
     value:  not read (V = dequantised K NoPE, MLA-absorb).
+    k_rounding, p_rounding, out_rounding: "rint" | "round" at the three rounding points (dequantised K, P, the
+            output); None = :data:`DEFAULT_ROUNDING` (the A2/A3 kernels'). The front door passes the chip's
+            modes (qsfa.chips, docs/numerics/chips.md#attention).
     Returns ``(attention_out [..., Q_N, 512], softmax_max, softmax_sum)``; see the module docstring for
     the precision rules, shapes of the LSE outputs and ``probability_rounding`` (OPEN).
     Arguments are assumed valid (``qsfa.kv_quant_sparse_flash_attention`` validates them).
     """
     _check_common(precision, probability_rounding)
+    k_mode = k_rounding or DEFAULT_ROUNDING["k"][_qdt_name(query)]
     exact = precision == "exact"
     qdt = _qdt_name(query)
     rope = int(rope_head_dim)
@@ -727,11 +755,12 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 t = tmp[:b - a]
                 nope_scaled(packed[a:b, :NOPE_DIM], scales[a:b], t)
                 t2 = t.reshape(b - a, NOPE_DIM)
-                if qdt == "bfloat16":
-                    np.copyto(t16[:b - a], t2, casting="unsafe")  # RINT (ml_dtypes: round half to even)
+                if k_mode == "rint":
+                    with np.errstate(over="ignore"):
+                        np.copyto(t16[:b - a], t2, casting="unsafe")  # RINT (NumPy / ml_dtypes: half to even)
                     np.copyto(kn[a:b], t16[:b - a])
                 else:
-                    np.copyto(kn[a:b], _fp16_round_away(t2))
+                    np.copyto(kn[a:b], round_q16(t2, qdt, k_mode))
         if rope:
             rope32 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float32)  # exact widening
             np.copyto(k[:, NOPE_DIM:], rope32)
@@ -774,7 +803,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     out, mx, sm = _core(rows=rows, kvm=kvm, indices=sparse_indices, sparse_block_size=sparse_block_size,
                         sparse_mode=sparse_mode, n_heads=n_heads, dv=NOPE_DIM, load_q=load_q, load_kv=load_kv,
                         scale_value=scale_value, qdtype=qdt, precision=precision,
-                        probability_rounding=probability_rounding, chunk_size=chunk_size)
+                        probability_rounding=probability_rounding, chunk_size=chunk_size, p_rounding=p_rounding,
+                        out_rounding=out_rounding)
     return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact)
 
 
@@ -787,7 +817,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                            key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
                            sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
                            return_softmax_lse=False, sinks=None, lse_includes_sink=False,
-                           precision="faithful", probability_rounding="unnormalised", chunk_size=2048):
+                           precision="faithful", probability_rounding="unnormalised", chunk_size=2048,
+                           p_rounding=None, out_rounding=None):
     """SFA over a float (fp16/bf16) KV (the oracle of ``qsfa.sparse_flash_attention``).
 
     query ``[..., Q_N, D]``, key ``[..., 1, D]``, value ``[..., 1, D]`` or ``None`` (then V = key),
@@ -796,7 +827,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
     logit per head joining the softmax denominator without a value:
     ``out = out_without_sink / (1 + exp(sink - lse))``; the returned LSE excludes the sink unless
     ``lse_includes_sink`` (**OPEN**, default False as in FlashMLA/FlashInfer), in which case
-    ``softmax_sum`` gains ``exp(sink - softmax_max)``. Other rules as the module docstring.
+    ``softmax_sum`` gains ``exp(sink - softmax_max)``. p_rounding / out_rounding: as
+    :func:`kv_quant_sparse_flash_attention`. Other rules as the module docstring.
     """
     _check_common(precision, probability_rounding)
     exact = precision == "exact"
@@ -861,7 +893,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                         sparse_mode=sparse_mode, n_heads=n_heads, dv=dv, load_q=load_q, load_kv=load_kv,
                         scale_value=scale_value, qdtype=qdt, precision=precision,
                         probability_rounding=probability_rounding, chunk_size=chunk_size, sinks=sinks,
-                        lse_includes_sink=lse_includes_sink)
+                        lse_includes_sink=lse_includes_sink, p_rounding=p_rounding, out_rounding=out_rounding)
     return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact)
 
 
@@ -883,7 +915,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
               key_dtype=None, rope_head_dim=None, precision="faithful", probability_rounding="unnormalised",
-              chunk_size=2048):
+              chunk_size=2048, k_rounding=None, p_rounding=None, out_rounding=None):
     """Route like vLLM-Ascend: a one-byte (packed quantised) key -> QSFA, a float key -> SFA.
 
     For QSFA, ``query`` is the NoPE part and ``query_rope`` (if given) is concatenated to it;
@@ -895,7 +927,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
                   actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                   layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
                   return_softmax_lse=return_softmax_lse, precision=precision,
-                  probability_rounding=probability_rounding, chunk_size=chunk_size)
+                  probability_rounding=probability_rounding, chunk_size=chunk_size, p_rounding=p_rounding,
+                  out_rounding=out_rounding)
     if is_quant_key(key):
         from .._arrays import dtype_name
 
@@ -906,7 +939,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
             key_dtype = "float8_e4m3fn" if dtype_name(key) == "float8_e4m3fn" else "int8"
         return kv_quant_sparse_flash_attention(q, key, key if value is None else value, sparse_indices,
                                                scale_value, key_dtype=key_dtype, rope_head_dim=rope_head_dim,
-                                               **common)
+                                               k_rounding=k_rounding, **common)
     return sparse_flash_attention(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                                   key_rope=key_rope, sinks=sinks, attention_mode=2, **common)
 
