@@ -247,6 +247,21 @@ def test_conformance_on_a_cluster_matches_a_serial_run(client, tmp_path):
     assert s.tasks == 3 * len(props) and all(r.examples == 6 for r in b.results if r.status == "passed")
 
 
+def test_a_property_run_that_breaks_is_one_error_verdict(client, tmp_path):
+    """The task returns the error as a verdict: reported once, not retried by Dask."""
+    from types import SimpleNamespace
+
+    ghost = SimpleNamespace(name="no_such_op.no_such_property", ops=["no_such_op"])
+    props = select(properties=["formats.decode.vs_reference"]) + [ghost]
+    report, summary = run_sharded(props, "reference", bounds=TINY, max_examples=3, client=client, progress=False,
+                                  cases_dir=str(tmp_path))
+    assert [r.status for r in report.results] == ["passed", "error"]
+    assert report.results[1].message == "KeyError: \"unknown property 'no_such_op.no_such_property'\""
+    assert not summary.reruns
+    attempts = [m for _, m in client.get_events("qsfa-attempt") if "no_such_property" in m["key"]]
+    assert len(attempts) == 1
+
+
 class _WrongScatter(WorkerPlugin):
     """A backend whose scatter_by_slot writes slot -1 into the last row (the classic bug)."""
 
