@@ -314,7 +314,9 @@ def _run_forked(case, table, timeout_s, mem_bytes):
     if pid == 0:  # child
         os.close(r)
         try:
-            resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+            with open("/proc/self/status") as f:  # the address space already mapped (torch maps a lot) + the budget
+                vm = next((int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:")), 0)
+            resource.setrlimit(resource.RLIMIT_AS, (vm + mem_bytes, vm + mem_bytes))
             res = run_case(case, table)
         except BaseException as e:  # noqa: BLE001
             res = ("foreign", f"{type(e).__name__}: {str(e)[:200]}")

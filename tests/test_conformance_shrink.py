@@ -41,3 +41,25 @@ def test_zero_budget_stops_after_the_first_failure(monkeypatch):
     first_fail = next(i for i, n in enumerate(seen) if n >= 10)
     assert len(seen) == first_fail + 2  # the first failure, then only hypothesis's final replay of it
     assert seen[-1] == seen[first_fail]
+
+
+def test_triton_interpreter_runs_default_to_tiny_shapes(monkeypatch):
+    """The README's TRITON_INTERPRET=1 conformance command must finish in minutes: without --bound /
+    --max-examples it draws the interpreter's tiny shapes and few examples; either flag restores the user's."""
+    import argparse
+
+    from qsfa._profiles import INTERPRETER_BOUNDS
+    from qsfa.conformance.cli import interpreter_budget
+
+    def ns(**kw):
+        base = dict(backend="triton", bound=None, max_examples=None, profile="ci")
+        return argparse.Namespace(**{**base, **kw})
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    b, n = interpreter_budget(ns())
+    assert b.to_dict()["max_kv_tokens"] == INTERPRETER_BOUNDS["max_kv_tokens"] and n == 8
+    assert interpreter_budget(ns(max_examples=25)) is None
+    assert interpreter_budget(ns(bound=["max_kv_tokens=32"])) is None
+    assert interpreter_budget(ns(backend="reference")) is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert interpreter_budget(ns()) is None
