@@ -5,7 +5,10 @@ here in :data:`qsfa.strategies.STRATEGIES`): each strategy draws a ``dict`` of v
 hypothesis, bulk contents come from a NumPy generator seeded by a drawn integer.
 
 * ``layouts.flashmla_model1_quantize`` / ``layouts.flashmla_model1_dequantize`` (FlashMLA MODEL1 cache);
-* ``kv_compress_epilog_vllm`` (vLLM-Ascend's kv_compress_epilog, MXFP8).
+* ``kv_compress_epilog_vllm`` (vLLM-Ascend's kv_compress_epilog, MXFP8);
+* ``c8_cache_write`` / ``c8_rmsnorm_rope_cache`` with ``key_dtype="hifloat8"`` and its OPEN ``dst_type_max``: the
+  registry entries wrap :func:`qsfa.strategies.c8_cache_write_args` / ``c8_rmsnorm_rope_cache_args``, drawing the key
+  format themselves (HiFloat8 included) and passing it on as a pin.
 """
 
 from __future__ import annotations
@@ -95,10 +98,30 @@ def kv_compress_epilog_vllm_args(draw, bounds: Bounds | None = None, **pins) -> 
                 round_scale_flag=_choose(draw, pins, "round_scale_flag", (True, False)), layout=layout)
 
 
+def _with_hifloat8_keys(base):
+    """``base`` (a C8 writer strategy) with ``key_dtype`` drawn from int8 / float8_e4m3fn / hifloat8 and, for
+    HiFloat8, the OPEN ``dst_type_max`` from 0 (= 32768) and the values torch_npu documents."""
+
+    @st.composite
+    def strat(draw, bounds: Bounds | None = None, **pins) -> dict:
+        key = _choose(draw, pins, "key_dtype", ("int8", "float8_e4m3fn", "hifloat8"))
+        args = draw(base(bounds, **{k: v for k, v in pins.items() if k != "dst_type_max"}, key_dtype=key))
+        args["dst_type_max"] = (_choose(draw, pins, "dst_type_max", (0.0, 15.0, 56.0, 224.0, 32768.0))
+                                if key == "hifloat8" else 0.0)
+        return args
+
+    strat.__doc__ = f"{base.__doc__ or ''} (HiFloat8 keys and dst_type_max added by qsfa.strategies_more)"
+    return strat
+
+
 MORE_STRATEGIES = {
     "layouts.flashmla_model1_quantize": flashmla_model1_quantize_args,
     "layouts.flashmla_model1_dequantize": flashmla_model1_dequantize_args,
     "kv_compress_epilog_vllm": kv_compress_epilog_vllm_args,
 }
 
+for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):
+    if _op in STRATEGIES and not getattr(STRATEGIES[_op], "_hifloat8_keys", False):
+        MORE_STRATEGIES[_op] = _with_hifloat8_keys(STRATEGIES[_op])
+        MORE_STRATEGIES[_op]._hifloat8_keys = True
 STRATEGIES.update(MORE_STRATEGIES)

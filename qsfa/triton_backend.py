@@ -48,7 +48,7 @@ def _kernels():
 # ---------------------------------------------------------------------------------------------------
 # implementations (arguments: validated, normalised, torch tensors on the backend's device)
 
-_C8_PARAMS = {"k_nope", "k_rope", "slot_mapping", "kv_cache", "key_dtype", "scale_order"}
+_C8_PARAMS = {"k_nope", "k_rope", "slot_mapping", "kv_cache", "key_dtype", "scale_order", "dst_type_max"}
 
 
 def c8_cache_write(**args):
@@ -162,13 +162,27 @@ def _precision_faithful() -> Constraint:
     )
 
 
+#: NoPE code formats the C8 writer kernel produces
+C8_KEY_DTYPES = ("int8", "float8_e4m3fn")
+
+
+def _c8_key_dtype() -> Constraint:
+    return Constraint(
+        id="triton.c8_cache_write.key_dtype", param="key_dtype", kind="value",
+        reason=f"the Triton C8 writer quantises to {one_of(C8_KEY_DTYPES)} only (no HiFloat8)",
+        check=lambda a: None if a.get("key_dtype", "int8") in C8_KEY_DTYPES else a.get("key_dtype"),
+        violate=set_param("key_dtype", "hifloat8"), source="qsfa.kernels.c8_cache_writer",
+    )
+
+
 _LIMITS = {
     "kv_quant_sparse_flash_attention": lambda: [_attention_key_dtype(), _precision_faithful()],
+    "c8_cache_write": lambda: [_c8_key_dtype()],
 }
 
 
 def limits(op: str) -> list[Constraint]:
-    """The kernel limits of ``op`` on this backend (checked after the operator contract). The C8 writer
-    has none: every argument set its contract accepts runs."""
+    """The kernel limits of ``op`` on this backend (checked after the operator contract): the attention
+    kernel's key formats and precision, the C8 writer's key formats."""
     make = _LIMITS.get(op)
     return make() if make else []

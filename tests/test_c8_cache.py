@@ -187,7 +187,9 @@ def test_torch_cache_strided_along_blocks_updated_in_place():
     (dict(slot_mapping=np.array([0, 0])), "c8_cache_write.slot_mapping_unique"),
     (dict(slot_mapping=np.array([0, 12])), "c8_cache_write.slot_mapping_range"),
     (dict(k_rope=None), "c8_cache_write.kv_cache_shape"),  # a 656-byte cache needs the RoPE
-    (dict(key_dtype="hifloat8"), "c8_cache_write.key_dtype_value"),
+    (dict(key_dtype="int4"), "c8_cache_write.key_dtype_value"),
+    (dict(dst_type_max=15.0), "c8_cache_write.dst_type_max_value"),
+    (dict(key_dtype="hifloat8", dst_type_max=40000.0), "c8_cache_write.dst_type_max_value"),
 ])
 def test_rejections_write_nothing(kw, cid):
     args = dict(k_nope=np.ones((2, 512), BF16), k_rope=np.ones((2, 64), BF16), slot_mapping=np.array([0, 1]),

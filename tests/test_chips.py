@@ -399,3 +399,21 @@ def test_conformance_runs_model_the_requested_chip(fake_backends):
     assert calls and all(c["k_rounding"] == "rint" and c["out_rounding"] == "round" for c in calls)
     r = run_property(prop, "fake_chip_device", max_examples=2, seed=1)
     assert r.chip == "950" and r.status == "passed", r.message
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the per-row loop golden of tests/test_attention_support.py (its own table of each chip's modes), for every chip
+
+@pytest.mark.parametrize("chip", ["A2", "A3", "950"])
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
+def test_faithful_matches_the_per_row_golden_of_each_chip(chip, qdtype):
+    from test_attention_support import golden_faithful, layout_args, random_case
+
+    case = random_case(np.random.default_rng(11), kv=200, act_kv=[200, 150], act_q=[2, 3], sparse=96, heads=4,
+                       qdtype=qdtype, key_fmt="int8")
+    args = layout_args(case, "BSND", "PA_BSND", block_size=64)
+    out = qsfa.kv_quant_sparse_flash_attention(**args, chip=chip)[0]
+    g_out, _, _ = golden_faithful(case, accumulate="float64", chip=chip)
+    res = qsfa.compare.assert_close(out.astype(np.float32), g_out.astype(QDT[qdtype]).astype(np.float32),
+                                    dtype=qdtype)
+    assert res.max_ulp is not None and res.max_ulp <= 2

@@ -190,6 +190,11 @@ def c8_cases() -> list[Case]:
     out.append(_case("c8w-e4m3-int32-slots", "c8_cache_write", "c8_cache_write",
                      "C8 writer with float8_e4m3fn NoPE (950), int32 slots", T=5, rope=64, dtype="bfloat16",
                      key_dtype="float8_e4m3fn", slot_dtype="int32", skip=2, block_size=16, block_num=1))
+    for tmax in (0.0, 15.0):
+        out.append(_case(f"c8w-hif8-max{int(tmax)}", "c8_cache_write", "c8_cache_write",
+                         f"C8 writer with HiFloat8 NoPE (950; OPEN scale rule amax / TYPE_MAX, dst_type_max {tmax}), "
+                         "a zero tile, a -1 slot", T=5, rope=64, dtype="bfloat16", key_dtype="hifloat8",
+                         dst_type_max=tmax, zero_tile=True, skip=1, block_size=16, block_num=1))
     for dt in ("bfloat16", "float16"):
         for rope in (64, 0):
             out.append(_case(f"c8r-{dt}-rope{rope}", "c8_rmsnorm_rope_cache", "c8_rmsnorm_rope_cache",
@@ -200,7 +205,7 @@ def c8_cases() -> list[Case]:
 
 
 register_set("c8-cache", "QSFA C8 cache writers: packed 656/528-byte rows from k_nope/k_rope or from the latent "
-             "KV, bf16/fp16, rope 64/0, int8 and FP8 NoPE, zero tiles, -1 slots", c8_cases)
+             "KV, bf16/fp16, rope 64/0, int8, FP8 and HiFloat8 NoPE, zero tiles, -1 slots", c8_cases)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -212,12 +212,21 @@ def _c8_cache_rules(op, *, rope_present, cache="kv_cache"):
     ]
 
 
+def _c8_dst_type_max(a):
+    v = a.get("dst_type_max", 0.0)
+    ok = _is_num(v) and math.isfinite(v) and 0 <= v <= 32768 and (v == 0 or a.key_dtype == "hifloat8")
+    return None if ok else v
+
+
 def _c8_key_rules(op):
     return [
-        _rule(op, "key_dtype_value", "key_dtype", "value",
-              f"must be {one_of(_c8.KEY_DTYPES)} (HiFloat8 NoPE: no public writer defines its scale)",
-              lambda a: None if a.key_dtype in _c8.KEY_DTYPES else a.key_dtype, set_param("key_dtype", "hifloat8"),
+        _rule(op, "key_dtype_value", "key_dtype", "value", f"must be {one_of(_c8.KEY_DTYPES)}",
+              lambda a: None if a.key_dtype in _c8.KEY_DTYPES else a.key_dtype, set_param("key_dtype", "int4"),
               source=C8_SRC),
+        _rule(op, "dst_type_max_value", "dst_type_max", "value",
+              "must be a number in [0, 32768] (0 = HiFloat8's 32768), and 0 unless key_dtype is 'hifloat8'",
+              _c8_dst_type_max, set_param("dst_type_max", 15.0),
+              source="docs/numerics/open-facts.md#hifloat8-c8-nope"),
         _rule(op, "scale_order_value", "scale_order", "value",
               f"must be {one_of(SCALE_ORDERS)} (docs/numerics/open-facts.md#scale_order OPEN: x / s or x * 127 / amax)",
               lambda a: None if a.scale_order in SCALE_ORDERS else a.scale_order, set_param("scale_order", "bogus"),
@@ -273,8 +282,9 @@ C8_CONTRACT = Contract(
 )
 
 
-def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order):
-    return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype, scale_order=scale_order)
+def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order, dst_type_max=0.0):
+    return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype, scale_order=scale_order,
+                              dst_type_max=dst_type_max)
 
 
 define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
@@ -282,7 +292,7 @@ define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
 
 
 def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", scale_order="divide",
-                   chip=None, backend="reference"):
+                   dst_type_max=0.0, chip=None, backend="reference"):
     """Quantise, pack and scatter one packed QSFA row per token (the kernel-checkable C8 writer stage).
 
     For token t with slot s = slot_mapping[t] (-1: nothing written), row ``kv_cache[s // bs, s % bs, 0]``
@@ -293,19 +303,23 @@ def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", 
     key_dtype "int8" (A2/A3): ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero
     tile gives ``s = 0, q = 0`` (docs/numerics/open-facts.md#zero-tile, OPEN on hardware). "float8_e4m3fn" (950, vllm-ascend's A5 branch
     calls ``npu_dynamic_block_quant(dst_type=float8_e4m3fn)``): ``s = amax / 448``, ``q = E4M3FN(x / s)``
-    RINT + saturation. HiFloat8 NoPE is not offered: no public writer says how its scale is computed.
+    RINT + saturation. "hifloat8" (950; **OPEN**, docs/numerics/open-facts.md#hifloat8-c8-nope - no public
+    writer fixes it): the same call with ``dst_type=hifloat8``, ``s = amax / TYPE_MAX``, ``q = HiF8(ROUND, SAT)``
+    with TYPE_MAX = ``dst_type_max`` (0 = 32768).
 
     Parameters:
       k_nope:       ``[T, 512]`` float16 / bfloat16 (already normalised).
       k_rope:       ``[T, 64]`` of k_nope's dtype (already rotated), or None for rope 0 (528-byte rows).
       slot_mapping: ``[T]`` int32 / int64; -1 skips; otherwise unique and < block_num * block_size.
       kv_cache:     ``[block_num, block_size, 1, 656 | 528]`` uint8 / int8 / float8_e4m3fn, updated in place.
-      key_dtype:    "int8" (default) or "float8_e4m3fn".
+      key_dtype:    "int8" (default), "float8_e4m3fn" or "hifloat8".
+      dst_type_max: HiFloat8 only (**OPEN**): the TYPE_MAX of its scale, 0 (default: 32768) or any value up to 32768
+                    (torch_npu documents 15, 56, 224, 32768).
       scale_order:  **OPEN** (docs/numerics/open-facts.md#scale_order): "divide" (default, ``x / s``) or "multiply" (``x * fp32(127 / amax)``).
     Returns ``kv_cache``.
     """
     args = dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slot_mapping, kv_cache=kv_cache, key_dtype=key_dtype,
-                scale_order=scale_order)
+                scale_order=scale_order, dst_type_max=dst_type_max)
     return run(C8, args, backend, chip=chip)
 
 
@@ -388,9 +402,11 @@ C8R_CONTRACT = Contract(
 )
 
 
-def _c8r_reference(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon, rope_head_dim, key_dtype, scale_order):
+def _c8r_reference(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon, rope_head_dim, key_dtype, scale_order,
+                   dst_type_max=0.0):
     return _c8.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon=epsilon,
-                                     rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order)
+                                     rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order,
+                                     dst_type_max=dst_type_max)
 
 
 define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_reference,
@@ -398,7 +414,8 @@ define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_referen
 
 
 def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilon=1e-6, rope_head_dim=64,
-                          key_dtype="int8", scale_order="divide", chip=None, backend="reference"):
+                          key_dtype="int8", scale_order="divide", dst_type_max=0.0, chip=None,
+                          backend="reference"):
     """The QSFA C8 cache writer from a latent KV: RMSNorm + interleave RoPE + :func:`c8_cache_write`.
 
     Mirrors vllm-ascend (vllm_ascend/attention/sfa_v1.py ``custom_kv_rmsnorm_rope`` then
@@ -420,11 +437,12 @@ def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilo
       epsilon:       RMSNorm eps; default 1e-6 = DeepSeek-V3.2's rms_norm_eps, which vllm-ascend passes
                      (kv_a_layernorm.variance_epsilon; custom_kv_rmsnorm_rope's own default is 1e-5).
       rope_head_dim: 64 (656-byte rows) or 0 (528-byte rows, RoPE skipped).
-      key_dtype, scale_order: as :func:`c8_cache_write`.
+      key_dtype, scale_order, dst_type_max: as :func:`c8_cache_write`.
     Returns ``kv_cache``.
     """
     args = dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                epsilon=epsilon, rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order)
+                epsilon=epsilon, rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order,
+                dst_type_max=dst_type_max)
     return run(C8R, args, backend, chip=chip)
 
 
