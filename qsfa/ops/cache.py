@@ -278,7 +278,8 @@ C8_CONTRACT = Contract(
     ],
     example=_c8_example,
     inplace=("kv_cache",),
-    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"),
+    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"
+                  " dst_type_max:float"),
 )
 
 
@@ -398,7 +399,7 @@ C8R_CONTRACT = Contract(
     example=_c8r_example,
     inplace=("kv_cache",),
     params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
-                  " rope_head_dim:int key_dtype:str scale_order:str"),
+                  " rope_head_dim:int key_dtype:str scale_order:str dst_type_max:float"),
 )
 
 
