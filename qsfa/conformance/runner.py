@@ -207,7 +207,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     """Run ``prop`` against ``backend`` (see the module docstring). ``bounds``: a
     :class:`qsfa.strategies.Bounds` (default: the profile's). ``cases_dir``: where a falsifying example is
     saved (None: not saved). ``pins``: extra strategy pins (e.g. tiny shapes for an interpreter)."""
-    from hypothesis import given, reject, settings
+    from hypothesis import example, given, reject, settings
     from hypothesis import seed as hyp_seed
     from hypothesis.control import current_build_context
     from hypothesis.errors import Unsatisfiable
@@ -258,6 +258,10 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
 
     test.__name__ = re.sub(r"\W", "_", f"conformance_{prop.name}")
     wrapped = given(strategy)(test)
+    from ._edge_phase import edge_examples
+
+    for ex in reversed(edge_examples(prop, b, chip, pins or {}, fits)):  # edges first, in EDGES order
+        wrapped = example(ex)(wrapped)
     wrapped._hypothesis_internal_add_digest = prop.name.encode()
     wrapped = settings(**settings_for(profile, max_examples=max_examples, seed=seed))(wrapped)
     if seed is not None:
