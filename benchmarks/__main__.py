@@ -25,10 +25,14 @@ from ._harness import fmt_s, machine
 BENCHMARKS = {
     "formats": "encoding 16M floats vs ml_dtypes / en-dtypes compiled casts",
     "cache_writers": "cache writers vs a per-token loop",
+    "writers_naive": "C8 writers and dynamic_block_quant vs naive vectorised NumPy versions (same bytes)",
     "attention": "reference attention vs a per-row golden and the matmul-only floor",
+    "decode_floor": "faithful QSFA decode vs the fp32 / float64 GEMM floors and a torch fp32 user version (1 thread)",
+    "cores": "TND prefill on 2 threads vs 1 (qsfa.set_num_threads), byte-identical",
     "scaling": "how attention cost grows with sparse_size, query tokens and context length",
     "conformance": "conformance examples per second per operator",
     "triton_qsfa": "Triton QSFA on a GPU vs the device's measured peak (skipped without a GPU)",
+    "distributed": "golden seed-rope0 and the ci conformance run: --workers 2 vs serial, end to end",
 }
 
 

@@ -14,7 +14,7 @@ Baselines, measured in the same process on the same inputs:
     (K NoPE to bf16, once; vLLM's golden does it for K and V separately), then for every query row a
     Python loop over its index entries, a gather, ``q @ K^T``, fp32 softmax, bf16 P, ``P @ V``. For the
     prefill it is timed on the first 64 rows and scaled linearly to 4096 (a full run would take minutes;
-    the row says so). Its output is compared with ours (SPEC.md 4 tolerances) before any time is reported.
+    the row says so). Its output is compared with ours (docs/numerics/comparison.md#float-criterion tolerances) before any time is reported.
 (b) ``matmul floor``: the two batched matmuls alone (``[c, 128, 576] @ [c, 576, 2048]`` and
     ``[c, 128, 2048] @ [c, 2048, 512]``) on preallocated operands, over the same rows in the same chunks, in fp32
     (what an fp32-accumulating implementation needs) and in float64 (what ours runs: its fp32 accumulations are
@@ -76,8 +76,10 @@ def decode_case(rng, batch=4, kv_len=8192, sparse=2048, heads=128):
                 actual_seq_lengths_kv=np.full(batch, kv_len, np.int32), layout_query="BSND", layout_kv="PA_BSND")
 
 
-def prefill_case(rng, q_tokens=4096, sparse=2048, heads=128):
-    kv_len = sparse + q_tokens
+def prefill_case(rng, q_tokens=4096, sparse=2048, heads=128, cached=None):
+    """cached: tokens before the query (default sparse: every row sees >= sparse tokens); fewer leave the first
+    rows' surplus indices past their causal threshold (unselected)."""
+    kv_len = (sparse if cached is None else cached) + q_tokens
     cache, nblk = _cache(rng, kv_len)
     table = np.arange(nblk, dtype=np.int32)[None, :]
     q = (rng.standard_normal((q_tokens, heads, 576)) * 0.5).astype(BF16)

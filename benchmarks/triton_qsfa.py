@@ -11,7 +11,7 @@ Measured in one process:
 each over a few kernel tilings (``KernelConfig``), reporting achieved TFLOP/s (2 * Q_N * (576 + 512)
 flops per selected token and row) and GB/s (unique bytes: query + gathered packed rows + output), as
 fractions of the measured peaks, and checking a subset of the output against the reference backend
-(SPEC.md 4 criterion). Goal on an H200: decode >= 40% of the measured bf16 matmul peak.
+(docs/numerics/comparison.md#float-criterion criterion). Goal on an H200: decode >= 40% of the measured bf16 matmul peak.
 
     python benchmarks/triton_qsfa.py [--quick]
     python -m benchmarks --only triton_qsfa [--quick]
@@ -153,7 +153,7 @@ def _work(args) -> tuple[float, float, int]:
 
 
 def _check_subset(args, out, n_batch: int = 2) -> str:
-    """The first ``n_batch`` batches of the Triton output against the reference backend (SPEC.md 4)."""
+    """The first ``n_batch`` batches of the Triton output against the reference backend (docs/numerics/comparison.md#float-criterion)."""
     import numpy as np
 
     import qsfa
@@ -177,7 +177,7 @@ def _check_subset(args, out, n_batch: int = 2) -> str:
     host = {k: (to_numpy(v) if hasattr(v, "device") else v) for k, v in sub.items()}
     want = qsfa.kv_quant_sparse_flash_attention(**host, backend="reference")[0]
     res = compare_float(to_numpy(got), np.asarray(want), dtype="bfloat16", name="attention_out")
-    return ("PASS" if res.passed else "FAIL") + f" vs reference on {n_batch} batches: " + res.message
+    return f"{res.message} (vs reference on {n_batch} batches)"
 
 
 def _bench_shape(name, args, peaks, configs, quick) -> list[dict]:

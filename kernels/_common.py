@@ -11,7 +11,7 @@ Why these exist (measured with triton 3.9; see tests/test_triton_kernels.py::tes
   *subnormals* (1e-39 comes back as 4.4e-39, 5e-41 as 0). :func:`bf16_to_f32` widens through the bit
   pattern (``bits << 16``), exact everywhere; :func:`to_f32` picks it for bf16 inputs.
 * ``x.to(tl.float16)`` from fp32 is RNE everywhere (numpy ``astype`` in the interpreter, ``cvt.rn`` on a
-  GPU). :func:`f32_to_f16_round` gives round-half-away-from-zero (SPEC.md "ROUND") on top of it by
+  GPU). :func:`f32_to_f16_round` gives round-half-away-from-zero (docs/numerics/formats.md#rounding-modes) on top of it by
   detecting exact ties: ``d = x - rne(x)`` is exact, and ``x`` is a tie iff ``rne(x) + 2d`` is the other
   fp16 neighbour.
 * RINT of an fp32 value of magnitude < 2**22 is ``(y + 1.5*2**23) - 1.5*2**23`` (the add rounds to an
@@ -40,12 +40,13 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["interpreting", "bf16_to_f32", "to_f32", "f32_to_bf16_rne", "f32_to_f16_round", "f32_to_f16_rne",
+__all__ = ["interpreting", "bf16_to_f32", "to_f32", "f32_to_bf16_rne", "f32_to_bf16_round", "f32_to_f16_round",
+           "f32_to_f16_rne",
            "round_to_dtype", "rint_small", "ROUND_RINT", "ROUND_AWAY"]
 
 #: rounding-mode codes used as constexpr kernel arguments
 ROUND_RINT = 0  # round half to even
-ROUND_AWAY = 1  # round half away from zero ("ROUND" in SPEC.md)
+ROUND_AWAY = 1  # round half away from zero (ROUND in docs/numerics/formats.md#rounding-modes)
 
 
 def interpreting() -> bool:
@@ -77,6 +78,15 @@ def f32_to_bf16_rne(x):
 
 
 @triton.jit
+def f32_to_bf16_round(x):
+    """fp32 -> bf16, round half away from zero, via the fp32 bit pattern (finite inputs): adding half a bf16 ulp
+    to the sign-magnitude bits rounds the magnitude half up."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x8000
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def f32_to_f16_rne(x):
     """fp32 -> fp16, round half to even (native conversion; RNE on every target)."""
     return x.to(tl.float16)
@@ -98,8 +108,10 @@ def f32_to_f16_round(x):
 def round_to_dtype(x, IS_BF16: tl.constexpr, MODE: tl.constexpr):
     """fp32 -> the query dtype (bf16 when IS_BF16 else fp16) with rounding MODE (ROUND_RINT / ROUND_AWAY)."""
     if IS_BF16:
-        # bf16 ROUND is not used by any kernel path; RNE is the only bf16 mode SPEC.md names.
-        return f32_to_bf16_rne(x)
+        if MODE == 1:
+            return f32_to_bf16_round(x)
+        else:
+            return f32_to_bf16_rne(x)
     else:
         if MODE == 1:
             return f32_to_f16_round(x)

@@ -1,11 +1,12 @@
-"""Triton kernel: the QSFA C8 cache writer (quantise + pack + scatter by slot), SPEC.md 3.2 / 3.5 / 2.
+"""Triton kernel: the QSFA C8 cache writer (quantise + pack + scatter by slot), docs/numerics/cache-writers.md#c8_cache_write,
+#scatter_by_slot and docs/numerics/quantisers.md#int8-dynamic.
 
 One program per token, one launch per batch. For token t with slot s = slot_mapping[t] (s = -1: nothing
 is written), the packed row ``kv_cache[s // block_size, s % block_size, 0, :]`` receives
 
 * bytes [0, 512): int8 NoPE, per 1x128 tile j: ``amax = max|x|`` (fp32), ``s_j = amax / 127`` (fp32,
   correctly rounded division), ``q = clamp(RINT(x / s_j), -127, 127)``; an all-zero tile gives s_j = 0 and
-  q = 0 (SPEC.md 2: OPEN on hardware, qsfa's definition);
+  q = 0 (docs/numerics/open-facts.md#zero-tile: OPEN on hardware, qsfa's definition);
 * bytes [512, 640): the raw 16-bit RoPE bytes (rope 64 only);
 * bytes [640, 656) (or [512, 528) at rope 0): s_0..s_3 as little-endian fp32.
 
@@ -17,7 +18,7 @@ interpreter-vs-GPU notes.
 ``key_dtype="float8_e4m3fn"`` (Ascend 950): ``s = amax / 448``, ``q = E4M3FN_RNE(clamp(x / s, +-448))``,
 encoded by bit arithmetic (the interpreter's fp8 conversion does not round to nearest even).
 
-``scale_order`` (SPEC.md 2, OPEN): ``"divide"`` (default, aclnn doc) quantises ``x / s``;
+``scale_order`` (docs/numerics/open-facts.md#scale_order, OPEN): ``"divide"`` (default, aclnn doc) quantises ``x / s``;
 ``"multiply"`` quantises ``x * fp32(TYPE_MAX / amax)`` (the op-plugin test golden's order).
 """
 
@@ -129,7 +130,7 @@ def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype: 
       key_dtype:    "int8" (``s = amax / 127``, RINT, clamp +-127) or "float8_e4m3fn" (``s = amax / 448``,
                     clamp +-448, E4M3FN RNE).
       scale_order:  ``"divide"`` (``x / s``, default) or ``"multiply"`` (``x * fp32(TYPE_MAX / amax)``);
-                    SPEC.md 2 OPEN.
+                    docs/numerics/open-facts.md#scale_order (OPEN).
     Returns ``kv_cache``.
     """
     import torch

@@ -1,4 +1,4 @@
-"""Triton kernel: QSFA (kv_quant_sparse_flash_attention) decode and prefill, SPEC.md 3.6.
+"""Triton kernel: QSFA (kv_quant_sparse_flash_attention) decode and prefill, docs/numerics/attention.md#kv_quant_sparse_flash_attention.
 
 Work split: one program per (query row, block of BLOCK_H heads, block of BLOCK_DV output columns). All
 Q_N heads share the single KV head, so one gathered K/V tile serves BLOCK_H heads (the decode speed-up).
@@ -18,12 +18,12 @@ Per program:
 5. out = acc / sum (correctly rounded division) rounded to the query dtype; softmax_max = max,
    softmax_sum = sum; a row without a valid token writes out = 0, max = sum = 0.
 
-Rounding to the query dtype (K, P, out) is bf16 RINT and fp16 ROUND (half away from zero), as
-qsfa.reference.attention; both are done explicitly on bit patterns (kernels/_common.py), so the
-interpreter and a GPU agree. The interpreter's ``tl.dot`` is wrong for bf16 operands (raw uint16 bits),
+Rounding to the query dtype at K, P and out follows the requested chip's modes (constexpr Q_ROUND, P_ROUND,
+O_ROUND: RINT or ROUND = half away from zero; docs/numerics/chips.md), as qsfa.reference.attention; all are done
+explicitly on bit patterns (kernels/_common.py), so the interpreter and a GPU agree. The interpreter's ``tl.dot`` is wrong for bf16 operands (raw uint16 bits),
 so under ``TRITON_INTERPRET=1`` dot operands are widened exactly to fp32; on a GPU the dots take the
 16-bit operands directly. ``tl.exp`` is numpy's float32 exp in the interpreter and an approximate
-``ex2`` on GPUs (a last-bit difference in P that the SPEC.md 4 tolerance absorbs).
+``ex2`` on GPUs (a last-bit difference in P that the docs/numerics/comparison.md#float-criterion tolerance absorbs).
 """
 
 from __future__ import annotations
@@ -171,7 +171,9 @@ def qsfa_attention_kernel(
     IS_PA: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     IS_BF16: tl.constexpr,
-    Q_ROUND: tl.constexpr,                     # fp16 rounding of K, P and out: ROUND_AWAY / ROUND_RINT
+    Q_ROUND: tl.constexpr,                     # rounding of the dequantised K (and V): ROUND_AWAY / ROUND_RINT
+    P_ROUND: tl.constexpr,                     # rounding of P before P @ V
+    O_ROUND: tl.constexpr,                     # rounding of the output
     KEY_FP8: tl.constexpr,                     # NoPE codes are FP8 E4M3FN (else int8)
     TWO_PASS: tl.constexpr,                    # pass 1: row max and sum; pass 2: P against the final max
     P_NORMALISED: tl.constexpr,                # (two-pass only) round p / sum instead of p
@@ -234,7 +236,7 @@ def qsfa_attention_kernel(
             p = tl.exp(s - m_fin[:, None])
             if P_NORMALISED:
                 p = tl.math.div_rn(p, tl.broadcast_to(l_div[:, None], p.shape))
-            p16 = round_to_dtype(p, IS_BF16, Q_ROUND)
+            p16 = round_to_dtype(p, IS_BF16, P_ROUND)
             acc0 = _pv(acc0, p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
                        KEY_FP8, DOT_F32, W)
             acc1 = _pv(acc1, p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
@@ -259,7 +261,7 @@ def qsfa_attention_kernel(
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            p16 = round_to_dtype(p, IS_BF16, Q_ROUND)
+            p16 = round_to_dtype(p, IS_BF16, P_ROUND)
             acc0 = _pv(acc0 * alpha[:, None], p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, SCALE_IDX,
                        IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
             acc1 = _pv(acc1 * alpha[:, None], p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX,
@@ -271,12 +273,12 @@ def qsfa_attention_kernel(
         l_out = l_i
 
     has = l_out > 0.0
-    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0, acc0, has, l_out, IS_BF16, Q_ROUND, W)
-    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + W, acc1, has, l_out, IS_BF16, Q_ROUND, W)
+    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0, acc0, has, l_out, IS_BF16, O_ROUND, W)
+    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + W, acc1, has, l_out, IS_BF16, O_ROUND, W)
     _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + 2 * W, acc2, has, l_out, IS_BF16,
-               Q_ROUND, W)
+               O_ROUND, W)
     _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + 3 * W, acc3, has, l_out, IS_BF16,
-               Q_ROUND, W)
+               O_ROUND, W)
     if WRITE_LSE:
         if pid_v == 0:
             tl.store(max_ptr + row * Q_N + heads, tl.where(l_i > 0.0, m_i, 0.0), mask=hmask)
@@ -384,7 +386,8 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
                           actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
                           layout_query="BSND", layout_kv="BSND", sparse_mode=3, rope_head_dim=64,
                           return_softmax_lse=False, key_dtype="int8", probability_rounding="unnormalised",
-                          fp16_rounding="round", config: KernelConfig | None = None, _fault: str | None = None):
+                          k_rounding=None, p_rounding=None, out_rounding=None, config: KernelConfig | None = None,
+                          _fault: str | None = None):
     """Run the QSFA kernel on validated arguments (torch tensors on one device).
 
     query:  BSND ``[B, Q_S, Q_N, 512 + rope]`` or TND ``[Q_T, Q_N, 512 + rope]``, float16 / bfloat16.
@@ -396,8 +399,9 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     key_dtype: NoPE code format, "int8" or "float8_e4m3fn".
     probability_rounding: "unnormalised" (round ``exp(s - max)``; P @ V divided by the sum at the end) or
             "normalised" (round ``p / sum``; always runs two-pass) - the reference's OPEN parameter.
-    fp16_rounding: how fp32 values are rounded to an fp16 query dtype at the three rounding points
-            (K, P, out): "round" (half away from zero, SPEC.md 3.6, default) or "rint". bf16 is always RINT.
+    k_rounding, p_rounding, out_rounding: "rint" or "round" (half away from zero) at the three rounding points
+            (dequantised K, P, out); None = the A2/A3 kernels' mode (K and out: bf16 RINT, fp16 ROUND; P: ROUND).
+            The triton backend passes the requested chip's modes (qsfa.chips).
     config: tiling (:class:`KernelConfig`); None = :func:`default_config`.
     _fault: tests only - ``"threshold_off_by_one"`` or ``"ignore_stop"`` run a deliberately broken variant.
     Returns ``(attention_out, softmax_max, softmax_sum)``; the LSE tensors are fp32 ``[B, 1, Q_S, Q_N]`` /
@@ -409,8 +413,11 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     dev = query.device
     is_bf16 = query.dtype == torch.bfloat16
     modes = {"rint": ROUND_RINT, "round": ROUND_AWAY}
-    if fp16_rounding not in modes:
-        raise ValueError(f"fp16_rounding must be 'rint' or 'round', got {fp16_rounding!r}")
+    dflt = "rint" if is_bf16 else "round"
+    k_rounding, out_rounding, p_rounding = k_rounding or dflt, out_rounding or dflt, p_rounding or "round"
+    for name, m in (("k_rounding", k_rounding), ("p_rounding", p_rounding), ("out_rounding", out_rounding)):
+        if m not in modes:
+            raise ValueError(f"{name} must be 'rint' or 'round', got {m!r}")
     if probability_rounding not in ("unnormalised", "normalised"):
         raise ValueError(f"probability_rounding must be 'unnormalised' or 'normalised', got {probability_rounding!r}")
     if key_dtype not in ("int8", "float8_e4m3fn"):
@@ -489,7 +496,9 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             IS_PA=layout_kv == "PA_BSND",
             HAS_ROPE=int(rope_head_dim) == 64,
             IS_BF16=is_bf16,
-            Q_ROUND=modes[fp16_rounding],
+            Q_ROUND=modes[k_rounding],
+            P_ROUND=modes[p_rounding],
+            O_ROUND=modes[out_rounding],
             KEY_FP8=key_dtype == "float8_e4m3fn",
             TWO_PASS=cfg.two_pass or normalised,
             P_NORMALISED=normalised,

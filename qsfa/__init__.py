@@ -32,11 +32,17 @@ _LAZY = {
     "register_impl": "qsfa._dispatch",
     "Backend": "qsfa._dispatch",
     "operators": "qsfa._dispatch",
+    # chips
+    "resolve_chip": "qsfa.chips",
+    # threads of the reference oracle
+    "set_num_threads": "qsfa.reference.parallel",
+    "get_num_threads": "qsfa.reference.parallel",
     # quantisation
     "dynamic_block_quant": "qsfa.ops.quant",
     # cache writers
     "kv_rmsnorm_rope_cache": "qsfa.ops.cache",
     "kv_compress_epilog": "qsfa.ops.cache",
+    "kv_compress_epilog_vllm": "qsfa.ops.cache_more",
     "c8_cache_write": "qsfa.ops.cache",
     "c8_rmsnorm_rope_cache": "qsfa.ops.cache",
     "scatter_by_slot": "qsfa.ops.cache",
@@ -59,6 +65,7 @@ _SUBMODULES = {
     "conformance",
     "golden",
     "compare",
+    "chips",
     "npu",
     "ops",
 }

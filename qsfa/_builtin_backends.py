@@ -25,6 +25,7 @@ class NpuBackend(Backend):
     array_kind = "torch"
     module = "qsfa.npu.backend"
     description = "Ascend NPU through torch_npu / torch.ops._C_ascend (qsfa.npu)"
+    models_numerics = False  # the device rounds as its chip does
 
     def availability(self):
         if importlib.util.find_spec("torch") is None:

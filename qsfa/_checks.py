@@ -169,6 +169,10 @@ def value_in(op: str, param: str, allowed: Iterable, *, bad: Any = None, source:
     )
 
 
+#: exponent field of the 16-bit floats (all ones: inf or nan)
+_EXP_MASK16 = {"bfloat16": 0x7F80, "float16": 0x7C00}
+
+
 def all_finite(op: str, param: str, *, source: str = "", cid: str | None = None) -> Constraint:
     """No inf/nan anywhere in a floating-point array (many Ascend ops forbid them)."""
 
@@ -176,6 +180,10 @@ def all_finite(op: str, param: str, *, source: str = "", cid: str | None = None)
         v = a.get(param)
         if v is None or v.dtype.kind not in "fV":  # ml_dtypes' float types have kind "V"
             return None
+        mask = _EXP_MASK16.get(dtype_name(v))
+        if mask is not None and v.size:  # 16-bit floats: an all-ones exponent field, tested on the bits
+            if not ((v.view(np.uint16) & np.uint16(mask)) == mask).any():
+                return None
         f = v.astype(np.float32)
         bad = ~np.isfinite(f)
         if not bad.any():

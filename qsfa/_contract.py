@@ -11,6 +11,17 @@ converts torch tensors first). A check returns ``None`` when the arguments satis
 offending ("actual") value that goes into the message (return the string ``"None"`` to report a
 missing argument). Checks run in list order, so a later check may
 assume the earlier ones passed (ranks before shapes, shapes before values).
+
+Because ``None`` means "satisfied", a hand-written check such as ``None if v in allowed else v`` would
+pass a parameter whose *value* is ``None``. Two generic rules close that hole at the root, so no
+hand-written check can pass by returning the offending value:
+
+* every parameter has a declared :class:`Param` type (``Contract(params=params("x:array k:int? ..."))``);
+  the contract prepends one generic type constraint per parameter (``<op>.<param>_type``, or
+  ``<op>.<param>_is_array`` for arrays) that runs before every hand-written rule, so ``None`` reaches a
+  hand-written check only for a parameter declared optional (``?``);
+* :meth:`Contract.first_violation` treats a ``None`` result for a parameter whose value is ``None`` and
+  that is not declared optional as a violation (actual ``None``), whatever the check returned.
 """
 
 from __future__ import annotations
@@ -21,9 +32,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from ._errors import InvalidArgument, InvalidDtype
+from ._errors import InvalidArgument, InvalidDtype, Raw
 
-__all__ = ["Args", "Constraint", "Contract", "CHIPS", "copy_args", "one_of"]
+__all__ = ["Args", "Constraint", "Contract", "CHIPS", "Param", "PARAM_TYPES", "params", "copy_args", "one_of"]
 
 #: Chip families whose limits differ. ``None`` (no chip) = the union the reference accepts.
 CHIPS = ("A2", "A3", "950")
@@ -53,7 +64,10 @@ class Constraint:
              hardware limit of (checked only when a backend validates for that chip).
     violate: ``violate(valid_args_dict) -> dict`` returning a copy that breaks exactly this rule;
              used by tests and invalid-argument strategies.
-    source:  where the rule comes from (SPEC.md section, seed, torch_npu meta check).
+    source:  where the rule comes from (docs/numerics page#anchor, seed, torch_npu meta check).
+    drawn:   whether invalid-argument strategies (``qsfa.strategies.invalid_args``) may draw it; False for the
+             generic buffer rules whose violation does not survive copying the arguments (read-only, stride-0,
+             aliased and huge broadcast views: tests/test_contracts.py and tests/test_hostile_inputs.py cover them).
     """
 
     id: str
@@ -65,6 +79,7 @@ class Constraint:
     chips: frozenset | None = None
     violate: Callable[[dict], dict] | None = None
     source: str = ""
+    drawn: bool = True
 
     def applies_to(self, chip: str | None) -> bool:
         return self.chips is None or (chip is not None and chip in self.chips)
@@ -72,6 +87,99 @@ class Constraint:
     def error(self, actual):
         cls = InvalidDtype if self.dtype else InvalidArgument
         return cls(self.kind, self.param, actual, self.reason, constraint_id=self.id)
+
+
+#: Declared parameter types: "array" (NumPy array / torch tensor of a numeric dtype), "int" (Python or
+#: NumPy integer in int64 range, not bool), "float" (real number: int or float, not bool), "bool", "str",
+#: "any" (no type rule, only "not None" unless optional).
+PARAM_TYPES = ("array", "int", "float", "bool", "str", "any")
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Param:
+    """The declared type of one parameter; ``optional`` parameters also accept ``None``."""
+
+    name: str
+    type: str
+    optional: bool = False
+
+    def __post_init__(self):
+        if self.type not in PARAM_TYPES:
+            raise RuntimeError(f"parameter {self.name!r}: unknown type {self.type!r}; known: {PARAM_TYPES}")
+
+    @property
+    def reason(self) -> str:
+        r = {
+            "array": "must be a NumPy array or torch tensor of a numeric dtype",
+            "int": "must be an integer (int, not bool) in int64 range",
+            "float": "must be a real number (int or float, not bool)",
+            "bool": "must be a bool",
+            "str": "must be a string",
+            "any": "is required",
+        }[self.type]
+        return r + (" or None" if self.optional and self.type != "any" else "")
+
+    def offending(self, v):
+        """``None`` if ``v`` has the declared type, else the actual value to report. (A parameter absent from
+        the arguments - a direct ``run`` call that leaves a defaulted one out - is not checked; the public
+        functions pass every parameter.)"""
+        if v is None:
+            return None if self.optional else Raw("None")
+        t = self.type
+        if t == "any":
+            return None
+        if t == "array":
+            if not isinstance(v, np.ndarray):
+                return Raw(_describe(v))
+            return None if v.dtype.kind in "biufV" else Raw(f"array of dtype {v.dtype}")
+        if t == "bool":
+            ok = isinstance(v, (bool, np.bool_))
+        elif t == "int":
+            ok = isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) \
+                and _INT64_MIN <= int(v) <= _INT64_MAX
+        elif t == "float":
+            ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        else:  # str
+            ok = isinstance(v, str)
+        return None if ok else Raw(_describe(v))
+
+    def wrong_value(self):
+        """A value of the wrong type (``None`` for a required parameter), for ``violate``."""
+        if not self.optional:
+            return None
+        return {"array": "not an array", "int": "1", "float": "1.0", "bool": "yes", "str": 1}[self.type]
+
+
+def _describe(v) -> str:
+    r = repr(v)
+    if len(r) > 40:
+        r = r[:37] + "..."
+    return f"{r} ({type(v).__name__})"
+
+
+def params(spec: str) -> dict[str, Param]:
+    """Declare parameter types compactly: ``params("x:array scale:float? mode:str")`` (``?`` = optional)."""
+    out = {}
+    for item in spec.split():
+        name, _, t = item.partition(":")
+        opt = t.endswith("?")
+        out[name] = Param(name, t.rstrip("?"), opt)
+    return out
+
+
+def _type_constraint(op: str, p: Param) -> Constraint:
+    def violate(args, _p=p):
+        out = copy_args(args)
+        out[_p.name] = _p.wrong_value()
+        return out
+
+    suffix = "is_array" if p.type == "array" else "type"
+    return Constraint(id=f"{op}.{p.name}_{suffix}", param=p.name, kind="type", reason=p.reason,
+                      check=lambda a, _p=p: _p.offending(a[_p.name]) if _p.name in a else None, dtype=True,
+                      violate=violate,
+                      source="qsfa contract: declared parameter type")
 
 
 @dataclass
@@ -86,6 +194,11 @@ class Contract:
                  the tests use it to prove that rejected calls write nothing.
     normalise:   optional ``normalise(args) -> args`` run after validation (fill defaults such as
                  ``actual_seq_lengths_*``); backends receive its result.
+    params:      the declared type of every parameter (:func:`params`); one generic type constraint per
+                 parameter is put in front of ``constraints`` (it replaces a hand-written one of the same
+                 id and hand-written rules of kind "type" for that parameter), so hand-written checks see only values of the declared type (``None`` only where
+                 the parameter is optional). Then the generic size and in-place buffer rules of
+                 :mod:`qsfa._buffers` (writable, not bool, no self-overlap, no aliasing).
     """
 
     op: str
@@ -93,8 +206,19 @@ class Contract:
     example: Callable[[np.random.Generator], dict] | None = None
     inplace: tuple[str, ...] = ()
     normalise: Callable[[Args], Mapping] | None = None
+    params: Mapping[str, Param] = field(default_factory=dict)
 
     def __post_init__(self):
+        from ._buffers import array_rules, inplace_rules
+
+        typed = [_type_constraint(self.op, p) for p in self.params.values() if p.type != "any" or not p.optional]
+        typed += [c for p in self.params.values() if p.type == "array" for c in array_rules(self.op, p.name)]
+        typed += [c for name in self.inplace for c in inplace_rules(self.op, name)]
+        generated = {c.id for c in typed}
+        declared = {p.name for p in self.params.values() if p.type != "any"}
+        # a hand-written type rule of a declared parameter is superseded by the generic one
+        self.constraints = typed + [c for c in self.constraints if c.id not in generated
+                                    and not (c.kind == "type" and c.chips is None and c.param in declared)]
         ids = [c.id for c in self.constraints]
         dup = {i for i in ids if ids.count(i) > 1}
         if dup:
@@ -107,9 +231,15 @@ class Contract:
             if not c.applies_to(chip):
                 continue
             actual = c.check(a)
+            if actual is None and self._missing(a, c.param):
+                actual = Raw("None")  # a check cannot pass a required parameter by returning its None
             if actual is not None:
                 return c, actual
         return None
+
+    def _missing(self, a, name) -> bool:
+        p = self.params.get(name)
+        return p is not None and not p.optional and name in a and a[name] is None
 
     def validate(self, args: Mapping, chip: str | None = None) -> Args:
         """Raise the first violation; return the (normalised) arguments otherwise."""

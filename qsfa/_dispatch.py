@@ -2,7 +2,8 @@
 
 ``run(op, args, backend)``:
 
-1. resolves the backend by name (unknown name -> the list of known ones; unusable -> why);
+1. resolves the backend by name (unknown name -> the list of known ones; unusable -> why) and the chip
+   the call models (``chip=``, the npu device's chip, or the rule of :mod:`qsfa.chips`);
 2. checks that the backend implements the operator;
 3. detects the caller's array kind (NumPy, or torch on one device);
 4. validates the arguments once against the operator's :class:`~qsfa._contract.Contract` (plus the
@@ -26,6 +27,9 @@ from ._arrays import caller_kind, is_torch, to_numpy, to_torch
 from ._contract import Args, Constraint, Contract
 from ._errors import (
     BackendUnavailable,
+    InvalidArgument,
+    InvalidDtype,
+    Raw,
     NotImplementedByBackend,
     UnknownBackend,
     UnsupportedByBackend,
@@ -56,17 +60,23 @@ class Operator:
     outputs: tuple[str, ...]
     impls: dict[str, Callable] = field(default_factory=dict)
     doc: str = ""
+    #: ``numerics(chip, args) -> dict``: the chip's rounding / saturation parameters for the implementations
+    #: (qsfa.chips); None when the operator's numerics do not depend on the chip
+    numerics: Callable | None = None
 
 
 _OPERATORS: dict[str, Operator] = {}
 
 
 def define_operator(name: str, contract: Contract, outputs: tuple[str, ...], reference: Callable,
-                    doc: str = "") -> Operator:
-    """Declare an operator with its reference implementation (called with the normalised args)."""
+                    doc: str = "", numerics: Callable | None = None) -> Operator:
+    """Declare an operator with its reference implementation (called with the normalised args).
+
+    ``numerics(chip, args) -> dict``: the rounding / saturation parameters of ``chip`` (qsfa.chips), added to
+    the arguments of every backend whose ``models_numerics`` is true (reference, triton)."""
     if name in _OPERATORS:
         raise RuntimeError(f"operator {name!r} defined twice")
-    op = Operator(name, contract, tuple(outputs), {"reference": reference}, doc)
+    op = Operator(name, contract, tuple(outputs), {"reference": reference}, doc, numerics)
     _OPERATORS[name] = op
     return op
 
@@ -90,6 +100,8 @@ _OPERATOR_MODULES = (
     "qsfa.ops.quant",
     "qsfa.ops.cache",
     "qsfa.ops.attention",
+    "qsfa.ops.layouts",
+    "qsfa.ops.cache_more",
 )
 
 
@@ -127,6 +139,8 @@ class Backend:
     availability() -> (usable, reason).
     chip() -> chip family ("A2", "A3", "950") whose hardware limits apply, or None.
     device() -> torch device for array_kind "torch".
+    models_numerics: whether the implementations compute in software and need the chip's rounding
+                 parameters (``Operator.numerics``); False for hardware that rounds by itself (npu).
     limits(op) -> list of :class:`Constraint` the backend's kernels add (checked after the contract;
                  a violation raises :class:`UnsupportedByBackend`).
     missing(op) -> why the backend has no implementation of ``op`` ("" if it has no reason to give);
@@ -137,6 +151,7 @@ class Backend:
     array_kind: str = "numpy"
     module: str | None = None
     description: str = ""
+    models_numerics: bool = True
 
     def availability(self) -> tuple[bool, str]:
         return True, ""
@@ -231,9 +246,13 @@ def _ensure_builtin_backends():
     from . import _builtin_backends  # noqa: F401  (registers reference, npu, triton)
 
 
-def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
-    """Validate ``args`` once and run ``op_name`` on ``backend``; see the module docstring."""
+def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip: str | None = None):
+    """Validate ``args`` once and run ``op_name`` on ``backend`` modelling ``chip``; see the module docstring
+    and :mod:`qsfa.chips` (which chip a call models)."""
+    from .chips import check_chip, chip_for_args
+
     op = operator(op_name)
+    chip = check_chip(chip)
     be = get_backend(backend)
     impl = op.impls.get(be.name)
     if impl is None:
@@ -244,8 +263,14 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
     kind = caller_kind([args[n] for n in names], names)
 
     # Host NumPy views for validation (zero-copy for CPU tensors).
-    host = Args({n: (to_numpy(v) if is_torch(v) else v) for n, v in args.items()})
-    normalised = op.contract.validate(host, chip=be.chip())
+    host = Args({n: (_host_view(n, v) if is_torch(v) else v) for n, v in args.items()})
+    be_chip = be.chip()
+    if chip is not None and be_chip is not None and chip != be_chip:
+        raise InvalidArgument("value", "chip", repr(chip),
+                              f"backend {be.name!r} runs on its device's chip {be_chip!r}; pass chip=None or "
+                              f"chip={be_chip!r}")
+    chip = chip or be_chip
+    normalised = op.contract.validate(host, chip=chip)
     for c in be.limits(op_name):
         actual = c.check(normalised)
         if actual is not None:
@@ -272,7 +297,12 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
             else:
                 call_args[n] = v
 
-    result = impl(**call_args)
+    if op.numerics is not None and be.models_numerics:
+        call_args.update(op.numerics(chip or chip_for_args(op.contract, host), normalised))
+    try:
+        result = impl(**call_args)
+    except MemoryError as e:
+        raise _out_of_memory(host) from e
 
     for n, (orig, computed) in copy_back.items():
         _copy_into(orig, computed)
@@ -290,6 +320,28 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference"):
         else:
             out.append(kind.wrap(r))
     return out[0] if single else tuple(out)
+
+
+def _host_view(name: str, t):
+    """``to_numpy`` of a tensor argument; a layout or dtype NumPy cannot hold is an error naming it."""
+    if str(t.layout) != "torch.strided":
+        raise InvalidArgument("layout", name, str(t.layout).replace("torch.", ""),
+                              "only dense (strided) tensors are supported; call .to_dense() first")
+    try:
+        return to_numpy(t)
+    except (TypeError, RuntimeError) as e:
+        raise InvalidDtype("dtype", name, str(t.dtype).replace("torch.", ""),
+                           f"has no NumPy equivalent ({type(e).__name__}: {e})") from e
+
+
+def _out_of_memory(host: Mapping) -> InvalidArgument:
+    """A MemoryError of a backend, reported against the largest array argument."""
+    arrays = [(v.size * v.dtype.itemsize, n, v) for n, v in host.items() if isinstance(v, np.ndarray)]
+    if not arrays:
+        return InvalidArgument("value", "arguments", Raw("out of memory"), "the call ran out of memory")
+    _, name, v = max(arrays, key=lambda t: t[0])
+    return InvalidArgument("shape", name, Raw(f"shape {tuple(v.shape)} of {v.dtype}"),
+                           "the computation ran out of memory for an input of this size; split the call")
 
 
 def _same_device(a, b) -> bool:

@@ -156,6 +156,11 @@ def take(draw, op: str, pins: dict):
     return out, e
 
 
+def edge_pins(op: str, edge) -> dict:
+    """The pins edge ``edge`` of ``op`` fixes ({} for None or a tuple of edges)."""
+    return dict(_PINS.get((op, edge), {})) if isinstance(edge, str) else {}
+
+
 def pinned_int(draw, pins: dict, name: str, lo: int, hi: int) -> int:
     """``pins[name]`` when pinned (a value, or a tuple to draw from), else an integer drawn in [lo, hi]."""
     if name in pins:
@@ -210,12 +215,15 @@ def encode_values(rng, fmt: str, saturate: bool) -> np.ndarray:
         edge += [over_mid, float(np.nextafter(np.float32(over_mid), np.float32(0))), 2 * mf]
         if saturate:
             edge += [np.inf]
-    v = np.concatenate([mids, near, pw, np.array(edge)])
-    with np.errstate(over="ignore"):
-        v = v[np.abs(v.astype(np.float32)) <= np.float32(np.inf)]
+    groups = [mids, near, pw, np.array(edge, np.float64)]
     if fmt != "float8_e8m0":
-        v = np.concatenate([v, -v])
-    return v
+        groups += [-g for g in groups]
+    # round robin over the kinds: any prefix of a few values holds one of each (a shrunk case stays short)
+    v = np.full((len(groups), max(g.size for g in groups)), np.nan)
+    for i, g in enumerate(groups):
+        v[i, :g.size] = g
+    v = v.T.reshape(-1)
+    return v[~np.isnan(v)]
 
 
 @functools.lru_cache(maxsize=None)

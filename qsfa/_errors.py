@@ -30,8 +30,8 @@ class Raw(str):
 
 def format_actual(value) -> str:
     """Render an offending value compactly (arrays by shape/dtype, long sequences truncated)."""
-    if isinstance(value, Raw):
-        return str(value)
+    if isinstance(value, Raw) or value is None or (isinstance(value, str) and value == "None"):
+        return str(value)  # "None" is how the checks describe a missing argument: no quotes, like Python
     if isinstance(value, np.ndarray):
         if value.size <= 8:
             return f"array({value.tolist()}, dtype={value.dtype})"

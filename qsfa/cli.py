@@ -103,4 +103,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m qsfa.cli`: run the imported module's main, so the UsageError the subcommands raise
+    # (qsfa.cli.UsageError) is the class caught there, not this __main__ copy's
+    from qsfa.cli import main as _main
+
+    sys.exit(_main())

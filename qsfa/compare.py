@@ -1,15 +1,17 @@
-"""Comparing a backend's (or kernel's) results with the oracle: SPEC.md section 4.
+"""Comparing a backend's (or kernel's) results with the oracle: docs/numerics/comparison.md#float-criterion.
 
 * Byte outputs (format codes, packed rows, caches) are compared byte for byte. The report names the
   first differing positions and, when the format is known, their decoded values. Never a tolerance.
-* Float outputs (attention, LSE) use the FlashMLA-style criterion: non-finite masks must match; an element
-  passes if ``abs_err < atol`` **or** ``rel_err = |a - r| / (|r| + 1e-6) < rtol``; and the whole tensor
-  needs ``cos_diff = 1 - 2*sum(a*r) / sum(a^2 + r^2)`` (float64) ``<= cos_tol``. Per-dtype atol/rtol are the
-  vLLM-Ascend ones (bf16 6e-2 / 7.8125e-3, fp16 2.5e-5 / 5e-3).
+* Float outputs (attention, LSE) use the project's criterion (docs/numerics/comparison.md#float-criterion):
+  non-finite masks must match; an element passes when ``|a - r| <= atol + rtol * |r|`` (the
+  ``torch.testing.assert_close`` form, as vLLM-Ascend applies its tolerances - not FlashMLA's looser
+  "abs_err < atol or rel_err < rtol"); and the whole tensor needs FlashMLA's
+  ``cos_diff = 1 - 2*sum(a*r) / sum(a^2 + r^2)`` (float64) ``<= cos_tol``. Per-dtype atol/rtol are the
+  vLLM-Ascend ones (bf16 6e-2 / 7.8125e-3, fp16 2.5e-5 / 5e-3). ``rel_err = |a - r| / (|r| + 1e-6)`` is reported.
 * Ascend (msprobe) statistics are reported beside the verdict: the share of elements whose relative error
   exceeds 0.1% ("dual thousandths") and 1% ("dual hundredths"), and the ULP distance histogram.
 
-The cos_diff thresholds and the fp32 atol/rtol are qsfa's choice (SPEC.md names none): 1e-5 for 16-bit
+The cos_diff thresholds and the fp32 atol/rtol are qsfa's choice (no public source names one; docs/numerics/comparison.md#float-criterion): 1e-5 for 16-bit
 outputs and 1e-7 for fp32 (FlashMLA's test uses 1e-5 for bf16 decode and 1e-7 for its sparse kernels).
 """
 
@@ -78,7 +80,8 @@ class CompareResult:
     def __str__(self):
         verdict = "PASS" if self.passed else "FAIL"
         head = f"{verdict} {self.name or '<tensor>'} [{self.kind}] shape={self.shape} dtype={self.dtype}"
-        lines = [head, f"  {self.message}"] if self.message else [head]
+        msg = self.message.removeprefix(f"{verdict}: ")  # the head line already gives the verdict
+        lines = [head, f"  {msg}"] if msg else [head]
         for w in self.worst:
             lines.append("  " + ", ".join(f"{k}={_fmt(v)}" for k, v in w.items()))
         return "\n".join(lines)
@@ -105,7 +108,7 @@ def compare_bytes(actual, golden, *, name: str = "", fmt: str | None = None, max
     dt = dtype_name(g)
     if a.shape != g.shape or a.dtype.itemsize != g.dtype.itemsize:
         return CompareResult(name, "bytes", False, tuple(g.shape), dt, int(g.size), int(g.size),
-                             message=f"shape/itemsize mismatch: actual {a.shape} {dtype_name(a)}, "
+                             message=f"FAIL: shape/itemsize mismatch: actual {a.shape} {dtype_name(a)}, "
                                      f"golden {g.shape} {dt}")
     ab, gb = _as_bytes(a), _as_bytes(g)
     diff = ab != gb
@@ -129,9 +132,9 @@ def compare_bytes(actual, golden, *, name: str = "", fmt: str | None = None, max
                 w["actual_decoded"] = decoded(av.view(np.uint8) if hasattr(av, "view") else av)
             res.worst.append(w)
         first = res.worst[0]["index"]
-        res.message = f"{n_fail} of {g.size} elements differ; first at index {first}"
+        res.message = f"FAIL: {n_fail} of {g.size} elements differ; first at index {first}"
     else:
-        res.message = f"all {g.size} elements identical"
+        res.message = f"PASS: all {g.size} elements identical"
     return res
 
 
@@ -176,14 +179,14 @@ def ulp_distance(actual, golden, dtype: str) -> np.ndarray:
 
 def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | None = None,
                   name: str = "", max_report: int = 10) -> CompareResult:
-    """The SPEC.md section 4 criterion for float outputs (see module docstring)."""
+    """The docs/numerics/comparison.md#float-criterion criterion for float outputs (see module docstring)."""
     a_in, g_in = _host(actual), _host(golden)
     dt = dtype or dtype_name(g_in)
     tol = tol or TOLERANCES.get(dt, TOLERANCES["float32"])
     res = CompareResult(name, "float", False, tuple(g_in.shape), dt, int(g_in.size), int(g_in.size),
                         tolerance=asdict(tol))
     if a_in.shape != g_in.shape:
-        res.message = f"shape mismatch: actual {a_in.shape}, golden {g_in.shape}"
+        res.message = f"FAIL: shape mismatch: actual {a_in.shape}, golden {g_in.shape}"
         return res
     a = a_in.astype(np.float64)
     g = g_in.astype(np.float64)
@@ -192,7 +195,7 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     both = fin_a & fin_g
     abs_err = np.where(both, np.abs(a - g), 0.0)
     rel_err = np.where(both, abs_err / (np.abs(g) + 1e-6), 0.0)
-    elem_fail = mask_bad | (both & ~((abs_err < tol.atol) | (rel_err < tol.rtol)))
+    elem_fail = mask_bad | (both & ~(abs_err <= tol.atol + tol.rtol * np.abs(np.where(both, g, 0.0))))
     res.n_fail = int(elem_fail.sum())
     res.max_abs = float(abs_err.max()) if abs_err.size else 0.0
     res.max_rel = float(rel_err.max()) if rel_err.size else 0.0
@@ -222,7 +225,7 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
              f"rel>0.1%: {100 * res.share_rel_gt_1e3:.3f}%"]
     if int(mask_bad.sum()):
         parts.insert(0, f"{int(mask_bad.sum())} non-finite mismatches")
-    res.message = "; ".join(parts)
+    res.message = ("PASS: " if res.passed else "FAIL: ") + "; ".join(parts)
     return res
 
 

@@ -1,7 +1,7 @@
 """Public number-format API: exact encode / decode of qsfa's storage formats and the scale rules.
 
-The numerics live in :mod:`qsfa.reference.formats` (SPEC.md section 1) and :mod:`qsfa.reference.scales`
-(SPEC.md section 2); this module re-exports them and routes :func:`encode`, :func:`decode`,
+The numerics live in :mod:`qsfa.reference.formats` (docs/numerics/formats.md#summary) and :mod:`qsfa.reference.scales`
+(docs/numerics/quantisers.md#scale-rules); this module re-exports them and routes :func:`encode`, :func:`decode`,
 :func:`pack_fp4` and :func:`unpack_fp4` through the one dispatch path (operators ``formats.encode``,
 ``formats.decode``, ``formats.pack_fp4``, ``formats.unpack_fp4``), so bad arguments are rejected by a
 :class:`~qsfa._contract.Contract` with the usual ``Invalid <kind> for <param>, ...`` message, and torch
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import dtype_in, is_array, set_param, value_in
-from ._contract import Constraint, Contract, copy_args
+from ._contract import Constraint, Contract, copy_args, params
 from ._dispatch import define_operator, run
 from ._errors import Raw
 from .reference import formats as _ref
@@ -69,7 +69,7 @@ __all__ = [
     "out_of_range",
 ] + list(_scales.__all__)
 
-_SRC = "SPEC.md section 1"
+_SRC = "docs/numerics/formats.md#summary"
 _NO_SPECIALS = ("int8", "float4_e2m1")
 _INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -168,7 +168,7 @@ ENCODE_CONTRACT = Contract(
         value_in("formats.encode", "rounding", ROUNDING_MODES + (None,), bad="nearest", source=_SRC),
         Constraint(
             id="formats.encode.rounding_supported", param="rounding", kind="value",
-            reason="the format does not support this rounding mode (hifloat8: round only; float8_e8m0 "
+            reason="the format does not support this rounding mode (hifloat8: round or hybrid; float8_e8m0 "
                    "adds floor and ceil)",
             check=_check_rounding_supported, violate=set_param("rounding", "floor"), source=_SRC,
         ),
@@ -194,6 +194,7 @@ ENCODE_CONTRACT = Contract(
         ),
     ],
     example=_encode_example,
+    params=params("x:array fmt:str saturate:bool rounding:str?"),
 )
 
 
@@ -205,21 +206,24 @@ define_operator("formats.encode", ENCODE_CONTRACT, outputs=("codes",), reference
                 doc="raw codes of x in a number format")
 
 
-def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, backend: str = "reference"):
+def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, chip: str | None = None,
+           backend: str = "reference"):
     """Raw codes of ``x`` rounded to number format ``fmt``.
 
     x:        float32 / float64 / float16 / bfloat16 array or tensor, any shape.
     fmt:      one of :data:`FORMAT_NAMES`.
     saturate: clamp beyond-range values (Inf included) to +-max finite; otherwise +-Inf / NaN where the
               format has them, and an error for int8 / float4_e2m1.
-    rounding: "rint" (ties to even) | "round" (ties away) | float8_e8m0 also "floor" / "ceil"; None =
-              the format's default (hifloat8 "round", float8_e8m0 "floor", others "rint").
+    rounding: "rint" (ties to even) | "round" (ties away) | float8_e8m0 also "floor" / "ceil" | hifloat8 also
+              "hybrid" (ties away for |e| <= 3, deterministic SSR elsewhere;
+              docs/numerics/formats.md#hybrid-rounding); None = the format's default (hifloat8 "round",
+              float8_e8m0 "floor", others "rint").
     backend:  "reference" (the only implementation of this operator).
 
     Returns codes of x's shape: uint8 (8-bit formats; int8 as two's complement bytes; float4_e2m1 one
     code 0..15 per byte) or uint16 bit patterns (bfloat16, float16), in the caller's array kind.
     """
-    return run("formats.encode", dict(x=x, fmt=fmt, saturate=saturate, rounding=rounding), backend)
+    return run("formats.encode", dict(x=x, fmt=fmt, saturate=saturate, rounding=rounding), backend, chip=chip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -280,13 +284,14 @@ DECODE_CONTRACT = Contract(
         ),
     ],
     example=lambda rng: dict(codes=rng.integers(0, 256, 16).astype(np.uint8), fmt="float8_e4m3fn"),
+    params=params("codes:array fmt:str"),
 )
 
 define_operator("formats.decode", DECODE_CONTRACT, outputs=("values",),
                 reference=lambda codes, fmt: _ref.decode(codes, fmt), doc="float32 values of raw codes")
 
 
-def decode(codes, fmt: str, *, backend: str = "reference"):
+def decode(codes, fmt: str, *, chip: str | None = None, backend: str = "reference"):
     """float32 values of raw ``codes`` of format ``fmt`` (NaN codes -> nan, Inf codes -> +-inf).
 
     codes:   uint8 (8-bit formats, int8 also int8, float4_e2m1 one code 0..15 per byte) or uint16
@@ -295,12 +300,14 @@ def decode(codes, fmt: str, *, backend: str = "reference"):
     backend: "reference".
     Returns float32 of codes' shape.
     """
-    return run("formats.decode", dict(codes=codes, fmt=fmt), backend)
+    return run("formats.decode", dict(codes=codes, fmt=fmt), backend, chip=chip)
 
 
-def round_to(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, backend: str = "reference"):
+def round_to(x, fmt: str, *, saturate: bool = False, rounding: str | None = None, chip: str | None = None,
+             backend: str = "reference"):
     """``x`` rounded to ``fmt`` and back as float32: ``decode(encode(x, fmt, ...), fmt)``."""
-    return decode(encode(x, fmt, saturate=saturate, rounding=rounding, backend=backend), fmt, backend=backend)
+    return decode(encode(x, fmt, saturate=saturate, rounding=rounding, chip=chip, backend=backend), fmt, chip=chip,
+                  backend=backend)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -315,7 +322,7 @@ def _at_least_1d(op, param):
 
     return Constraint(
         id=f"{op}.{param}_ndim", param=param, kind="dim", reason="needs at least one dimension",
-        check=lambda a: None if a[param].ndim >= 1 else a[param].ndim, violate=violate, source="SPEC.md 1.2",
+        check=lambda a: None if a[param].ndim >= 1 else a[param].ndim, violate=violate, source="docs/numerics/formats.md#fp4-packing",
     )
 
 
@@ -331,28 +338,29 @@ def _make_odd(args):
 
 
 def _nibble_order(op):
-    return value_in(op, "nibble_order", NIBBLE_ORDERS, source="SPEC.md 1.2 (OPEN)")
+    return value_in(op, "nibble_order", NIBBLE_ORDERS, source="docs/numerics/open-facts.md#nibble_order (OPEN)")
 
 
 PACK_CONTRACT = Contract(
     op="formats.pack_fp4",
     constraints=[
-        is_array("formats.pack_fp4", "codes", source="SPEC.md 1.2"),
-        dtype_in("formats.pack_fp4", "codes", ("uint8",), source="SPEC.md 1.2"),
+        is_array("formats.pack_fp4", "codes", source="docs/numerics/formats.md#fp4-packing"),
+        dtype_in("formats.pack_fp4", "codes", ("uint8",), source="docs/numerics/formats.md#fp4-packing"),
         _at_least_1d("formats.pack_fp4", "codes"),
         Constraint(
             id="formats.pack_fp4.codes_last_axis_even", param="codes", kind="shape",
             reason="the last axis must have an even length (two codes per byte)",
-            check=_check_even, violate=_make_odd, source="SPEC.md 1.2",
+            check=_check_even, violate=_make_odd, source="docs/numerics/formats.md#fp4-packing",
         ),
         Constraint(
             id="formats.pack_fp4.codes_range", param="codes", kind="value",
             reason="float4_e2m1 codes must be in [0, 15]",
-            check=_check_fp4_codes("codes"), violate=_fp4_code_16, source="SPEC.md 1.2",
+            check=_check_fp4_codes("codes"), violate=_fp4_code_16, source="docs/numerics/formats.md#fp4-packing",
         ),
         _nibble_order("formats.pack_fp4"),
     ],
     example=lambda rng: dict(codes=rng.integers(0, 16, (3, 8)).astype(np.uint8), nibble_order="low_first"),
+    params=params("codes:array nibble_order:str"),
 )
 
 define_operator("formats.pack_fp4", PACK_CONTRACT, outputs=("packed",),
@@ -360,24 +368,25 @@ define_operator("formats.pack_fp4", PACK_CONTRACT, outputs=("packed",),
                 doc="two float4_e2m1 codes per byte")
 
 
-def pack_fp4(codes, *, nibble_order: str = "low_first", backend: str = "reference"):
+def pack_fp4(codes, *, nibble_order: str = "low_first", chip: str | None = None, backend: str = "reference"):
     """Pack float4_e2m1 codes two per byte along the last axis: uint8 ``[..., 2k]`` -> uint8 ``[..., k]``.
 
-    nibble_order (**OPEN**, SPEC 1.2): "low_first" (default) = element 2i in the low nibble
+    nibble_order (**OPEN**, docs/numerics/open-facts.md#nibble_order): "low_first" (default) = element 2i in the low nibble
     (``byte = lo | hi << 4``); "high_first" = element 2i in the high nibble.
     """
-    return run("formats.pack_fp4", dict(codes=codes, nibble_order=nibble_order), backend)
+    return run("formats.pack_fp4", dict(codes=codes, nibble_order=nibble_order), backend, chip=chip)
 
 
 UNPACK_CONTRACT = Contract(
     op="formats.unpack_fp4",
     constraints=[
-        is_array("formats.unpack_fp4", "packed", source="SPEC.md 1.2"),
-        dtype_in("formats.unpack_fp4", "packed", ("uint8",), source="SPEC.md 1.2"),
+        is_array("formats.unpack_fp4", "packed", source="docs/numerics/formats.md#fp4-packing"),
+        dtype_in("formats.unpack_fp4", "packed", ("uint8",), source="docs/numerics/formats.md#fp4-packing"),
         _at_least_1d("formats.unpack_fp4", "packed"),
         _nibble_order("formats.unpack_fp4"),
     ],
     example=lambda rng: dict(packed=rng.integers(0, 256, (3, 4)).astype(np.uint8), nibble_order="low_first"),
+    params=params("packed:array nibble_order:str"),
 )
 
 define_operator("formats.unpack_fp4", UNPACK_CONTRACT, outputs=("codes",),
@@ -385,6 +394,6 @@ define_operator("formats.unpack_fp4", UNPACK_CONTRACT, outputs=("codes",),
                 doc="float4_e2m1 codes from packed bytes")
 
 
-def unpack_fp4(packed, *, nibble_order: str = "low_first", backend: str = "reference"):
+def unpack_fp4(packed, *, nibble_order: str = "low_first", chip: str | None = None, backend: str = "reference"):
     """Inverse of :func:`pack_fp4`: uint8 ``[..., k]`` -> uint8 codes ``[..., 2k]`` (0..15 each)."""
-    return run("formats.unpack_fp4", dict(packed=packed, nibble_order=nibble_order), backend)
+    return run("formats.unpack_fp4", dict(packed=packed, nibble_order=nibble_order), backend, chip=chip)

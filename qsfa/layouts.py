@@ -1,12 +1,15 @@
 """Public byte-layout helpers of the quantised KV caches.
 
-* Packed QSFA rows (SPEC.md 3.2): :func:`packed_head_dim`, :func:`row_offsets`, :func:`pack_rows`,
+* Packed QSFA rows (docs/numerics/layouts.md#packed-qsfa-row): :func:`packed_head_dim`, :func:`row_offsets`, :func:`pack_rows`,
   :func:`unpack_rows`, :func:`dequant_rows`.
 * FlashMLA V32 interop (FP8 NoPE | 4 fp32 scales | 64 bf16 RoPE): :func:`qsfa_to_flashmla_v32`,
   :func:`flashmla_v32_to_qsfa` - lossless byte moves.
-* NZ fractal storage of paged caches (SPEC.md 3.3): :func:`nz_columns`, :func:`nz_view`,
+* NZ fractal storage of paged caches (docs/numerics/layouts.md#nz): :func:`nz_columns`, :func:`nz_view`,
   :func:`nz_to_nd`, :func:`nd_to_nz`.
-* Slot addressing of paged caches (SPEC.md 3.5): :func:`slot_positions`.
+* Slot addressing of paged caches (docs/numerics/layouts.md#paged-caches): :func:`slot_positions`.
+* FlashMLA MODEL1 FP8 sparse cache (DeepSeek V4: 448 E4M3FN NoPE + 64 bf16 RoPE, E8M0 scales of 64-value
+  tiles; ``docs/numerics/flashmla-model1.md``): :func:`flashmla_model1_quantize`,
+  :func:`flashmla_model1_dequantize` (operators, ``backend=`` as everywhere), :func:`flashmla_model1_block_bytes`.
 
 All functions take and return NumPy arrays; see :mod:`qsfa.reference.packing` for the layouts in detail.
 """
@@ -27,6 +30,8 @@ from .reference.packing import (
     row_offsets,
     unpack_rows,
 )
+from .ops.layouts import flashmla_model1_dequantize, flashmla_model1_quantize
+from .reference.flashmla_model1 import block_bytes as flashmla_model1_block_bytes
 from .reference.scatter import slot_positions
 
 __all__ = [
@@ -43,4 +48,7 @@ __all__ = [
     "nz_to_nd",
     "nd_to_nz",
     "slot_positions",
+    "flashmla_model1_quantize",
+    "flashmla_model1_dequantize",
+    "flashmla_model1_block_bytes",
 ]

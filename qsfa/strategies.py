@@ -292,8 +292,9 @@ def encode_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     no_specials = fmt in ("int8", "float4_e2m1")
     with np.errstate(over="ignore"):
         x = _format_values(rng, fmt, n, specials=not no_specials or saturate).astype(_NP_IN[in_dt])
-        if edge is not None:
+        if edge is not None:  # every boundary value in the edge phase; a shrinkable prefix otherwise
             x = _E.encode_values(rng, fmt, saturate).astype(_NP_IN[in_dt])
+            x = x if pins.get("edge_full") else x[:draw(st.integers(1, x.size))]
             shape = x.shape
     if no_specials:
         x[np.isnan(x.astype(np.float64))] = 0
@@ -495,10 +496,10 @@ def strided_like(a: np.ndarray, strides) -> np.ndarray:
     """A fresh array with ``a``'s values laid out with (positive) byte ``strides``; the gaps hold 0xA5."""
     item = a.dtype.itemsize
     span = sum((n - 1) * s for n, s in zip(a.shape, strides)) + item if a.size else item
-    # as_strided goes through __array_interface__, whose typestr for some ml_dtypes ('<f1' for float8_e5m2)
-    # NumPy cannot read back: stride a plain unsigned view of the same item size, then view it as a.dtype
-    plain = np.dtype(f"u{item}") if item in (1, 2, 4, 8) else np.dtype((np.void, item))
-    buf = np.full(-(-span // item) * item, 0xA5, np.uint8).view(plain)
+    # as_strided goes through the array interface, which does not know ml_dtypes (bfloat16, float8): stride
+    # an unsigned integer carrier of the same size and view it as the dtype afterwards
+    carrier = np.dtype(f"u{item}") if item in (1, 2, 4, 8) else a.dtype
+    buf = np.full(-(-span // item) * item, 0xA5, np.uint8).view(carrier)
     out = np.lib.stride_tricks.as_strided(buf, shape=a.shape, strides=tuple(strides)).view(a.dtype)
     out[...] = a
     return out
@@ -1069,7 +1070,7 @@ def invalid_args(op: str, bounds: Bounds | None = None, *, chip: str | None = No
     from ._dispatch import operator
 
     contract = operator(op).contract
-    cands = [c for c in contract.constraints if c.violate is not None and c.applies_to(chip)
+    cands = [c for c in contract.constraints if c.violate is not None and c.drawn and c.applies_to(chip)
              and (constraints is None or c.id in set(constraints))]
     if not cands:
         raise ValueError(f"no constraint of {op!r} applies (chip={chip!r}, constraints={constraints!r})")
@@ -1100,3 +1101,6 @@ def invalid_args(op: str, bounds: Bounds | None = None, *, chip: str | None = No
 def with_bounds(b: Bounds, **changes) -> Bounds:
     """A copy of ``b`` with some fields changed."""
     return replace(b, **changes)
+
+
+from . import strategies_more  # noqa: E402,F401  (registers the strategies of the operators it covers)

@@ -5,7 +5,7 @@ Operators implemented:
 * ``c8_cache_write``: :func:`qsfa.kernels.c8_cache_writer.launch_c8_cache_write` (bit-exact with the
   reference: quantise + pack + scatter in one launch);
 * ``kv_quant_sparse_flash_attention``: :func:`qsfa.kernels.qsfa_attention.launch_qsfa_attention`
-  (within SPEC.md section 4 of the faithful reference; int8 and FP8 E4M3FN NoPE).
+  (within docs/numerics/comparison.md#float-criterion of the faithful reference; int8 and FP8 E4M3FN NoPE).
 
 The operator contract validates every call before a kernel runs; :func:`limits` adds what the kernels
 themselves do not cover, as data (each a :class:`~qsfa._contract.Constraint` with a ``violate``
@@ -48,7 +48,7 @@ def _kernels():
 # ---------------------------------------------------------------------------------------------------
 # implementations (arguments: validated, normalised, torch tensors on the backend's device)
 
-_C8_PARAMS = {"k_nope", "k_rope", "slot_mapping", "kv_cache", "key_dtype", "scale_order"}
+_C8_PARAMS = {"k_nope", "k_rope", "slot_mapping", "kv_cache", "key_dtype", "scale_order", "dst_type_max"}
 
 
 def c8_cache_write(**args):
@@ -68,6 +68,7 @@ _ATTN_PARAMS = {
     "actual_seq_lengths_kv", "sparse_block_size", "layout_query", "layout_kv", "sparse_mode", "pre_tokens",
     "next_tokens", "attention_mode", "quant_scale_repo_mode", "tile_size", "rope_head_dim",
     "return_softmax_lse", "key_dtype", "precision", "probability_rounding",
+    "k_rounding", "p_rounding", "out_rounding",  # the requested chip's modes (qsfa.chips)
 }
 
 
@@ -96,6 +97,7 @@ def kv_quant_sparse_flash_attention(**args):
         return_softmax_lse=bool(args.get("return_softmax_lse", False)),
         key_dtype=args.get("key_dtype") or "int8",
         probability_rounding=args.get("probability_rounding") or "unnormalised",
+        k_rounding=args.get("k_rounding"), p_rounding=args.get("p_rounding"), out_rounding=args.get("out_rounding"),
     )
 
 
@@ -160,13 +162,27 @@ def _precision_faithful() -> Constraint:
     )
 
 
+#: NoPE code formats the C8 writer kernel produces
+C8_KEY_DTYPES = ("int8", "float8_e4m3fn")
+
+
+def _c8_key_dtype() -> Constraint:
+    return Constraint(
+        id="triton.c8_cache_write.key_dtype", param="key_dtype", kind="value",
+        reason=f"the Triton C8 writer quantises to {one_of(C8_KEY_DTYPES)} only (no HiFloat8)",
+        check=lambda a: None if a.get("key_dtype", "int8") in C8_KEY_DTYPES else a.get("key_dtype"),
+        violate=set_param("key_dtype", "hifloat8"), source="qsfa.kernels.c8_cache_writer",
+    )
+
+
 _LIMITS = {
     "kv_quant_sparse_flash_attention": lambda: [_attention_key_dtype(), _precision_faithful()],
+    "c8_cache_write": lambda: [_c8_key_dtype()],
 }
 
 
 def limits(op: str) -> list[Constraint]:
-    """The kernel limits of ``op`` on this backend (checked after the operator contract). The C8 writer
-    has none: every argument set its contract accepts runs."""
+    """The kernel limits of ``op`` on this backend (checked after the operator contract): the attention
+    kernel's key formats and precision, the C8 writer's key formats."""
     make = _LIMITS.get(op)
     return make() if make else []

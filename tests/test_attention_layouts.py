@@ -165,7 +165,7 @@ def test_torch_in_torch_out_same_bits():
 @given(data=st.data())
 def test_random_layout_equivalence_and_golden(data):
     """Hypothesis: random lengths / sbs / modes / block sizes; every layout agrees bit for bit and matches
-    the per-row golden within the SPEC.md 4 tolerances."""
+    the per-row golden within the docs/numerics/comparison.md#float-criterion tolerances."""
     seed = data.draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
     batch = data.draw(st.integers(1, 2))

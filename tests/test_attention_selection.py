@@ -1,4 +1,4 @@
-"""Token selection of QSFA on tiny hand-computed cases (SPEC.md 3.6).
+"""Token selection of QSFA on tiny hand-computed cases (docs/numerics/attention.md#token-selection).
 
 The KV tokens carry one-hot values: token j has NoPE code 1 at column 1 + j (scale 1.0), so V_j = e_{1+j}.
 With a zero query every selected token scores 0, the attention is uniform and the output row is

@@ -183,22 +183,45 @@ def dequant_f64(case: Case):
     return k, kn
 
 
-def round_q(x, qdtype):
-    """float32 x rounded to the query dtype the way SPEC.md 3.6 says (bf16 RINT, fp16 ROUND)."""
-    return formats.round_to(np.asarray(x, np.float32), qdtype, rounding="rint" if qdtype == "bfloat16" else "round")
+def round_q(x, qdtype, mode=None):
+    """float32 x rounded to the query dtype with ``mode`` ("rint" / "round"; None: bf16 RINT, fp16 ROUND)."""
+    mode = mode or ("rint" if qdtype == "bfloat16" else "round")
+    return formats.round_to(np.asarray(x, np.float32), qdtype, rounding=mode)
 
 
-def golden_faithful(case: Case, *, sbs=1, sparse_mode=3, scale=SCALE, normalised=False, accumulate="float32"):
+#: each chip's rounding modes at K, P and the output (docs/numerics/chips.md), written out here independently of
+#: qsfa.chips: A2/A3 K and out bf16 RINT / fp16 ROUND, P ROUND; 950 K RINT, P ROUND, out ROUND
+CHIP_MODES = {
+    "A2": {"k": {"bfloat16": "rint", "float16": "round"}, "p": {"bfloat16": "round", "float16": "round"},
+           "out": {"bfloat16": "rint", "float16": "round"}},
+    "950": {"k": {"bfloat16": "rint", "float16": "rint"}, "p": {"bfloat16": "round", "float16": "round"},
+            "out": {"bfloat16": "round", "float16": "round"}},
+}
+
+
+def golden_faithful(case: Case, *, sbs=1, sparse_mode=3, scale=SCALE, normalised=False, accumulate="float32",
+                    chip=None):
     """Per-row loop golden in the vLLM-Ascend style with the kernel's rounding points (float32).
 
-    accumulate: "float32" - ``q @ K^T``, ``P @ V``, ``exp`` and the softmax sum in fp32 NumPy / BLAS (some fp32
-    order, like a kernel); "float64" - the same products and sums in float64 (exact products) rounded once to fp32,
-    exp in float64 rounded once: the correctly rounded values the oracle models, except where a float64 result
-    lies within its own rounding error of an fp32 rounding boundary."""
+    accumulate: "float32" - ``q @ K^T``, ``P @ V`` and the softmax sum accumulated in fp32 one term at a time in
+    index order (``np.cumsum``: a fixed order, like a kernel's, and the same bits on every CPU - no BLAS, no SIMD
+    reduction; each product of two 16-bit floats is exact in fp32), exp in float64 rounded once to fp32;
+    "float64" - the same products and sums in float64 (exact products) rounded once to fp32, exp in float64
+    rounded once: the correctly rounded values the oracle models, except where a float64 result lies within its
+    own rounding error of an fp32 rounding boundary.
+    chip: whose rounding modes (:data:`CHIP_MODES`); None = the chip qsfa resolves for the case (int8 KV: A2, an
+    FP8 / HiFloat8 KV is Ascend 950 only)."""
     wide = accumulate == "float64"
+    assert accumulate in ("float32", "float64"), accumulate
+
+    def seq_dot(x, y):  # [M, K] @ [K, N] in fp32, summed sequentially over K
+        return np.cumsum(x[:, :, None] * y[None, :, :], axis=1, dtype=np.float32)[:, -1, :]
+
     qd = case.qdtype
+    modes = CHIP_MODES["A2" if chip in ("A2", "A3") or (chip is None and case.key_fmt == "int8") else "950"]
+    km, pm, om = modes["k"][qd], modes["p"][qd], modes["out"][qd]
     vals = formats.decode(case.codes.view(np.uint8), case.key_fmt)
-    kn = round_q(vals * np.repeat(case.scales, 128, axis=-1), qd)  # fp32 multiply, then query dtype
+    kn = round_q(vals * np.repeat(case.scales, 128, axis=-1), qd, km)  # fp32 multiply, then query dtype
     k = kn if case.rope is None else np.concatenate([kn, case.rope.astype(np.float32)], axis=-1)
     b_, s_, n_, _ = case.q.shape
     out = np.zeros((b_, s_, n_, 512), np.float32)
@@ -213,19 +236,19 @@ def golden_faithful(case: Case, *, sbs=1, sparse_mode=3, scale=SCALE, normalised
             if wide:
                 s = (q.astype(np.float64) @ k[b, toks].T.astype(np.float64)).astype(np.float32) * np.float32(scale)
             else:
-                s = (q @ k[b, toks].T) * np.float32(scale)
+                s = seq_dot(q, k[b, toks].T.astype(np.float32)) * np.float32(scale)
             m = s.max(axis=-1, keepdims=True)
-            e = np.exp((s - m).astype(np.float64)).astype(np.float32) if wide else np.exp(s - m)
-            l = e.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32) if wide else e.sum(axis=-1,
-                                                                                                          keepdims=True)
-            p = round_q(e / l, qd) if normalised else round_q(e, qd)
+            e = np.exp((s - m).astype(np.float64)).astype(np.float32)
+            l = (e.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32) if wide
+                 else np.cumsum(e, axis=-1, dtype=np.float32)[:, -1:])
+            p = round_q(e / l, qd, pm) if normalised else round_q(e, qd, pm)
             if wide:
                 o = (p.astype(np.float64) @ kn[b, toks].astype(np.float64)).astype(np.float32)
             else:
-                o = p @ kn[b, toks]
+                o = seq_dot(p.astype(np.float32), kn[b, toks].astype(np.float32))
             if not normalised:
                 o = o / l
-            out[b, i] = round_q(o, qd)
+            out[b, i] = round_q(o, qd, om)
             mx[b, i] = m[:, 0]
             sm[b, i] = l[:, 0]
     return out, mx, sm

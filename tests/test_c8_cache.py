@@ -1,4 +1,4 @@
-"""The QSFA C8 cache writer (SPEC.md 3.2): c8_cache_write (quant + pack + scatter) and c8_rmsnorm_rope_cache.
+"""The QSFA C8 cache writer (docs/numerics/cache-writers.md#c8_cache_write): c8_cache_write (quant + pack + scatter) and c8_rmsnorm_rope_cache.
 
 Expectations come from hand-worked bytes, a slow per-token loop written here (numpy scalars, ml_dtypes for
 FP8), the scale module of the formats engineer, and metamorphic properties (rope 0 vs rope 64, permutations).
@@ -39,7 +39,7 @@ def test_hand_worked_row_bytes():
     assert sum(1 for b in row[:512] if b) == 5
     assert row[512:514] == [0x80, 0x3F] and row[638:640] == [0x00, 0xC0] and not any(row[514:638])
     assert row[640:644] == _le32(1.0) == [0, 0, 0x80, 0x3F]
-    assert row[644:648] == [0, 0, 0, 0]  # all-zero tile: scale 0 (SPEC.md 2)
+    assert row[644:648] == [0, 0, 0, 0]  # all-zero tile: scale 0 (docs/numerics/open-facts.md#zero-tile)
     assert row[648:652] == _le32(2.0) and row[652:656] == [0, 0, 0, 0]
     untouched = np.ones((3, 4), bool)
     untouched[1, 2] = False
@@ -47,7 +47,7 @@ def test_hand_worked_row_bytes():
 
 
 def test_slot_minus_one_keeps_sentinel_pipeline_case():
-    # SPEC.md 5 pipeline case: slots [0..4, -1], cache prefilled with 17
+    # docs/numerics/attention.md#scenarios pipeline case: slots [0..4, -1], cache prefilled with 17
     rng = np.random.default_rng(0)
     kv = rng.standard_normal((6, 512)).astype(np.float16)
     gamma = np.ones(512, np.float16)
@@ -187,7 +187,9 @@ def test_torch_cache_strided_along_blocks_updated_in_place():
     (dict(slot_mapping=np.array([0, 0])), "c8_cache_write.slot_mapping_unique"),
     (dict(slot_mapping=np.array([0, 12])), "c8_cache_write.slot_mapping_range"),
     (dict(k_rope=None), "c8_cache_write.kv_cache_shape"),  # a 656-byte cache needs the RoPE
-    (dict(key_dtype="hifloat8"), "c8_cache_write.key_dtype_value"),
+    (dict(key_dtype="int4"), "c8_cache_write.key_dtype_value"),
+    (dict(dst_type_max=15.0), "c8_cache_write.dst_type_max_value"),
+    (dict(key_dtype="hifloat8", dst_type_max=40000.0), "c8_cache_write.dst_type_max_value"),
 ])
 def test_rejections_write_nothing(kw, cid):
     args = dict(k_nope=np.ones((2, 512), BF16), k_rope=np.ones((2, 64), BF16), slot_mapping=np.array([0, 1]),

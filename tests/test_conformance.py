@@ -49,7 +49,7 @@ def _toy(name, impls):
 
 def _hif8_half_even(x, fmt, saturate=False, rounding=None):
     """formats.encode with the wrong HiFloat8 tie rule: exact midpoints go to the even code (the reference
-    rounds ties away from zero, SPEC.md 1.1)."""
+    rounds ties away from zero, docs/numerics/formats.md#hifloat8)."""
     codes = F.encode(x, fmt, saturate=bool(saturate), rounding=rounding)
     if fmt != "hifloat8":
         return codes

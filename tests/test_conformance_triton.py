@@ -1,6 +1,6 @@
 """The property catalogue on the "triton" backend, for every property whose operators the Triton kernels
 implement (c8_cache_write, kv_quant_sparse_flash_attention): backend-vs-reference (cache bytes exact;
-attention within the SPEC.md section 4 criterion) plus the metamorphic properties, all through the same
+attention within the docs/numerics/comparison.md#float-criterion criterion) plus the metamorphic properties, all through the same
 definitions ``qsfa conformance --backend triton`` runs.
 
 Without a CUDA device the kernels run in the Triton CPU interpreter (TRITON_INTERPRET=1, set here before

@@ -7,6 +7,7 @@ a way to break it (``violate``) or one that never fires fails here.
 import numpy as np
 import pytest
 
+from qsfa._buffers import distinct_bytes
 from qsfa._contract import Args
 from qsfa._dispatch import operators, run
 from qsfa._errors import InvalidArgument, InvalidDtype
@@ -19,7 +20,7 @@ def _cases():
 
 
 def _snapshot(args, names):
-    return {n: np.asarray(args[n]).tobytes() for n in names if args.get(n) is not None}
+    return {n: distinct_bytes(args[n]) for n in names if args.get(n) is not None}
 
 
 @pytest.mark.parametrize("op_name", sorted(operators()))
@@ -55,3 +56,31 @@ def test_constraint_fires_alone_and_first(op_name, cid):
     assert isinstance(err, InvalidDtype) == c.dtype
     # nothing written
     assert _snapshot(bad, op.contract.inplace) == before
+
+
+@pytest.mark.parametrize("op_name", sorted(operators()))
+def test_every_parameter_has_a_declared_type(op_name):
+    """The generic type rules (qsfa._contract.Param) cover a parameter only if it is declared: a new
+    parameter without a declaration fails here, not silently at a user's call with None."""
+    contract = operators()[op_name].contract
+    example = contract.example(np.random.default_rng(0))
+    assert set(example) <= set(contract.params), f"{op_name}: undeclared {sorted(set(example) - set(contract.params))}"
+    for c in contract.constraints:
+        assert c.param in contract.params or c.param == "tensors", f"{c.id} names undeclared {c.param!r}"
+
+
+@pytest.mark.parametrize("op_name", sorted(operators()))
+def test_declared_optional_matches_the_public_signature(op_name):
+    """A public parameter whose default is None must be declared optional ('name:type?'), else the generic type
+    rule rejects the default call."""
+    import importlib
+    import inspect
+
+    import qsfa
+
+    mod, _, name = op_name.rpartition(".")
+    fn = getattr(importlib.import_module(f"qsfa.{mod}") if mod else qsfa, name)
+    declared = operators()[op_name].contract.params
+    for p in inspect.signature(fn).parameters.values():
+        if p.name in declared and p.default is None:
+            assert declared[p.name].optional, f"{op_name}.{p.name} defaults to None but is declared required"

@@ -280,6 +280,8 @@ def test_invalid_input_never_reaches_the_backend_and_writes_nothing(toy, caller,
     for c in contract.constraints:
         if c.chips is not None:
             continue
+        if caller == "torch" and c.id.rsplit(".", 1)[1].endswith(("_writable", "_overlap", "_aliasing", "_size")):
+            continue  # to_torch copies the violating view into a fresh tensor (torch cases: test_hostile_buffers)
         bad = c.violate(_toy_example(np.random.default_rng(0)))
         if caller == "torch":
             bad = {k: (to_torch(v) if isinstance(v, np.ndarray) else v) for k, v in bad.items()}

@@ -1,4 +1,4 @@
-"""dynamic_block_quant (SPEC.md 3.1): hand-worked codes, edge blocks, dtype codes, errors, and random cases
+"""dynamic_block_quant (docs/numerics/quantisers.md#dynamic_block_quant): hand-worked codes, edge blocks, dtype codes, errors, and random cases
 against a slow per-block loop that encodes with ml_dtypes / en_dtypes (independent of qsfa.reference.formats)."""
 
 import ml_dtypes
@@ -143,9 +143,14 @@ def _slow_block_quant(x, fmt, rb, cb, order="divide"):
                 blk = x3[i, bi * rb:(bi + 1) * rb, bj * cb:(bj + 1) * cb]
                 amax = F32(np.max(np.abs(blk)))
                 s = F32(amax / tm)
-                scale[i, bi, bj] = s
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    y = blk / s if order == "divide" else blk * F32(tm / amax)
+                scale[i, bi, bj] = F32(amax * F32(F32(1) / tm)) if order == "reciprocal" else s
+                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                    if order == "divide":
+                        y = blk / s
+                    elif order == "multiply":
+                        y = blk * F32(tm / amax)
+                    else:  # reciprocal, reciprocal_multiply: fp32(1 / amax) rounded, then times TYPE_MAX
+                        y = blk * F32(F32(F32(1) / amax) * tm) if amax else np.zeros_like(blk)
                 y = np.nan_to_num(y.astype(np.float32), nan=0.0)
                 y = np.clip(y, -tm, tm).astype(np.float32)
                 codes[i, bi * rb:(bi + 1) * rb, bj * cb:(bj + 1) * cb] = _encode_independent(y, fmt)
@@ -162,7 +167,7 @@ def _quant_case(draw):
     dtype = draw(st.sampled_from([np.float16, ml_dtypes.bfloat16, np.float32]))
     mag = draw(st.sampled_from([1e-3, 1.0, 300.0]))
     zero_rows = draw(st.booleans())
-    order = draw(st.sampled_from(["divide", "multiply"]))
+    order = draw(st.sampled_from(["divide", "multiply", "reciprocal", "reciprocal_multiply"]))
     return fmt, shape, rb, cb, dtype, mag, zero_rows, order, draw(st.integers(0, 2**32 - 1))
 
 

@@ -75,7 +75,7 @@ def test_errors_name_parameter_and_value():
         formats.encode(np.array([7.0], np.float32), "float4_e2m1")
     with _raises(ValueError, "x", "-2.0"):
         formats.encode(np.array([1.0, -2.0], np.float32), "float8_e8m0")
-    with _raises(ValueError, "saturate", "'yes'"):
+    with _raises(TypeError, "saturate", "'yes'"):  # every wrong type is an InvalidDtype (TypeError)
         formats.encode(X, "int8", saturate="yes")
     with _raises(ValueError, "codes", "(2, 3)"):
         formats.pack_fp4(np.zeros((2, 3), np.uint8))

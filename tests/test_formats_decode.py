@@ -1,9 +1,9 @@
-"""Every code of every format decodes to the right value (SPEC.md section 1).
+"""Every code of every format decodes to the right value (docs/numerics/formats.md#summary).
 
 Expected values are derived here independently of qsfa: the IEEE-like bit-field formula written out
-plainly, HiFloat8 by reading SPEC 1.1's prefix table literally from the bit string, int8 from NumPy's
+plainly, HiFloat8 by reading the prefix table of docs/numerics/formats.md#hifloat8 literally from the bit string, int8 from NumPy's
 two's complement view; and cross-checked against ml_dtypes / en_dtypes where their semantics agree
-(decoding agrees everywhere: the differences SPEC 1 lists are all on the encode side).
+(decoding agrees everywhere: the differences docs/numerics/formats.md#summary lists are all on the encode side).
 """
 
 import math
@@ -47,7 +47,7 @@ def ieee_like_values(n_codes, ebits, mbits, bias, *, inf, nan, signed=True, subn
 
 
 def hifloat8_values_from_spec():
-    """HiFloat8 by reading SPEC 1.1's table literally: the prefix ("dot") says how many exponent bits
+    """HiFloat8 by reading the table of docs/numerics/formats.md#hifloat8 literally: the prefix ("dot") says how many exponent bits
     follow; the exponent field is sign-magnitude with an implicit leading 1; 0000mmm are denormals."""
     out = []
     for code in range(256):
@@ -78,7 +78,7 @@ def hifloat8_values_from_spec():
             v = math.ldexp(1.0 + int(mfield, 2) / 2 ** len(mfield), e)
         out.append(-v if neg else v)
     out = np.array(out)
-    out[0x80] = np.nan  # SPEC 1.1 specials
+    out[0x80] = np.nan  # docs/numerics/formats.md#hifloat8 specials
     out[0x6F] = np.inf
     out[0xEF] = -np.inf
     return out
@@ -131,14 +131,14 @@ def test_decode_hifloat8_matches_en_dtypes():
     codes = np.arange(256, dtype=np.uint8)
     ref = codes.view(en_dtypes.hifloat8).astype(np.float32)
     got = F.decode(codes, "hifloat8")
-    # en_dtypes decodes 0x80 to NaN as SPEC 1.1 says; compare everything, NaN included
+    # en_dtypes decodes 0x80 to NaN as docs/numerics/formats.md#hifloat8 says; compare everything, NaN included
     _same(got, ref)
 
 
 def test_spec_named_codes():
-    """The values SPEC.md spells out, one by one."""
+    """The values docs/numerics/formats.md spells out, one by one."""
     d = lambda c, f: float(F.decode(np.array([c], np.uint8), f)[0])  # noqa: E731
-    # HiFloat8 (SPEC 1.1 examples and specials)
+    # HiFloat8 (docs/numerics/formats.md#hifloat8 examples and specials)
     assert d(0x18, "hifloat8") == 0.5
     assert d(0x20, "hifloat8") == 4.0
     assert d(0x7F, "hifloat8") == 1.5 * 2.0**-15

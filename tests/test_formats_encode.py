@@ -1,10 +1,10 @@
 """Encoding is exact at every representable value, at every midpoint (ties as documented), just above
-and below each midpoint, at the overflow thresholds and in the denormal range (SPEC.md section 1).
+and below each midpoint, at the overflow thresholds and in the denormal range (docs/numerics/formats.md#summary).
 
 Expected codes come from the decode table (itself checked against independent derivations in
 test_formats_decode.py) plus the tie rule written out here: "rint" picks the neighbour with the even
 code, "round" (TA) the one further from zero. ml_dtypes / en_dtypes cross-checks are at the end, each
-restricted to where its semantics agree with SPEC 1 (the differences are tested by hand).
+restricted to where its semantics agree with docs/numerics/formats.md#summary (the differences are tested by hand).
 """
 
 import en_dtypes
@@ -79,6 +79,8 @@ def test_midpoints_ties_and_neighbours(fmt, saturate):
     mid = (vals[:-1] + vals[1:]) / 2
     assert np.array_equal(mid, F.midpoints(fmt)[F.midpoints(fmt) > 0])
     for rounding in F.rounding_modes(fmt):
+        if rounding == "hybrid":  # not a nearest rounding above |e| = 3: tests/test_formats_hybrid.py
+            continue
         if rounding == "rint":
             expect_mid = np.where(lo % 2 == 0, lo, hi)
         elif rounding in ("round", "ceil"):
@@ -219,7 +221,7 @@ def test_nan_and_zero_signs(fmt):
 
 
 def test_denormal_ranges():
-    # HiFloat8 (SPEC 1.1): |x| < 2^-23 -> 0; 2^-23 <= |x| < 2^-22 -> 2^-22; denormals 2^(m-23), TA between
+    # HiFloat8 (docs/numerics/formats.md#hifloat8): |x| < 2^-23 -> 0; 2^-23 <= |x| < 2^-22 -> 2^-22; denormals 2^(m-23), TA between
     two = lambda e: np.float32(2.0**e)  # noqa: E731
     x = np.array([np.nextafter(two(-23), np.float32(0)), two(-23), np.float32(1.5) * two(-23),
                   np.nextafter(two(-22), np.float32(0)), two(-22), np.float32(1.5) * two(-22),
@@ -244,7 +246,7 @@ def test_denormal_ranges():
 
 
 def test_spec_worked_examples():
-    """SPEC 1.1: 1.0625 -> 1.125; 22 -> 24; 40960 -> Inf (32768 with SAT); 0x6E = 32768."""
+    """docs/numerics/formats.md#hifloat8: 1.0625 -> 1.125; 22 -> 24; 40960 -> Inf (32768 with SAT); 0x6E = 32768."""
     x = np.array([1.0625, 22.0, 40960.0, 32768.0], np.float32)
     codes = F.encode(x, "hifloat8")
     np.testing.assert_array_equal(F.decode(codes, "hifloat8"), [1.125, 24.0, np.inf, 32768.0])
@@ -324,7 +326,7 @@ def test_encode_matches_ml_dtypes_where_semantics_agree(fmt):
 
 
 def test_nan_where_ml_dtypes_differs():
-    # ml_dtypes maps NaN to -0 for E2M1 (SPEC 1); qsfa rejects NaN for a format without NaN
+    # ml_dtypes maps NaN to -0 for E2M1 (docs/numerics/formats.md#summary); qsfa rejects NaN for a format without NaN
     assert np.array([np.nan], np.float32).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)[0] in (0, 8)
     with pytest.raises(InvalidArgument):
         F.encode(np.array([np.nan], np.float32), "float4_e2m1", saturate=True)

@@ -1,4 +1,4 @@
-"""Hypothesis properties of the number formats (SPEC.md section 1).
+"""Hypothesis properties of the number formats (docs/numerics/formats.md#summary).
 
 * decode(encode(x)) is the representable value nearest to x, ties broken by the rounding mode - checked
   against a brute-force search over the whole decoded code table written here;

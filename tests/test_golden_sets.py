@@ -1,4 +1,4 @@
-"""The catalogue's scenario sets hold what SPEC.md section 5 says they hold.
+"""The catalogue's scenario sets hold what docs/numerics/attention.md#scenarios says they hold.
 
 Each check reads the generated files with NumPy and the manifest only, and derives the expectation
 independently (float64 attention written here, token counts from the indices, sentinel bytes).
@@ -75,7 +75,7 @@ def test_seed_decode_is_the_spec_scenario_and_its_output_holds(tmp_path):
     r = rows[phys]
     nope = r[:, :512].view(np.int8).astype(np.float64)
     scales = r[:, 640:656].copy().view("<f4").astype(np.float64)
-    # SPEC 3.6: K = decode(NoPE) * tile scale in fp32, rounded to the query dtype (bf16 RINT)
+    # docs/numerics/attention.md#rounding-points: K = decode(NoPE) * tile scale in fp32, rounded to the query dtype (bf16 RINT)
     k_nope = (nope * np.repeat(scales, 128, axis=1)).astype(np.float32).astype(BF16).astype(np.float64)
     k_rope = r[:, 512:640].copy().view(BF16).astype(np.float64)
     q = i["query"][0, 0].astype(np.float64)  # [64, 576]

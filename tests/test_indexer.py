@@ -1,4 +1,4 @@
-"""lightning_indexer / quant_lightning_indexer (SPEC.md 3.7) against a dense top-k written plainly here.
+"""lightning_indexer / quant_lightning_indexer (docs/numerics/indexer.md#lightning_indexer) against a dense top-k written plainly here.
 
 Integer-valued inputs make every fp32 score exact (|q.k| <= 128 * 16, ReLU, small integer weights, < 2^24),
 so the fp32 operator and the float64 golden must pick exactly the same tokens in exactly the same order,

@@ -1,4 +1,4 @@
-"""KvCompressEpilog (SPEC.md 3.4): row widths, hand-worked rows of all three modes (zero groups included),
+"""KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog): row widths, hand-worked rows of all three modes (zero groups included),
 the round_scale=False quirk, strided caches, and random rows against a slow per-token loop (ml_dtypes /
 en_dtypes encoders)."""
 
@@ -20,7 +20,7 @@ def _cache(bn=2, bs=4, hd=704, fill=17):
 
 
 def test_kv_cache_col():
-    assert kv_cache_col(512, 1) == 583  # SPEC.md 3.4: 128 + 448 + 7
+    assert kv_cache_col(512, 1) == 583  # docs/numerics/cache-writers.md#kv_compress_epilog: 128 + 448 + 7
     assert kv_cache_col(512, 0) == 608  # roundup(128 + 448 + 14, 32)
     assert kv_cache_col(512, 0, pad_to=128) == 640
     assert kv_cache_col(512, 2, 64) == 320  # roundup(64 + 224 + 14, 32)

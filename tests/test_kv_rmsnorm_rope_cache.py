@@ -1,4 +1,4 @@
-"""kv_rmsnorm_rope_cache (SPEC.md 3.3, seed 004): hand-worked values, every cache mode against a slow per-token
+"""kv_rmsnorm_rope_cache (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache, seed 004): hand-worked values, every cache mode against a slow per-token
 loop (ml_dtypes / en_dtypes encoders), NZ vs ND storage, PA_BLK chunks, skips and permutations."""
 
 import ml_dtypes

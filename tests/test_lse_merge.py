@@ -1,5 +1,5 @@
 """merge_attention_lse: splitting each row's selected tokens into disjoint shards and merging the partial
-results through (softmax_max, softmax_sum) gives the unsplit result (SPEC.md 3.6 context-parallel merge)."""
+results through (softmax_max, softmax_sum) gives the unsplit result (docs/numerics/attention.md#merge_attention_lse context-parallel merge)."""
 
 import copy
 
@@ -66,7 +66,7 @@ def test_shards_merge_to_the_unsplit_result(layouts, parts, sbs):
     np.testing.assert_allclose(merged[0], full[0], rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(merged[1], full[1], rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(merged[2], full[2], rtol=1e-12, atol=0)
-    # faithful: within the SPEC.md 4 tolerances (each shard was rounded to bf16 before the merge)
+    # faithful: within the docs/numerics/comparison.md#float-criterion tolerances (each shard was rounded to bf16 before the merge)
     full = run(case, layouts, sparse_block_size=sbs)
     pieces = [run(s, layouts, sparse_block_size=sbs) for s in shards]
     merged = qsfa.merge_attention_lse(np.stack([p[0] for p in pieces]), np.stack([p[1] for p in pieces]),

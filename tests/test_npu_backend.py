@@ -239,6 +239,20 @@ def _scatter_nd_update_(var, indices, updates):
     return var
 
 
+def _kce_vllm(*args, **kwargs):
+    """vLLM-Ascend's kv_compress_epilog on the fake device: binds the recorded schema, then writes what the
+    reference writes into the caller's cache tensor (in place, as the op is declared)."""
+    from qsfa.reference.kv_compress_epilog_vllm import kv_compress_epilog_vllm
+
+    a = _bind(mapping.KCE_VLLM_CUSTOM_OP, args, kwargs)
+    cache = a["kv_compress_cache"]
+    host = to_numpy(cache).copy()
+    kv_compress_epilog_vllm(host, to_numpy(a["x"]), to_numpy(a["slot_mapping"]),
+                            quant_group_size=a["quant_group_size"], quant_mode=a["quant_mode"],
+                            round_scale_flag=a["round_scale_flag"], layout=a["layout"])
+    cache.copy_(to_torch(host))
+
+
 _FAKE_IMPLS = {
     "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
     "torch_npu.npu_sparse_flash_attention": _sfa,
@@ -248,6 +262,7 @@ _FAKE_IMPLS = {
     "torch_npu.npu_kv_rmsnorm_rope_cache": _krrc_v1,
     "torch_npu.npu_kv_rmsnorm_rope_cache_v2": _krrc_v2,
     "torch_npu.npu_scatter_nd_update_": _scatter_nd_update_,
+    mapping.KCE_VLLM_CUSTOM_OP: _kce_vllm,
     mapping.QSFA_CUSTOM_OP: _qsfa_custom,
 }
 
@@ -504,3 +519,20 @@ def test_backends_lists_the_npu_operators_when_usable(fake_npu):
 
     assert npu_backend.registered == tuple(op for op in mapping.MAPPINGS if op in operators())
     assert npu_backend.resolve("torch_npu.npu_dynamic_block_quant") is sys.modules["torch_npu"].npu_dynamic_block_quant
+
+
+@pytest.mark.parametrize("caller", ["numpy", "torch"])
+def test_kv_compress_epilog_vllm_runs_its_custom_op_in_place(monkeypatch, caller):
+    fake = FakeNpu(monkeypatch, "950", True)
+    try:
+        args = _example("kv_compress_epilog_vllm")
+        expected = run("kv_compress_epilog_vllm", copy_args(args), backend="reference")
+        if caller == "torch":
+            args = _as_torch(args)
+        out = run("kv_compress_epilog_vllm", args, backend="npu")
+        assert fake.calls == [mapping.KCE_VLLM_CUSTOM_OP]
+        assert out is args["kv_compress_cache"]
+        assert np.ascontiguousarray(to_numpy(out)).view(np.uint8).tobytes() == \
+            np.ascontiguousarray(expected).view(np.uint8).tobytes()
+    finally:
+        fake.close()

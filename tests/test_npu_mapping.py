@@ -452,6 +452,10 @@ def test_every_recorded_signature_is_a_mapping_target():
     hit.add(mapping.map_call("kv_rmsnorm_rope_cache", cache, NpuContext(chip="950")).target)
     hit.add(mapping.map_call("scatter_by_slot", dict(cache=key, rows=key[0], slot_mapping=torch.arange(16)),
                              NpuContext()).target)
+    hit.add(mapping.map_call("kv_compress_epilog_vllm", dict(
+        kv_compress_cache=torch.zeros((4, 1, 640), dtype=torch.float8_e4m3fn), x=q[0, 0, :, :512],
+        slot_mapping=torch.zeros(1, dtype=torch.int64), quant_group_size=64, quant_mode=2, round_scale_flag=True,
+        layout=1), NpuContext(chip="950", custom_ops=frozenset({mapping.KCE_VLLM_CUSTOM_NAME}))).target)
     assert hit == set(signatures.targets())
 
 
@@ -473,3 +477,22 @@ def test_chip_of_a_context_never_changes_a_torch_npu_only_mapping():
     calls = [mapping.map_call("dynamic_block_quant", dict(x=x), NpuContext(chip=c)) for c in (None, "A2", "A3", "950")]
     assert len({(c.target, tuple(sorted(c.kwargs.items()))) for c in calls}) == 1
     assert np.all([c.args[0] is x for c in calls])
+
+
+def test_kv_compress_epilog_vllm_mapping_is_the_custom_ops_positional_call():
+    cache = torch.zeros((4, 1, 640), dtype=torch.float8_e5m2)
+    a = dict(kv_compress_cache=cache, x=torch.zeros((2, 512), dtype=torch.bfloat16),
+             slot_mapping=torch.tensor([1, -1], dtype=torch.int32), quant_group_size=128, quant_mode=2,
+             round_scale_flag=False, layout=2)
+    call = mapping.map_call("kv_compress_epilog_vllm", a, NpuContext(
+        chip="950", custom_ops=frozenset({mapping.KCE_VLLM_CUSTOM_NAME})))
+    assert call.target == "torch.ops._C_ascend.kv_compress_epilog"
+    _assert_binds(call)
+    assert call.args[0] is cache and call.args[3:] == (128, 2, False, 2) and call.kwargs == {}
+    assert call.unpack(None) == (cache,)
+    with pytest.raises(ValueError, match="not loaded"):
+        mapping.map_call("kv_compress_epilog_vllm", a, NpuContext(chip="950"))
+    lim = {c.id: c for c in device.backend_limits("kv_compress_epilog_vllm", chip="950", custom_ops=frozenset())}
+    assert "vllm_ascend" in lim["npu.kv_compress_epilog_vllm.needs_custom_op"].reason
+    assert not device.backend_limits("kv_compress_epilog_vllm", chip="950",
+                                     custom_ops=frozenset({"kv_compress_epilog"}))[0].check(a)

@@ -233,9 +233,18 @@ def test_extract_custom_ops_joins_cpp_string_literals():
         "                                    bool return_softmax_lse=False)"
         " -> (Tensor attention_out, Tensor softmax_max, Tensor softmax_sum)"
     );
+    ops.def(
+        "kv_compress_epilog("
+            "Tensor(a!) kv_compress_cache, "
+            "int layout"
+        ") -> ()"
+    );
 }
 '''
     out = rec.extract_custom_ops(cpp, "abc123")
+    k = out["torch.ops._C_ascend.kv_compress_epilog"]
+    assert k["schema"] == "kv_compress_epilog(Tensor(a!) kv_compress_cache, int layout) -> ()"
+    assert [p["name"] for p in k["params"]] == ["kv_compress_cache", "layout"] and k["returns"] == []
     r = out["torch.ops._C_ascend.npu_kv_quant_sparse_flash_attention"]
     assert r["source"]["commit"] == "abc123" and r["source"]["line"] == 7
     assert r["schema"] == ("npu_kv_quant_sparse_flash_attention(Tensor query, float scale_value, *, "

@@ -1,4 +1,4 @@
-"""Packed QSFA rows, FlashMLA V32 rows and NZ storage (SPEC.md 3.2, 3.3): hand-worked bytes and round trips."""
+"""Packed QSFA rows, FlashMLA V32 rows and NZ storage (docs/numerics/layouts.md#packed-qsfa-row, #flashmla-v32, #nz): hand-worked bytes and round trips."""
 
 import ml_dtypes
 import numpy as np

@@ -57,5 +57,5 @@ def test_quick_start_runs(capsys):
     code = README.split("## Quick start")[1].split("```python")[1].split("```")[0]
     exec(compile(code, "README quick start", "exec"), {})
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "[  9  66 111]"  # HiF8 codes of 1.125, 24 and +Inf (SPEC 1.1 worked examples)
+    assert out[0] == "[  9  66 111]"  # HiF8 codes of 1.125, 24 and +Inf (docs/numerics/formats.md#hifloat8 worked examples)
     assert out[-1].startswith("{") and "'reference': True" in out[-1]

@@ -1,8 +1,8 @@
-"""Scale rules of SPEC.md section 2.
+"""Scale rules of docs/numerics/quantisers.md#scale-rules.
 
 Expected values are computed independently: fp32 results of one +, * or / of two float32 values are
 obtained as the float64 result rounded once to float32 (correctly rounded: 53 >= 2*24 + 2), powers of
-two through math.frexp, bf16 through ml_dtypes (RNE on finite values), and the SPEC's worked numbers.
+two through math.frexp, bf16 through ml_dtypes (RNE on finite values), and the worked numbers of docs/numerics/quantisers.md#zero-groups.
 """
 
 import math
@@ -37,7 +37,7 @@ def test_constants():
 
 
 def test_all_zero_fp8_group_spec_example():
-    """SPEC 2: 1e-4 floor gives s = 2.2321e-7; with round_scale 2^-22 (E8M0 0x69, BF16 0x3480); without it
+    """docs/numerics/quantisers.md#zero-groups: 1e-4 floor gives s = 2.2321e-7; with round_scale 2^-22 (E8M0 0x69, BF16 0x3480); without it
     E8M0 0x68, BF16 0x3470."""
     s = S.fp8_group_scale(np.zeros(3, np.float32))
     expect = fl(np.float64(f32(1e-4)) * np.float64(np.array(0x3B124925, np.uint32).view(np.float32)))

@@ -1,4 +1,4 @@
-"""scatter_by_slot (SPEC.md 3.5): hand-worked bytes, skip slots, strided caches, rejection before writes,
+"""scatter_by_slot (docs/numerics/cache-writers.md#scatter_by_slot): hand-worked bytes, skip slots, strided caches, rejection before writes,
 and random cases against a slow per-token loop."""
 
 import numpy as np

@@ -1,6 +1,6 @@
 """qsfa.strategies: every valid strategy passes its operator's contract, every invalid one breaks exactly the
 constraint it names, size bounds and pins are honoured, and the attention strategies poison what must never
-be read. Expectations are derived here from SPEC.md 3.6 (causal limits, -1 padding), not from the strategies.
+be read. Expectations are derived here from docs/numerics/attention.md#token-selection (causal limits, -1 padding), not from the strategies.
 """
 
 import numpy as np
@@ -79,7 +79,7 @@ def test_bounds_come_from_the_profile_and_overrides():
 
 
 def _rows_and_limits(a):
-    """Per query row (batch, position, real row, limit = min(actKV, causal threshold)) from SPEC.md 3.6."""
+    """Per query row (batch, position, real row, limit = min(actKV, causal threshold)) from docs/numerics/attention.md#token-selection."""
     q = a["query"]
     if a["layout_query"] == "BSND":
         b, s = q.shape[:2]

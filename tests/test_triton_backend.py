@@ -1,8 +1,8 @@
-"""The "triton" backend through the public API, against the reference backend (SPEC.md section 4).
+"""The "triton" backend through the public API, against the reference backend (docs/numerics/comparison.md#float-criterion).
 
 * ``c8_cache_write``: byte for byte (``assert_bytes_equal``), NumPy and torch callers, int8 and FP8 caches,
   both OPEN scale orders, sentinel-filled caches with -1 slots.
-* ``kv_quant_sparse_flash_attention``: ``compare_float`` (SPEC.md 4 tolerances) on the attention output
+* ``kv_quant_sparse_flash_attention``: ``compare_float`` (docs/numerics/comparison.md#float-criterion tolerances) on the attention output
   and, when requested, softmax_max / softmax_sum; every layout, sparse_block_size, rope 0/64, fp16/bf16,
   int8/FP8 NoPE, empty rows, both OPEN probability_rounding choices; a deliberately broken kernel
   variant must fail the same check.
@@ -79,7 +79,7 @@ def check_c8_cache_write(args, backend="triton"):
 
 def check_attention(args, backend="triton"):
     """``qsfa.kv_quant_sparse_flash_attention(**args, backend=backend)`` against the reference backend:
-    SPEC.md 4 criterion (``compare_float``) on attention_out and, when requested, on softmax_max /
+    docs/numerics/comparison.md#float-criterion criterion (``compare_float``) on attention_out and, when requested, on softmax_max /
     softmax_sum (fp32 tolerances); empty LSE outputs when not. Raises AssertionError with the report."""
     got = qsfa.kv_quant_sparse_flash_attention(**args, backend=backend)
     want = qsfa.kv_quant_sparse_flash_attention(**args, backend="reference")
@@ -112,7 +112,7 @@ def test_kernel_limits_fire_on_contract_valid_calls(op_name):
 
     op = operator(op_name)
     limits = triton_backend.limits(op_name)
-    assert limits or op_name == C8  # the C8 writer runs everything its contract accepts
+    assert limits  # C8: HiFloat8 NoPE has no kernel; QSFA: HiFloat8 keys, precision
     for c in limits:
         bad = c.violate(op.contract.example(np.random.default_rng(0)))
         assert op.contract.first_violation(bad) is None, f"{c.id}: the violating call must pass the contract"
@@ -150,7 +150,7 @@ def test_c8_torch_caller_in_place_fp8_cache():
 
 
 def test_c8_pipeline_slots_and_sentinel_then_attention():
-    """SPEC.md 5 pipeline case: cache prefilled with 17, slots [0..4, -1]; then attention over that cache."""
+    """docs/numerics/attention.md#scenarios pipeline case: cache prefilled with 17, slots [0..4, -1]; then attention over that cache."""
     rng = np.random.default_rng(3)
     T = 6
     k_nope = (rng.standard_normal((T, 512)) * 2).astype(BF16)
@@ -253,3 +253,16 @@ def test_benchmark_helpers_on_cpu(layout_query):
     kw = {k: v for k, v in args.items() if k not in ("query", "key", "value", "sparse_indices", "scale_value")}
     out = launch_qsfa_attention(args["query"], args["key"], args["sparse_indices"], args["scale_value"], **kw)[0]
     assert bench._check_subset(args, out).startswith("PASS")
+
+
+# ------------------------------------------------------------------------------------------------
+# the requested chip's rounding points (the tie cases of tests/test_chips.py, docs/numerics/chips.md)
+
+@pytest.mark.parametrize("chip", [None, "A2", "950"])
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
+def test_triton_follows_the_chips_rounding(chip, qdtype):
+    import test_chips as TC
+
+    assert TC._qsfa_lane(TC._ties_p(qdtype), 1, chip=chip, backend="triton") == TC.P_EXPECT[qdtype][0]
+    assert TC._qsfa_lane(TC._ties_k(qdtype), 5, chip=chip, backend="triton") == TC.K_EXPECT[qdtype][1][chip]
+    assert TC._qsfa_lane(TC._ties_out(qdtype), 7, chip=chip, backend="triton") == TC.OUT_EXPECT[qdtype][1][chip]

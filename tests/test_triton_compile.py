@@ -54,7 +54,7 @@ def compile_attn(cfg, is_bf16=True, rope=True, pa=True, fp8=False, sbs=1, lse=Tr
     div16 = [n for n in sig if sig[n].startswith("*") or n in ("stride_qr", "stride_qh", "stride_kb", "stride_kt",
              "stride_ir", "stride_or", "stride_oh", "Q_N", "block_size")]
     const = dict(SBS=sbs, SCALE_IDX=160 if rope else 128, IS_PA=pa, HAS_ROPE=rope, IS_BF16=is_bf16, Q_ROUND=1,
-                 KEY_FP8=fp8, TWO_PASS=cfg.two_pass or normalised, P_NORMALISED=normalised, WRITE_LSE=lse,
+                 P_ROUND=1, O_ROUND=1, KEY_FP8=fp8, TWO_PASS=cfg.two_pass or normalised, P_NORMALISED=normalised, WRITE_LSE=lse,
                  DOT_F32=False, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv)
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}

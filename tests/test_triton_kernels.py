@@ -2,9 +2,10 @@
 
 Every expectation here is computed independently of the kernels: the rounding helpers against
 ml_dtypes / numpy (and a nextafter-based half-away rounding written below), the C8 writer against a
-vectorised NumPy implementation of SPEC.md 2 / 3.2 / 3.5 written in this file, and attention against a
-plain per-row NumPy implementation of SPEC.md 3.6 (normalised probabilities, float64 scores: a different
-but equally faithful reading, so agreement within SPEC.md section 4 is meaningful).
+vectorised NumPy implementation of docs/numerics/quantisers.md#int8-dynamic and
+docs/numerics/cache-writers.md#c8_cache_write written in this file, and attention against a
+plain per-row NumPy implementation of docs/numerics/attention.md#kv_quant_sparse_flash_attention (normalised probabilities, float64 scores: a different
+but equally faithful reading, so agreement within docs/numerics/comparison.md#float-criterion is meaningful).
 The operator-level checks against the library's reference are in tests/test_triton_backend.py.
 """
 
@@ -77,6 +78,8 @@ def _round_kernel(x_ptr, o_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
         y = C.f32_to_f16_rne(x).to(tl.float32)
     elif WHICH == 3:
         y = C.rint_small(x)
+    elif WHICH == 5:
+        y = C.bf16_to_f32(C.f32_to_bf16_round(x))
     else:
         y = C.bf16_to_f32(x.to(tl.bfloat16))  # native cast (truncates in the interpreter)
     tl.store(o_ptr + offs, y, mask=m)
@@ -124,6 +127,18 @@ def test_rounding_helpers_bf16_rne_matches_ml_dtypes():
     got = _apply(x, 0)
     want = x.astype(BF16).astype(np.float32)
     assert_bytes_equal(got, want, name="f32_to_bf16_rne")
+
+
+def test_rounding_helpers_bf16_round_half_away():
+    """f32_to_bf16_round against qsfa.formats' ties-away rounding (a table-free encoder, not bit arithmetic)."""
+    from qsfa.reference import formats as F
+
+    x = _fp32_samples(np.random.default_rng(3))
+    x = x[np.abs(x) < np.float32(3.3e38)]
+    got = _apply(x, 5)
+    want = np.asarray(F.round_to(x, "bfloat16", rounding="round"), np.float32)
+    assert_bytes_equal(got, want, name="f32_to_bf16_round")
+    assert (want != x.astype(BF16).astype(np.float32)).sum() > 500  # the ties are exercised
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -199,7 +214,7 @@ def test_to_f32_exact_for_every_16_bit_pattern(dtype):
 # C8 cache writer: independent NumPy expectation
 
 def c8_expected(k_nope, k_rope, slots, cache, scale_order="divide", key_dtype="int8"):
-    """SPEC.md 2 / 3.2 / 3.5 in NumPy: returns the cache bytes after the write (a copy).
+    """docs/numerics/cache-writers.md#c8_cache_write in NumPy: returns the cache bytes after the write (a copy).
 
     int8: ``s = amax / 127``, ``clamp(RINT(y), +-127)``; float8_e4m3fn: ``s = amax / 448``, y clamped to
     +-448 and cast with ml_dtypes (round half to even; no saturation needed inside +-448).
@@ -328,24 +343,30 @@ def test_c8_kernel_orders_differ_somewhere():
 
 
 # ------------------------------------------------------------------------------------------------
-# attention: independent per-row NumPy implementation of SPEC.md 3.6
+# attention: independent per-row NumPy implementation of docs/numerics/attention.md#kv_quant_sparse_flash_attention
 
-def _round_q(x32: np.ndarray, dtype: str) -> np.ndarray:
-    """fp32 -> the query dtype at the kernel's rounding points (bf16 RINT, fp16 ROUND), as float32."""
+def _round_q(x32: np.ndarray, dtype: str, mode: str | None = None) -> np.ndarray:
+    """fp32 -> the query dtype with ``mode`` ("rint" / "round"; None: bf16 RINT, fp16 ROUND), as float32."""
     x32 = np.asarray(x32, np.float32)
+    mode = mode or ("rint" if dtype == "bfloat16" else "round")
+    if mode == "rint":
+        return x32.astype(NP_DT[dtype]).astype(np.float32)
     if dtype == "bfloat16":
-        return x32.astype(BF16).astype(np.float32)
+        from qsfa.reference import formats as F
+
+        return np.asarray(F.round_to(x32, "bfloat16", rounding="round"), np.float32)
     return _f16_round_half_away(x32)
 
 
 def naive_qsfa(query, key, sparse_indices, scale_value, *, block_table=None, actual_seq_lengths_query=None,
                actual_seq_lengths_kv=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
-               sparse_mode=3, rope_head_dim=64, normalise_before_rounding=False, **_):
-    """(out [.., 512] query dtype, softmax_max, softmax_sum) per SPEC.md 3.6, one query row at a time.
+               sparse_mode=3, rope_head_dim=64, normalise_before_rounding=False, k_rounding=None, p_rounding="round",
+               out_rounding=None, **_):
+    """(out [.., 512] query dtype, softmax_max, softmax_sum) per docs/numerics/attention.md#kv_quant_sparse_flash_attention, one query row at a time.
 
     Probabilities: ``exp(s - max)`` rounded to the query dtype, P @ V in float64, divided by the fp32 sum
     (the FlashAttention order of the Ascend kernels); ``normalise_before_rounding`` rounds ``p / sum``
-    instead. With fp16 outputs the two orders differ by more than SPEC.md 4's atol on outputs near 0.
+    instead. With fp16 outputs the two orders differ by more than docs/numerics/comparison.md#float-criterion's atol on outputs near 0.
     """
     dtype = "bfloat16" if query.dtype == BF16 else "float16"
     q_n = query.shape[-2]
@@ -403,7 +424,7 @@ def naive_qsfa(query, key, sparse_indices, scale_value, *, block_table=None, act
             krow = key_u8[b, toks, 0]
         codes = krow[:, :512].view(np.int8).astype(np.float32)
         scales = np.ascontiguousarray(krow[:, scale_off:scale_off + 16]).view("<f4")
-        kd = _round_q(codes * np.repeat(scales, 128, axis=1), dtype)
+        kd = _round_q(codes * np.repeat(scales, 128, axis=1), dtype, k_rounding)
         qf = q_rows[r].astype(np.float64)
         s = qf[:, :512] @ kd.T.astype(np.float64)
         if rope_head_dim == 64:
@@ -414,11 +435,11 @@ def naive_qsfa(query, key, sparse_indices, scale_value, *, block_table=None, act
         p = np.exp(s - m)
         l_ = p.sum(axis=1, keepdims=True)
         if normalise_before_rounding:
-            out[r] = _round_q(p / l_, dtype).astype(np.float64) @ kd.astype(np.float64)
+            out[r] = _round_q(p / l_, dtype, p_rounding).astype(np.float64) @ kd.astype(np.float64)
         else:
-            out[r] = (_round_q(p, dtype).astype(np.float64) @ kd.astype(np.float64)) / l_
+            out[r] = (_round_q(p, dtype, p_rounding).astype(np.float64) @ kd.astype(np.float64)) / l_
         smax[r], ssum[r] = m[:, 0], l_[:, 0]
-    out = _round_q(out.astype(np.float32), dtype).astype(NP_DT[dtype]).reshape(tuple(query.shape[:-1]) + (512,))
+    out = _round_q(out.astype(np.float32), dtype, out_rounding).astype(NP_DT[dtype]).reshape(tuple(query.shape[:-1]) + (512,))
     if layout_query == "TND":
         lse_shape = (1, R, q_n)
     else:
@@ -522,7 +543,7 @@ def _launch(args, **kw):
 
 
 def check_attention_naive(args, **launch_kw):
-    """The kernel against naive_qsfa under the SPEC.md section 4 criterion; raises AssertionError."""
+    """The kernel against naive_qsfa under the docs/numerics/comparison.md#float-criterion criterion; raises AssertionError."""
     out, smax, ssum = _launch(args, **launch_kw)
     w_out, w_max, w_sum = naive_qsfa(**args)
     dtype = "bfloat16" if args["query"].dtype == BF16 else "float16"
@@ -601,7 +622,7 @@ def test_attention_kernel_block_sparse_and_tilings():
 
 
 def test_attention_rope0_equals_zero_rope():
-    """SPEC.md 3.6: rope 0 gives results bit-identical to the same data with zero RoPE (Q_D 576, KV_D 656)."""
+    """docs/numerics/attention.md#rope-0: rope 0 gives results bit-identical to the same data with zero RoPE (Q_D 576, KV_D 656)."""
     a0 = _prefill_case("bfloat16", 0)
     key0 = a0["key"].view(np.uint8)
     key64 = np.concatenate([key0[..., :512], np.zeros(key0.shape[:-1] + (128,), np.uint8), key0[..., 512:]], -1)

@@ -9,12 +9,13 @@ their own broken arguments and get no edge phase.
 
 from __future__ import annotations
 
-__all__ = ["edge_examples"]
+__all__ = ["edge_examples", "shrink_within_edge"]
 
 
 def edge_examples(prop, bounds, chip, pins: dict, fits=None) -> list:
-    """The edge examples of ``prop`` (a list of :class:`~qsfa.conformance.properties.Example`), in the order of
-    :data:`qsfa._edges.EDGES`; edges with no example within the backend's limits are left out."""
+    """The edge examples of ``prop`` as ``(edge, Example)`` pairs, in the order of :data:`qsfa._edges.EDGES`;
+    edges with no example within the backend's limits are left out. Each is drawn with ``edge_full`` (every
+    boundary value the edge has, where its size would otherwise be drawn)."""
     from hypothesis import HealthCheck, Phase, find, settings
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
@@ -26,18 +27,35 @@ def edge_examples(prop, bounds, chip, pins: dict, fits=None) -> list:
                    suppress_health_check=list(HealthCheck), deadline=None)
     out = []
     for e in EDGES.get(prop.op, ()):
-        s = prop.strategy(bounds, chip, {**pins, "edge": e})
+        s = prop.strategy(bounds, chip, {**pins, "edge": e, "edge_full": True})
         ex = _simplest(s)
         if ex is not None and (fits is None or fits(ex)):
-            out.append(ex)
+            out.append((e, ex))
             continue
         if fits is not None:
             s = s.filter(fits)
         try:
-            out.append(find(s, lambda _: True, settings=cfg))
+            out.append((e, find(s, lambda _: True, settings=cfg)))
         except (NoSuchExample, Unsatisfiable):
             continue
     return out
+
+
+def shrink_within_edge(prop, edge: str, bounds, chip, pins: dict, fits, test, settings_kw: dict) -> None:
+    """After the explicit example of ``edge`` failed (explicit examples are not shrunk): run ``test`` under
+    hypothesis on the property's strategy with that edge pinned, so a failure found there is shrunk to a minimal
+    case (``test`` records it as usual). Returns nothing; a run that finds no failure leaves the explicit one."""
+    from hypothesis import given, settings
+
+    s = prop.strategy(bounds, chip, {**pins, "edge": edge})
+    if fits is not None:
+        s = s.filter(fits)
+    wrapped = given(s)(test)
+    wrapped._hypothesis_internal_add_digest = f"{prop.name}/{edge}".encode()
+    try:
+        settings(**settings_kw)(wrapped)()
+    except Exception:  # noqa: BLE001 - the failure (recorded by test) is the point
+        pass
 
 
 def _simplest(strategy):

@@ -1,10 +1,13 @@
 """Helpers of the property checks: calling an operator on copies, comparing outputs, and an independent
-(written from SPEC.md 3.6, not from qsfa.reference) model of sparse token selection and KV addressing.
+(written from docs/numerics/attention.md#token-selection, not from qsfa.reference) model of sparse token selection and KV addressing.
 
 Everything here is vectorised over query rows and tokens; loops run over batches (a handful) only.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import numpy as np
 
@@ -44,15 +47,35 @@ def _np(x):
     return to_numpy(x) if is_torch(x) else np.asarray(x)
 
 
+#: the chip the running conformance check models (``qsfa conformance --chip``, or the device's chip); every
+#: call of a property - the backend's and the reference's - passes it (docs/numerics/chips.md)
+_CHIP: contextvars.ContextVar = contextvars.ContextVar("qsfa_conformance_chip", default=None)
+
+
+def current_chip() -> str | None:
+    return _CHIP.get()
+
+
+@contextlib.contextmanager
+def modelling_chip(chip: str | None):
+    """Within the block, :func:`call` (and :func:`current_chip`) use ``chip``."""
+    token = _CHIP.set(chip)
+    try:
+        yield
+    finally:
+        _CHIP.reset(token)
+
+
 def call(op: str, args: dict, backend: str) -> dict:
-    """Run ``op`` on ``backend`` with copies of ``args`` (strided caches stay strided); return
-    ``{output name: NumPy array or None}``. The caller's arrays are never modified. Fails (PropertyFailure)
-    when the backend writes into an input array that is not one of the operator's in-place parameters."""
+    """Run ``op`` on ``backend`` with copies of ``args`` (strided caches stay strided) for the chip of
+    :func:`modelling_chip`; return ``{output name: NumPy array or None}``. The caller's arrays are never modified.
+    Fails (PropertyFailure) when the backend writes into an input array that is not one of the operator's
+    in-place parameters."""
     inplace = set(operator(op).contract.inplace)
     a = {k: clone(v) for k, v in args.items()}
     before = {k: v.tobytes() for k, v in a.items() if isinstance(v, np.ndarray) and k not in inplace}
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        res = run(op, a, backend)
+        res = run(op, a, backend, chip=current_chip())
     changed = [k for k, b in before.items() if a[k].tobytes() != b]
     if changed:
         fail(f"backend {backend!r} wrote into input(s) {changed} of {op}, which are not in-place parameters")
@@ -65,7 +88,7 @@ _FLOAT = ("float16", "bfloat16", "float32", "float64")
 
 def compare_outputs(got: dict, want: dict, kinds: dict | None = None, *, label: str = "",
                     fmt: str | None = None) -> list[str]:
-    """Compare two output dicts; ``kinds[name]`` is "bytes" (default) or "float" (the SPEC.md section 4
+    """Compare two output dicts; ``kinds[name]`` is "bytes" (default) or "float" (the docs/numerics/comparison.md#float-criterion
     criterion with the output dtype's tolerances). ``fmt``: a qsfa.formats name whose decoded values are
     shown beside differing one-byte codes. Returns one message per failing output."""
     kinds = kinds or {}
@@ -88,7 +111,7 @@ def compare_outputs(got: dict, want: dict, kinds: dict | None = None, *, label: 
 
 
 # ---------------------------------------------------------------------------------------------------
-# independent model of SPEC.md 3.6 token selection
+# independent model of docs/numerics/attention.md#token-selection token selection
 
 
 def _i64(a):
@@ -147,7 +170,7 @@ def selection(args: dict, *, key="key", layout="layout_kv", lens="actual_seq_len
 
     Returns ``(weights [R, S] int64, batch [R], act_kv [B], storage, n_read [R])`` with S = max actKV (>= 1)
     and ``n_read`` the number of leading index entries each row reads:
-    ``weights[r, j]`` = how many of the row's read index entries select token j of its batch. Per SPEC.md
+    ``weights[r, j]`` = how many of the row's read index entries select token j of its batch. Per docs/numerics/attention.md#token-selection
     3.6: threshold = actKV - actQ + i + 1 (sparse_mode 3) or actKV (0), padding rows see nothing; the first
     ``min(sparse_size, ceil(threshold / sbs))`` entries are read, stopping at the first negative one; entry t
     covers tokens ``[t*sbs, t*sbs + sbs)`` clipped to ``[0, min(actKV, threshold))``.
@@ -199,16 +222,17 @@ def gather_tokens(rows_of: np.ndarray, storage, batch_id: int, s_max: int, act_k
 
 def round_query_dtype(x: np.ndarray, qdtype: str) -> np.ndarray:
     """float32 ``x`` rounded to the query dtype at the kernel's rounding point (bf16 RINT, fp16 ROUND;
-    SPEC.md 3.6) and returned as float64."""
+    docs/numerics/attention.md#kv_quant_sparse_flash_attention) and returned as float64."""
     from .. import formats
 
     rounding = "rint" if qdtype == "bfloat16" else "round"
     return np.asarray(formats.round_to(x.astype(np.float32), qdtype, rounding=rounding), np.float64)
 
 
-def packed_kv(args: dict, *, faithful: bool):
+def packed_kv(args: dict, *, faithful: bool, k_rounding: str | None = None):
     """QSFA packed rows as float64 ``(K [n, 512 + 64], V [n, 512])``: NoPE ``decode(code) * tile scale``
-    (one fp32 multiply), rounded to the query dtype when ``faithful``; RoPE as stored (zeros at rope 0)."""
+    (one fp32 multiply), rounded to the query dtype when ``faithful`` (``k_rounding`` "rint" / "round"; None: the
+    A2/A3 rule of :func:`round_query_dtype`); RoPE as stored (zeros at rope 0)."""
     from .. import formats
 
     key = args["key"]
@@ -223,7 +247,8 @@ def packed_kv(args: dict, *, faithful: bool):
     with np.errstate(invalid="ignore", over="ignore"):
         if faithful:  # one fp32 multiply, then the query-dtype rounding
             nope = (vals.reshape(n, 4, 128) * scales[:, :, None]).reshape(n, 512)
-            nope64 = round_query_dtype(nope, qd)
+            nope64 = (round_query_dtype(nope, qd) if k_rounding is None else
+                      np.asarray(formats.round_to(nope, qd, rounding=k_rounding), np.float64))
         else:  # exact: the product of two fp32 values is exact in float64
             nope64 = (vals.reshape(n, 4, 128).astype(np.float64) * scales[:, :, None]).reshape(n, 512)
     k = np.zeros((n, 576), np.float64)

@@ -27,7 +27,8 @@ def _split(values):
 def register(subparsers):
     p = subparsers.add_parser(
         "conformance", help="hypothesis conformance runs of the property catalogue against a backend",
-        description="Run qsfa's conformance properties (backend vs reference, metamorphic, invalid inputs) "
+        description="Run qsfa's conformance properties (backend vs reference, and metamorphic relations - the "
+                    "rejection of invalid inputs among them: --properties '*.invalid_rejected') "
                     "with hypothesis; print a per-operator table, write reports, save falsifying examples as "
                     "replayable golden case files.")
     p.add_argument("--backend", default=None,
@@ -36,7 +37,12 @@ def register(subparsers):
     p.add_argument("--properties", nargs="+", metavar="NAME",
                    help="only these properties: full names, fnmatch patterns ('*.page_permutation') or families "
                         "('vs_reference')")
-    p.add_argument("--kind", nargs="+", choices=("vs_reference", "metamorphic"), help="only properties of these kinds")
+    p.add_argument("--kind", nargs="+", choices=("vs_reference", "metamorphic"),
+                   help="only properties of these kinds (the invalid-input properties are metamorphic)")
+    p.add_argument("--chip", choices=("A2", "A3", "950"),
+                   help="model this chip in every call, the backend's and the reference's, and draw examples within its "
+                        "limits (default: the backend's device chip - automatic for npu - else each call's own rule; "
+                        "docs/numerics/chips.md)")
     p.add_argument("--max-examples", type=int, metavar="N", help="examples per property (default: the profile's)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed (default: the profile's; ci is derandomised)")
     p.add_argument("--profile", choices=("ci", "dev", "nightly"), help="hypothesis profile and size bounds "
@@ -54,6 +60,15 @@ def register(subparsers):
     p.add_argument("--list", action="store_true", help="list the selected properties and exit")
     p.add_argument("--replay", metavar="CASE", help="re-run the property of a saved falsifying example")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, metavar="N",
+                       help="run the properties on a new local Dask cluster of N processes "
+                            "(pip install 'qsfa[distributed]'); same verdicts, reports and cases as a serial run")
+    where.add_argument("--scheduler", metavar="ADDRESS",
+                       help="run the properties on a running Dask cluster, e.g. tcp://host:8786 (workers need qsfa)")
+    p.add_argument("--seed-shards", type=int, default=1, metavar="K",
+                   help="with --seed: split each property's examples into K runs with seeds derived from it (tasks "
+                        "for --workers/--scheduler; a serial run with the same K gives the same results)")
     p.set_defaults(func=main)
     return p
 
@@ -124,14 +139,24 @@ def main(args) -> int:
             raise _usage(str(e)) from None
 
     get_backend(args.backend or "reference")  # unknown / unusable backend: one line, exit 2 (qsfa.cli)
+    if args.workers is not None or args.scheduler is not None or args.seed_shards != 1:
+        return _main_sharded(args, props, shard, b, reports)
+
+    max_examples = args.max_examples
+    budget = interpreter_budget(args)
+    if budget is not None:
+        b, max_examples = budget
+        if not args.quiet:
+            print(f"Triton interpreter: tiny shapes ({', '.join(f'{k}={v}' for k, v in b.to_dict().items())}) "
+                  f"and {max_examples} examples per property; --bound / --max-examples override", flush=True)
 
     def progress(k, total, r):
         if not args.quiet:
             print(R.format_progress(k, total, r), flush=True)
 
-    report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=args.max_examples,
+    report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=max_examples,
                              seed=args.seed, shard_spec=shard, cases_dir=args.cases_dir or DEFAULT_CASES_DIR,
-                             bounds=b, progress=progress)
+                             bounds=b, progress=progress, chip=args.chip)
     print()
     print(R.format_table(report))
     for f in reports:
@@ -139,3 +164,57 @@ def main(args) -> int:
         print(f"wrote {f}")
     return 0 if report.ok else 1
 
+
+
+def interpreter_budget(args):
+    """``(bounds, max_examples)`` for a triton run in the CPU interpreter without --bound / --max-examples
+    (tiny shapes, few examples: :data:`qsfa._profiles.INTERPRETER_BOUNDS`), else None."""
+    if not (args.backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1" and not args.bound
+            and args.max_examples is None):
+        return None
+    from .._profiles import INTERPRETER_BOUNDS, INTERPRETER_EXAMPLES, PROFILES, active_profile
+    from ..strategies import Bounds
+
+    prof = args.profile or active_profile()
+    return Bounds(**INTERPRETER_BOUNDS), min(INTERPRETER_EXAMPLES[prof], PROFILES[prof]["max_examples"])
+
+
+def _main_sharded(args, props, shard, bounds, reports) -> int:
+    """--workers / --scheduler / --seed-shards: (property x seed shard) tasks (qsfa.distributed.conformance)."""
+    from .. import distributed as D
+    from .._profiles import PROFILES, active_profile
+    from . import reports as R
+    from .runner import DEFAULT_CASES_DIR, shard as shard_props
+
+    profile = args.profile or active_profile()
+    m = args.max_examples if args.max_examples is not None else PROFILES[profile]["max_examples"]
+    env = {"TRITON_INTERPRET": "1"} if args.triton_interpret else {}
+    try:
+        from ..distributed.conformance import check_seed_shards, run_sharded
+
+        check_seed_shards(args.seed_shards, args.seed, m)
+        selected = shard_props(props, *shard) if shard else props
+        kw = dict(profile=args.profile, max_examples=args.max_examples, seed=args.seed, seed_shards=args.seed_shards,
+                  shard_spec=shard, bounds=bounds, cases_dir=args.cases_dir or DEFAULT_CASES_DIR, chip=args.chip)
+        if args.workers is None and args.scheduler is None:
+            def progress(k, total, r):
+                if not args.quiet:
+                    print(R.format_progress(k, total, r), flush=True)
+
+            report, summary = run_sharded(selected, args.backend or "reference", progress=progress, **kw)
+        else:
+            D.require("--workers/--scheduler")
+            where = {"workers": D.check_workers(args.workers)} if args.workers is not None else {"scheduler": args.scheduler}
+            with D.connect(**where, env=env, same_code=("hypothesis", "numpy")) as client:
+                report, summary = run_sharded(selected, args.backend or "reference", progress=not args.quiet,
+                                              client=client, env=env, **kw)
+    except (D.ClusterUsageError, D.DistributedUnavailable) as e:
+        raise _usage(str(e)) from None
+    print()
+    print(R.format_table(report))
+    if summary is not None:
+        print(summary.line())
+    for f in reports:
+        R.write_report(report, f)
+        print(f"wrote {f}")
+    return 0 if report.ok else 1

@@ -9,12 +9,12 @@ and raises :class:`PropertyFailure` (an ``AssertionError``) saying what differs 
 Kinds:
 
 * ``vs_reference`` - the backend's outputs against the reference backend's on the same arguments: bytes
-  for formats, quantisation, scatter, cache writers and indices (SPEC.md section 4: never a tolerance on
-  codes); the SPEC.md section 4 float criterion (per-dtype atol / rtol plus cos_diff, ``qsfa.compare``)
+  for formats, quantisation, scatter, cache writers and indices (docs/numerics/comparison.md#bit-exact: never a tolerance on
+  codes); the docs/numerics/comparison.md#float-criterion float criterion (per-dtype atol / rtol plus cos_diff, ``qsfa.compare``)
   for attention outputs, softmax statistics and the LSE merge.
 * ``metamorphic`` - relations that need no second backend (the expectation is derived independently in
   the check: by a transformation that must not change the result, or by a float64 model written here from
-  SPEC.md). Invalid-argument properties are metamorphic too: the named constraint must fire, before any
+  docs/numerics/). Invalid-argument properties are metamorphic too: the named constraint must fire, before any
   write.
 
 The catalogue is :func:`catalogue`; :func:`get` returns one property by name. Names are
@@ -40,6 +40,7 @@ from ._support import (
     PropertyFailure,
     call,
     compare_outputs,
+    current_chip,
     fail,
     float_kv,
     gather_tokens,
@@ -133,7 +134,7 @@ def _same_array(a, b) -> bool:
 
 def _vs_reference(op: str) -> Property:
     kinds = OUTPUT_KINDS.get(op, {})
-    how = ("the SPEC.md section 4 float criterion for " + ", ".join(sorted(kinds))) if kinds else "bytes"
+    how = ("the docs/numerics/comparison.md#float-criterion float criterion for " + ", ".join(sorted(kinds))) if kinds else "bytes"
 
     def check(ex: Example, backend: str):
         got = call(op, ex.args, backend)
@@ -169,7 +170,7 @@ def _invalid(op: str) -> Property:
         a = {k: qst.clone(v) for k, v in ex.args.items()}
         before = _snapshot(a, inplace)
         try:
-            run(op, a, backend)
+            run(op, a, backend, chip=current_chip())
         except (InvalidArgument, InvalidDtype) as e:
             if e.constraint_id != c.id:
                 fail(f"expected constraint {c.id} to fire, got {e.constraint_id}: {e}")
@@ -241,6 +242,7 @@ _WRITERS = {
     "c8_cache_write": ("slot_mapping", ("k_nope", "k_rope"), "row"),
     "c8_rmsnorm_rope_cache": ("slot_mapping", ("kv", "cos", "sin"), "row"),
     "kv_compress_epilog": ("slot_mapping", ("x",), "kce"),
+    "kv_compress_epilog_vllm": ("slot_mapping", ("x",), None),
     "kv_rmsnorm_rope_cache": ("index", (), None),
 }
 
@@ -399,7 +401,7 @@ def _rope0() -> Property:
     pins = dict(rope_head_dim=0, key_dtype=("int8", "float8_e4m3fn"))
     return Property(f"{QSFA}.rope0_matches_zero_rope64", (QSFA,), "metamorphic",
                     "rope_head_dim 0 (Q_D 512, 528-byte rows) gives results bit-identical to the same data with "
-                    "zero RoPE (Q_D 576, 656-byte rows with zeros at bytes 512..639) (SPEC.md 3.6).",
+                    "zero RoPE (Q_D 576, 656-byte rows with zeros at bytes 512..639) (docs/numerics/attention.md#rope-0).",
                     _examples(QSFA, pins), check, pins)
 
 
@@ -444,7 +446,7 @@ def _minus1_padding(op: str) -> Property:
                     "Reading stops at the first -1: appending -1 columns to sparse_indices, or replacing every entry "
                     "after a row's first -1 by junk, changes no output: not a byte on the faithful reference (its fp32 "
                     "accumulations are correctly rounded, independent of the index width), nothing beyond the "
-                    "SPEC.md section 4 criterion on other backends (a wider score row may be summed in another "
+                    "docs/numerics/comparison.md#float-criterion criterion on other backends (a wider score row may be summed in another "
                     "order).", _examples(op), check)
 
 
@@ -508,7 +510,7 @@ def _stats(out: dict, rows: int):
 
 
 def _kv_model(op: str, args: dict):
-    """float64 (K rows, V rows) as the kernel sees them (SPEC.md 3.6 precision points)."""
+    """float64 (K rows, V rows) as the kernel sees them (docs/numerics/attention.md#rounding-points precision points)."""
     if op == QSFA:
         faithful = args.get("precision", "faithful") == "faithful"
         return packed_kv(args, faithful=faithful)
@@ -525,9 +527,8 @@ def _uniform(op: str) -> Property:
         w, batch, act_kv, storage, _ = selection(a)
         rows = batch.size
         o, m, s = _stats(out, rows)
-        _, v = _kv_model(op, a)
         cnt = w.sum(axis=1)
-        want, bound = uniform_scores_model(a, w, batch, act_kv, storage, v)
+        want, bound = uniform_scores_model(op, a, w, batch, act_kv, storage)
         if (m != 0).any():
             r, h = (int(i) for i in np.argwhere(m != 0)[0])
             fail(f"all scores are 0 but softmax_max[{r}, {h}] = {m[r, h]!r}")
@@ -550,7 +551,7 @@ def _uniform(op: str) -> Property:
                     "With a zero query every score is 0: softmax_max == 0 and softmax_sum == the number of selected "
                     "tokens exactly, and the output is the selected V rows' sum times the probability as the "
                     "kernel rounds it (1 / count, or the query-dtype rounding of fp32(1 / count) when normalised), "
-                    "within a derived fp32-accumulation + half-ulp bound (qsfa.conformance._models).",
+                    "within a derived fp32-accumulation + half-ulp bound (qsfa.conformance._models; docs/numerics/attention.md#token-selection).",
                     _examples(op, pins), check, pins)
 
 
@@ -615,7 +616,7 @@ def _lse(op: str) -> Property:
         pins.update(layout_kv=("BSND", "TND"))
     return Property(f"{op}.lse_matches_logsumexp", (op,), "metamorphic",
                     "softmax_max + log(softmax_sum) equals a float64 logsumexp over the row's selected scores "
-                    "(scores from the dequantised K as the kernel rounds it, selection modelled from SPEC.md 3.6), "
+                    "(scores from the dequantised K as the kernel rounds it, selection modelled from docs/numerics/attention.md#rounding-points), "
                     "within the fp32 dot-product / exp / sum error bound; rows that select nothing give 0 / 0 and "
                     "a zero output.", _examples(op, pins), check, pins)
 
@@ -649,7 +650,7 @@ def _split_merge(op: str) -> Property:
     return Property(f"{op}.split_merge", (op, MERGE), "metamorphic",
                     "Splitting every row's read index entries into two disjoint shards, attending over each with "
                     "return_softmax_lse and merging with merge_attention_lse gives the unsplit result (precision "
-                    "'exact'; SPEC.md section 4 criterion).", _examples(op, pins), check, pins)
+                    "'exact'; docs/numerics/comparison.md#float-criterion criterion).", _examples(op, pins), check, pins)
 
 
 # ===================================================================================================
@@ -728,7 +729,7 @@ def _topk(op: str) -> Property:
 
     return Property(f"{op}.topk_exact_scores", (op,), "metamorphic",
                     "On inputs whose scores are exact in fp32, sparse_indices are the top-sparse_count visible tokens "
-                    "of a float64 model of the score (SPEC.md 3.7) in descending order, ties by lower index (the "
+                    "of a float64 model of the score (docs/numerics/indexer.md#lightning_indexer) in descending order, ties by lower index (the "
                     "OPEN tie_break default), padded with -1" + (", and sparse_values are those scores rounded to the "
                                                                   "query dtype." if op == LI else "."),
                     _examples(op, pins), check, pins)
@@ -795,6 +796,9 @@ def _build() -> list[Property]:
             props += [_page_permutation(op), _topk(op)]
     if MERGE in have:
         props.append(_merge_single())
+    from .properties_more import more_properties
+
+    props += more_properties(have, Property, _examples)
     order = {op: i for i, op in enumerate(ops)}
     props.sort(key=lambda p: (order.get(p.op, 99), p.kind != "vs_reference", p.name))
     names = [p.name for p in props]

@@ -31,6 +31,7 @@ import numpy as np
 
 from .._contract import Args
 from .._errors import UnsupportedByBackend
+from ._support import modelling_chip
 from .properties import Example, Property, catalogue
 
 __all__ = [
@@ -76,6 +77,7 @@ class PropertyResult:
     reproduce: str | None = None
     seed: int | None = None
     doc: str = ""
+    chip: str | None = None  # the chip every call modelled (None: each call's own rule; docs/numerics/chips.md)
 
     @property
     def op(self) -> str:
@@ -177,10 +179,18 @@ def _property_seed(seed: int, name: str) -> int:
 # running one property
 
 
+#: Seconds hypothesis may spend shrinking one property's first failure. After that every new candidate the
+#: shrinker proposes is skipped (counted as passing, not run), so it stops at the smallest failure found so far
+#: and replays that one; without a cap hypothesis shrinks silently for up to 5 minutes per property.
+SHRINK_SECONDS = 20.0
+
+
 class _State:
     def __init__(self):
         self.passed = self.failed = self.rejected = 0
         self.final: list = []
+        self.first_failure: float | None = None  # perf_counter() of the first failure (shrinking starts)
+        self.shrink_skipped = 0
 
 
 def _within_limits(prop: Property, be) -> Callable[[Example], bool] | None:
@@ -203,10 +213,12 @@ def _within_limits(prop: Property, be) -> Callable[[Example], bool] | None:
 
 def run_property(prop: Property, backend: str = "reference", *, profile: str | None = None,
                  max_examples: int | None = None, seed: int | None = None, bounds=None,
-                 cases_dir: str | None = None, pins: dict | None = None) -> PropertyResult:
+                 cases_dir: str | None = None, pins: dict | None = None, chip: str | None = None) -> PropertyResult:
     """Run ``prop`` against ``backend`` (see the module docstring). ``bounds``: a
     :class:`qsfa.strategies.Bounds` (default: the profile's). ``cases_dir``: where a falsifying example is
-    saved (None: not saved). ``pins``: extra strategy pins (e.g. tiny shapes for an interpreter)."""
+    saved (None: not saved). ``pins``: extra strategy pins (e.g. tiny shapes for an interpreter). ``chip``: the
+    chip modelled by every call, backend's and reference's ("A2", "A3", "950"; None: the backend's device chip, or
+    each call's own rule, docs/numerics/chips.md); examples are drawn within that chip's limits."""
     from hypothesis import example, given, reject, settings
     from hypothesis import seed as hyp_seed
     from hypothesis.control import current_build_context
@@ -230,10 +242,15 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
         res.message = f"backend {backend!r} does not implement {', '.join(missing)}"
         return res
     try:
-        chip = be.chip()
+        be_chip = be.chip()
     except Exception as e:  # noqa: BLE001
         res.status, res.message = "error", f"backend {backend!r}: chip() failed: {type(e).__name__}: {e}"
         return res
+    if chip is not None and be_chip is not None and chip != be_chip:
+        res.status, res.message = "error", f"backend {backend!r} runs on chip {be_chip!r}, not the requested {chip!r}"
+        return res
+    chip = chip or be_chip
+    res.chip = chip
     b = bounds if bounds is not None else qst.bounds(profile)
     strategy = prop.strategy(b, chip, pins or {})
     fits = None if prop.family == "invalid_rejected" else _within_limits(prop, be)
@@ -244,6 +261,10 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
 
     def test(ex):
         final = current_build_context().is_final
+        if (not final and state.first_failure is not None
+                and time.perf_counter() - state.first_failure > SHRINK_SECONDS):
+            state.shrink_skipped += 1  # bounded shrinking (see SHRINK_SECONDS)
+            return
         try:
             prop.check(ex, backend)
         except UnsupportedByBackend:
@@ -251,6 +272,8 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
             reject()
         except Exception as e:
             state.failed += 1
+            if state.first_failure is None:
+                state.first_failure = time.perf_counter()
             if final:
                 state.final.append((ex, e))
             raise
@@ -258,30 +281,42 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
 
     test.__name__ = re.sub(r"\W", "_", f"conformance_{prop.name}")
     wrapped = given(strategy)(test)
-    from ._edge_phase import edge_examples
+    from ._edge_phase import edge_examples, shrink_within_edge
 
-    for ex in reversed(edge_examples(prop, b, chip, pins or {}, fits)):  # edges first, in EDGES order
+    edges = edge_examples(prop, b, chip, pins or {}, fits)  # edges first (qsfa._edges), in EDGES order
+    for _, ex in reversed(edges):
         wrapped = example(ex)(wrapped)
+    edge_of = {id(ex): e for e, ex in edges}
     wrapped._hypothesis_internal_add_digest = prop.name.encode()
-    wrapped = settings(**settings_for(profile, max_examples=max_examples, seed=seed))(wrapped)
+    settings_kw = settings_for(profile, max_examples=max_examples, seed=seed)
+    wrapped = settings(**settings_kw)(wrapped)
     if seed is not None:
         wrapped = hyp_seed(_property_seed(seed, prop.name))(wrapped)
     try:
-        wrapped()
+        with modelling_chip(chip):
+            wrapped()
         res.status = "passed"
     except Unsatisfiable as e:
         res.status = "skipped"
         res.message = f"no drawn example fits backend {backend!r} ({e})"
     except Exception as e:  # noqa: BLE001
+        if state.final and id(state.final[-1][0]) in edge_of:  # an explicit edge example: shrink within its edge
+            state.first_failure = None  # a shrunk failure found there is appended to state.final
+            with modelling_chip(chip):
+                shrink_within_edge(prop, edge_of[id(state.final[-1][0])], b, chip, pins or {}, fits, test,
+                                   settings_kw)
         if state.final:
             ex, err = state.final[-1]
             res.status = "failed"
             res.message = f"{type(err).__name__}: {err}"
+            if state.shrink_skipped:
+                res.message += (f"\n(shrinking stopped after {SHRINK_SECONDS:g} s: the falsifying example is the "
+                                "smallest found by then)")
             res.falsifying_example = summarize(ex)
             res.reproduce = _reproduce_line(e)
             if cases_dir is not None:
                 try:
-                    res.case_file = save_case(prop, backend, ex, res.message, cases_dir, seed=seed)
+                    res.case_file = save_case(prop, backend, ex, res.message, cases_dir, seed=seed, chip=chip)
                 except Exception as save_err:  # noqa: BLE001 - report, do not hide the failure
                     res.message += f"\n(could not save the case file: {type(save_err).__name__}: {save_err})"
         else:
@@ -345,7 +380,8 @@ def _case_name(backend: str, prop: Property) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", f"{backend}.{prop.name}")
 
 
-def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir: str, *, seed=None) -> str:
+def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir: str, *, seed=None,
+              chip: str | None = None) -> str:
     """Save the falsifying example ``ex`` of ``prop`` as ``<cases_dir>/<backend>.<property>.json`` (a
     ``qsfa-case/1`` file, arrays as explicit ``.npy`` inputs) plus the ``.conformance.json`` sidecar.
     Returns the case file's path."""
@@ -376,6 +412,7 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
         "ops": list(prop.ops),
         "kind": prop.kind,
         "backend": backend,
+        "chip": chip,  # the chip the failing run modelled (replayed with it)
         "seed": seed,
         "check_seed": int(ex.seed),
         "constraint": ex.constraint.id if ex.constraint is not None else None,
@@ -423,7 +460,8 @@ def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
     prop, ex, side = load_example(path)
     be = backend or side["backend"]
     try:
-        prop.check(ex, be)
+        with modelling_chip(side.get("chip")):
+            prop.check(ex, be)
     except AssertionError as e:
         return False, f"{prop.name} fails on {be!r}: {e}"
     return True, f"{prop.name} holds on {be!r}"
@@ -439,7 +477,7 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
                     shard_spec: str | tuple | None = None, cases_dir: str | None = DEFAULT_CASES_DIR,
                     bounds=None, pins: dict | None = None,
                     progress: Callable[[int, int, PropertyResult], None] | None = None,
-                    props: list | None = None) -> ConformanceReport:
+                    props: list | None = None, chip: str | None = None) -> ConformanceReport:
     """Run the selected properties against ``backend``; see :func:`run_property` for the arguments.
     ``shard_spec``: "i/n" or ``(i, n)``. ``progress(k, total, result)`` is called after each property."""
     import hypothesis
@@ -468,7 +506,7 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
     t0 = time.perf_counter()
     for k, p in enumerate(selected, 1):
         r = run_property(p, backend, profile=profile, max_examples=max_examples, seed=seed, bounds=b,
-                         cases_dir=cases_dir, pins=pins)
+                         cases_dir=cases_dir, pins=pins, chip=chip)
         report.results.append(r)
         if progress is not None:
             progress(k, len(selected), r)

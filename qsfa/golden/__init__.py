@@ -5,7 +5,7 @@
 * :func:`generate` - run cases on the reference backend and write inputs, outputs and a manifest
   (``bin``: raw little-endian files; ``npz``) that are byte-identical on every machine.
 * :func:`verify` / :func:`compare_dir` - checksums and recomputation; a kernel's outputs against a golden
-  directory with the SPEC.md section 4 criteria.
+  directory with the docs/numerics/comparison.md#float-criterion criteria.
 * :func:`get_set` / :func:`case_sets` / :func:`register_set` - the catalogue of named case sets;
   :func:`register_generator` - named input generators.
 

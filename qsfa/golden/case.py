@@ -24,6 +24,7 @@ operator's public function; the generator sees all ``params``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import re
@@ -208,6 +209,19 @@ class Case:
         return cls(name=name, op=op, params=params, seed=seed, generator=None, description=description,
                    inputs_given=inputs)
 
+    def for_chip(self, chip: str | None) -> "Case":
+        """This case run for ``chip`` ("A2", "A3", "950"; None: the case as it is): ``chip`` joins its params,
+        so the operator checks that chip's limits and uses its rounding modes (docs/numerics/chips.md)."""
+        if chip is None:
+            return self
+        from ..chips import check_chip
+
+        try:
+            check_chip(chip)
+        except ValueError as e:
+            raise GoldenInputError(str(e)) from None
+        return dataclasses.replace(self, params={**self.params, "chip": chip})
+
     # -- inputs -----------------------------------------------------------------------------------
 
     @property
@@ -315,12 +329,21 @@ class Case:
         return path
 
     @classmethod
-    def from_dict(cls, d: Mapping, base_dir: str = ".", source: str = "<case>") -> "Case":
+    def from_dict(cls, d: Mapping, base_dir: str = ".", source: str = "<case>", *,
+                  allow_outside_inputs: bool = False) -> "Case":
+        """A case from its parsed JSON. Input files resolve inside ``base_dir`` (symbolic links
+        included); absolute paths and escapes are refused unless ``allow_outside_inputs``."""
+        from .guard import field_error, resolve_inside
+        from .schema import check_dtype, check_shape
+
+        def bad(field, value, reason):
+            return field_error(source, field, value, reason, kind="case field")
+
         if not isinstance(d, Mapping):
             raise GoldenInputError(f"{source}: a case must be a JSON object")
         fmt = d.get("format")
         if fmt != CASE_FORMAT:
-            raise GoldenInputError(f"{source}: format must be {CASE_FORMAT!r}, got {fmt!r}")
+            raise bad("format", fmt, f"must be {CASE_FORMAT!r}")
         missing = [k for k in ("name", "op") if k not in d]
         if missing:
             raise GoldenInputError(f"{source}: missing {missing}")
@@ -328,25 +351,41 @@ class Case:
         extra = sorted(set(d) - known)
         if extra:
             raise GoldenInputError(f"{source}: unknown field(s) {extra}")
+        for k, ok, what in (("name", isinstance(d["name"], str), "a string"),
+                            ("op", isinstance(d["op"], str) and d["op"], "a non-empty string"),
+                            ("params", d.get("params") is None or isinstance(d.get("params"), Mapping), "an object"),
+                            ("generator", d.get("generator") is None or isinstance(d.get("generator"), str),
+                             "a string or null"),
+                            ("description", d.get("description") is None or isinstance(d.get("description"), str),
+                             "a string"),
+                            ("inputs", d.get("inputs") is None or isinstance(d.get("inputs"), Mapping), "an object"),
+                            ("seed", "seed" not in d or (isinstance(d["seed"], int) and not isinstance(d["seed"], bool)
+                                                         and 0 <= d["seed"] < 2 ** 63), "a non-negative integer")):
+            if not ok:
+                raise bad(k, d.get(k), f"must be {what}, not {type(d.get(k)).__name__}")
         refs = None
         if d.get("inputs") is not None:
-            if not isinstance(d["inputs"], Mapping):
-                raise GoldenInputError(f"{source}: inputs must be an object")
             refs = {}
             for k, r in d["inputs"].items():
                 _check_name("input name", k)
+                f = f"inputs.{k}"
                 if not isinstance(r, Mapping) or "file" not in r or "dtype" not in r or "shape" not in r:
-                    raise GoldenInputError(f"{source}: input {k!r} needs file, dtype and shape")
-                try:
-                    shape = [int(s) for s in r["shape"]]
-                except (TypeError, ValueError):
-                    raise GoldenInputError(f"{source}: input {k!r} has shape {r['shape']!r}, not a list of integers") from None
+                    raise bad(f, r, "an input needs an object with file, dtype and shape")
+                dt = check_dtype(r["dtype"], source, f"{f}.dtype", kind="case field")
+                shape = check_shape(r["shape"], gio.storage_dtype(dt).itemsize, source, f"{f}.shape",
+                                    kind="case field")
+                key, sha = r.get("key"), r.get("sha256")
+                if key is not None and (not isinstance(key, str) or not key or "\0" in key):
+                    raise bad(f"{f}.key", key, "must be a non-empty string (an .npz member) or null")
+                if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+                    raise bad(f"{f}.sha256", sha, "must be 64 lowercase hex digits or null")
                 refs[k] = {
-                    "path": os.path.join(base_dir, str(r["file"])),
-                    "key": r.get("key"),
-                    "dtype": str(r["dtype"]),
+                    "path": resolve_inside(base_dir, r["file"], source, f"{f}.file",
+                                           allow_outside=allow_outside_inputs, kind="case field"),
+                    "key": key,
+                    "dtype": dt,
                     "shape": shape,
-                    "sha256": r.get("sha256"),
+                    "sha256": sha,
                 }
         try:
             return cls(
@@ -357,31 +396,31 @@ class Case:
             raise GoldenInputError(f"{source}: {e}") from None
 
     @classmethod
-    def load(cls, path: str) -> "Case":
+    def load(cls, path: str, *, allow_outside_inputs: bool = False) -> "Case":
+        """A case file; the input files it names must lie in its folder unless ``allow_outside_inputs``."""
         path = os.fspath(path)
-        return cls.from_dict(gio.load_json(path), os.path.dirname(os.path.abspath(path)), source=path)
+        return cls.from_dict(gio.load_json(path), os.path.dirname(os.path.abspath(path)), source=path,
+                             allow_outside_inputs=allow_outside_inputs)
 
 
 def _load_ref(case: str, name: str, ref: Mapping) -> np.ndarray:
+    from .guard import read_npy
+
     path, key, dt, shape = ref["path"], ref.get("key"), ref["dtype"], tuple(ref["shape"])
     st = gio.storage_dtype(dt)
+    if not os.path.isfile(path):
+        raise GoldenInputError(f"case {case}: input file not found: {path}")
     if key is not None or path.endswith(".npz"):
-        raw = gio.read_npz_member(path, key or name)
+        raw = gio.read_npz_member(path, key or name, shape=shape, itemsize=st.itemsize)
     elif path.endswith(".npy"):
-        try:
-            raw = np.load(path, allow_pickle=False)
-        except FileNotFoundError:
-            raise GoldenInputError(f"case {case}: input file not found: {path}") from None
-        except ValueError as e:
-            raise GoldenInputError(f"case {case}: {path} is not a readable .npy: {e}") from None
+        raw = read_npy(path, shape=shape, itemsize=st.itemsize)
     else:
         raw = gio.read_bin(path, st, shape)
-    if tuple(raw.shape) != shape:
-        raise GoldenInputError(f"case {case}: input {name!r} in {path} has shape {list(raw.shape)}, "
-                               f"the case says {list(shape)}")
     if raw.dtype.itemsize != st.itemsize or raw.dtype.kind not in (st.kind, "V"):
         raise GoldenInputError(f"case {case}: input {name!r} in {path} is stored as {raw.dtype.str}, "
                                f"expected {st.str} for {dt}")
+    if raw.dtype.byteorder == ">":
+        raw = raw.astype(raw.dtype.newbyteorder("<"))
     raw = raw.view(st) if raw.dtype.kind == "V" else raw.astype(st, copy=False)
     if ref.get("sha256") is not None and gio.array_sha256(raw) != ref["sha256"]:
         raise GoldenInputError(f"case {case}: input {name!r} in {path} does not match its sha256")

@@ -75,7 +75,7 @@ def _case(name: str, op: str, generator: str, description: str = "", *, seed_nam
 _FORMATS_8BIT = ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8", "float8_e8m0")
 _DEFAULT_ROUNDING = {"int8": "rint", "float8_e4m3fn": "rint", "float8_e5m2": "rint", "hifloat8": "round",
                      "float8_e8m0": "floor", "float4_e2m1": "rint"}
-_OTHER_ROUNDINGS = {"int8": ("round",), "float8_e4m3fn": ("round",), "float8_e5m2": ("round",), "hifloat8": (),
+_OTHER_ROUNDINGS = {"int8": ("round",), "float8_e4m3fn": ("round",), "float8_e5m2": ("round",), "hifloat8": ("hybrid",),
                     "float8_e8m0": ("ceil", "rint", "round"), "float4_e2m1": ("round",)}
 
 
@@ -102,7 +102,7 @@ register_set("formats", "every code (decode) and every value and midpoint (encod
 
 
 # --------------------------------------------------------------------------------------------------
-# dynamic block quant (SPEC 3.1)
+# dynamic block quant (docs/numerics/quantisers.md#dynamic_block_quant)
 
 
 def dynamic_block_quant_cases() -> list[Case]:
@@ -135,7 +135,7 @@ register_set("dynamic-block-quant", "npu_dynamic_block_quant: INT8 / FP8 / HiFlo
 
 
 # --------------------------------------------------------------------------------------------------
-# KvCompressEpilog (SPEC 3.4)
+# KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog)
 
 
 def kv_compress_epilog_cases() -> list[Case]:
@@ -156,7 +156,7 @@ def kv_compress_epilog_cases() -> list[Case]:
                          f"KvCompressEpilog quant_mode 2 (HiF8 RoPE + FP4 NoPE), group size {gs}, zero groups",
                          d=576, bs=5, quant_mode=2, quant_group_size=gs, round_scale=False, skip=1,
                          zero_groups=True, x_scale=1.0, block_size=16, block_num=1))
-    # the OPEN facts of SPEC 3.4 as their alternatives (the defaults are in the cases above)
+    # the OPEN facts of KvCompressEpilog (docs/numerics/open-facts.md) as their alternatives (the defaults are in the cases above)
     out.append(_case("kvce-mode0-pad128", "kv_compress_epilog", "kv_compress_epilog",
                      "KvCompressEpilog quant_mode 0 with the OPEN padding granularity 128 (default 32)",
                      d=576, bs=4, quant_mode=0, round_scale=True, skip=1, pad_to=128, block_size=16, block_num=1))
@@ -176,7 +176,7 @@ register_set("kv-compress-epilog", "KvCompressEpilog (950): quant modes 0/1/2, r
 
 
 # --------------------------------------------------------------------------------------------------
-# QSFA C8 cache writers (SPEC 3.2)
+# QSFA C8 cache writers (docs/numerics/cache-writers.md#c8_cache_write)
 
 
 def c8_cases() -> list[Case]:
@@ -190,6 +190,11 @@ def c8_cases() -> list[Case]:
     out.append(_case("c8w-e4m3-int32-slots", "c8_cache_write", "c8_cache_write",
                      "C8 writer with float8_e4m3fn NoPE (950), int32 slots", T=5, rope=64, dtype="bfloat16",
                      key_dtype="float8_e4m3fn", slot_dtype="int32", skip=2, block_size=16, block_num=1))
+    for tmax in (0.0, 15.0):
+        out.append(_case(f"c8w-hif8-max{int(tmax)}", "c8_cache_write", "c8_cache_write",
+                         f"C8 writer with HiFloat8 NoPE (950; OPEN scale rule amax / TYPE_MAX, dst_type_max {tmax}), "
+                         "a zero tile, a -1 slot", T=5, rope=64, dtype="bfloat16", key_dtype="hifloat8",
+                         dst_type_max=tmax, zero_tile=True, skip=1, block_size=16, block_num=1))
     for dt in ("bfloat16", "float16"):
         for rope in (64, 0):
             out.append(_case(f"c8r-{dt}-rope{rope}", "c8_rmsnorm_rope_cache", "c8_rmsnorm_rope_cache",
@@ -200,11 +205,80 @@ def c8_cases() -> list[Case]:
 
 
 register_set("c8-cache", "QSFA C8 cache writers: packed 656/528-byte rows from k_nope/k_rope or from the latent "
-             "KV, bf16/fp16, rope 64/0, int8 and FP8 NoPE, zero tiles, -1 slots", c8_cases)
+             "KV, bf16/fp16, rope 64/0, int8, FP8 and HiFloat8 NoPE, zero tiles, -1 slots", c8_cases)
 
 
 # --------------------------------------------------------------------------------------------------
-# KvRmsNormRopeCache V1 / V2 (SPEC 3.3)
+# FlashMLA MODEL1 FP8 sparse cache (docs/numerics/flashmla-model1.md)
+
+M1Q, M1D = "layouts.flashmla_model1_quantize", "layouts.flashmla_model1_dequantize"
+
+
+def flashmla_model1_cases() -> list[Case]:
+    out = []
+    for bs in (1, 2, 64):
+        out.append(_case(f"m1q-bs{bs}", M1Q, "flashmla_model1",
+                         f"MODEL1 quantise, block_size {bs} ({bs * 584} data bytes padded to a multiple of 576), "
+                         "a zero tile and a 1e-4-floor tile per token", block_num=2, block_size=bs, zero_tiles=True,
+                         tiny_tiles=True, seed_name=f"m1-bs{bs}"))
+        out.append(_case(f"m1d-bs{bs}", M1D, "flashmla_model1",
+                         f"MODEL1 dequantise of the m1q-bs{bs} cache (same k)", block_num=2, block_size=bs,
+                         zero_tiles=True, tiny_tiles=True, for_dequantize=True, seed_name=f"m1-bs{bs}"))
+    out.append(_case("m1q-bs72-spread", M1Q, "flashmla_model1",
+                     "MODEL1 quantise, block_size 72 (no block padding: 72 * 584 = 73 * 576), tile magnitudes "
+                     "2^-30..2^30", block_num=1, block_size=72, spread=True))
+    out.append(_case("m1d-random-bytes", M1D, "flashmla_model1",
+                     "MODEL1 dequantise of random bytes: NaN codes, the NaN scale byte 0xFF, bf16 overflow to inf, "
+                     "subnormal products", block_num=3, block_size=3, random_bytes=True))
+    return out
+
+
+register_set("flashmla-model1", "FlashMLA MODEL1 FP8 sparse cache (DeepSeek V4): quantise and dequantise, block "
+             "sizes 1/2/64/72, zero and 1e-4-floor tiles, tile magnitudes over 2^+-30, random cache bytes",
+             flashmla_model1_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM-Ascend kv_compress_epilog (docs/numerics/cache-writers.md#kv_compress_epilog_vllm)
+
+KCEV = "kv_compress_epilog_vllm"
+
+
+def kv_compress_epilog_vllm_cases() -> list[Case]:
+    out = [_case("kcev-vllm-call", KCEV, "kv_compress_epilog_vllm",
+                 "vLLM-Ascend's own call (device_op.py): d 512, group 64, round_scale, layout 1, E4M3FN cache, "
+                 "zero groups, a 448 group (doubled power-of-two scale), two -1 slots", d=512, bs=6, skip=2,
+                 quant_group_size=64, round_scale_flag=True, layout=1, zero_groups=True, pow2_group=True)]
+    for gs in (64, 128):
+        for rs in (True, False):
+            for fmt in ("float8_e4m3fn", "float8_e5m2"):
+                tag = f"g{gs}-{'rs' if rs else 'nors'}-{'e4m3' if fmt == 'float8_e4m3fn' else 'e5m2'}"
+                out.append(_case(f"kcev-l1-{tag}", KCEV, "kv_compress_epilog_vllm",
+                                 f"layout 1, group {gs}, round_scale {rs}, {fmt} cache, d 576, a -1 slot",
+                                 d=576, bs=5, skip=1, quant_group_size=gs, round_scale_flag=rs, layout=1,
+                                 cache_dtype=fmt, zero_groups=True, seed_name=f"kcev-{tag}"))
+                out.append(_case(f"kcev-l2-{tag}", KCEV, "kv_compress_epilog_vllm",
+                                 f"layout 2 (blocks of values, then scales), group {gs}, round_scale {rs}, {fmt}, "
+                                 "d 576, block_size 4", d=576, bs=5, skip=1, quant_group_size=gs, round_scale_flag=rs,
+                                 layout=2, cache_dtype=fmt, block_size=4, block_num=2, zero_groups=True,
+                                 seed_name=f"kcev-{tag}"))
+    out.append(_case("kcev-l2-model1", KCEV, "kv_compress_epilog_vllm",
+                     "layout 2 with d 512, group 64: FlashMLA's MODEL1 geometry (576 value + 8 scale bytes per "
+                     "token), block_size 8", d=512, bs=8, quant_group_size=64, layout=2, block_size=8, block_num=2,
+                     tail=0))
+    out.append(_case("kcev-partial-group", KCEV, "kv_compress_epilog_vllm",
+                     "d 208: 144 NoPE values, partial last group (64 + 64 + 16 / 128 + 16), int32 slots",
+                     d=208, bs=3, quant_group_size=128, layout=1, slot_dtype="int32"))
+    return out
+
+
+register_set("kv-compress-epilog-vllm", "vLLM-Ascend's kv_compress_epilog (MXFP8, Ascend 950): its own call, "
+             "layouts 1 and 2, groups 64/128, round_scale on/off, E4M3FN and E5M2 caches, partial groups",
+             kv_compress_epilog_vllm_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 
 _KRR_MODES = ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ")
 
@@ -249,7 +323,7 @@ register_set("kv-rmsnorm-rope-cache", "KvRmsNormRopeCache V1 and V2: every cache
 
 
 # --------------------------------------------------------------------------------------------------
-# SPEC.md section 5 scenarios
+# docs/numerics/attention.md#scenarios scenarios
 
 QSFA = "kv_quant_sparse_flash_attention"
 
@@ -258,7 +332,7 @@ def seed_decode_cases() -> list[Case]:
     out = []
     for dt in ("bfloat16", "float16"):
         out.append(_case(f"decode-{dt}", QSFA, "qsfa_attention",
-                         f"SPEC 5 decode: B=1, Q_S=1, Q_N=64, KV_N=1, rope 64, PA_BSND block_size 256 x 16 blocks, "
+                         f"docs/numerics/attention.md#scenarios decode: B=1, Q_S=1, Q_N=64, KV_N=1, rope 64, PA_BSND block_size 256 x 16 blocks, "
                          f"KV_S 4096, 2048 sparse indices, sparse_mode 3, scale (512+64)^-0.5, {dt} query",
                          q_lens=[1], kv_lens=[4096], heads=64, rope_head_dim=64, dtype=dt, layout_query="BSND",
                          layout_kv="PA_BSND", block_size=256, num_blocks=16, width=2048, sparse_block_size=1,
@@ -267,7 +341,7 @@ def seed_decode_cases() -> list[Case]:
     return out
 
 
-register_set("seed-decode", "SPEC.md 5 decode scenario (vLLM-Ascend): one token, 64 heads, 2048 of 4096 "
+register_set("seed-decode", "docs/numerics/attention.md#scenarios decode scenario (vLLM-Ascend): one token, 64 heads, 2048 of 4096 "
              "paged int8 tokens (bf16 and fp16 query)", seed_decode_cases)
 
 #: the three layout scenarios of vLLM-Ascend's rope0 suite (name, layout_query, layout_kv, heads,
@@ -289,7 +363,7 @@ def seed_rope0_cases() -> list[Case]:
             for lse in (False, True):
                 for rope in (0, 64):
                     out.append(_case(f"rope0-{name}-{dt}-lse{int(lse)}-rope{rope}", QSFA, "qsfa_attention",
-                                     f"SPEC 5 rope0 suite: {lq} query + {lkv} KV, {heads} heads, sparse block "
+                                     f"docs/numerics/attention.md#scenarios rope0 suite: {lq} query + {lkv} KV, {heads} heads, sparse block "
                                      f"{sbs}, {dt}, LSE {'on' if lse else 'off'}, rope {rope} (RoPE parts zero and "
                                      "the same data in all four: rope 0 and rope 64 give the same bits)",
                                      rope_head_dim=rope, dtype=dt, return_softmax_lse=lse, data="random",
@@ -297,20 +371,20 @@ def seed_rope0_cases() -> list[Case]:
         for dt in ("float16", "bfloat16"):
             for rope in (0, 64):
                 out.append(_case(f"rope0-{name}-{dt}-uniform-rope{rope}", QSFA, "qsfa_attention",
-                                 f"SPEC 5 uniform attention: every score 0, so out = mean of the selected V, "
+                                 f"docs/numerics/attention.md#scenarios uniform attention: every score 0, so out = mean of the selected V, "
                                  f"softmax_max = 0, softmax_sum = token count; {lq} + {lkv}, {dt}, rope {rope}",
                                  rope_head_dim=rope, dtype=dt, return_softmax_lse=True, data="uniform", **common))
     for dt in ("float16", "bfloat16"):
         for rope in (64, 0):
             out.append(_case(f"pipeline-c8-{dt}-rope{rope}", "c8_rmsnorm_rope_cache", "c8_rmsnorm_rope_cache",
-                             "SPEC 5 pipeline: RMSNorm + int8 quant + cache write, slots [0..4, -1], cache "
+                             "docs/numerics/attention.md#scenarios pipeline: RMSNorm + int8 quant + cache write, slots [0..4, -1], cache "
                              f"prefilled with 17 (unwritten bytes keep 17), {dt}, rope {rope}",
                              T=6, rope_head_dim=rope, dtype=dt, slots=[0, 1, 2, 3, 4, -1], block_size=16,
                              block_num=1))
     return out
 
 
-register_set("seed-rope0", "SPEC.md 5 rope0 suite (vLLM-Ascend): 3 layout scenarios x fp16/bf16 x LSE off/on "
+register_set("seed-rope0", "docs/numerics/attention.md#scenarios rope0 suite (vLLM-Ascend): 3 layout scenarios x fp16/bf16 x LSE off/on "
              "x rope 0/64, uniform-attention cases, and the C8 pipeline cache-write case", seed_rope0_cases)
 
 

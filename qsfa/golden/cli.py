@@ -9,15 +9,21 @@ from __future__ import annotations
 import fnmatch
 import sys
 
+from ..distributed import ClusterUsageError, DistributedUnavailable
 from .io import GoldenInputError
 
 HELP = "golden tensor case sets: generate, verify, compare, list"
 
 
 def _usage_error(e: Exception):
+    """One line on stderr, whatever the message holds (paths and values may carry newlines)."""
     from ..cli import UsageError
 
-    return UsageError(str(e))
+    if isinstance(e, OSError) and e.strerror:
+        text = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    else:
+        text = str(e)
+    return UsageError(text.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 def _cmd_generate(args) -> int:
@@ -31,22 +37,36 @@ def _cmd_generate(args) -> int:
             cases = get_set(args.set).cases()
             label = args.set
         else:
-            cases = [Case.load(args.case)]
+            cases = [Case.load(args.case, allow_outside_inputs=args.allow_outside_inputs)]
             label = None
         if args.only:
             cases = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
             if not cases:
                 raise GoldenInputError(f"no case of {label or args.case} matches --only {' '.join(args.only)}")
+        cases = [c.for_chip(args.chip) for c in cases]
         selected = select_shard(cases, *shard)
-        man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
-                       progress=not args.quiet)
-    except GoldenInputError as e:
+        cluster = _cluster_options(args)
+        summary = None
+        if cluster is None:
+            man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
+                           progress=not args.quiet)
+        else:
+            from ..distributed import GoldenExecutor, connect
+
+            with connect(**cluster) as client:
+                ex = GoldenExecutor(client, chunk_rows=args.chunk_rows, progress=not args.quiet)
+                man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
+                               executor=ex)
+                summary = ex.summary
+    except (GoldenInputError, ClusterUsageError, DistributedUnavailable, OSError) as e:
         raise _usage_error(e) from None
     n = len(man["cases"])
     files = sum(len(c["files"]) for c in man["cases"])
     what = f"set {args.set}" if args.set else args.case
     shard_txt = f" (shard {shard[0]}/{shard[1]} of {len(cases)} cases)" if shard[1] > 1 else ""
     print(f"wrote {n} cases, {files} files and manifest.json to {args.out} from {what}{shard_txt}")
+    if summary is not None:
+        print(summary.line())
     for s in man["skipped"]:
         print(f"skipped {s['name']}: {s['reason']}", file=sys.stderr)
     if not n and man["skipped"]:
@@ -55,12 +75,28 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cluster_options(args) -> dict | None:
+    """``connect()`` keywords for ``--workers`` / ``--scheduler`` (None: run here); checks the extra is installed."""
+    if args.workers is None and args.scheduler is None:
+        if args.chunk_rows is not None:
+            raise GoldenInputError("--chunk-rows needs --workers or --scheduler")
+        return None
+    from ..distributed import check_workers, require
+
+    if args.chunk_rows is not None and args.chunk_rows < 0:
+        raise ClusterUsageError(f"Invalid value for --chunk-rows, actual: {args.chunk_rows}, reason: must be >= 0.")
+    require("--workers/--scheduler")
+    if args.workers is not None:
+        return {"workers": check_workers(args.workers)}
+    return {"scheduler": args.scheduler}
+
+
 def _cmd_verify(args) -> int:
     from .verify import verify
 
     try:
         rep = verify(args.dir, recompute=args.recompute, progress=not args.quiet)
-    except GoldenInputError as e:
+    except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
     for p in rep.problems:
         print(f"FAIL {p}")
@@ -81,7 +117,7 @@ def _cmd_compare(args) -> int:
     try:
         rep = compare_dir(args.dir, args.actual, cases=args.case, outputs=args.output,
                           keep_errors=bool(args.histogram))
-    except GoldenInputError as e:
+    except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
     print(format_report(rep))
     if args.json:
@@ -136,8 +172,24 @@ def register(subparsers):
                    help="bin: raw little-endian files + JSON (default); npz: one .npz per case")
     p.add_argument("--only", action="append", metavar="PATTERN",
                    help="only the cases whose names match (glob; repeatable), e.g. --only 'decode-*'")
+    p.add_argument("--chip", choices=("A2", "A3", "950"),
+                   help="model this chip's limits and rounding points in every case (default: each case's own "
+                        "chip rule, recorded per case in the manifest as \"chip\"); cases the chip cannot run are "
+                        "skipped and listed")
     p.add_argument("--shard", metavar="i/n", help="only cases k with k %% n == i (0 <= i < n), after --only")
+    p.add_argument("--allow-outside-inputs", action="store_true",
+                   help="with --case: let the case file name input files outside its own folder (absolute "
+                        "paths, '..', symbolic links out); refused by default")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, metavar="N",
+                       help="compute on a new local Dask cluster of N processes (pip install 'qsfa[distributed]'); "
+                            "the written set is byte-identical to a serial run's")
+    where.add_argument("--scheduler", metavar="ADDRESS",
+                       help="compute on a running Dask cluster, e.g. tcp://host:8786 (workers need qsfa)")
+    p.add_argument("--chunk-rows", type=int, metavar="N",
+                   help="with --workers/--scheduler: query rows per task of a long attention case (default: about "
+                        "8M row x head x token units per task; 0: one task per case)")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("verify", help="check checksums (and, with --recompute, the outputs) of a golden directory")

@@ -1,11 +1,12 @@
 """``qsfa golden compare DIR --actual FILE_OR_DIR``: a kernel's outputs against a golden directory.
 
-Each selected output is compared with :mod:`qsfa.compare` (SPEC.md section 4):
+Each selected output is compared with :mod:`qsfa.compare` (docs/numerics/comparison.md#float-criterion):
 
 * ``compare: "bytes"`` outputs (codes, scales, caches, indices) bit for bit; each differing element is
   named by index, byte offset in the file, the packed-row field it falls in and its decoded golden and
   actual values;
-* ``compare: "float"`` outputs (attention, LSE) with the per-dtype abs-or-rel + cos_diff criterion and the
+* ``compare: "float"`` outputs (attention, LSE) with the per-dtype ``|a - g| <= atol + rtol * |g|`` + cos_diff
+  criterion (docs/numerics/comparison.md#float-criterion) and the
   msprobe statistics (dual thousandths, ULP histogram).
 
 Outputs with a mask file are compared only where the mask is 1 (elements the operator leaves unspecified,
@@ -33,6 +34,7 @@ import numpy as np
 
 from .. import compare as qcompare
 from . import io as gio
+from .guard import read_npy
 from .io import GoldenInputError
 from .manifest import load_manifest, load_storage
 
@@ -96,11 +98,14 @@ def _json_safe(o):
 # finding the actual outputs
 
 
+def _golden_what(entry: dict) -> str:
+    return f"the golden {entry['case']}/out.{entry['name']}, {entry['dtype']} stored as {entry['storage']}"
+
+
 def _read_npy(path: str, entry: dict) -> np.ndarray:
-    try:
-        a = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise GoldenInputError(f"cannot read {path} as .npy: {e}") from None
+    # judged from its header (shape, element size, size cap) before the data is read
+    a = read_npy(path, shape=entry["shape"], itemsize=np.dtype(entry["storage"]).itemsize,
+                 what=_golden_what(entry))
     return _coerce(a, entry, path)
 
 
@@ -108,6 +113,8 @@ def _coerce(a: np.ndarray, entry: dict, where: str) -> np.ndarray:
     """An actual array as the golden's storage dtype, checking shape and element size."""
     st = np.dtype(entry["storage"])
     ldt = gio.logical_dtype(entry["dtype"])
+    if a.dtype.byteorder == ">":  # a big-endian .npy: its values, in the little-endian storage order
+        a = a.astype(a.dtype.newbyteorder("<"))
     if tuple(a.shape) != tuple(entry["shape"]):
         raise GoldenInputError(f"{where}: shape {list(a.shape)} does not match the golden {entry['shape']} "
                                f"({entry['case']}/out.{entry['name']})")
@@ -123,7 +130,9 @@ def _from_npz(path: str, keys: list[str], entry: dict) -> np.ndarray | None:
     members = gio.npz_members(path)
     for k in keys:
         if k in members:
-            return _coerce(gio.read_npz_member(path, k), entry, f"{path}:{k}")
+            raw = gio.read_npz_member(path, k, shape=entry["shape"], itemsize=np.dtype(entry["storage"]).itemsize,
+                                      what=_golden_what(entry))
+            return _coerce(raw, entry, f"{path}:{k}")
     return None
 
 
@@ -295,7 +304,7 @@ def format_report(report: CompareReport, max_worst: int = 5) -> str:
                       f"rel>0.1%={100 * res.share_rel_gt_1e3:.3f}%"
                       + (f" max_ulp={res.max_ulp}" if res.max_ulp is not None else ""))
         else:
-            detail = res.message
+            detail = res.message.removeprefix("PASS: ").removeprefix("FAIL: ")  # the verdict has its column
         if r.masked:
             detail += f" ({r.masked} unspecified elements not compared)"
         rows.append((r.case, r.output, r.criterion, "PASS" if res.passed else "FAIL",
@@ -306,7 +315,7 @@ def format_report(report: CompareReport, max_worst: int = 5) -> str:
     for r in failing:
         res = r.result
         lines.append("")
-        lines.append(f"{r.case}/{r.output} ({r.actual_path}): {res.message}")
+        lines.append(f"{r.case}/{r.output} ({r.actual_path}): {res.message.removeprefix('FAIL: ')}")
         for w in res.worst[:max_worst]:
             parts = [f"index {w['index']}"]
             if "byte_offset" in w:

@@ -232,7 +232,7 @@ def gen_dynamic_block_quant(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
-# KvCompressEpilog (SPEC 3.4)
+# KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog)
 
 
 @register_generator("kv_compress_epilog")
@@ -270,6 +270,65 @@ def gen_kv_compress_epilog(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
+# FlashMLA MODEL1 cache (docs/numerics/flashmla-model1.md)
+
+
+@register_generator("flashmla_model1")
+def gen_flashmla_model1(params, rng):
+    """k bf16 ``[block_num, block_size, 1, 512]`` randn * ``scale``; ``zero_tiles`` zeroes NoPE tile 1 of
+    every token (scale byte 0x72) and ``tiny_tiles`` scales tile 2 by 1e-4 (the 1e-4 amax floor);
+    ``spread`` multiplies each tile by 2^[-30, 30). For ``layouts.flashmla_model1_dequantize`` (``for_dequantize``)
+    the input is the reference quantiser's cache of that k, or (``random_bytes``) uniform random bytes."""
+    nb, bs = int(params["block_num"]), int(params["block_size"])
+    from ..reference.flashmla_model1 import block_bytes, quantize
+
+    if params.get("random_bytes"):
+        return {"cache": rng.integers(0, 256, (nb, block_bytes(bs)), dtype=np.uint8)}
+    k = randn(rng, (nb, bs, 1, 512), "float32", params.get("scale", 1.0))
+    if params.get("spread"):
+        k *= np.exp2(rng.integers(-30, 30, (nb, bs, 1, 8))).repeat(64, axis=-1).astype(np.float32)
+    if params.get("zero_tiles"):
+        k[..., 64:128] = 0
+    if params.get("tiny_tiles"):
+        k[..., 128:192] *= np.float32(1e-4)
+    k = k.astype(ml_dtypes.bfloat16)
+    return {"cache": quantize(k)} if params.get("for_dequantize") else {"k": k}
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM-Ascend kv_compress_epilog (docs/numerics/cache-writers.md#kv_compress_epilog_vllm)
+
+
+@register_generator("kv_compress_epilog_vllm")
+def gen_kv_compress_epilog_vllm(params, rng):
+    """x bf16 ``[bs, d]`` randn * ``scale``; ``zero_groups`` zeroes the first NoPE group of the first token and
+    the whole NoPE of the last; ``pow2_group`` puts 448 in the first token (a scale that is a power of two before
+    rounding); cache of sentinel bytes in ``cache_dtype`` - layout 1 ``[slots, 1, row bytes + tail]``, layout 2
+    ``[block_num, block_size, 1, values + scales + tail]``; ``skip`` slots are -1."""
+    from ..reference import kv_compress_epilog_vllm as kv
+
+    d, t = int(params["d"]), int(params["bs"])
+    gs = int(params.get("quant_group_size", 64))
+    x = randn(rng, (t, d), "float32", params.get("scale", 1.0))
+    if params.get("zero_groups"):
+        x[0, :gs] = 0
+        x[-1, :d - 64] = 0
+    if params.get("pow2_group"):
+        x[0, d - 64 - 1] = 448.0
+    tail = int(params.get("tail", 32))
+    if int(params.get("layout", 1)) == 1:
+        num = int(params.get("num_slots", 2 * t))
+        shape = (num, 1, kv.kv_cache_col(d, gs) + tail)
+    else:
+        bs, bn = int(params.get("block_size", 4)), int(params.get("block_num", 2))
+        num = bs * bn
+        shape = (bn, bs, 1, kv.value_per_token(d) + kv.scale_per_token(d, gs) + tail)
+    cache = sentinel_filled(shape, np.uint8).view(getattr(ml_dtypes, params.get("cache_dtype", "float8_e4m3fn")))
+    return {"kv_compress_cache": cache, "x": x.astype(ml_dtypes.bfloat16),
+            "slot_mapping": slot_mapping(rng, t, num, int(params.get("skip", 0)), params.get("slot_dtype", "int64"))}
+
+
+# --------------------------------------------------------------------------------------------------
 # rotary tables
 
 
@@ -285,7 +344,7 @@ def rope_tables(positions: np.ndarray, dim: int, dtype: str, base: float = 10000
 
 
 # --------------------------------------------------------------------------------------------------
-# QSFA C8 cache writers (SPEC 3.2)
+# QSFA C8 cache writers (docs/numerics/cache-writers.md#c8_cache_write)
 
 
 def _c8_slots(params, rng, t, num_slots):
@@ -334,7 +393,7 @@ def gen_c8_rmsnorm_rope_cache(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
-# QSFA attention (SPEC 3.6)
+# QSFA attention (docs/numerics/attention.md#kv_quant_sparse_flash_attention)
 
 #: byte written into every packed KV row no selected token lives in (tails of pages and of BSND
 #: sequences, unused pages): int8 127, RoPE 0x7F7F (~3.4e38), scales 0x7F7F7F7F (~3.4e38); a kernel that
@@ -445,7 +504,7 @@ def gen_qsfa_attention(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
-# KvRmsNormRopeCache V1 / V2 (SPEC 3.3)
+# KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 
 
 @register_generator("kv_rmsnorm_rope_cache")

@@ -25,8 +25,11 @@ import numpy as np
 from . import io as gio
 from .case import Case, available_ops
 from .._errors import InvalidArgument, InvalidDtype
+from .guard import check_component, create_new, is_inside, lexists_plain_dir, lexists_plain_file
 from .io import GoldenInputError
 from .meta import describe
+from .schema import ARRAY_NAME, WRITTEN_NAME, check_manifest
+from ..chips import resolve_chip
 
 __all__ = ["MANIFEST", "GOLDEN_FORMAT", "generate", "load_manifest", "load_array", "case_from_entry",
            "Progress", "select_shard", "parse_shard"]
@@ -79,58 +82,131 @@ def select_shard(cases: Sequence[Case], index: int, count: int) -> list[Case]:
     return [c for k, c in enumerate(cases) if k % count == index]
 
 
-def _prepare_out(out: str):
-    """``out`` must be new, empty, or a previous golden directory (whose listed files are removed)."""
-    if os.path.exists(out) and not os.path.isdir(out):
+def _prepare_out(out: str, names=()) -> None:
+    """``out`` must be new, empty, or a previous golden directory.
+
+    A previous golden directory's files are removed first - only what its (fully checked) manifest
+    lists, and only regular files (never symbolic links) whose real path is in ``out``. The run is
+    refused before anything is deleted when a listed path or a case folder of this run is a link or not
+    a regular file / folder, or when a case folder of this run holds an unlisted entry with the name of
+    a file generate writes (it would have to be overwritten). Other files stay.
+    """
+    if os.path.lexists(out) and not os.path.isdir(out):
         raise GoldenInputError(f"--out {out} exists and is not a directory")
     if not os.path.isdir(out):
         os.makedirs(out)
         return
-    entries = os.listdir(out)
-    if not entries:
+    root = os.path.realpath(out)
+    for n in names:  # a case folder of this run must be absent or a plain folder (not a link out)
+        d = os.path.join(root, n)
+        if os.path.lexists(d) and not lexists_plain_dir(d):
+            raise GoldenInputError(f"--out {out}: {n} exists and is not a plain folder (a symbolic link or a "
+                                   "file): refusing to write there")
+    if not os.listdir(root):
         return
-    man_path = os.path.join(out, MANIFEST)
-    if not os.path.isfile(man_path):
+    man_path = os.path.join(root, MANIFEST)
+    if not os.path.lexists(man_path):
         raise GoldenInputError(f"--out {out} is not empty and holds no {MANIFEST}: refusing to write there")
-    man = load_manifest(out)
+    if not lexists_plain_file(man_path):
+        raise GoldenInputError(f"--out {out}: {MANIFEST} is not a regular file (a symbolic link?): refusing "
+                               "to write there")
+    man = load_manifest(root)
+    doomed, dirs = [], []
     for c in man["cases"]:
+        d = os.path.join(root, c["name"])
+        if not os.path.lexists(d):
+            continue
+        if not lexists_plain_dir(d):
+            raise GoldenInputError(f"--out {out}: the folder of case {c['name']} is not a plain folder (a "
+                                   "symbolic link?): refusing to delete through it")
+        dirs.append(d)
         for rel in c["files"]:
-            p = os.path.join(out, rel)
-            if os.path.isfile(p):
-                os.remove(p)
-        d = os.path.join(out, c["name"])
-        if os.path.isdir(d) and not os.listdir(d):
+            p = os.path.join(root, rel)
+            if not os.path.lexists(p):
+                continue
+            if not lexists_plain_file(p) or not is_inside(root, p):
+                raise GoldenInputError(f"--out {out}: {rel}, listed in its {MANIFEST}, is not a regular file "
+                                       "inside it (a symbolic link?): refusing to delete it")
+            doomed.append(p)
+    gone = set(doomed)
+    for n in names:  # what this run writes must not land on a file no manifest lists
+        d = os.path.join(root, n)
+        if not lexists_plain_dir(d):
+            continue
+        for f in os.listdir(d):
+            if WRITTEN_NAME.match(f) and os.path.join(d, f) not in gone:
+                raise GoldenInputError(f"--out {out}: {n}/{f} is in the way and no earlier {MANIFEST} of it lists "
+                                       "it: refusing to overwrite it")
+    for p in doomed:
+        os.remove(p)
+    for d in dirs:
+        if not os.listdir(d):
             os.rmdir(d)
     os.remove(man_path)
 
 
-def _remove_partial(out: str, names, created: bool):
-    """Undo a generate run that failed half way: remove its case folders (only files it writes)."""
-    for n in names:
-        d = os.path.join(out, n)
-        if not os.path.isdir(d):
-            continue
-        for f in os.listdir(d):
-            if f == "case.json" or f == "arrays.npz" or f.startswith(("in.", "out.", "mask.")):
-                os.remove(os.path.join(d, f))
-        if not os.listdir(d):
-            os.rmdir(d)
-    if created and os.path.isdir(out) and not os.listdir(out):
+def _remove_partial(out: str, made: list, created: bool):
+    """Undo a generate run that failed half way: remove exactly the files and folders it made."""
+    for p in reversed(made):
+        if lexists_plain_file(p):
+            os.remove(p)
+        elif lexists_plain_dir(p) and not os.listdir(p):
+            os.rmdir(p)
+    if created and lexists_plain_dir(out) and not os.listdir(out):
         os.rmdir(out)
 
 
 def _check_array_name(case: str, name: str):
-    if not name.replace("_", "a").isalnum():
+    if not isinstance(name, str) or not ARRAY_NAME.match(name):
         raise GoldenInputError(f"case {case}: array name {name!r} is not a plain identifier")
 
 
-def _write_case(case: Case, out: str, file_format: str) -> dict:
-    inputs = case.inputs()
-    outputs = case.run("reference", inputs)
+def _new_file(made: list, path: str):
+    """A new file for writing (never an existing one or a link), remembered for :func:`_remove_partial`."""
+    f = create_new(path)
+    made.append(path)
+    return f
+
+
+def _case_folder(out: str, name: str, made: list) -> str:
+    """``out/name``: made now (and remembered), or an existing plain folder - never a link."""
+    check_component(name, out, "case name", kind="case folder")
+    folder = os.path.join(out, name)
+    if not os.path.lexists(folder):
+        os.mkdir(folder)
+        made.append(folder)
+    elif not lexists_plain_dir(folder):
+        raise GoldenInputError(f"{folder} is not a plain folder (a symbolic link?): refusing to write there")
+    return folder
+
+
+def write_case_files(out: str, files: dict, made: list) -> None:
+    """Write ``{"<case>/<file>": bytes}`` under ``out`` as generate writes its own files: only the names
+    generate writes, each a new file in a plain case folder, all remembered in ``made`` (for
+    :func:`_remove_partial`). Used for files computed elsewhere (``qsfa.distributed``)."""
+    for rel, data in files.items():
+        parts = rel.split("/") if isinstance(rel, str) else []
+        if len(parts) != 2 or not WRITTEN_NAME.match(parts[1]):
+            raise GoldenInputError(f"{out}: refusing to write {rel!r}: not a file name generate writes")
+        folder = _case_folder(out, parts[0], made)
+        with _new_file(made, os.path.join(folder, parts[1])) as f:
+            f.write(data)
+
+
+def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = None,
+                outputs: dict | None = None, made: list | None = None) -> dict:
+    """Write one case's files under ``out``; returns its manifest entry. ``inputs`` / ``outputs``: already
+    computed (``qsfa.distributed`` assembles attention outputs from row ranges), else computed here.
+    Every file and folder made is appended to ``made``."""
+    if inputs is None:
+        inputs = case.inputs()
+    if outputs is None:
+        outputs = case.run("reference", inputs)
     args = case.args(inputs)
+    chip = resolve_chip(case.op, **args)  # the chip whose numerics the outputs model (qsfa.chips)
     metas = describe(case.op, case.params, args, outputs)
-    folder = os.path.join(out, case.name)
-    os.makedirs(folder, exist_ok=True)
+    made = [] if made is None else made
+    _case_folder(out, case.name, made)
 
     arrays, members, files = [], {}, {}
     mask_items = []
@@ -165,7 +241,8 @@ def _write_case(case: Case, out: str, file_format: str) -> dict:
                 entry["masked"] = bool(m is not None and m.mask is not None)
         if file_format == "bin":
             rel = f"{case.name}/{key}.bin"
-            gio.write_bin(os.path.join(out, rel), st)
+            with _new_file(made, os.path.join(out, rel)) as f:
+                f.write(memoryview(np.ascontiguousarray(st)).cast("B"))
             files[rel] = {"sha256": entry["sha256"], "bytes": int(st.nbytes)}
             entry["file"] = rel
         else:
@@ -178,7 +255,8 @@ def _write_case(case: Case, out: str, file_format: str) -> dict:
     if file_format == "npz":
         rel = f"{case.name}/arrays.npz"
         path = os.path.join(out, rel)
-        gio.write_npz(path, members)
+        with _new_file(made, path) as f:
+            gio.write_npz(f, members)
         files[rel] = {"sha256": gio.sha256_file(path), "bytes": os.path.getsize(path)}
 
     # the replayable case file, inputs pointing at the files just written
@@ -191,13 +269,14 @@ def _write_case(case: Case, out: str, file_format: str) -> dict:
             refs[e["name"]] = r
     text = gio.dump_json(case.to_dict(refs)).encode("utf-8")
     rel = f"{case.name}/case.json"
-    with open(os.path.join(out, rel), "wb") as f:
+    with _new_file(made, os.path.join(out, rel)) as f:
         f.write(text)
     files[rel] = {"sha256": gio.sha256_bytes(text), "bytes": len(text)}
 
     return {
         "name": case.name,
         "op": case.op,
+        "chip": chip,
         "params": case.params,
         "seed": case.seed,
         "generator": case.generator,
@@ -208,12 +287,39 @@ def _write_case(case: Case, out: str, file_format: str) -> dict:
     }
 
 
+def case_error(case: Case, e: Exception) -> GoldenInputError:
+    """The error reported for a case that could not be written: named, the cause's message kept."""
+    if isinstance(e, (GoldenInputError, InvalidArgument, InvalidDtype)):
+        return GoldenInputError(f"case {case.name}: {e}")
+    # a case the operator cannot run
+    return GoldenInputError(f"case {case.name}: {case.op} failed: {type(e).__name__}: {e}")
+
+
+def _beyond_chip(case: Case) -> str:
+    """Why the chip a case asks for (``params["chip"]``, from ``--chip``) cannot run it ("" if it can): the first
+    chip-limited rule of the operator the case's arguments break for that chip."""
+    chip = case.params.get("chip")
+    if chip is None:
+        return ""
+    from ..chips import chip_violation
+
+    try:
+        err = chip_violation(case.op, **case.args(case.inputs()))
+    except Exception:  # noqa: BLE001 - an invalid case fails in the run itself, with its own message
+        return ""
+    return f"chip {chip}: {err}" if err is not None else ""
+
+
 def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_name: str | None = None,
-             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None) -> dict:
+             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None, executor=None) -> dict:
     """Run every case on the reference backend and write inputs, outputs and ``manifest.json``.
 
     Cases whose operator is not in this build of qsfa are skipped and listed under ``"skipped"``.
-    Returns the manifest.
+    ``executor(cases, out, file_format, made=made) -> entries`` (optional) writes the cases' files (with
+    :func:`write_case_files` / ``_write_case(..., made=made)``, so a failed run removes exactly what it
+    made) and returns their manifest entries in case order, instead of the loop here
+    (``qsfa.distributed.golden_executor``: a Dask cluster computes, this process writes). Returns the
+    manifest.
     """
     from .. import __version__
 
@@ -228,23 +334,31 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
     run_cases = [c for c in cases if c.op in ops]
     skipped = [{"name": c.name, "op": c.op, "reason": f"operator {c.op!r} is not in this build of qsfa"}
                for c in cases if c.op not in ops]
+    bad = sorted({n for n in names if n == MANIFEST})
+    if bad:
+        raise GoldenInputError(f"a case may not be named {MANIFEST}")
+    beyond = {c.name: why for c in run_cases if (why := _beyond_chip(c))}  # --chip: cases that chip cannot run
+    skipped += [{"name": c.name, "op": c.op, "reason": beyond[c.name]} for c in run_cases if c.name in beyond]
+    run_cases = [c for c in run_cases if c.name not in beyond]
     created = not os.path.isdir(out)
-    _prepare_out(out)
-    bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1, stream=stream)
+    _prepare_out(out, [c.name for c in run_cases])
+    out = os.path.realpath(out)
+    made: list = []
+    bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1 and executor is None,
+                   stream=stream)
     entries = []
     try:
-        for c in run_cases:
-            bar.step(c.name)
-            try:
-                entries.append(_write_case(c, out, file_format))
-            except GoldenInputError as e:
-                raise GoldenInputError(f"case {c.name}: {e}") from e
-            except (InvalidArgument, InvalidDtype) as e:
-                raise GoldenInputError(f"case {c.name}: {e}") from e
-            except Exception as e:  # a case the operator cannot run: name it, keep the cause chained
-                raise GoldenInputError(f"case {c.name}: {c.op} failed: {type(e).__name__}: {e}") from e
+        if executor is not None:
+            entries = list(executor(run_cases, out, file_format, made=made))
+        else:
+            for c in run_cases:
+                bar.step(c.name)
+                try:
+                    entries.append(_write_case(c, out, file_format, made=made))
+                except Exception as e:
+                    raise case_error(c, e) from e
     except BaseException:
-        _remove_partial(out, [c.name for c in run_cases], created)
+        _remove_partial(out, made, created)
         raise
     manifest = {
         "format": GOLDEN_FORMAT,
@@ -256,8 +370,8 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
         "skipped": skipped,
         "cases": entries,
     }
-    with open(os.path.join(out, MANIFEST), "w", encoding="utf-8") as f:
-        f.write(gio.dump_json(manifest))
+    with create_new(os.path.join(out, MANIFEST)) as f:
+        f.write(gio.dump_json(manifest).encode("utf-8"))
     return manifest
 
 
@@ -272,49 +386,34 @@ def load_manifest(folder: str) -> dict:
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
         raise GoldenInputError(f"{folder} has no {MANIFEST}: not a golden directory")
-    man = gio.load_json(path)
-    if not isinstance(man, dict) or man.get("format") != GOLDEN_FORMAT:
-        raise GoldenInputError(f"{path}: format must be {GOLDEN_FORMAT!r}")
-    cases = man.get("cases")
-    if not isinstance(cases, list):
-        raise GoldenInputError(f"{path}: no case list")
-    for c in cases:
-        if not isinstance(c, dict) or not {"name", "op", "files", "arrays"} <= set(c) \
-                or not isinstance(c["files"], dict) or not isinstance(c["arrays"], list):
-            raise GoldenInputError(f"{path}: a case entry lacks name/op/files/arrays")
-        for rel in c["files"]:
-            if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
-                raise GoldenInputError(f"{path}: file path {rel!r} leaves the golden directory")
-        for e in c["arrays"]:
-            if not isinstance(e, dict) or not {"role", "name", "shape", "dtype", "storage", "file", "sha256"} <= set(e):
-                raise GoldenInputError(f"{path}: case {c['name']}: an array entry lacks role/name/shape/dtype/storage/file/sha256")
-            if not isinstance(e["shape"], list) or not all(isinstance(d, int) and d >= 0 for d in e["shape"]):
-                raise GoldenInputError(f"{path}: case {c['name']}: {e['file']} has shape {e['shape']!r}")
-            try:
-                np.dtype(e["storage"])
-            except TypeError:
-                raise GoldenInputError(f"{path}: case {c['name']}: {e['file']} has storage {e['storage']!r}") from None
-            if e["file"] not in c["files"]:
-                raise GoldenInputError(f"{path}: case {c['name']}: {e['file']} is not listed in its files")
-    return man
+    return check_manifest(gio.load_json(path), path)
+
+
+def golden_path(folder: str, rel: str) -> str:
+    """The path of a manifest-listed file; its real path must be inside the golden directory (a symbolic
+    link out of it is refused)."""
+    path = os.path.join(folder, rel)
+    if not is_inside(os.path.realpath(folder), path):
+        raise GoldenInputError(f"{path}: resolves outside the golden directory {folder} (a symbolic link): "
+                               "refusing to read it")
+    return path
 
 
 def load_storage(folder: str, entry: dict) -> np.ndarray:
-    """The storage array of one manifest entry, checked against its shape and storage dtype."""
-    path = os.path.join(folder, entry["file"])
+    """The storage array of one manifest entry, checked against its shape and storage dtype (from the
+    file's size or .npy header, before its data is read)."""
+    path = golden_path(folder, entry["file"])
     st = np.dtype(entry["storage"])
     shape = tuple(entry["shape"])
+    if not os.path.isfile(path):
+        raise GoldenInputError(f"file not found: {entry['file']}")
     if entry.get("key") is not None:
-        if not os.path.isfile(path):
-            raise GoldenInputError(f"file not found: {entry['file']}")
-        raw = gio.read_npz_member(path, entry["key"])
-        if raw.dtype != st or tuple(raw.shape) != shape:
+        raw = gio.read_npz_member(path, entry["key"], shape=shape, itemsize=st.itemsize)
+        if raw.dtype != st:
             raise GoldenInputError(
                 f"{entry['file']}:{entry['key']} is {raw.dtype.str} {list(raw.shape)}, the manifest says "
                 f"{st.str} {list(shape)}")
         return raw
-    if not os.path.isfile(path):
-        raise GoldenInputError(f"file not found: {entry['file']}")
     return gio.read_bin(path, st, shape)
 
 

@@ -3,7 +3,7 @@ rows, how outputs are compared, and which output elements are specified at all.
 
 Per operator a *describer* ``fn(params, args, outputs) -> {(role, name): ArrayMeta}`` fills in what the
 generic default (``<dtype> [dims] row-major``, bytes comparison) does not know. Outputs are compared
-byte for byte unless the describer says ``compare="float"`` (attention outputs and LSE: SPEC.md section 4
+byte for byte unless the describer says ``compare="float"`` (attention outputs and LSE: docs/numerics/comparison.md#float-criterion
 tolerances).
 """
 
@@ -28,7 +28,7 @@ class ArrayMeta:
               kind is a dtype ("bfloat16", "float32") or a format ("float8_e4m3fn", "hifloat8",
               "float8_e8m0", "float4_e2m1x2" = two FP4 codes per byte, element 2i in the low nibble,
               "float4_e2m1x2_hi" = element 2i in the high nibble).
-    compare:  "bytes" (bit-exact) or "float" (SPEC.md 4 tolerance criterion); outputs only.
+    compare:  "bytes" (bit-exact) or "float" (docs/numerics/comparison.md#float-criterion tolerance criterion); outputs only.
     mask:     bool array of the output's shape: True where the value is specified (compared); None = all.
     """
 
@@ -130,7 +130,7 @@ def _dbq(params, args, outputs):
 
 def kv_compress_epilog_segments(d: int, quant_mode: int, quant_group_size: int, head_dim: int, pad_to: int = 32,
                                 nibble_order: str = "low_first") -> list:
-    """The byte fields of one cache row (SPEC.md 3.4)."""
+    """The byte fields of one cache row (docs/numerics/layouts.md#kvcompressepilog-rows)."""
     from ..reference.kv_compress_epilog import kv_cache_col
 
     n = d - 64
@@ -181,7 +181,7 @@ def _kvce(params, args, outputs):
 
 
 def qsfa_row_segments(rope: int, nope_fmt: str, rope_dtype: str) -> list:
-    """The byte fields of a packed QSFA row (SPEC.md 3.2)."""
+    """The byte fields of a packed QSFA row (docs/numerics/layouts.md#packed-qsfa-row)."""
     from ..reference.packing import row_offsets
 
     off = row_offsets(rope_head_dim=rope)

@@ -16,7 +16,7 @@ from .. import compare as qcompare
 from . import io as gio
 from .case import available_ops
 from .io import GoldenInputError
-from .manifest import Progress, case_from_entry, load_manifest, load_storage
+from .manifest import Progress, case_from_entry, golden_path, load_manifest, load_storage
 
 __all__ = ["verify", "VerifyReport"]
 
@@ -38,7 +38,7 @@ def _check_files(folder: str, c: dict, report: VerifyReport) -> bool:
     ok = True
     for rel, info in c["files"].items():
         report.files += 1
-        path = os.path.join(folder, rel)
+        path = golden_path(folder, rel)
         if not os.path.isfile(path):
             report.problems.append(f"{rel}: missing")
             ok = False
@@ -96,11 +96,11 @@ def _recompute(folder: str, c: dict, stored: dict, report: VerifyReport):
         _, new_st = gio.to_storage(new)
         if list(new.shape) != e["shape"] or gio.array_sha256(new_st) != e["sha256"]:
             res = qcompare.compare_bytes(new, old, name=name, fmt=e.get("format"))
-            msg = res.message
+            msg = res.message.removeprefix("FAIL: ")  # the line below already says FAIL
             if e.get("compare") == "float" and list(new.shape) == e["shape"]:
                 f = qcompare.compare_float(new, old, dtype=e["dtype"], name=name)
                 within = "within" if f.passed else "outside"
-                msg += (f"; max {f.max_ulp} ULP, {within} the SPEC.md 4 tolerance (the reference's float outputs "
+                msg += (f"; max {f.max_ulp} ULP, {within} the docs/numerics/comparison.md#float-criterion tolerance (the reference's float outputs "
                         "are the same bytes on every machine: the golden was made by a qsfa whose numerics differ)")
             report.problems.append(f"{e['file']}{':' + e['key'] if e.get('key') else ''}: recomputed output "
                                    f"differs: {msg}")

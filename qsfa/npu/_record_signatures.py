@@ -1,6 +1,6 @@
 """Regenerate ``qsfa/npu/signatures.json`` from an unpacked torch_npu wheel (and, optionally, vLLM-Ascend).
 
-The npu backend calls a handful of torch_npu functions and one vLLM-Ascend custom op. Their signatures
+The npu backend calls a handful of torch_npu functions and two vLLM-Ascend custom ops. Their signatures
 are recorded as data so the argument mappings in :mod:`qsfa.npu.mapping` can be checked on machines
 without torch_npu (``inspect.Signature.bind`` on a signature rebuilt from the record).
 
@@ -63,7 +63,7 @@ TORCH_NPU_FUNCTIONS = (
 )
 
 #: vLLM-Ascend custom ops (namespace ``_C_ascend``) the npu backend maps to.
-CUSTOM_OPS = ("npu_kv_quant_sparse_flash_attention",)
+CUSTOM_OPS = ("npu_kv_quant_sparse_flash_attention", "kv_compress_epilog")
 
 META_FILE = "op_plugin/meta/_meta_registrations.py"
 SCHEMA_FILE = "csrc/aten/npu_native_functions_by_codegen.yaml"

@@ -202,6 +202,14 @@ def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[
                 violate=lambda d: {**d, "key_dtype": "hifloat8", "return_softmax_lse": True}, source=src,
             ),
         ]
+    if op == "kv_compress_epilog_vllm":
+        out.append(Constraint(
+            id="npu.kv_compress_epilog_vllm.needs_custom_op", param="kv_compress_cache", kind="value",
+            reason=f"runs only through torch.ops.{CUSTOM_OP_NAMESPACE}.kv_compress_epilog, which is not loaded: "
+                   f"{_HOW_TO_LOAD}",
+            check=lambda a: "custom op absent" if not loaded("kv_compress_epilog") else None,
+            violate=lambda d: dict(d), source="vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp",
+        ))
     if op == "kv_rmsnorm_rope_cache" and chip != "950":
         def needs_code(a):
             for p in ("k_cache_dtype", "ckv_cache_dtype"):

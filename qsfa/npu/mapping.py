@@ -26,6 +26,8 @@ Routing (settled from public sources):
 * ``kv_rmsnorm_rope_cache``: Ascend 950 -> ``torch_npu.npu_kv_rmsnorm_rope_cache_v2`` (caches written in
   place, ``k_cache_dtype``/``ckv_cache_dtype`` codes for HiFloat8; the op-plugin doc lists only the 950 for
   it); other chips -> ``torch_npu.npu_kv_rmsnorm_rope_cache`` (what vLLM-Ascend's sfa_v1.py calls).
+* ``kv_compress_epilog_vllm``: ``torch.ops._C_ascend.kv_compress_epilog`` (vLLM-Ascend ``csrc/torch_binding.cpp``
+  at 182b75e; Ascend 950), positional as its schema; the cache is written in place (returns nothing).
 * dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
   TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
   hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
@@ -59,6 +61,8 @@ __all__ = [
 QSFA_TORCH_NPU = "torch_npu.npu_kv_quant_sparse_flash_attention"
 QSFA_CUSTOM_OP = "torch.ops._C_ascend.npu_kv_quant_sparse_flash_attention"
 QSFA_CUSTOM_NAME = "npu_kv_quant_sparse_flash_attention"
+KCE_VLLM_CUSTOM_NAME = "kv_compress_epilog"
+KCE_VLLM_CUSTOM_OP = "torch.ops._C_ascend.kv_compress_epilog"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -102,13 +106,13 @@ class NpuCall:
 #: Parameters of our operators that no torch_npu call takes, and why dropping them is right.
 IGNORED = {
     "chunk_size": "memory bound of the NumPy reference only",
-    "scale_order": "OPEN fact of the reference model (SPEC.md 2); the device does what it does - run both "
+    "scale_order": "OPEN fact of the reference model (docs/numerics/open-facts.md#scale_order); the device does what it does - run both "
                    "reference variants against backend='npu' to settle it",
-    "pad_to": "OPEN fact of the reference model; the device does what it does",
-    "fp4_nibble_order": "OPEN fact of the reference model; the device does what it does",
-    "lse_includes_sink": "OPEN fact of the reference model (SPEC.md 3.6); the device does what it does",
-    "tie_break": "OPEN fact of the reference model (SPEC.md 3.7); the device does what it does",
-    "probability_rounding": "OPEN fact of the reference model (where P is rounded); the device does what it "
+    "pad_to": "OPEN fact of the reference model (docs/numerics/open-facts.md#pad_to); the device does what it does",
+    "fp4_nibble_order": "OPEN fact of the reference model (docs/numerics/open-facts.md#nibble_order); the device does what it does",
+    "lse_includes_sink": "OPEN fact of the reference model (docs/numerics/open-facts.md#lse_includes_sink); the device does what it does",
+    "tie_break": "OPEN fact of the reference model (docs/numerics/open-facts.md#tie_break); the device does what it does",
+    "probability_rounding": "OPEN fact of the reference model (docs/numerics/open-facts.md#probability_rounding); the device does what it "
                             "does",
     "precision": "reference precision mode; backend_limits accepts only 'faithful' on the device",
 }
@@ -119,7 +123,8 @@ NOT_MAPPED = {
         "torch_npu 2.14.0 exposes no KvCompressEpilog function (absent from op_plugin/meta/_meta_registrations.py "
         "and the codegen yaml); vLLM-Ascend's torch.ops._C_ascend.kv_compress_epilog (csrc/torch_binding.cpp, "
         "Ascend 950) is a different variant - quant_mode 1 = FP8 with fp32 scales per 128, 2 = MXFP8, rows padded "
-        "to 128 bytes, no x_scale, an FP8-typed cache - not the mode 0/1/2 row layout of this operator (seed 002)"),
+        "to 128 bytes, no x_scale, an FP8-typed cache - not the mode 0/1/2 row layout of this operator (seed 002); "
+        "qsfa maps that variant as kv_compress_epilog_vllm"),
     "c8_cache_write": (
         "no single torch_npu or vLLM-Ascend callable: vLLM-Ascend quantises (Triton custom_kv_rmsnorm_rope), "
         "concatenates the row with torch.cat and scatters it with torch_npu.npu_scatter_nd_update_; run the "
@@ -457,6 +462,21 @@ def map_scatter_by_slot(a: Mapping, ctx: NpuContext) -> NpuCall:
                    unpack=lambda r: (a["cache"],))
 
 
+# ---------------------------------------------------------------------------------- kv_compress_epilog_vllm
+
+
+def map_kv_compress_epilog_vllm(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """vLLM-Ascend's ``torch.ops._C_ascend.kv_compress_epilog`` (positional, as its schema), cache in place."""
+    params = ("kv_compress_cache", "x", "slot_mapping", "quant_group_size", "quant_mode", "round_scale_flag",
+              "layout")
+    _check_params("kv_compress_epilog_vllm", a, params)
+    if KCE_VLLM_CUSTOM_NAME not in ctx.custom_ops:
+        raise ValueError(f"kv_compress_epilog_vllm needs {KCE_VLLM_CUSTOM_OP}, which is not loaded")
+    args = (a["kv_compress_cache"], a["x"], a["slot_mapping"], int(a["quant_group_size"]), int(a["quant_mode"]),
+            bool(a["round_scale_flag"]), int(a["layout"]))
+    return NpuCall(KCE_VLLM_CUSTOM_OP, args, {}, unpack=lambda r: (a["kv_compress_cache"],))
+
+
 #: operator name -> mapping function
 MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_quant_sparse_flash_attention": map_kv_quant_sparse_flash_attention,
@@ -466,6 +486,7 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "dynamic_block_quant": map_dynamic_block_quant,
     "kv_rmsnorm_rope_cache": map_kv_rmsnorm_rope_cache,
     "scatter_by_slot": map_scatter_by_slot,
+    "kv_compress_epilog_vllm": map_kv_compress_epilog_vllm,
 }
 
 

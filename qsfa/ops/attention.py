@@ -1,11 +1,12 @@
-"""Public front doors of the attention group: QSFA, SFA, the lightning indexers, the LSE merge (SPEC.md 3.6-3.7).
+"""Public front doors of the attention group: QSFA, SFA, the lightning indexers, the LSE merge (docs/numerics/attention.md,
+docs/numerics/indexer.md).
 
 Operators (one :class:`~qsfa._contract.Contract` each, every documented rule a constraint with a
 ``violate`` function; chip limits as ``chips=`` constraints):
 
 * ``kv_quant_sparse_flash_attention`` - QSFA over packed int8 / FP8 / HiFloat8 rows (seed 000);
 * ``sparse_flash_attention`` - SFA over a float16 / bfloat16 KV (torch_npu ``npu_sparse_flash_attention``);
-* ``lightning_indexer`` / ``quant_lightning_indexer`` - top-k token selection (SPEC.md 3.7);
+* ``lightning_indexer`` / ``quant_lightning_indexer`` - top-k token selection (docs/numerics/indexer.md#lightning_indexer);
 * ``merge_attention_lse`` - the context-parallel merge of partial results.
 
 Plain functions over those operators: :func:`attention` (routes by key dtype as vLLM-Ascend does),
@@ -28,7 +29,8 @@ import numpy as np
 
 from .._arrays import dtype_name, is_torch, to_numpy
 from .._checks import dtype_in, is_array
-from .._contract import Constraint, Contract, copy_args, one_of
+from .._contract import Constraint, Contract, copy_args, one_of, params
+from .. import chips as _chips
 from .._dispatch import define_operator, run
 from .._errors import InvalidArgument, Raw
 from ..reference import attention as _ref
@@ -553,6 +555,53 @@ def finite_rule(n: Names, param):
     return rule(n, f"{param}_finite", param, "value", "must not contain inf or nan", check, edit(n, change))
 
 
+def _key_rows_read(a, n: Names, param=None):
+    """``(rows, where)``: the rows of ``param`` (default the key; any array in the key's layout) the call reads
+    (``[R, ..., D]``) and, per row, ``(batch, token)``.
+
+    Only tokens below each batch's KV length are read; rows past it (a paged cache's unused slots,
+    padding) may hold anything."""
+    key, lay, lens = a[param or n.key], a[n.layout_kv], act_kv(a, n)
+    lens = np.maximum(lens, 0)
+    b_idx = np.repeat(np.arange(lens.size), lens)
+    t_idx = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    if lay == "BSND":
+        t_idx = np.minimum(t_idx, key.shape[1] - 1)
+        return key[b_idx, t_idx], (b_idx, t_idx)
+    if lay == "TND":
+        return key[:b_idx.size], (b_idx, t_idx)
+    bs = key.shape[1]  # PA_BSND: [block_num, block_size, N, D] through block_table
+    blk = np.asarray(a["block_table"])[b_idx, t_idx // bs]
+    return key[blk, t_idx % bs], (b_idx, t_idx)
+
+
+def key_rows_finite_rule(n: Names, param=None):
+    """No inf / nan in a row of the key (or of ``param``, an array in the key's layout: value, key_rope) that
+    the call reads, as the query rules: a non-finite score silently drops a token from the indexer's top-k and
+    turns attention rows into NaN."""
+    param = param or n.key
+
+    def check(a):
+        if a.get(param) is None:
+            return None
+        rows, (b_idx, t_idx) = _key_rows_read(a, n, param)
+        if not rows.size:
+            return None
+        i = first_nonfinite(rows)
+        if i is None:
+            return None
+        r = i // int(np.prod(rows.shape[1:]))
+        return Raw(f"{float(rows.reshape(-1)[i])} in batch {int(b_idx[r])}, token {int(t_idx[r])}")
+
+    def change(a):
+        v = a[param].copy()
+        v.reshape(-1)[0] = np.inf
+        a[param] = v
+
+    return rule(n, f"{param}_finite", param, "value",
+                f"the {param} rows within the KV lengths must not contain inf or nan", check, edit(n, change))
+
+
 def scale_value_rule(n: Names):
     return rule(n, "scale_value_value", "scale_value", "value", "must be a finite real number",
                 lambda a: None if is_real(a.scale_value) and math.isfinite(a.scale_value) else a.scale_value,
@@ -703,7 +752,7 @@ def indexer_case(*, layout_query="BSND", layout_kv="BSND", explicit_lengths=Fals
     args = dict(query=_query_store(q, layout_query), key=key, weights=_query_store(w, layout_query),
                 actual_seq_lengths_query=lq, actual_seq_lengths_key=lk, block_table=bt, layout_query=layout_query,
                 layout_key=layout_kv, sparse_count=sparse_count, sparse_mode=3, pre_tokens=INT64_MAX,
-                next_tokens=INT64_MAX)
+                next_tokens=INT64_MAX, tie_break="lower_index")
     if quant:
         qs = rng.uniform(0.01, 0.1, (batch, q_s, n_heads)).astype(np.float16)
         ks, _ = _kv_storage(rng.uniform(0.01, 0.1, (batch, kv_s, 1)).astype(np.float16)[..., None],
@@ -720,7 +769,7 @@ def indexer_case(*, layout_query="BSND", layout_kv="BSND", explicit_lengths=Fals
 # QSFA: kv_quant_sparse_flash_attention
 
 QSFA = "kv_quant_sparse_flash_attention"
-QSFA_SOURCE = "SPEC.md 3.6; seed 000 (QSFA operator guide); vllm-ascend QSFA custom op"
+QSFA_SOURCE = "docs/numerics/attention.md#kv_quant_sparse_flash_attention; seed 000 (QSFA operator guide); vllm-ascend QSFA custom op"
 QSFA_KEY_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
 QSFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 128)
 QSFA_SPARSE_BLOCK_SIZES = (1, 2, 4, 8, 16)
@@ -831,9 +880,9 @@ def _qsfa_rules():
     r.append(scale_value_rule(n))
     r.append(bool_rule(n, "return_softmax_lse"))
     r.append(finite_rule(n, "query"))
-    r.append(choice_rule(n, "precision", PRECISIONS, source="qsfa (not a torch_npu parameter)"))
+    r.append(choice_rule(n, "precision", PRECISIONS, source="docs/numerics/attention.md#rounding-points (qsfa's parameter, not torch_npu's)"))
     r.append(choice_rule(n, "probability_rounding", PROBABILITY_ROUNDINGS,
-                         source="qsfa (OPEN: where P is rounded; see qsfa.reference.attention)"))
+                         source="docs/numerics/open-facts.md#probability_rounding"))
     # chip limits (seed 000 constraint section)
     r.append(rule(n, "a2a3_query_heads", "query", "shape", "Atlas A2/A3 do not support Q_N = 48",
                   lambda a: None if a.query.shape[-2] != 48 else tuple(a.query.shape), edit(n, n_heads=48),
@@ -851,7 +900,12 @@ def _qsfa_rules():
     return r
 
 
-QSFA_CONTRACT = Contract(op=QSFA, constraints=_qsfa_rules(), example=lambda rng: qsfa_case())
+QSFA_CONTRACT = Contract(op=QSFA, constraints=_qsfa_rules(), example=lambda rng: qsfa_case(), params=params(
+    "query:array key:array value:array sparse_indices:array scale_value:float key_quant_mode:int value_quant_mode:int"
+    " key_dequant_scale:array? value_dequant_scale:array? block_table:array? actual_seq_lengths_query:array?"
+    " actual_seq_lengths_kv:array? sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int"
+    " pre_tokens:int next_tokens:int attention_mode:int quant_scale_repo_mode:int tile_size:int rope_head_dim:int"
+    " return_softmax_lse:bool key_dtype:str precision:str probability_rounding:str"))
 
 
 def _qsfa_reference(**args):
@@ -859,7 +913,7 @@ def _qsfa_reference(**args):
 
 
 define_operator(QSFA, QSFA_CONTRACT, outputs=("attention_out", "softmax_max", "softmax_sum"),
-                reference=_qsfa_reference,
+                reference=_qsfa_reference, numerics=_chips.qsfa_numerics,
                 doc="Sparse flash attention over a packed int8/fp8/HiFloat8 KV cache (QSFA).")
 
 
@@ -869,7 +923,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                                     pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
                                     quant_scale_repo_mode=1, tile_size=128, rope_head_dim=64,
-                                    return_softmax_lse=False, key_dtype="int8", backend="reference",
+                                    return_softmax_lse=False, key_dtype="int8", chip=None, backend="reference",
                                     precision="faithful", probability_rounding="unnormalised"):
     """Sparse flash attention over a packed quantised KV cache (vllm-ascend ``npu_kv_quant_sparse_flash_attention``).
 
@@ -898,6 +952,9 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
       rope_head_dim: 0 or 64. return_softmax_lse: also return softmax_max / softmax_sum (not on 950).
       key_dtype: NoPE format, "int8" (A2/A3), "float8_e4m3fn", "hifloat8" (950; HiFloat8 needs
               sparse_size 2048 and rope 64). A float8_e4m3fn key array needs key_dtype="float8_e4m3fn".
+      chip: None | "A2" | "A3" | "950": the chip whose limits and rounding points (K, P, output) the call
+              models; None = the npu device's chip, else the rule of :func:`qsfa.resolve_chip` (950 when the
+              call breaks an A2/A3 limit, else A2). docs/numerics/chips.md.
       backend: "reference" | "npu" | "triton".
       precision: "faithful" (the kernel's rounding points) or "exact" (float64, no rounding; float64 out).
       probability_rounding: **OPEN** - "unnormalised" (default; round exp(s - max), divide by the fp32 sum
@@ -916,14 +973,14 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 attention_mode=attention_mode, quant_scale_repo_mode=quant_scale_repo_mode, tile_size=tile_size,
                 rope_head_dim=rope_head_dim, return_softmax_lse=return_softmax_lse, key_dtype=key_dtype,
                 precision=precision, probability_rounding=probability_rounding)
-    return run(QSFA, args, backend)
+    return run(QSFA, args, backend, chip=chip)
 
 
 # ==================================================================================================
 # SFA: sparse_flash_attention
 
 SFA = "sparse_flash_attention"
-SFA_SOURCE = "SPEC.md 3.6; torch_npu npu_sparse_flash_attention doc and meta registration"
+SFA_SOURCE = "docs/numerics/attention.md#sparse_flash_attention; torch_npu npu_sparse_flash_attention doc and meta registration"
 SFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 SFA_SPARSE_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _N_SFA = Names(SFA, sfa_case, source=SFA_SOURCE)
@@ -1015,13 +1072,15 @@ def _sfa_rules():
     r.append(bool_rule(n, "return_softmax_lse"))
     r.append(bool_rule(n, "lse_includes_sink"))
     r.append(finite_rule(n, "query"))
+    r.append(finite_rule(n, "query_rope"))
+    r += [key_rows_finite_rule(n, p) for p in ("key", "value", "key_rope")]
     r.append(rule(  # (finite_rule's violate needs an array in the example; sinks is None there)
         n, "sinks_finite", "sinks", "value", "must not contain inf or nan",
         lambda a: None if a.get("sinks") is None or np.isfinite(a.sinks).all() else "non-finite",
         edit(n, setting(sinks=np.array([np.nan], np.float32)))))
-    r.append(choice_rule(n, "precision", PRECISIONS, source="qsfa (not a torch_npu parameter)"))
+    r.append(choice_rule(n, "precision", PRECISIONS, source="docs/numerics/attention.md#rounding-points (qsfa's parameter, not torch_npu's)"))
     r.append(choice_rule(n, "probability_rounding", PROBABILITY_ROUNDINGS,
-                         source="qsfa (OPEN: where P is rounded; see qsfa.reference.attention)"))
+                         source="docs/numerics/open-facts.md#probability_rounding"))
     r.append(rule(n, "chip_attention_mode", "attention_mode", "value", "the NPU kernels support only attention_mode 2",
                   lambda a: None if a.attention_mode == 2 else a.attention_mode, edit(n, setting(attention_mode=0)),
                   chips=("A2", "A3", "950")))
@@ -1031,7 +1090,12 @@ def _sfa_rules():
     return r
 
 
-SFA_CONTRACT = Contract(op=SFA, constraints=_sfa_rules(), example=lambda rng: sfa_case())
+SFA_CONTRACT = Contract(op=SFA, constraints=_sfa_rules(), example=lambda rng: sfa_case(), params=params(
+    "query:array key:array value:array? sparse_indices:array scale_value:float block_table:array?"
+    " actual_seq_lengths_query:array? actual_seq_lengths_kv:array? query_rope:array? key_rope:array?"
+    " sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int pre_tokens:int next_tokens:int"
+    " attention_mode:int return_softmax_lse:bool sinks:array? lse_includes_sink:bool precision:str"
+    " probability_rounding:str"))
 
 
 def _sfa_reference(**args):
@@ -1039,15 +1103,15 @@ def _sfa_reference(**args):
 
 
 define_operator(SFA, SFA_CONTRACT, outputs=("attention_out", "softmax_max", "softmax_sum"),
-                reference=_sfa_reference, doc="Sparse flash attention over a float16/bfloat16 KV (SFA).")
+                numerics=_chips.sfa_numerics, reference=_sfa_reference, doc="Sparse flash attention over a float16/bfloat16 KV (SFA).")
 
 
 def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
                            actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
                            key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                            pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
-                           return_softmax_lse=False, sinks=None, lse_includes_sink=False, backend="reference",
-                           precision="faithful", probability_rounding="unnormalised"):
+                           return_softmax_lse=False, sinks=None, lse_includes_sink=False, chip=None,
+                           backend="reference", precision="faithful", probability_rounding="unnormalised"):
     """Sparse flash attention over a float KV (torch_npu ``npu_sparse_flash_attention``).
 
     Computes per query row and head ``softmax(scale_value * [q, q_rope] . [k, k_rope]^T) @ v`` over the
@@ -1070,7 +1134,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
               ``out = out_without_sink / (1 + exp(sink - lse))``.
       lse_includes_sink: **OPEN** (default False, as FlashMLA / FlashInfer): whether the returned
               softmax_sum includes ``exp(sink - softmax_max)``.
-      backend, precision, probability_rounding: as :func:`kv_quant_sparse_flash_attention`.
+      chip, backend, precision, probability_rounding: as :func:`kv_quant_sparse_flash_attention` (the chip
+              selects the P and output roundings).
     Returns ``(attention_out like query, softmax_max, softmax_sum)`` (LSE shapes as QSFA; empty ``[0]``
     when not requested).
     """
@@ -1082,14 +1147,14 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                 attention_mode=attention_mode, return_softmax_lse=return_softmax_lse, sinks=sinks,
                 lse_includes_sink=lse_includes_sink, precision=precision,
                 probability_rounding=probability_rounding)
-    return run(SFA, args, backend)
+    return run(SFA, args, backend, chip=chip)
 
 
 # ==================================================================================================
 # lightning_indexer
 
 LI = "lightning_indexer"
-LI_SOURCE = "SPEC.md 3.7; torch_npu npu_lightning_indexer doc (Ascend/op-plugin) and meta registration"
+LI_SOURCE = "docs/numerics/indexer.md#lightning_indexer; torch_npu npu_lightning_indexer doc (Ascend/op-plugin) and meta registration"
 LI_SPARSE_COUNTS = tuple(range(1, 2049)) + (3072, 4096, 5120, 6144, 7168, 8192)
 INDEXER_HEADS_950 = (8, 16, 24, 32, 64)
 _N_LI = Names(LI, indexer_case, layout_kv="layout_key", lens_kv="actual_seq_lengths_key", source=LI_SOURCE)
@@ -1148,7 +1213,8 @@ def _li_rules():
                   edit(n, setting(return_value=True), layout_kv="PA_BSND")))
     r.append(finite_rule(n, "query"))
     r.append(finite_rule(n, "weights"))
-    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="qsfa (OPEN: order of equal scores)"))
+    r.append(key_rows_finite_rule(n))
+    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="docs/numerics/open-facts.md#tie_break"))
     r.append(rule(n, "950_query_heads", "query", "shape", f"Ascend 950 supports N1 {one_of(INDEXER_HEADS_950)}",
                   lambda a: None if a.query.shape[-2] in INDEXER_HEADS_950 else tuple(a.query.shape),
                   edit(n, n_heads=4), chips=("950",)))
@@ -1159,7 +1225,10 @@ def _li_rules():
 
 
 LI_CONTRACT = Contract(op=LI, constraints=_li_rules(),
-                       example=lambda rng: {**indexer_case(), "tie_break": "lower_index"})
+                       example=lambda rng: {**indexer_case(), "tie_break": "lower_index"}, params=params(
+    "query:array key:array weights:array actual_seq_lengths_query:array? actual_seq_lengths_key:array?"
+    " block_table:array? layout_query:str layout_key:str sparse_count:int sparse_mode:int pre_tokens:int"
+    " next_tokens:int return_value:bool tie_break:str"))
 
 
 def _li_reference(**args):
@@ -1173,8 +1242,8 @@ define_operator(LI, LI_CONTRACT, outputs=("sparse_indices", "sparse_values"), re
 def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
                       block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
                       pre_tokens=INT64_MAX, next_tokens=INT64_MAX, return_value=False, tie_break="lower_index",
-                      backend="reference"):
-    """The ``sparse_count`` best KV tokens per query row (torch_npu ``npu_lightning_indexer``, SPEC.md 3.7).
+                      chip=None, backend="reference"):
+    """The ``sparse_count`` best KV tokens per query row (torch_npu ``npu_lightning_indexer``, docs/numerics/indexer.md#lightning_indexer).
 
     ``score(i, j) = sum_h weights[i, h] * ReLU(query[i, h] . key[j])`` in fp32 over the tokens row i may
     see (right-down causal for sparse_mode 3, as sparse attention); the indices of the
@@ -1197,14 +1266,14 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
                 actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table, layout_query=layout_query,
                 layout_key=layout_key, sparse_count=sparse_count, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
                 next_tokens=next_tokens, return_value=return_value, tie_break=tie_break)
-    return run(LI, args, backend)
+    return run(LI, args, backend, chip=chip)
 
 
 # ==================================================================================================
 # quant_lightning_indexer
 
 QLI = "quant_lightning_indexer"
-QLI_SOURCE = "SPEC.md 3.7; torch_npu npu_quant_lightning_indexer doc (Ascend/op-plugin) and meta registration"
+QLI_SOURCE = "docs/numerics/indexer.md#quant_lightning_indexer; torch_npu npu_quant_lightning_indexer doc (Ascend/op-plugin) and meta registration"
 QLI_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
 _N_QLI = Names(QLI, lambda **kw: indexer_case(quant=True, **kw), layout_kv="layout_key",
                lens_kv="actual_seq_lengths_key", source=QLI_SOURCE)
@@ -1281,7 +1350,7 @@ def _qli_rules():
                   edit(n, lambda a: a.update(key_dequant_scale=np.ascontiguousarray(a["key_dequant_scale"][:, :1])))))
     for p in ("weights", "query_dequant_scale", "key_dequant_scale"):
         r.append(finite_rule(n, p))
-    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="qsfa (OPEN: order of equal scores)"))
+    r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="docs/numerics/open-facts.md#tie_break"))
 
     def a2a3(a):
         f = _code_format(a.query, a.get("query_dtype"))
@@ -1311,7 +1380,11 @@ def _qli_rules():
 
 
 QLI_CONTRACT = Contract(op=QLI, constraints=_qli_rules(),
-                        example=lambda rng: {**indexer_case(quant=True), "tie_break": "lower_index"})
+                        example=lambda rng: {**indexer_case(quant=True), "tie_break": "lower_index"}, params=params(
+    "query:array key:array weights:array actual_seq_lengths_query:array? actual_seq_lengths_key:array?"
+    " block_table:array? layout_query:str layout_key:str sparse_count:int sparse_mode:int pre_tokens:int"
+    " next_tokens:int query_dequant_scale:array key_dequant_scale:array query_quant_mode:int key_quant_mode:int"
+    " query_dtype:str? key_dtype:str? tie_break:str"))
 
 
 def _qli_reference(**args):
@@ -1326,7 +1399,7 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
                             key_quant_mode=0, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
                             block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
                             sparse_mode=3, pre_tokens=INT64_MAX, next_tokens=INT64_MAX, query_dtype=None,
-                            key_dtype=None, tie_break="lower_index", backend="reference"):
+                            key_dtype=None, tie_break="lower_index", chip=None, backend="reference"):
     """Lightning indexer on quantised inputs (torch_npu ``npu_quant_lightning_indexer``).
 
     ``score(i, j) = sum_h weights[i, h] * ReLU((query_dequant_scale[i, h] * key_dequant_scale[j]) *
@@ -1345,14 +1418,14 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
                 block_table=block_table, layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
                 sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens, query_dtype=query_dtype,
                 key_dtype=key_dtype, tie_break=tie_break)
-    return run(QLI, args, backend)
+    return run(QLI, args, backend, chip=chip)
 
 
 # ==================================================================================================
 # merge_attention_lse
 
 MERGE = "merge_attention_lse"
-MERGE_SOURCE = "SPEC.md 3.6 (context-parallel merge of partial results)"
+MERGE_SOURCE = "docs/numerics/attention.md#merge_attention_lse (context-parallel merge of partial results)"
 
 
 def merge_case(*, layout_query="BSND", parts=2, seed=0):
@@ -1406,10 +1479,12 @@ def _merge_rules():
     r.append(rule(n, "softmax_max_values", "softmax_max", "value", "must be finite",
                   lambda a: None if np.isfinite(a.softmax_max).all() else "non-finite",
                   edit(n, lambda a: a.update(softmax_max=a["softmax_max"] * np.float32(np.inf)))))
+    r.append(finite_rule(n, "attention_out"))
     return r
 
 
-MERGE_CONTRACT = Contract(op=MERGE, constraints=_merge_rules(), example=lambda rng: merge_case())
+MERGE_CONTRACT = Contract(op=MERGE, constraints=_merge_rules(), example=lambda rng: merge_case(), params=params(
+    "attention_out:array softmax_max:array softmax_sum:array layout_query:str"))
 
 
 def _merge_reference(attention_out, softmax_max, softmax_sum, layout_query):
@@ -1420,32 +1495,48 @@ define_operator(MERGE, MERGE_CONTRACT, outputs=("attention_out", "softmax_max", 
                 reference=_merge_reference, doc="Merge partial attention results over disjoint token shards.")
 
 
-def _stack(parts):
-    if isinstance(parts, (list, tuple)):
-        if parts and is_torch(parts[0]):
-            import torch
+def _stack(parts, name):
+    """A sequence of P partial arrays (all NumPy or all torch, one shape) stacked on a new axis 0.
 
-            return torch.stack(list(parts))
-        return np.stack([np.asarray(p) for p in parts])
-    return parts
+    Anything else is passed through unchanged, so the contract's generic type rule rejects it by name:
+    like every operator, merge_attention_lse does not turn Python lists of numbers into arrays."""
+    if not isinstance(parts, (list, tuple)) or not parts:
+        return parts
+    if all(is_torch(p) for p in parts):
+        kind = "torch"
+    elif all(isinstance(p, np.ndarray) for p in parts):
+        kind = "numpy"
+    else:
+        return parts
+    shapes = {tuple(p.shape) for p in parts}
+    dtypes = {dtype_name(p) for p in parts}
+    if len(shapes) > 1 or len(dtypes) > 1:
+        raise InvalidArgument("shape", name, Raw(f"parts of shapes {sorted(shapes)}, dtypes {sorted(dtypes)}"),
+                              "the partial results must all have one shape and dtype")
+    if kind == "torch":
+        import torch
+
+        return torch.stack(list(parts))
+    return np.stack(parts)
 
 
-def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query="BSND", backend="reference"):
+def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query="BSND", chip=None,
+                        backend="reference"):
     """Merge partial attention results computed over disjoint shards of each row's selected tokens.
 
     ``m = max m_p``, ``w_p = l_p exp(m_p - m)``, ``l = sum w_p``, ``out = sum w_p out_p / l`` in float64
-    (SPEC.md 3.6); an empty shard (``m_p = l_p = 0``) carries no weight and does not take part in the max;
+    (docs/numerics/attention.md#merge_attention_lse); an empty shard (``m_p = l_p = 0``) carries no weight and does not take part in the max;
     a row with only empty shards gives ``out = 0, m = l = 0``. See :mod:`qsfa.reference.lse`.
 
-    attention_out: the P partial outputs, a sequence or an array stacked on axis 0 (``[P, B, S, N, D]``
+    attention_out: the P partial outputs, a sequence of arrays / tensors or an array stacked on axis 0 (``[P, B, S, N, D]``
     BSND / ``[P, T, N, D]`` TND; float16 / bfloat16 / float32 / float64). softmax_max, softmax_sum: the
     matching statistics (``[P, B, 1, S, N]`` / ``[P, 1, T, N]``, float32 or float64), as returned by the
     attention operators with return_softmax_lse=True. Returns ``(attention_out, softmax_max,
     softmax_sum)`` of one unsplit call, in the input dtypes.
     """
-    args = dict(attention_out=_stack(attention_out), softmax_max=_stack(softmax_max),
-                softmax_sum=_stack(softmax_sum), layout_query=layout_query)
-    return run(MERGE, args, backend)
+    args = dict(attention_out=_stack(attention_out, "attention_out"), softmax_max=_stack(softmax_max, "softmax_max"),
+                softmax_sum=_stack(softmax_sum, "softmax_sum"), layout_query=layout_query)
+    return run(MERGE, args, backend, chip=chip)
 
 
 # ==================================================================================================
@@ -1455,7 +1546,7 @@ def merge_attention_lse(attention_out, softmax_max, softmax_sum, *, layout_query
 def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, query_rope=None, key_rope=None,
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
-              key_dtype=None, rope_head_dim=None, backend="reference", precision="faithful",
+              key_dtype=None, rope_head_dim=None, chip=None, backend="reference", precision="faithful",
               probability_rounding="unnormalised"):
     """Sparse attention, routed by the key's dtype exactly as vLLM-Ascend does.
 
@@ -1475,7 +1566,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
       key_dtype:   QSFA NoPE format; default: "float8_e4m3fn" for an FP8 array, else "int8".
       rope_head_dim: QSFA; default from the packed width (656 -> 64, 528 -> 0).
       block_table, actual_seq_lengths_query / _kv, sparse_block_size, layout_query, layout_kv, sparse_mode,
-      return_softmax_lse, backend, precision, probability_rounding: as the operators.
+      return_softmax_lse, chip, backend, precision, probability_rounding: as the operators.
     Returns ``(attention_out, softmax_max, softmax_sum)`` of the operator it routes to.
     """
     from ..reference.attention import is_quant_key
@@ -1486,7 +1577,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
     common = dict(block_table=block_table, actual_seq_lengths_query=actual_seq_lengths_query,
                   actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                   layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
-                  return_softmax_lse=return_softmax_lse, backend=backend, precision=precision,
+                  return_softmax_lse=return_softmax_lse, chip=chip, backend=backend, precision=precision,
                   probability_rounding=probability_rounding)
     if is_quant_key(key):
         if key_rope is not None:

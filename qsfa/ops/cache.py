@@ -1,13 +1,13 @@
-"""Public front doors of the cache writers (SPEC.md 3.2-3.5).
+"""Public front doors of the cache writers (docs/numerics/cache-writers.md).
 
 Operators (each = one :class:`~qsfa._contract.Contract` holding every documented rule as data, plus the
 reference computation in :mod:`qsfa.reference`):
 
-* :func:`scatter_by_slot` - the shared scatter of rows into a paged cache by slot (SPEC.md 3.5);
+* :func:`scatter_by_slot` - the shared scatter of rows into a paged cache by slot (docs/numerics/cache-writers.md#scatter_by_slot);
 * :func:`c8_cache_write` - the QSFA C8 writer's quantise + pack + scatter stage (bit-exact, kernel-checked);
 * :func:`c8_rmsnorm_rope_cache` - RMSNorm + interleave RoPE + :func:`c8_cache_write` (vllm-ascend's writer);
-* :func:`kv_rmsnorm_rope_cache` - torch_npu ``npu_kv_rmsnorm_rope_cache`` / ``_v2`` (SPEC.md 3.3);
-* :func:`kv_compress_epilog` - aclnn KvCompressEpilog (SPEC.md 3.4).
+* :func:`kv_rmsnorm_rope_cache` - torch_npu ``npu_kv_rmsnorm_rope_cache`` / ``_v2`` (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache);
+* :func:`kv_compress_epilog` - aclnn KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog).
 
 Every cache is listed in its contract's ``inplace``; a rejected call writes nothing.
 """
@@ -22,7 +22,8 @@ import numpy as np
 
 from .._arrays import dtype_name
 from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, is_num, ndim_in, rule, set_param, set_params
-from .._contract import Contract, copy_args, one_of
+from .._contract import Contract, copy_args, one_of, params
+from .. import chips as _chips
 from .._dispatch import define_operator, run
 from ..reference import c8_cache as _c8
 from ..reference import kv_compress_epilog as _kce
@@ -116,7 +117,7 @@ def _slot_rules(op, param, num_slots, *, source, example_valid_slot=0):
 # --------------------------------------------------------------------------------------- scatter_by_slot
 
 SC = "scatter_by_slot"
-SC_SRC = "SPEC.md 3.5"
+SC_SRC = "docs/numerics/cache-writers.md#scatter_by_slot"
 
 
 def _sc_example(rng):
@@ -150,6 +151,7 @@ SC_CONTRACT = Contract(
     ],
     example=_sc_example,
     inplace=("cache",),
+    params=params("cache:array rows:array slot_mapping:array"),
 )
 
 
@@ -161,7 +163,7 @@ define_operator(SC, SC_CONTRACT, outputs=("cache",), reference=_sc_reference,
                 doc="Write rows into a paged cache by slot; -1 skips.")
 
 
-def scatter_by_slot(cache, rows, slot_mapping, backend="reference"):
+def scatter_by_slot(cache, rows, slot_mapping, backend="reference", *, chip=None):
     """Write ``rows[t]`` to ``cache[s // block_size, s % block_size]`` for each slot ``s = slot_mapping[t]``.
 
     cache:        ``[block_num, block_size, *row_shape]`` any dtype, updated in place and returned.
@@ -170,14 +172,14 @@ def scatter_by_slot(cache, rows, slot_mapping, backend="reference"):
                   values must lie in ``[0, block_num * block_size)`` and must not repeat (rejected before
                   any write).
     """
-    return run(SC, dict(cache=cache, rows=rows, slot_mapping=slot_mapping), backend)
+    return run(SC, dict(cache=cache, rows=rows, slot_mapping=slot_mapping), backend, chip=chip)
 
 
 # ------------------------------------------------------------------------------------------ C8 writers
 
 C8 = "c8_cache_write"
 C8R = "c8_rmsnorm_rope_cache"
-C8_SRC = "SPEC.md 3.2; vllm-ascend vllm_ascend/attention/sfa_v1.py (custom_kv_rmsnorm_rope, _store_parallel_kv)"
+C8_SRC = "docs/numerics/cache-writers.md#c8_cache_write; vllm-ascend vllm_ascend/attention/sfa_v1.py (custom_kv_rmsnorm_rope, _store_parallel_kv)"
 SCALE_ORDERS = ("divide", "multiply")
 
 
@@ -210,16 +212,25 @@ def _c8_cache_rules(op, *, rope_present, cache="kv_cache"):
     ]
 
 
+def _c8_dst_type_max(a):
+    v = a.get("dst_type_max", 0.0)
+    ok = _is_num(v) and math.isfinite(v) and 0 <= v <= 32768 and (v == 0 or a.key_dtype == "hifloat8")
+    return None if ok else v
+
+
 def _c8_key_rules(op):
     return [
-        _rule(op, "key_dtype_value", "key_dtype", "value",
-              f"must be {one_of(_c8.KEY_DTYPES)} (HiFloat8 NoPE: no public writer defines its scale)",
-              lambda a: None if a.key_dtype in _c8.KEY_DTYPES else a.key_dtype, set_param("key_dtype", "hifloat8"),
+        _rule(op, "key_dtype_value", "key_dtype", "value", f"must be {one_of(_c8.KEY_DTYPES)}",
+              lambda a: None if a.key_dtype in _c8.KEY_DTYPES else a.key_dtype, set_param("key_dtype", "int4"),
               source=C8_SRC),
+        _rule(op, "dst_type_max_value", "dst_type_max", "value",
+              "must be a number in [0, 32768] (0 = HiFloat8's 32768), and 0 unless key_dtype is 'hifloat8'",
+              _c8_dst_type_max, set_param("dst_type_max", 15.0),
+              source="docs/numerics/open-facts.md#hifloat8-c8-nope"),
         _rule(op, "scale_order_value", "scale_order", "value",
-              f"must be {one_of(SCALE_ORDERS)} (SPEC.md 2 OPEN: x / s or x * 127 / amax)",
+              f"must be {one_of(SCALE_ORDERS)} (docs/numerics/open-facts.md#scale_order OPEN: x / s or x * 127 / amax)",
               lambda a: None if a.scale_order in SCALE_ORDERS else a.scale_order, set_param("scale_order", "bogus"),
-              source="SPEC.md 2"),
+              source="docs/numerics/open-facts.md#scale_order"),
         _rule(op, "a2a3_key_dtype", "key_dtype", "value", "Atlas A2/A3 packed caches are int8 only",
               lambda a: None if a.key_dtype == "int8" else a.key_dtype, set_param("key_dtype", "float8_e4m3fn"),
               chips=("A2", "A3"), source=C8_SRC),
@@ -267,11 +278,14 @@ C8_CONTRACT = Contract(
     ],
     example=_c8_example,
     inplace=("kv_cache",),
+    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"
+                  " dst_type_max:float"),
 )
 
 
-def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order):
-    return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype, scale_order=scale_order)
+def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order, dst_type_max=0.0):
+    return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype, scale_order=scale_order,
+                              dst_type_max=dst_type_max)
 
 
 define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
@@ -279,31 +293,35 @@ define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
 
 
 def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", scale_order="divide",
-                   backend="reference"):
+                   dst_type_max=0.0, chip=None, backend="reference"):
     """Quantise, pack and scatter one packed QSFA row per token (the kernel-checkable C8 writer stage).
 
     For token t with slot s = slot_mapping[t] (-1: nothing written), row ``kv_cache[s // bs, s % bs, 0]``
     receives: bytes [0, 512) the NoPE quantised per 1x128 tile, then the 64 RoPE values' raw 16-bit bytes
-    (rope 64 only), then the 4 tile scales as little-endian fp32 (SPEC.md 3.2). Bytes of other rows are
+    (rope 64 only), then the 4 tile scales as little-endian fp32 (docs/numerics/layouts.md#packed-qsfa-row). Bytes of other rows are
     untouched.
 
     key_dtype "int8" (A2/A3): ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero
-    tile gives ``s = 0, q = 0`` (SPEC.md 2, OPEN on hardware). "float8_e4m3fn" (950, vllm-ascend's A5 branch
+    tile gives ``s = 0, q = 0`` (docs/numerics/open-facts.md#zero-tile, OPEN on hardware). "float8_e4m3fn" (950, vllm-ascend's A5 branch
     calls ``npu_dynamic_block_quant(dst_type=float8_e4m3fn)``): ``s = amax / 448``, ``q = E4M3FN(x / s)``
-    RINT + saturation. HiFloat8 NoPE is not offered: no public writer says how its scale is computed.
+    RINT + saturation. "hifloat8" (950; **OPEN**, docs/numerics/open-facts.md#hifloat8-c8-nope - no public
+    writer fixes it): the same call with ``dst_type=hifloat8``, ``s = amax / TYPE_MAX``, ``q = HiF8(ROUND, SAT)``
+    with TYPE_MAX = ``dst_type_max`` (0 = 32768).
 
     Parameters:
       k_nope:       ``[T, 512]`` float16 / bfloat16 (already normalised).
       k_rope:       ``[T, 64]`` of k_nope's dtype (already rotated), or None for rope 0 (528-byte rows).
       slot_mapping: ``[T]`` int32 / int64; -1 skips; otherwise unique and < block_num * block_size.
       kv_cache:     ``[block_num, block_size, 1, 656 | 528]`` uint8 / int8 / float8_e4m3fn, updated in place.
-      key_dtype:    "int8" (default) or "float8_e4m3fn".
-      scale_order:  **OPEN** (SPEC.md 2): "divide" (default, ``x / s``) or "multiply" (``x * fp32(127 / amax)``).
+      key_dtype:    "int8" (default), "float8_e4m3fn" or "hifloat8".
+      dst_type_max: HiFloat8 only (**OPEN**): the TYPE_MAX of its scale, 0 (default: 32768) or any value up to 32768
+                    (torch_npu documents 15, 56, 224, 32768).
+      scale_order:  **OPEN** (docs/numerics/open-facts.md#scale_order): "divide" (default, ``x / s``) or "multiply" (``x * fp32(127 / amax)``).
     Returns ``kv_cache``.
     """
     args = dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slot_mapping, kv_cache=kv_cache, key_dtype=key_dtype,
-                scale_order=scale_order)
-    return run(C8, args, backend)
+                scale_order=scale_order, dst_type_max=dst_type_max)
+    return run(C8, args, backend, chip=chip)
 
 
 def _c8r_example(rng):
@@ -380,12 +398,16 @@ C8R_CONTRACT = Contract(
     ],
     example=_c8r_example,
     inplace=("kv_cache",),
+    params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
+                  " rope_head_dim:int key_dtype:str scale_order:str dst_type_max:float"),
 )
 
 
-def _c8r_reference(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon, rope_head_dim, key_dtype, scale_order):
+def _c8r_reference(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon, rope_head_dim, key_dtype, scale_order,
+                   dst_type_max=0.0):
     return _c8.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon=epsilon,
-                                     rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order)
+                                     rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order,
+                                     dst_type_max=dst_type_max)
 
 
 define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_reference,
@@ -393,7 +415,8 @@ define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_referen
 
 
 def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilon=1e-6, rope_head_dim=64,
-                          key_dtype="int8", scale_order="divide", backend="reference"):
+                          key_dtype="int8", scale_order="divide", dst_type_max=0.0, chip=None,
+                          backend="reference"):
     """The QSFA C8 cache writer from a latent KV: RMSNorm + interleave RoPE + :func:`c8_cache_write`.
 
     Mirrors vllm-ascend (vllm_ascend/attention/sfa_v1.py ``custom_kv_rmsnorm_rope`` then
@@ -415,18 +438,19 @@ def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilo
       epsilon:       RMSNorm eps; default 1e-6 = DeepSeek-V3.2's rms_norm_eps, which vllm-ascend passes
                      (kv_a_layernorm.variance_epsilon; custom_kv_rmsnorm_rope's own default is 1e-5).
       rope_head_dim: 64 (656-byte rows) or 0 (528-byte rows, RoPE skipped).
-      key_dtype, scale_order: as :func:`c8_cache_write`.
+      key_dtype, scale_order, dst_type_max: as :func:`c8_cache_write`.
     Returns ``kv_cache``.
     """
     args = dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                epsilon=epsilon, rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order)
-    return run(C8R, args, backend)
+                epsilon=epsilon, rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order,
+                dst_type_max=dst_type_max)
+    return run(C8R, args, backend, chip=chip)
 
 
 # --------------------------------------------------------------------------------- kv_compress_epilog
 
 KCE = "kv_compress_epilog"
-KCE_SRC = "SPEC.md 3.4; seed 002 (KvCompressEpilog)"
+KCE_SRC = "docs/numerics/cache-writers.md#kv_compress_epilog; seed 002 (KvCompressEpilog)"
 
 
 def _kce_d(a):
@@ -498,13 +522,13 @@ KCE_CONTRACT = Contract(
         _rule(KCE, "x_scale_value", "x_scale", "value", "must be a finite number",
               lambda a: None if _is_num(a.x_scale) and math.isfinite(a.x_scale) else a.x_scale,
               set_param("x_scale", float("inf")), source=KCE_SRC),
-        _rule(KCE, "pad_to_value", "pad_to", "value", "must be one of {32, 128} (SPEC.md 3.4 OPEN)",
+        _rule(KCE, "pad_to_value", "pad_to", "value", "must be one of {32, 128} (docs/numerics/open-facts.md#pad_to OPEN)",
               lambda a: None if _is_int(a.pad_to) and a.pad_to in (32, 128) else a.pad_to, set_param("pad_to", 64),
-              source="SPEC.md 3.4 (OPEN: padding granularity)"),
+              source="docs/numerics/open-facts.md#pad_to (OPEN: padding granularity)"),
         _rule(KCE, "fp4_nibble_order_value", "fp4_nibble_order", "value",
-              "must be one of {'low_first', 'high_first'} (SPEC.md 1.2 OPEN)",
+              "must be one of {'low_first', 'high_first'} (docs/numerics/open-facts.md#nibble_order OPEN)",
               lambda a: None if a.fp4_nibble_order in ("low_first", "high_first") else a.fp4_nibble_order,
-              set_param("fp4_nibble_order", "bogus"), source="SPEC.md 1.2 (OPEN: FP4 nibble order)"),
+              set_param("fp4_nibble_order", "bogus"), source="docs/numerics/open-facts.md#nibble_order (OPEN: FP4 nibble order)"),
         _rule(KCE, "head_dim", "cache", "shape", "headDim (cache.shape[3]) must be >= kvCacheCol, the bytes per row",
               lambda a: None if a.cache.shape[3] >= _kce_col(a) else f"headDim {a.cache.shape[3]} < kvCacheCol "
               f"{_kce_col(a)}", _edit(lambda o: o.update(cache=np.zeros((3, 4, 1, 512), np.uint8))),
@@ -516,6 +540,8 @@ KCE_CONTRACT = Contract(
     ],
     example=_kce_example,
     inplace=("cache",),
+    params=params("cache:array x:array slot_mapping:array quant_group_size:int quant_mode:int round_scale:bool"
+                  " x_scale:float pad_to:int fp4_nibble_order:str"),
 )
 
 
@@ -531,7 +557,7 @@ define_operator(KCE, KCE_CONTRACT, outputs=("cache",), reference=_kce_reference,
 
 
 def kv_compress_epilog(cache, x, slot_mapping, *, quant_group_size=64, quant_mode=1, round_scale=True, x_scale=1.0,
-                       pad_to=32, fp4_nibble_order="low_first", backend="reference"):
+                       pad_to=32, fp4_nibble_order="low_first", chip=None, backend="reference"):
     """Quantise bf16 rows ``x [..., d]`` and scatter them into ``cache`` by slot (aclnn KvCompressEpilog).
 
     With n = d - 64 NoPE columns first and the last 64 columns the RoPE, each written row is
@@ -556,21 +582,21 @@ def kv_compress_epilog(cache, x, slot_mapping, *, quant_group_size=64, quant_mod
       quant_mode:       0 (bf16 scales), 1 (E8M0 scales, default), 2 (HiF8 RoPE + FP4 NoPE).
       round_scale:      ceil the group scales to powers of two (modes 0/1).
       x_scale:          mode 2's static RoPE multiplier (fp32).
-      pad_to:           **OPEN** (SPEC.md 3.4): row padding granularity of modes 0 and 2, default 32 (tiling
+      pad_to:           **OPEN** (docs/numerics/open-facts.md#pad_to): row padding granularity of modes 0 and 2, default 32 (tiling
                         code and docs); 128 per an older comment. Not an aclnn argument.
-      fp4_nibble_order: **OPEN** (SPEC.md 1.2): "low_first" (default: element 2i in the low nibble) or
+      fp4_nibble_order: **OPEN** (docs/numerics/open-facts.md#nibble_order): "low_first" (default: element 2i in the low nibble) or
                         "high_first". Not an aclnn argument.
     Returns ``cache``.
     """
     args = dict(cache=cache, x=x, slot_mapping=slot_mapping, quant_group_size=quant_group_size, quant_mode=quant_mode,
                 round_scale=round_scale, x_scale=x_scale, pad_to=pad_to, fp4_nibble_order=fp4_nibble_order)
-    return run(KCE, args, backend)
+    return run(KCE, args, backend, chip=chip)
 
 
 # ----------------------------------------------------------------------------- kv_rmsnorm_rope_cache
 
 KRR = "kv_rmsnorm_rope_cache"
-KRR_SRC = "SPEC.md 3.3; seed 004 (aclnnKvRmsNormRopeCacheV2); torch_npu npu_kv_rmsnorm_rope_cache meta"
+KRR_SRC = "docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache; seed 004 (aclnnKvRmsNormRopeCacheV2); torch_npu npu_kv_rmsnorm_rope_cache meta"
 KRR_MODES = _krr.CACHE_MODES
 KRR_FORMATS = _krr.QUANT_FORMATS + _krr.FLOAT_FORMATS
 QUANT_PARAMS = (("k_rope_scale", "k_rope_offset", "k"), ("c_kv_scale", "c_kv_offset", "ckv"))
@@ -800,12 +826,12 @@ def _krr_rope_width(a):
     return None if ok else r
 
 
-def _krr_fmt_names(a):
-    for p in ("k_cache_dtype", "ckv_cache_dtype"):
+def _krr_fmt_name(p):
+    def check(a):
         v = a.get(p)
-        if v is not None and v not in KRR_FORMATS:
-            return f"{p}={v!r}"
-    return None
+        return None if v is None or v in KRR_FORMATS else v
+
+    return check
 
 
 def _krr_fmt_arrays(which):
@@ -1088,7 +1114,9 @@ KRR_CONTRACT = Contract(
               source=KRR_SRC),
         dtype_in(KRR, "index", ("int64",), source=KRR_SRC),
         _rule(KRR, "cache_dtype_names", "k_cache_dtype", "value", f"must be None or {one_of(KRR_FORMATS)}",
-              _krr_fmt_names, set_param("k_cache_dtype", "int4"), source=KRR_SRC),
+              _krr_fmt_name("k_cache_dtype"), set_param("k_cache_dtype", "int4"), source=KRR_SRC),
+        _rule(KRR, "ckv_cache_dtype_names", "ckv_cache_dtype", "value", f"must be None or {one_of(KRR_FORMATS)}",
+              _krr_fmt_name("ckv_cache_dtype"), set_param("ckv_cache_dtype", "int4"), source=KRR_SRC),
         _rule(KRR, "k_cache_format", "k_cache", "dtype",
               "k_cache's dtype must carry k_cache_dtype (a uint8 buffer needs the name, e.g. 'hifloat8')",
               _krr_fmt_arrays("k"), set_param("k_cache_dtype", "hifloat8"), dtype=True, source=KRR_SRC),
@@ -1177,19 +1205,24 @@ KRR_CONTRACT = Contract(
         _rule(KRR, "a2a3_v1_dims", "kv", "shape",
               "Atlas A2/A3 V1 (the DeepSeek MLA kernel) need Dv = 512 (RMSNorm) and Dk = 64 (RoPE)",
               _chip_a2a3_v1_dims, lambda args: copy_args(args), chips=_A2A3,
-              source="[OT] posembedding/kv_rms_norm_rope_cache/op_host/kv_rms_norm_rope_cache_ds_tiling.cpp"),
+              source="cannmirror/ops-transformer posembedding/kv_rms_norm_rope_cache/op_host/kv_rms_norm_rope_cache_ds_tiling.cpp"),
     ],
     example=lambda rng: kv_rmsnorm_rope_cache_example(rng),
     inplace=("k_cache", "ckv_cache"),
+    params=params("kv:array gamma:array cos:array sin:array index:array k_cache:array ckv_cache:array"
+                  " k_rope_scale:array? c_kv_scale:array? k_rope_offset:array? c_kv_offset:array? v:array?"
+                  " epsilon:float cache_mode:str is_output_kv:bool k_cache_dtype:str? ckv_cache_dtype:str?"),
 )
 
 
 def _krr_reference(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale, c_kv_scale, k_rope_offset,
-                   c_kv_offset, v, epsilon, cache_mode, is_output_kv, k_cache_dtype, ckv_cache_dtype):
+                   c_kv_offset, v, epsilon, cache_mode, is_output_kv, k_cache_dtype, ckv_cache_dtype,
+                   hifloat8_overflow="saturate"):
     return _krr.kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale=k_rope_scale,
                                       c_kv_scale=c_kv_scale, k_rope_offset=k_rope_offset, c_kv_offset=c_kv_offset,
                                       v=v, epsilon=epsilon, cache_mode=cache_mode, is_output_kv=is_output_kv,
-                                      k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype)
+                                      k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype,
+                                      hifloat8_overflow=hifloat8_overflow)
 
 
 def _krr_normalise(a):
@@ -1202,14 +1235,16 @@ def _krr_normalise(a):
 KRR_CONTRACT.normalise = _krr_normalise
 
 define_operator(KRR, KRR_CONTRACT, outputs=("k_cache", "ckv_cache", "k_rope", "c_kv"), reference=_krr_reference,
+                numerics=_chips.krr_numerics,
                 doc="KvRmsNormRopeCache V1/V2: RMSNorm + interleave RoPE + static quant + scatter into two caches.")
 
 
 def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None, c_kv_scale=None,
                           k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
-                          is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None, backend="reference"):
+                          is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None, chip=None,
+                          backend="reference"):
     """RMSNorm + interleave RoPE + optional static quantisation, scattered into two caches in place
-    (torch_npu ``npu_kv_rmsnorm_rope_cache`` and ``npu_kv_rmsnorm_rope_cache_v2``; SPEC.md 3.3).
+    (torch_npu ``npu_kv_rmsnorm_rope_cache`` and ``npu_kv_rmsnorm_rope_cache_v2``; docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache).
 
     V1 (``v`` None; N = 1): ``c_kv = RMSNorm(kv[..., :Dv]) * gamma`` -> ckv_cache and
     ``k_rope = RoPE(kv[..., Dv:])`` (the raw input) -> k_cache, with Dv = len(gamma), Dk = cos width.
@@ -1217,9 +1252,10 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
     k_cache, ``v`` -> ckv_cache. RMSNorm: ``gamma * (x / sqrt(mean(x^2) + epsilon))`` in fp32; interleave RoPE:
     ``cat(x[0::2], x[1::2]) * cos + cat(-x[1::2], x[0::2]) * sin`` in fp32.
 
-    Rounding points (from the [OT] kernels): a 16-bit cache gets the fp32 result rounded once (RINT) to the
+    Rounding points (from the cannmirror/ops-transformer kernels): a 16-bit cache gets the fp32 result rounded once (RINT) to the
     cache dtype; an 8-bit cache is quantised from the fp32 result - ``y = x * scale (+ offset)`` in fp32, then
-    INT8 ``clamp(RINT(y), -128, 127)``, FP8 RINT + saturation, HiFloat8 ties-away + saturation; V2 RoPEs the
+    INT8 ``clamp(RINT(y), -128, 127)``, FP8 RINT + saturation, HiFloat8 ties-away and, on the 950 (the only chip
+    with HiFloat8 caches), no saturation (beyond the range: +-Inf; docs/numerics/chips.md); V2 RoPEs the
     fp32 RMSNorm output (no rounding in between). ``k_rope`` / ``c_kv`` are the fp32 results rounded to kv's
     dtype (V2 ``c_kv`` = v).
 
@@ -1249,4 +1285,4 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
                 k_rope_scale=k_rope_scale, c_kv_scale=c_kv_scale, k_rope_offset=k_rope_offset,
                 c_kv_offset=c_kv_offset, v=v, epsilon=epsilon, cache_mode=cache_mode, is_output_kv=is_output_kv,
                 k_cache_dtype=k_cache_dtype, ckv_cache_dtype=ckv_cache_dtype)
-    return run(KRR, args, backend)
+    return run(KRR, args, backend, chip=chip)

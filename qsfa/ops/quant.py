@@ -1,4 +1,4 @@
-"""Public front door of ``dynamic_block_quant`` (torch_npu ``npu_dynamic_block_quant``, SPEC.md 3.1).
+"""Public front door of ``dynamic_block_quant`` (torch_npu ``npu_dynamic_block_quant``, docs/numerics/quantisers.md#dynamic_block_quant).
 
 The contract holds every documented rule: operator rules (dtypes, ranks, names, value ranges) and the
 per-chip limits of the torch_npu / aclnn docs as ``chips=`` constraints (also exported as plain data in
@@ -14,7 +14,8 @@ import numpy as np
 
 from .._arrays import dtype_name
 from .._checks import dtype_in, is_array, is_int, is_num, ndim_in, rule, set_param, set_params
-from .._contract import Contract, copy_args, one_of
+from .._contract import Contract, copy_args, one_of, params
+from .. import chips as _chips
 from .._dispatch import define_operator, run
 from ..reference import quant as _ref
 
@@ -41,7 +42,7 @@ BLOCK_LIMITS = {
                 col_block_sizes=(64, 128, 192, 256), dst_type_max=(0.0, 15.0, 56.0, 224.0, 32768.0)),
 }
 
-SOURCE = "SPEC.md 3.1; torch_npu npu_dynamic_block_quant doc (Ascend/op-plugin)"
+SOURCE = "docs/numerics/quantisers.md#dynamic_block_quant; torch_npu npu_dynamic_block_quant doc (Ascend/op-plugin)"
 
 
 def dst_type_name(v):
@@ -103,7 +104,7 @@ def _dst_type_max_hif8(a):
 
 
 def _multiply_min_scale(a):
-    return None if a.scale_order == "divide" or a.min_scale == 0 else a.min_scale
+    return None if a.scale_order != "multiply" or a.min_scale == 0 else a.min_scale
 
 
 def _limit(chip, key, param, getter=None):
@@ -179,9 +180,10 @@ CONTRACT = Contract(
         _rule("dst_type_max_hifloat8", "dst_type_max", "value",
               "only a hifloat8 destination takes dst_type_max (the kernel ignores it otherwise)",
               _dst_type_max_hif8, set_param("dst_type_max", 15.0)),
-        _rule("scale_order_value", "scale_order", "value", f"must be {one_of(_ref.SCALE_ORDERS)}",
-              lambda a: None if a.scale_order in _ref.SCALE_ORDERS else a.scale_order,
-              set_param("scale_order", "bogus"), source="SPEC.md 2 (OPEN: quantise x / s or x * 127 / amax)"),
+        _rule("scale_order_value", "scale_order", "value",
+              f"must be None (the chip's order) or {one_of(_ref.SCALE_ORDERS)}",
+              lambda a: None if a.scale_order is None or a.scale_order in _ref.SCALE_ORDERS else a.scale_order,
+              set_param("scale_order", "bogus"), source="docs/numerics/open-facts.md#scale_order (OPEN: quantise x / s or x * 127 / amax)"),
         _rule("scale_order_min_scale", "min_scale", "value",
               "scale_order='multiply' is defined only without a min_scale bound (min_scale == 0)",
               _multiply_min_scale, _with(scale_order="multiply", min_scale=0.5)),
@@ -189,21 +191,23 @@ CONTRACT = Contract(
     ],
     example=_example,
     normalise=_normalise,
+    params=params("x:array min_scale:float round_mode:str dst_type:any row_block_size:int col_block_size:int"
+                  " dst_type_max:float scale_order:str?"),
 )
 
 
 def _reference(x, min_scale, round_mode, dst_type, row_block_size, col_block_size, dst_type_max, scale_order):
     return _ref.dynamic_block_quant(x, min_scale=min_scale, round_mode=round_mode, dst_type=dst_type,
                                     row_block_size=row_block_size, col_block_size=col_block_size,
-                                    dst_type_max=dst_type_max, scale_order=scale_order)
+                                    dst_type_max=dst_type_max, scale_order=scale_order or "divide")
 
 
-define_operator(OP, CONTRACT, outputs=("y", "scale"), reference=_reference,
+define_operator(OP, CONTRACT, outputs=("y", "scale"), reference=_reference, numerics=_chips.dbq_numerics,
                 doc="Block-wise dynamic quantisation with one fp32 scale per block (npu_dynamic_block_quant).")
 
 
 def dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type="int8", row_block_size=1,
-                        col_block_size=128, dst_type_max=0.0, scale_order="divide", backend="reference"):
+                        col_block_size=128, dst_type_max=0.0, scale_order=None, chip=None, backend="reference"):
     """Quantise ``x`` block by block with one float32 scale per block (``npu_dynamic_block_quant``).
 
     Computes, per ``row_block_size x col_block_size`` block of the last two dimensions (edge blocks are
@@ -225,8 +229,14 @@ def dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type="int8",
       row_block_size, col_block_size: block shape (chip limits in :data:`BLOCK_LIMITS`).
       dst_type_max:   0 = the type's own max; otherwise (HiFloat8 only) the TYPE_MAX used in the scale
                       (torch_npu: 15, 56, 224, 32768 on Ascend 950).
-      scale_order:    **OPEN** (SPEC.md 2): "divide" (default, ``x / scale``) or "multiply"
-                      (``x * TYPE_MAX / amax``, the op-plugin test golden's order); not a torch_npu argument.
+      scale_order:    None (default: the chip's kernel order - A2/A3 "reciprocal", 950 "divide") or an explicit order:
+                      "divide" (``x / scale``), "reciprocal" (``x * fp32(fp32(1 / amax) * TYPE_MAX)``, scale
+                      ``amax * fp32(1 / TYPE_MAX)``: the A2/A3 kernel), "reciprocal_multiply" (that multiplier with
+                      ``scale = amax / TYPE_MAX``: the op-plugin test golden, bit for bit) or "multiply"
+                      (``x * fp32(TYPE_MAX / amax)``). docs/numerics/chips.md#dynamic_block_quant; not a torch_npu
+                      argument.
+      chip:           None | "A2" | "A3" | "950": whose block limits apply (:data:`BLOCK_LIMITS`); None = the npu
+                      device's chip, else :func:`qsfa.resolve_chip`'s rule. docs/numerics/chips.md.
       backend:        "reference" | "npu" | "triton".
     Returns ``(y, scale)``: ``y`` of x's shape (int8; float8_e4m3fn / float8_e5m2 as ml_dtypes arrays or
     torch float8 tensors; HiFloat8 as uint8 codes), ``scale`` float32 ``[(B,) ceil(M/rb), ceil(N/cb)]``.
@@ -234,4 +244,4 @@ def dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type="int8",
     args = dict(x=x, min_scale=min_scale, round_mode=round_mode, dst_type=dst_type,
                 row_block_size=row_block_size, col_block_size=col_block_size, dst_type_max=dst_type_max,
                 scale_order=scale_order)
-    return run(OP, args, backend)
+    return run(OP, args, backend, chip=chip)

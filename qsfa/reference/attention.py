@@ -1,4 +1,4 @@
-"""Sparse flash attention oracles: QSFA (packed quantised KV) and SFA (float KV). SPEC.md 3.6.
+"""Sparse flash attention oracles: QSFA (packed quantised KV) and SFA (float KV). docs/numerics/attention.md#kv_quant_sparse_flash_attention.
 
 Both compute, for every query row and query head,
 
@@ -13,18 +13,19 @@ Precision modes
 ``precision="faithful"`` (default) rounds where the Ascend kernel rounds. Every fp32 accumulation (the dot
 products ``q . k`` and ``P @ V``, the softmax sum) and every fp32 ``exp`` / ``log`` is modelled as the correctly
 rounded fp32 value of the exact result (``RN32``: round to nearest, ties to even; an exact zero sum is +0) - a kernel
-that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside SPEC.md section 4 - so the
+that accumulates in fp32 in any order lands within a few fp32 ulps of it, well inside docs/numerics/comparison.md#float-criterion - so the
 result is a function of the inputs alone: the same bytes on every machine, whatever BLAS kernel, thread split or
 NumPy SIMD variant computes the float64 intermediates (tests/test_attention_determinism.py; how, below).
 
-1. QSFA: ``K_nope = decode(code) * tile_scale`` (one fp32 multiply), rounded to the query dtype
-   (bf16 RINT, fp16 ROUND = half away from zero; SPEC.md 3.6). The RoPE part is taken as stored. The
+1. QSFA: ``K_nope = decode(code) * tile_scale`` (one fp32 multiply), rounded to the query dtype with
+   ``k_rounding`` (A2/A3: bf16 RINT, fp16 ROUND = half away from zero; 950: RINT for both). The RoPE part is taken as stored. The
    query dtype value V is the same rounded NoPE (MLA-absorb). SFA: K and V are already in the query dtype.
 2. ``s = RN32(q . k) * fp32(scale_value)`` (an fp32 multiply): the kernel's cube unit accumulates exact 16x16-bit
    products in fp32 in its own order. Tokens that are not selected get ``-2e38`` (not ``-inf``), as in the
    kernel; their probability underflows to exactly 0.
 3. ``m = max(s)``; ``e = RN32(exp(s - m))`` with ``s - m`` an fp32 subtraction; ``l = RN32(sum e)``.
-4. Probabilities are rounded to the query dtype before ``P @ V`` (``RN32`` of the exact sum). Where exactly is
+4. Probabilities are rounded to the query dtype with ``p_rounding`` (every chip: ROUND) before ``P @ V``
+   (``RN32`` of the exact sum). Where exactly is
    **OPEN** and is the parameter ``probability_rounding``:
 
    * ``"unnormalised"`` (default): ``P = round(e)``, ``o = RN32(P @ V) / l`` (fp32 divide). This is what the kernels do
@@ -39,7 +40,10 @@ NumPy SIMD variant computes the float64 intermediates (tests/test_attention_dete
 
    The kernel's online softmax rescales per 128-token tile with a running max; that tiling is not
    modelled (it is tiling-dependent), so a correct kernel matches within tolerance, not bit for bit.
-5. ``out = round(o)`` to the query dtype (same rule as 1).
+5. ``out = round(o)`` to the query dtype with ``out_rounding`` (A2/A3: bf16 RINT, fp16 ROUND; 950: ROUND).
+
+The three modes are parameters; without them the oracle uses the A2/A3 kernels' (:data:`DEFAULT_ROUNDING`). The
+public operators pass the modes of the chip a call models (``chip=``; qsfa.chips, docs/numerics/chips.md).
 
 SFA sinks (fp32 steps): ``lse = m + RN32(ln l)``, ``out /= 1 + RN32(exp(sink - lse))`` and, when the LSE includes
 the sink, ``l += RN32(exp(sink - m))``.
@@ -83,13 +87,17 @@ unselected positions are zeroed, so nothing a row did not select is ever read in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import decimal
 import math
 
 import ml_dtypes
 import numpy as np
 
+from ._workspace import scratch
 from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
+from .parallel import run_chunks
 
 __all__ = [
     "kv_quant_sparse_flash_attention",
@@ -106,11 +114,16 @@ __all__ = [
 NOPE_DIM = 512
 TILE = 128
 ROPE_DIM = 64
-_DEQUANT_BLOCK = 8192  # packed rows per fp32 dequantisation block (bounds the fp32 temporaries)
+_DEQUANT_BLOCK = 512  # packed rows per fp32 dequantisation block (its temporaries stay in cache)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
-#: rounding of fp32 values to the query dtype at the kernel's rounding points (SPEC.md 3.6)
+#: rounding of fp32 values to the query dtype at the K and output rounding points of the A2/A3 kernels
 QUERY_ROUNDING = {"bfloat16": "rint", "float16": "round"}
+#: the modes the oracle uses when none is passed: the A2/A3 kernels' (docs/numerics/chips.md#attention;
+#: qsfa.chips.ATTENTION_ROUNDING holds every chip's, the front doors pass the chip's modes)
+DEFAULT_ROUNDING = {"k": dict(QUERY_ROUNDING), "p": {"bfloat16": "round", "float16": "round"},
+                    "out": dict(QUERY_ROUNDING)}
+ROUNDINGS = ("rint", "round")
 PROBABILITY_ROUNDINGS = ("unnormalised", "normalised")
 #: significand bits of the query dtypes; their smallest subnormal
 _PRECISION = {"bfloat16": 8, "float16": 11}
@@ -127,16 +140,36 @@ def _qdt_name(a: np.ndarray) -> str:
     raise TypeError(f"query dtype must be float16 or bfloat16, got {dt}")
 
 
-def round_to_query_dtype(x: np.ndarray, qdtype: str) -> np.ndarray:
-    """fp32 ``x`` rounded to ``qdtype`` ("bfloat16": RINT, "float16": ROUND), returned as float32.
+def round_to_query_dtype(x: np.ndarray, qdtype: str, mode: str | None = None) -> np.ndarray:
+    """fp32 ``x`` rounded to ``qdtype`` with ``mode`` ("rint": half to even, "round": half away from zero;
+    None: :data:`QUERY_ROUNDING`, bf16 RINT and fp16 ROUND), returned as float32.
 
-    bf16 uses ml_dtypes' cast (round half to even, identical to ``formats.round_to(x, "bfloat16")``), fp16
-    :func:`_fp16_round_away`; both are checked against ``formats.round_to`` in
-    tests/test_attention_precision.py.
+    RINT is NumPy's / ml_dtypes' cast; ROUND is :func:`_fp16_round_away` / :func:`_bf16_round_away`. All four
+    are checked against ``formats.round_to`` in tests/test_attention_precision.py and tests/test_chips.py.
     """
-    if qdtype == "bfloat16":
-        return x.astype(_QDT["bfloat16"]).astype(np.float32)
-    return _fp16_round_away(x).astype(np.float32)
+    return round_q16(x, qdtype, mode).astype(np.float32)
+
+
+def round_q16(x: np.ndarray, qdtype: str, mode: str | None = None) -> np.ndarray:
+    """fp32 ``x`` rounded to ``qdtype`` with ``mode`` (see :func:`round_to_query_dtype`), as a ``qdtype`` array."""
+    mode = mode or QUERY_ROUNDING[qdtype]
+    assert mode in ROUNDINGS, mode
+    if mode == "rint":
+        with np.errstate(over="ignore"):
+            return np.asarray(x, np.float32).astype(_QDT[qdtype])
+    return _bf16_round_away(x) if qdtype == "bfloat16" else _fp16_round_away(x)
+
+
+def _bf16_round_away(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bfloat16 with ties away from zero (ROUND): bf16 is the top half of the fp32 bits, so adding half
+    a bf16 ulp (0x8000) to the sign-magnitude bits and truncating rounds the magnitude half up (overflow gives
+    +-inf); NaNs keep NumPy's cast."""
+    x = np.ascontiguousarray(x, np.float32)
+    y = ((x.view(np.uint32) + np.uint32(0x8000)) >> np.uint32(16)).astype(np.uint16).view(_QDT["bfloat16"])
+    nan = np.isnan(x)
+    if nan.any():
+        y[nan] = x[nan].astype(_QDT["bfloat16"])
+    return y
 
 
 def _fp16_round_away(x: np.ndarray) -> np.ndarray:
@@ -195,12 +228,9 @@ def _code_view(codes: np.ndarray, fmt: str) -> np.ndarray:
     return codes.view(np.int8 if fmt == "int8" else ml_dtypes.float8_e4m3fn)
 
 
-def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str) -> None:
-    """``x[...] = round_to_query_dtype(x, qdtype)`` (fp32 ``x``, any strides)."""
-    if qdtype == "bfloat16":
-        x[...] = x.astype(_QDT["bfloat16"])
-    else:
-        x[...] = round_to_query_dtype(x, qdtype)
+def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str, mode: str | None = None) -> None:
+    """``x[...] = round_to_query_dtype(x, qdtype, mode)`` (fp32 ``x``, any strides)."""
+    x[...] = round_q16(x, qdtype, mode)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -407,8 +437,8 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     ``(k_norm [n], k_lq [n], v_max [n, 4], v_lq [n, 4])`` - a 2-norm bound and lq of each K row (NoPE + RoPE), and
     per NoPE tile the largest |entry| and lq of V.
 
-    codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its float64
-    values) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
+    codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its values,
+    float32 or float64: squares are summed in float64) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
     ``|v| <= c_max s (1 + 2^-7) + tiny_q`` (the absolute term covers subnormal results), and a non-zero one has
     ``|c| >= c_min`` (the tile's smallest non-zero |code|; 1 for int8), so it is a multiple of ``2^(e - p)`` for the
     exponent e of ``c_min s (1 - 2^-7)`` and p the significand bits of the query dtype (a normal v is at least that
@@ -426,7 +456,7 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     k_sq = TILE * np.einsum("nt,nt->n", vmax, vmax)
     k_lq = vlq.min(axis=-1)
     if rope64 is not None:
-        k_sq += np.einsum("nd,nd->n", rope64, rope64)
+        k_sq += np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64)
         k_lq = np.minimum(k_lq, min_lq(rope_bits, qdtype))
     return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
 
@@ -439,7 +469,7 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts) -> np.ndarray:
     Pairs proven exact are rounded once from the matmul; the others (rows or columns with a wide exponent span)
     are certified with the error bound ``4 K 2^-53 norm_m norm_n`` and, where undecided, summed exactly.
     """
-    approx = np.matmul(a, b)
+    approx = np.matmul(a, b, out=scratch("dot_approx", a.shape[:-1] + b.shape[-1:], np.float64))
     out = np.empty(approx.shape, np.float32)
     np.add(approx, 0.0, out=out, casting="same_kind")  # one rounding; an exact zero sum is +0
     (an, aq), (bn, bq) = a_facts, b_facts
@@ -460,6 +490,22 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------
 # the shared core
 
+_ROW_RANGE = contextvars.ContextVar("qsfa_attention_row_range", default=None)
+
+
+@contextlib.contextmanager
+def only_rows(start: int, stop: int):
+    """Within the block the attention oracles compute only the query rows ``start <= r < stop`` and leave the
+    other rows of every output zero. Rows are numbered in flattened order (``b * Q_S + s`` for BSND, the token
+    for TND): row ``r`` of every output is ``output.reshape(rows, -1)[r]``. A row's bytes do not depend on which
+    other rows are computed with it, so a call split into row ranges (``qsfa.distributed``) assembles to the same
+    bytes."""
+    token = _ROW_RANGE.set((int(start), int(stop)))
+    try:
+        yield
+    finally:
+        _ROW_RANGE.reset(token)
+
 
 def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False) -> int:
     """Query rows per chunk: at most ``chunk_size / 2`` row x head pairs and ``8 * chunk_size`` gathered tokens
@@ -469,7 +515,7 @@ def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = Fal
 
 
 def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, probability_rounding, sink,
-                    lse_includes_sink):
+                    lse_includes_sink, p_rounding=None):
     """The kernel's fp32 pipeline on one chunk; every fp32 accumulation is the correctly rounded fp32 value of the
     exact result (see the module docstring).
 
@@ -485,8 +531,8 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
         np.copyto(s, MASK_VALUE, where=~valid[:, None, :])  # -2e38, not -inf (the kernel's value)
     m = s.max(axis=-1)  # [c, N]
     s -= m[..., None]  # fp32 subtract (exact IEEE operation)
-    scratch = np.empty(s.shape, np.float64)
-    e = exp_f32(s, out64=scratch)  # RN32(exp(s - m))
+    e64 = scratch("faithful_e64", s.shape, np.float64)
+    e = exp_f32(s, out64=e64)  # RN32(exp(s - m))
     s = None
     l64 = np.add.reduce(e, axis=-1, dtype=np.float64)
     l = certified_f32(l64, sum_error_bound(w, l64),  # all terms >= 0: sum |e| = l
@@ -502,11 +548,8 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
     else:
         p_low, p_sum = e_min * (1 - 2.0 ** -6), l * (1 + 2.0 ** -6) + slack
     p_lq = np.where(np.isfinite(p_low) & (p_low > 0), np.frexp(p_low)[1] - _PRECISION[qdtype], _NO_LQ)
-    p = scratch  # P rounded to the query dtype, held in float64 for the exact-product matmul
-    if qdtype == "bfloat16":
-        np.copyto(p, e.astype(_QDT["bfloat16"]))
-    else:
-        np.copyto(p, _fp16_round_away(e))
+    p = e64  # P rounded to the query dtype (p_rounding), held in float64 for the exact-product matmul
+    np.copyto(p, round_q16(e, qdtype, p_rounding or DEFAULT_ROUNDING["p"][qdtype]))
     e = None  # free before the second matmul
     o = _dot_f32(p, v, (p_sum, p_lq), v_facts)  # RN32(P @ V)
     if probability_rounding != "normalised":
@@ -541,7 +584,7 @@ def _exact_chunk(q, k, v, valid, scale, sink, lse_includes_sink):
 
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
           scale_value, qdtype, precision, probability_rounding, chunk_size, sinks=None,
-          lse_includes_sink=False):
+          lse_includes_sink=False, p_rounding=None, out_rounding=None):
     """Attention over selected tokens for every query row.
 
     load_q(row_ids) -> (q [c, N, Dqk] float64, facts (2-norm bound, lq) [c, N] or None in exact mode).
@@ -561,30 +604,50 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     mx = np.zeros((n_rows, n_heads), fdt)
     sm = np.zeros((n_rows, n_heads), fdt)
     active = np.nonzero(limit > 0)[0]
+    row_range = _ROW_RANGE.get()
+    if row_range is not None:
+        active = active[(active >= row_range[0]) & (active < row_range[1])]
     step = _rows_per_chunk(chunk_size, n_heads, width)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
-    for start in range(0, active.size, step):
-        r = active[start:start + step]
-        tok, valid = selected_tokens(idx[r], thr[r], limit[r], sparse_block_size)
+
+    def compute(r, tok, valid):
         storage = kvm.storage_rows(rows.batch[r][:, None], tok)
         k, v, k_facts, v_facts = load_kv(storage, valid)
         q, q_facts = load_q(r)
         if exact:
-            o, m, l = _exact_chunk(q, k, v, valid, np.float64(scale_value), sink, lse_includes_sink)
-        else:
-            vmax, vlq = v_facts  # per column of V: the largest entry and the smallest quantum over the tokens
-            g = dv // vmax.shape[-1]
-            v_cols = (np.repeat(vmax.max(axis=1), g, axis=-1), np.repeat(vlq.min(axis=1), g, axis=-1))
-            o, m, l = _faithful_chunk(q, q_facts, k, k_facts, v, v_cols, valid, np.float32(scale_value), qdtype,
-                                      probability_rounding, sink, lse_includes_sink)
-        del k, v, q
+            return _exact_chunk(q, k, v, valid, np.float64(scale_value), sink, lse_includes_sink)
+        vmax, vlq = v_facts  # per column of V: the largest entry and the smallest quantum over the tokens
+        g = dv // vmax.shape[-1]
+        v_cols = (np.repeat(vmax.max(axis=1), g, axis=-1), np.repeat(vlq.min(axis=1), g, axis=-1))
+        return _faithful_chunk(q, q_facts, k, k_facts, v, v_cols, valid, np.float32(scale_value), qdtype,
+                               probability_rounding, sink, lse_includes_sink, p_rounding)
+
+    def chunk(start):  # one chunk of rows; chunks are independent (run_chunks may run them on a thread pool)
+        r = active[start:start + step]
+        tok, valid = selected_tokens(idx[r], thr[r], limit[r], sparse_block_size)
+        o = None
+        n_valid = valid.sum(axis=1)
+        w = max(int(n_valid.max(initial=0)), 1)
+        if not exact and w < valid.shape[1]:
+            # Only the selected tokens (stable order): an unselected token's score is MASK_VALUE, so where a row's
+            # max m is above it, its e = RN32(exp(MASK_VALUE - m)) is exactly 0 and adds nothing to l or P @ V -
+            # the bytes are those of the full width (every fp32 result is RN32 of an exact value). A row whose max
+            # is not above the mask value (a selected score <= -2e38, or inf / nan) is recomputed at full width.
+            order = np.argsort(~valid, axis=1, kind="stable")[:, :w]
+            o, m, l = compute(r, np.take_along_axis(tok, order, 1), np.take_along_axis(valid, order, 1))
+            if not (m[n_valid > 0] > MASK_VALUE).all():
+                o = None
+        if o is None:
+            o, m, l = compute(r, tok, valid)
         empty = ~valid.any(axis=1)  # rows without a selected token
         o[empty] = 0
         m[empty] = 0
         l[empty] = 0
-        out[r] = o if exact else _to_query_dtype(round_to_query_dtype(o, qdtype), qdtype)
+        out[r] = o if exact else round_q16(o, qdtype, out_rounding or DEFAULT_ROUNDING["out"][qdtype])
         mx[r] = m
         sm[r] = l
+
+    run_chunks(chunk, range(0, active.size, step))
     return out, mx, sm
 
 
@@ -628,7 +691,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     next_tokens=2**63 - 1, attention_mode=2, quant_scale_repo_mode=1,
                                     tile_size=128, rope_head_dim=64, return_softmax_lse=False,
                                     key_dtype="int8", precision="faithful",
-                                    probability_rounding="unnormalised", chunk_size=2048):
+                                    probability_rounding="unnormalised", chunk_size=2048, k_rounding=None,
+                                    p_rounding=None, out_rounding=None):
     """QSFA over a packed quantised KV cache (the oracle of ``qsfa.kv_quant_sparse_flash_attention``).
 
     query:  float16/bfloat16 ``[B, Q_S, Q_N, 512 + rope]`` (BSND) or ``[Q_T, Q_N, 512 + rope]`` (TND).
@@ -636,11 +700,15 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
             NoPE codes of ``key_dtype`` ("int8", "float8_e4m3fn", "hifloat8") at bytes [0, 512), RoPE in
             the query dtype at [512, 640) when rope_head_dim = 64, 4 fp32 tile scales last.
     value:  not read (V = dequantised K NoPE, MLA-absorb).
+    k_rounding, p_rounding, out_rounding: "rint" | "round" at the three rounding points (dequantised K, P, the
+            output); None = :data:`DEFAULT_ROUNDING` (the A2/A3 kernels'). The front door passes the chip's
+            modes (qsfa.chips, docs/numerics/chips.md#attention).
     Returns ``(attention_out [..., Q_N, 512], softmax_max, softmax_sum)``; see the module docstring for
     the precision rules, shapes of the LSE outputs and ``probability_rounding`` (OPEN).
     Arguments are assumed valid (``qsfa.kv_quant_sparse_flash_attention`` validates them).
     """
     _check_common(precision, probability_rounding)
+    k_mode = k_rounding or DEFAULT_ROUNDING["k"][_qdt_name(query)]
     exact = precision == "exact"
     qdt = _qdt_name(query)
     rope = int(rope_head_dim)
@@ -674,28 +742,35 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         row and NoPE tile the largest |entry| and lq; None in exact mode."""
         n = packed.shape[0]
         scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4")
-        k = np.empty((n, dqk), np.float64)
+        k = scratch("qsfa_k", (n, dqk), np.float64)
         kn = k[:, :NOPE_DIM]  # written in place
         if exact:
             nope_scaled(packed[:, :NOPE_DIM], scales.astype(np.float64), kn.reshape(n, NOPE_DIM // TILE, TILE))
         else:  # fp32 product, query-dtype rounding, widened (exactly) into K; in blocks to bound the temporaries
-            tmp = np.empty((min(n, _DEQUANT_BLOCK), NOPE_DIM // TILE, TILE), np.float32)
+            blk = min(n, _DEQUANT_BLOCK)
+            tmp = np.empty((blk, NOPE_DIM // TILE, TILE), np.float32)
+            t16 = np.empty((blk, NOPE_DIM), _QDT[qdt])
             for a in range(0, n, _DEQUANT_BLOCK):
                 b = min(n, a + _DEQUANT_BLOCK)
                 t = tmp[:b - a]
                 nope_scaled(packed[a:b, :NOPE_DIM], scales[a:b], t)
                 t2 = t.reshape(b - a, NOPE_DIM)
-                kn[a:b] = t2.astype(_QDT[qdt]) if qdt == "bfloat16" else _fp16_round_away(t2)
+                if k_mode == "rint":
+                    with np.errstate(over="ignore"):
+                        np.copyto(t16[:b - a], t2, casting="unsafe")  # RINT (NumPy / ml_dtypes: half to even)
+                    np.copyto(kn[a:b], t16[:b - a])
+                else:
+                    np.copyto(kn[a:b], round_q16(t2, qdt, k_mode))
         if rope:
-            rope64 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float64)
-            k[:, NOPE_DIM:] = rope64
+            rope32 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float32)  # exact widening
+            np.copyto(k[:, NOPE_DIM:], rope32)
         else:
             k[:, NOPE_DIM:] = 0
         if exact:
             return k, None
         return k, qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt,
                                  packed[:, NOPE_DIM:scale_off].view(np.uint16) if rope else None,
-                                 rope64 if rope else None)
+                                 rope32 if rope else None)
 
     def load_kv(storage, valid):
         c, w = storage.shape
@@ -705,7 +780,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
             k, facts = dequant(key2d[uniq])
             inv = inv.reshape(-1)
-            k = k[inv]
+            k = np.take(k, inv, axis=0, mode="clip",  # mode="raise" would buffer out (a copy)
+                        out=scratch("qsfa_k_gathered", (inv.size, dqk), np.float64))
             k[bad] = 0  # unselected tokens: K = V = 0 (whatever the cache holds there)
             if facts is not None:
                 facts = [f[inv] for f in facts]
@@ -727,7 +803,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     out, mx, sm = _core(rows=rows, kvm=kvm, indices=sparse_indices, sparse_block_size=sparse_block_size,
                         sparse_mode=sparse_mode, n_heads=n_heads, dv=NOPE_DIM, load_q=load_q, load_kv=load_kv,
                         scale_value=scale_value, qdtype=qdt, precision=precision,
-                        probability_rounding=probability_rounding, chunk_size=chunk_size)
+                        probability_rounding=probability_rounding, chunk_size=chunk_size, p_rounding=p_rounding,
+                        out_rounding=out_rounding)
     return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact)
 
 
@@ -740,7 +817,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                            key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
                            sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
                            return_softmax_lse=False, sinks=None, lse_includes_sink=False,
-                           precision="faithful", probability_rounding="unnormalised", chunk_size=2048):
+                           precision="faithful", probability_rounding="unnormalised", chunk_size=2048,
+                           p_rounding=None, out_rounding=None):
     """SFA over a float (fp16/bf16) KV (the oracle of ``qsfa.sparse_flash_attention``).
 
     query ``[..., Q_N, D]``, key ``[..., 1, D]``, value ``[..., 1, D]`` or ``None`` (then V = key),
@@ -749,7 +827,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
     logit per head joining the softmax denominator without a value:
     ``out = out_without_sink / (1 + exp(sink - lse))``; the returned LSE excludes the sink unless
     ``lse_includes_sink`` (**OPEN**, default False as in FlashMLA/FlashInfer), in which case
-    ``softmax_sum`` gains ``exp(sink - softmax_max)``. Other rules as the module docstring.
+    ``softmax_sum`` gains ``exp(sink - softmax_max)``. p_rounding / out_rounding: as
+    :func:`kv_quant_sparse_flash_attention`. Other rules as the module docstring.
     """
     _check_common(precision, probability_rounding)
     exact = precision == "exact"
@@ -814,7 +893,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                         sparse_mode=sparse_mode, n_heads=n_heads, dv=dv, load_q=load_q, load_kv=load_kv,
                         scale_value=scale_value, qdtype=qdt, precision=precision,
                         probability_rounding=probability_rounding, chunk_size=chunk_size, sinks=sinks,
-                        lse_includes_sink=lse_includes_sink)
+                        lse_includes_sink=lse_includes_sink, p_rounding=p_rounding, out_rounding=out_rounding)
     return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact)
 
 
@@ -836,7 +915,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
               key_dtype=None, rope_head_dim=None, precision="faithful", probability_rounding="unnormalised",
-              chunk_size=2048):
+              chunk_size=2048, k_rounding=None, p_rounding=None, out_rounding=None):
     """Route like vLLM-Ascend: a one-byte (packed quantised) key -> QSFA, a float key -> SFA.
 
     For QSFA, ``query`` is the NoPE part and ``query_rope`` (if given) is concatenated to it;
@@ -848,7 +927,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
                   actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                   layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
                   return_softmax_lse=return_softmax_lse, precision=precision,
-                  probability_rounding=probability_rounding, chunk_size=chunk_size)
+                  probability_rounding=probability_rounding, chunk_size=chunk_size, p_rounding=p_rounding,
+                  out_rounding=out_rounding)
     if is_quant_key(key):
         from .._arrays import dtype_name
 
@@ -859,7 +939,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
             key_dtype = "float8_e4m3fn" if dtype_name(key) == "float8_e4m3fn" else "int8"
         return kv_quant_sparse_flash_attention(q, key, key if value is None else value, sparse_indices,
                                                scale_value, key_dtype=key_dtype, rope_head_dim=rope_head_dim,
-                                               **common)
+                                               k_rounding=k_rounding, **common)
     return sparse_flash_attention(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                                   key_rope=key_rope, sinks=sinks, attention_mode=2, **common)
 

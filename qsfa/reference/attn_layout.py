@@ -4,7 +4,7 @@ Everything here is integer bookkeeping on small arrays (one entry per query row,
 chunk of rows); the floating-point work lives in :mod:`qsfa.reference.attention` and
 :mod:`qsfa.reference.indexer`.
 
-Layouts (SPEC.md 3.6, seed 000):
+Layouts (docs/numerics/attention.md#layouts, seed 000):
 
 * query ``BSND`` ``[B, Q_S, N, D]`` (row ``r = b * Q_S + i``) or ``TND`` ``[Q_T, N, D]`` with
   ``actual_seq_lengths_query`` as prefix sums (row ``r`` belongs to the batch whose prefix range holds it).

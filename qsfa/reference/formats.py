@@ -1,4 +1,4 @@
-"""Reference number formats (SPEC.md section 1): exact encode / decode of every format qsfa stores.
+"""Reference number formats (docs/numerics/formats.md): exact encode / decode of every format qsfa stores.
 
 Formats (``FORMAT_NAMES``) and their raw code dtypes:
 
@@ -8,7 +8,7 @@ format              layout                                      codes        def
 ``int8``            two's complement                            uint8        "rint" ("round")
 ``float8_e4m3fn``   s.eeee.mmm, bias 7, 0x7F/0xFF NaN, no Inf   uint8        "rint" ("round")
 ``float8_e5m2``     s.eeeee.mm, bias 15, IEEE Inf/NaN           uint8        "rint" ("round")
-``hifloat8``        tapered (SPEC 1.1), 0x80 NaN, 0x6F/0xEF Inf uint8        "round" (TA) only
+``hifloat8``        tapered, 0x80 NaN, 0x6F/0xEF Inf            uint8        "round" (TA) ("hybrid")
 ``float4_e2m1``     s.ee.m, bias 1, no Inf/NaN                  uint8 (0-15) "rint" ("round")
 ``float8_e8m0``     unsigned exponent, 2^(b-127), 0xFF NaN      uint8        "floor" ("ceil", "rint", "round")
 ``bfloat16``        top half of fp32                            uint16       "rint" ("round")
@@ -16,8 +16,9 @@ format              layout                                      codes        def
 ==================  ==========================================  ===========  ===============================
 
 Rounding: "rint" = round to nearest, ties to even; "round" = round to nearest, ties away from zero
-(HiFloat8's TA, Ascend's CAST_ROUND). For float8_e8m0 the modes act in the linear domain: "floor" is the
-byte-extraction rule of SPEC section 2 (``(bits(s) >> 23) & 0xFF``), "ceil" the round_scale rule
+(HiFloat8's TA, Ascend's CAST_ROUND); HiFloat8 also takes "hybrid" (TA for binades |e| <= 3, the deterministic
+"SSR" rounding elsewhere - see :func:`_hif8_ssr_chunk`). For float8_e8m0 the modes act in the linear domain: "floor" is the
+byte-extraction rule of docs/numerics/quantisers.md#e8m0-store (``(bits(s) >> 23) & 0xFF``), "ceil" the round_scale rule
 (``(bits >> 23) + (mantissa != 0)``), "rint"/"round" the nearest power of two (ties 1.5*2^k to the even
 code / upwards).
 
@@ -87,20 +88,20 @@ FORMAT_NAMES = (
 )
 
 #: Every rounding mode any format knows.
-ROUNDING_MODES = ("rint", "round", "floor", "ceil")
+ROUNDING_MODES = ("rint", "round", "floor", "ceil", "hybrid")
 
 _MODES = {
     "int8": ("rint", "round"),
     "float8_e4m3fn": ("rint", "round"),
     "float8_e5m2": ("rint", "round"),
-    "hifloat8": ("round",),
+    "hifloat8": ("round", "hybrid"),
     "float4_e2m1": ("rint", "round"),
     "float8_e8m0": ("floor", "ceil", "rint", "round"),
     "bfloat16": ("rint", "round"),
     "float16": ("rint", "round"),
 }
 
-#: FP4 nibble orders (SPEC 1.2, OPEN): "low_first" = element 2i in the low nibble (default).
+#: FP4 nibble orders (docs/numerics/open-facts.md#nibble_order, OPEN): "low_first" = element 2i in the low nibble (default).
 NIBBLE_ORDERS = ("low_first", "high_first")
 
 #: Elements processed per step of the vectorised encoders (temporaries of 256 KiB stay in cache).
@@ -289,7 +290,7 @@ def _decode_table(fmt: str) -> np.ndarray:
 
 
 def _hif8_table() -> np.ndarray:
-    """The 256 HiFloat8 values (SPEC 1.1), float64."""
+    """The 256 HiFloat8 values (docs/numerics/formats.md#hifloat8), float64."""
     vals = np.empty(256)
     for c in range(128):  # 128 codes, built once
         if c < 8:  # 0000 mmm: zero, denormals 2^(m-23)
@@ -433,6 +434,9 @@ def out_of_range(x, fmt: str, rounding: str | None = None) -> np.ndarray:
         else:
             ax = np.abs(x)
     if fmt == "hifloat8":
+        if rounding == "hybrid":  # SSR can also round [32768, 40960) up to the Inf pattern
+            codes = encode(np.where(fin, x, 0).astype(x.dtype), fmt, rounding="hybrid")
+            return fin & ((codes & np.uint8(0x7F)) == np.uint8(0x6F))
         return fin & (ax >= 40960.0)
     F = FLOAT_FORMATS[fmt]
     xf = np.where(fin, ax, 0).astype(x.dtype).reshape(-1)
@@ -572,7 +576,7 @@ def _hif8_encode_tables():
     """Two lookup tables that make HiFloat8 encoding two gathers.
 
     ADD[bits >> 23] (512 entries: sign + fp32 exponent field ef): half of the dropped part of the
-    mantissa for the binade e = ef - 127 (SPEC 1.1 classes: |e| <= 3 keeps 3 mantissa bits, 4..7 keeps
+    mantissa for the binade e = ef - 127 (docs/numerics/formats.md#hifloat8 classes: |e| <= 3 keeps 3 mantissa bits, 4..7 keeps
     2, 8..15 keeps 1; -23..-16 are the denormal powers of two (0 bits); e < -23 adds nothing (-> 0);
     e >= 16 rounds to a power of two, which is an overflow anyway). Adding it to the fp32 pattern is
     the TA rounding: a carry moves into the next binade by itself.
@@ -638,6 +642,54 @@ def _hif8_encode_chunk(u, saturate):
     return code
 
 
+#: fp32 exponent field -> mantissa bits HiFloat8 keeps in that binade (0 for the denormal powers of two and
+#: outside -23..15)
+_HIF8_MBITS = np.array([(1 if 8 <= abs(ef - 127) <= 15 else 2 if 4 <= abs(ef - 127) <= 7 else
+                         3 if abs(ef - 127) <= 3 else 0) for ef in range(256)], np.uint32)
+_HIF8_MBITS.setflags(write=False)
+
+
+def _hif8_ssr_chunk(u, saturate):
+    """HiFloat8 "hybrid" rounding of fp32 patterns ``u``: TA where the binade |e| <= 3, else "SSR".
+
+    Source: Ascend/op-plugin@517f2e7 ``test/test_custom_ops/test_npu_kv_quant_sparse_flash_attention.py``
+    (``cvt_float32_to_hifuint8(x, round_mode="hybrid")``, which generates that test's HiFloat8 keys);
+    docs/numerics/formats.md#hybrid-rounding. SSR is stochastic rounding whose random threshold is taken from
+    the value itself, so it is deterministic: with f the 23-bit fp32 mantissa field, M the mantissa bits of the
+    binade (0 for the denormal powers of two 2^-22..2^-16), q the top M bits of f and R the 23 - M bits below
+    them, the magnitude is rounded up to q + 1 (a carry moves to the next binade) iff ``F >= T`` with
+    ``F = R >> (9 - M)`` (the top 14 bits of R) and ``T = f & 0x3FFF`` (the low 14 bits of f); in the binade
+    2^-23 ``F = (f >> 10) + 2^13`` against the same T decides between 2^-22 and 0. Consequences kept from the
+    source: a value already on the grid (R = 0, so F = T = 0) is rounded up one step (16 -> 20), and
+    32768 <= |x| < 40960 can round up to the 0x6F (Inf) pattern. |x| >= 40960, Inf, NaN and |x| < 2^-23 are
+    handled as in TA.
+    """
+    ta = _hif8_encode_chunk(u, saturate)
+    ef = (u >> _U32(23)) & _U32(0xFF)
+    e = ef.astype(np.int64) - 127
+    mag = u & _U32(0x7FFFFFFF)
+    ssr = (np.abs(e) >= 4) & (e >= -23) & (mag < _U32(0x47200000))  # 0x47200000 = 40960
+    if not ssr.any():
+        return ta
+    uu, ee = u[ssr], e[ssr]
+    f = uu & _U32(0x7FFFFF)
+    m = _HIF8_MBITS[ef[ssr]]
+    drop = _U32(23) - m
+    rem = f & ((_U32(1) << drop) - _U32(1))
+    big_f = rem >> (drop - _U32(14))
+    t = f & _U32(0x3FFF)
+    edge = ee == -23
+    big_f = np.where(edge, (f >> _U32(10)) + _U32(8192), big_f)
+    up = (big_f >= t).astype(_U32)
+    r = (uu & ~((_U32(1) << drop) - _U32(1))) + (up << drop)
+    sign = uu & _U32(0x80000000)
+    r = np.where(edge, np.where(up == 1, sign | _U32(0x34800000), sign), r)  # 2^-22 or zero
+    code = (_HIF8_CODE_SAT if saturate else _HIF8_CODE)[r >> _U32(20)]
+    out = ta.copy()
+    out[ssr] = code
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # int8
 
@@ -679,8 +731,9 @@ def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None) 
     saturate: clamp values beyond the largest finite one (Inf included) to +-max finite; otherwise
               +-Inf / NaN where the format has them, an error for int8 and float4_e2m1.
     rounding: "rint" (ties to even) or "round" (ties away); float8_e8m0 also "floor" (its default:
-              the byte-extraction rule) and "ceil" (round_scale); default per format (hifloat8
-              "round", float8_e8m0 "floor", every other "rint").
+              the byte-extraction rule) and "ceil" (round_scale); hifloat8 also "hybrid" (TA for
+              |e| <= 3, the deterministic SSR elsewhere: :func:`_hif8_ssr_chunk`); default per format
+              (hifloat8 "round", float8_e8m0 "floor", every other "rint").
 
     Returns codes of x's shape: uint8 for the 8-bit formats (int8 as its two's complement byte) and
     for float4_e2m1 (one code 0..15 per byte; :func:`pack_fp4` packs pairs), uint16 bit patterns for
@@ -699,7 +752,7 @@ def encode(x, fmt: str, *, saturate: bool = False, rounding: str | None = None) 
     for sl in _chunks(xf.size):
         u = _float32_bits(xf[sl])
         if fmt == "hifloat8":
-            out[sl] = _hif8_encode_chunk(u, saturate)
+            out[sl] = _hif8_ssr_chunk(u, saturate) if rounding == "hybrid" else _hif8_encode_chunk(u, saturate)
         elif fmt == "float8_e8m0":
             out[sl] = _e8m0_core(u, rounding, saturate, x_flat=xf, sl=sl)
         else:
@@ -715,7 +768,7 @@ def round_to(x, fmt: str, *, saturate: bool = False, rounding: str | None = None
 def pack_fp4(codes, *, nibble_order: str = "low_first") -> np.ndarray:
     """Pack float4_e2m1 codes (uint8, one code 0..15 per element) two per byte along the last axis.
 
-    codes: uint8 ``[..., 2k]`` -> uint8 ``[..., k]``. nibble_order (**OPEN**, SPEC 1.2): "low_first"
+    codes: uint8 ``[..., 2k]`` -> uint8 ``[..., k]``. nibble_order (**OPEN**, docs/numerics/open-facts.md#nibble_order): "low_first"
     (default, best evidence) puts element 2i in the low nibble and 2i+1 in the high one
     (``byte = lo | hi << 4``); "high_first" the reverse.
     """

@@ -1,4 +1,4 @@
-"""Lightning indexer oracles (SPEC.md 3.7): ``npu_lightning_indexer`` and ``npu_quant_lightning_indexer``.
+"""Lightning indexer oracles (docs/numerics/indexer.md#lightning_indexer): ``npu_lightning_indexer`` and ``npu_quant_lightning_indexer``.
 
 For query row ``i`` of batch ``b`` and every KV token ``j`` the row may see (``j < min(actKV,
 threshold)``, the same right-down causal rule as sparse attention, :mod:`qsfa.reference.attn_layout`):
@@ -6,7 +6,7 @@ threshold)``, the same right-down causal rule as sparse attention, :mod:`qsfa.re
     score(i, j) = sum_h w[i, h] * ReLU(q[i, h] . k[j])                          (lightning_indexer)
     score(i, j) = sum_h w[i, h] * ReLU((sq[i, h] * sk[j]) * (qc[i, h] . kc[j]))  (quant_lightning_indexer)
 
-evaluated in fp32 (SPEC.md 3.7): the dot product of exact products accumulated in fp32, the scale product
+evaluated in fp32 (docs/numerics/indexer.md#lightning_indexer): the dot product of exact products accumulated in fp32, the scale product
 ``sq * sk`` one fp32 multiply (the doc's ``(Scale_Q @ Scale_K^T) * (Q @ K^T)``) times it, ReLU, times the fp32
 weight, summed over heads in fp32. Both accumulations (``q . k`` and the sum over heads) are modelled as the
 correctly rounded fp32 value of the exact sum (round to nearest even; an exact zero sum is +0), computed as in

@@ -1,4 +1,4 @@
-"""KvCompressEpilog (SPEC.md 3.4, seed 002; [OT] attention/kv_compress_epilog/): quantise bf16 rows, scatter by slot.
+"""KvCompressEpilog (docs/numerics/cache-writers.md#kv_compress_epilog, seed 002; cannmirror/ops-transformer attention/kv_compress_epilog/): quantise bf16 rows, scatter by slot.
 
 ``x [..., d]`` bfloat16 with ``n = d - 64`` NoPE columns first and the last 64 columns the RoPE. Each token
 becomes one row of ``kv_cache_col`` bytes written at ``cache[s // blockSize, s % blockSize, 0, :kvCacheCol]``
@@ -12,7 +12,7 @@ mode    row layout                                                              
 2       [0,64) RoPE HiFloat8 | n/2 packed FP4 E2M1 | n/gs bf16 scales | zero pad        roundup(64+n/2+2n/gs, pad_to)
 ======  ==============================================================================  ========================
 
-Modes 0/1 (groups of 64 NoPE columns; quant_group_size is ignored), per group (SPEC.md 2, "fp8 group"):
+Modes 0/1 (groups of 64 NoPE columns; quant_group_size is ignored), per group (docs/numerics/quantisers.md#fp8-group, "fp8 group"):
 ``s = max(amax, 1e-4) * fp32(1/448)`` (multiply by the rounded reciprocal 0x3B124925); with ``round_scale``
 s is ceiled to a power of two by bit manipulation; ``q = E4M3FN_RINT(clamp(x / s, -448, 448))`` (fp32
 divide, as the kernel's ``Div``). Mode 0 stores ``BF16_RINT(s)``; mode 1 stores ``(bits(s) >> 23) & 0xFF``
@@ -21,12 +21,12 @@ kernel's quirk, reproduced). An all-zero group: s = 2.2321e-7 (2^-22 rounded), b
 round_scale, 0x3470 / 0x68 without.
 
 Mode 2: RoPE ``HiF8(x * x_scale)`` (fp32 multiply, TA, saturating); NoPE per group of ``gs``
-(SPEC.md 2, "fp4 group"): stored scale ``BF16_RINT(amax * fp32(1/6))``, multiplier
+(docs/numerics/quantisers.md#fp4-group, "fp4 group"): stored scale ``BF16_RINT(amax * fp32(1/6))``, multiplier
 ``inv = BF16_RINT(6 / amax)`` (0 for an all-zero group, which stores 0x0000 and codes 0); codes
 ``E2M1_RINT(clamp(BF16_RINT(x * inv), -6, 6))`` - the product is a bf16 multiply (exact fp32 product of
-two bf16 values, rounded once to bf16). Two codes per byte, ``fp4_nibble_order`` (**OPEN**, SPEC.md 1.2).
+two bf16 values, rounded once to bf16). Two codes per byte, ``fp4_nibble_order`` (**OPEN**, docs/numerics/open-facts.md#nibble_order).
 
-``pad_to`` (**OPEN**, SPEC.md 3.4): the row padding granularity of modes 0 and 2, default 32.
+``pad_to`` (**OPEN**, docs/numerics/open-facts.md#pad_to): the row padding granularity of modes 0 and 2, default 32.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KvRmsNormRopeCache V1 / V2 (SPEC.md 3.3, seed 004; torch_npu ``npu_kv_rmsnorm_rope_cache[_v2]``).
+"""KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache, seed 004; torch_npu ``npu_kv_rmsnorm_rope_cache[_v2]``).
 
 ``kv [Bkv, N, Skv, D]`` (fp16/bf16) is normalised / rotated in float32 and scattered into two caches:
 
@@ -8,7 +8,7 @@
 * V2 (``v`` given; N in {1, 2, 4, 8}; len(gamma) = D; rope = cos width):
   ``r = RMSNorm(kv)``; ``k = cat(RoPE(r[..., :rope]), r[..., rope:])`` -> k_cache; ``v`` -> ckv_cache.
 
-Rounding points (settled from the [OT] kernels ``kv_rms_norm_rope_cache_b16_pa_bnsd_quant.h``
+Rounding points (settled from the cannmirror/ops-transformer kernels ``kv_rms_norm_rope_cache_b16_pa_bnsd_quant.h``
 (``RmsNormWithQuant`` / ``RopeWithQuant``) and ``arch35/kv_rms_norm_rope_cache_regbase_*.h``, and the V2
 golden of the CANN ATK test ``FunctionKvRmsNormRopeCache``):
 
@@ -17,7 +17,9 @@ golden of the CANN ATK test ``FunctionKvRmsNormRopeCache``):
 2. A 16-bit cache receives the fp32 result rounded once to the cache dtype (= kv's dtype; RINT).
 3. An 8-bit cache is quantised from the **fp32** result, not from the rounded 16-bit value:
    ``y = x * scale (+ offset)`` in fp32, then INT8 ``clamp(RINT(y), -128, 127)``, FP8 E4M3FN/E5M2
-   ``RINT`` + saturation, HiFloat8 ``TA`` (ties away) + saturation. ``v`` (V2) is widened exactly and
+   ``RINT`` + saturation, HiFloat8 ``TA`` (ties away) with ``hifloat8_overflow``: "saturate" (+-max finite;
+   the default) or "inf" (the 950 kernel's ``SatMode::NO_SAT`` cast: beyond the range +-Inf; the front door
+   passes the chip's rule, docs/numerics/chips.md#kvrmsnormropecache). ``v`` (V2) is widened exactly and
    quantised the same way.
 4. The optional outputs ``k_rope`` / ``c_kv`` (``is_output_kv``) are the fp32 results rounded to kv's
    dtype (V2: ``c_kv`` is ``v`` itself).
@@ -60,9 +62,13 @@ def _bcast_param(p: np.ndarray | None, n: int, d: int):
     return p  # [D] or [1]: broadcasts along the last axis
 
 
-def static_quant(x: np.ndarray, fmt: str, scale, offset=None) -> np.ndarray:
+HIFLOAT8_OVERFLOWS = ("saturate", "inf")
+
+
+def static_quant(x: np.ndarray, fmt: str, scale, offset=None, hifloat8_overflow: str = "saturate") -> np.ndarray:
     """Static quantisation of fp32 ``x [B, N, S, D]``: ``y = x * scale (+ offset)`` in fp32, then the
-    cast of ``fmt`` (int8 RINT + clamp [-128, 127]; FP8 RINT + SAT; HiFloat8 TA + SAT). Returns uint8 codes."""
+    cast of ``fmt`` (int8 RINT + clamp [-128, 127]; FP8 RINT + SAT; HiFloat8 TA, saturating unless
+    ``hifloat8_overflow="inf"``). Returns uint8 codes."""
     n, d = x.shape[1], x.shape[-1]
     y = (x * _bcast_param(scale, n, d)).astype(np.float32)
     if offset is not None:
@@ -71,7 +77,9 @@ def static_quant(x: np.ndarray, fmt: str, scale, offset=None) -> np.ndarray:
         return np.clip(np.rint(y), -128, 127).astype(np.int8).view(np.uint8)
     from . import formats
 
-    return np.asarray(formats.encode(y, fmt, saturate=True, rounding="round" if fmt == "hifloat8" else "rint"),
+    assert hifloat8_overflow in HIFLOAT8_OVERFLOWS, hifloat8_overflow
+    sat = fmt != "hifloat8" or hifloat8_overflow == "saturate"
+    return np.asarray(formats.encode(y, fmt, saturate=sat, rounding="round" if fmt == "hifloat8" else "rint"),
                       dtype=np.uint8)
 
 
@@ -116,11 +124,12 @@ def _write(cache, cache_mode, values_bnsd: np.ndarray, index, batch, seq):
     scatter_by_slot(view, rows.view(cache.dtype) if rows.dtype.itemsize == cache.dtype.itemsize else rows, slots)
 
 
-def _cache_values(x_f32: np.ndarray, fmt: str, kv_dtype, scale, offset, raw=None) -> np.ndarray:
+def _cache_values(x_f32: np.ndarray, fmt: str, kv_dtype, scale, offset, raw=None,
+                  hifloat8_overflow="saturate") -> np.ndarray:
     """What a cache of format ``fmt`` stores for the fp32 values ``x_f32`` (``raw``: the exact 16-bit
     source when there is one, V2's ``v``)."""
     if fmt in QUANT_FORMATS:
-        return static_quant(x_f32, fmt, scale, offset)
+        return static_quant(x_f32, fmt, scale, offset, hifloat8_overflow)
     if raw is not None:
         return raw
     return round_to_dtype(x_f32, kv_dtype)
@@ -129,11 +138,12 @@ def _cache_values(x_f32: np.ndarray, fmt: str, kv_dtype, scale, offset, raw=None
 def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None, c_kv_scale=None,
                           k_rope_offset=None, c_kv_offset=None, v=None, epsilon: float = 1e-5,
                           cache_mode: str = "Norm", is_output_kv: bool = False, k_cache_dtype: str | None = None,
-                          ckv_cache_dtype: str | None = None):
+                          ckv_cache_dtype: str | None = None, hifloat8_overflow: str = "saturate"):
     """RMSNorm + interleave RoPE + static quantisation + scatter into ``k_cache`` / ``ckv_cache`` (in place).
 
     ``k_cache_dtype`` / ``ckv_cache_dtype`` name each cache's format ("int8", "float8_e4m3fn",
     "float8_e5m2", "hifloat8", "float16", "bfloat16"); ``None`` infers it from the array dtype.
+    ``hifloat8_overflow``: "saturate" or "inf" (see the module docstring).
     Returns ``(k_cache, ckv_cache, k_rope, c_kv)``; ``k_rope``/``c_kv`` are ``None`` unless
     ``is_output_kv`` is in effect (PA* modes, or Norm in V2 with a quantised cache).
     """
@@ -155,8 +165,9 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_r
         c_raw = np.asarray(v)
         c_f32 = c_raw.astype(np.float32)
 
-    k_vals = _cache_values(k_f32, kfmt, kv.dtype, k_rope_scale, k_rope_offset)
-    c_vals = _cache_values(c_f32, cfmt, kv.dtype, c_kv_scale, c_kv_offset, raw=c_raw)
+    k_vals = _cache_values(k_f32, kfmt, kv.dtype, k_rope_scale, k_rope_offset, hifloat8_overflow=hifloat8_overflow)
+    c_vals = _cache_values(c_f32, cfmt, kv.dtype, c_kv_scale, c_kv_offset, raw=c_raw,
+                           hifloat8_overflow=hifloat8_overflow)
     _write(k_cache, cache_mode, k_vals, index, b, s)
     _write(ckv_cache, cache_mode, c_vals, index, b, s)
 

@@ -1,4 +1,4 @@
-"""Context-parallel merge of partial attention results through their softmax statistics (SPEC.md 3.6).
+"""Context-parallel merge of partial attention results through their softmax statistics (docs/numerics/attention.md#merge_attention_lse).
 
 Shard ``p`` attended over a disjoint subset of a row's selected tokens and returned ``(out_p, m_p, l_p)``
 with ``m_p`` the max of its scaled scores and ``l_p = sum exp(s - m_p)`` over its tokens. The unsplit

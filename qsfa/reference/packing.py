@@ -1,6 +1,6 @@
 """Byte layouts of the quantised caches: packed QSFA rows, FlashMLA's V32 rows, NZ fractal storage.
 
-Packed QSFA row ("combine" mode, quant_scale_repo_mode=1; SPEC.md 3.2), one row per token, KV_N = 1:
+Packed QSFA row ("combine" mode, quant_scale_repo_mode=1; docs/numerics/layouts.md#packed-qsfa-row), one row per token, KV_N = 1:
 
 ====================  =============================  ==============================  ======================
 rope_head_dim         NoPE codes                     RoPE (query dtype, raw bits)    scales (fp32, LE)
@@ -18,11 +18,11 @@ another order: FP8 NoPE ``[0, 512)``, 4 fp32 scales ``[512, 528)``, 64 bf16 RoPE
 converters here only move bytes, so they are lossless both ways.
 
 NZ ("FRACTAL_NZ") storage of a paged cache with ``c`` elements per fractal column (16 for 16-bit
-caches, 32 for 8-bit caches; SPEC.md 3.3):
+caches, 32 for 8-bit caches; docs/numerics/layouts.md#nz):
 
 * N = 1: ``[block_num, D // c, block_size, 1, c]`` (the seed's layout); element ``(blk, pos, d)`` at flat
   offset ``blk*bs*D + (d//c)*bs*c + pos*c + d%c``;
-* N > 1: ``[block_num, N, D // c, block_size, c]`` (the [OT] golden's layout).
+* N > 1: ``[block_num, N, D // c, block_size, c]`` (the cannmirror/ops-transformer golden's layout).
 
 :func:`nz_view` returns a writable, zero-copy view ``[block_num, block_size, N, D // c, c]`` of either
 form; :func:`nz_to_nd` / :func:`nd_to_nz` convert to and from the logical ``[block_num, block_size, N, D]``.

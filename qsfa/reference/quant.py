@@ -1,4 +1,4 @@
-"""Dynamic block quantisation (``npu_dynamic_block_quant``, SPEC.md 3.1) and the int8 per-tile rule.
+"""Dynamic block quantisation (``npu_dynamic_block_quant``, docs/numerics/quantisers.md#dynamic_block_quant) and the int8 per-tile rule.
 
 Per block (``row_block_size x col_block_size`` elements of the last two dimensions; edge blocks are
 partial and take the amax over the elements that exist)::
@@ -18,10 +18,20 @@ Special values, as in the CANN golden of DynamicBlockQuant (cann ops-nn quant/dy
 tests): inf/nan do not enter the amax; +-inf quantise to +-TYPE_MAX_FINITE and nan to 0. An all-zero
 block has scale 0 and codes 0 (0/0 is treated as 0).
 
-``scale_order`` (SPEC.md 2, **OPEN**): ``"divide"`` (default; the aclnn doc) quantises ``x / scale``;
-``"multiply"`` quantises ``x * fp32(TYPE_MAX / amax)`` (the op-plugin test golden
-test/test_custom_ops/test_npu_dynamic_block_quant.py multiplies by the fp32 reciprocal ``127.0 / amax``;
-the two differ by one code at rare ties). "multiply" is only defined when ``min_scale == 0``.
+``scale_order`` - the order of the scale arithmetic, per chip (docs/numerics/chips.md#dynamic_block_quant):
+
+* ``"divide"`` (default here; the Ascend 950 kernel and the aclnn doc): ``scale = amax / TYPE_MAX``,
+  ``y = x / scale`` (fp32 divides);
+* ``"reciprocal"`` (the A2/A3 kernel): ``y = x * fp32(fp32(1 / amax) * TYPE_MAX)`` (a reciprocal, then a
+  multiply: two roundings) and ``scale = amax * fp32(1 / TYPE_MAX)``; with ``min_scale`` the multiplier is
+  ``max(m, min_scale)`` and the scale ``min(scale, fp32(1 / min_scale))``;
+* ``"reciprocal_multiply"``: the A2/A3 kernel's multiplier with the correctly rounded ``scale = amax / TYPE_MAX``
+  - the op-plugin test golden (test/test_custom_ops/test_npu_dynamic_block_quant.py ``calc_base``) bit for bit:
+  torch evaluates ``127.0 / x_amax`` as ``reciprocal(x_amax) * 127`` and ``x_amax / 127.0`` as one division;
+* ``"multiply"``: ``y = x * fp32(TYPE_MAX / amax)`` (one correctly rounded division), ``scale = amax / TYPE_MAX``;
+  only defined when ``min_scale == 0``.
+
+The public operator's ``scale_order=None`` takes the chip's order (qsfa.chips.DYNAMIC_BLOCK_QUANT_ORDER).
 
 The scale arithmetic is :func:`qsfa.reference.scales.dynamic_block_scale`.
 """
@@ -35,8 +45,9 @@ from .scales import dynamic_block_scale
 
 __all__ = ["TYPE_MAX", "FINITE_MAX", "SCALE_ORDERS", "dynamic_block_quant", "int8_tile_quant", "block_amax"]
 
-#: the two quantisation orders of SPEC.md 2 (OPEN): x / scale, or x * fp32(TYPE_MAX / amax)
-SCALE_ORDERS = ("divide", "multiply")
+#: the quantisation orders (module docstring): the 950 kernel's, the A2/A3 kernel's, the op-plugin test golden's, and
+#: one correctly rounded multiplier
+SCALE_ORDERS = ("divide", "reciprocal", "reciprocal_multiply", "multiply")
 
 #: TYPE_MAX of the scale rule per destination format
 TYPE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "hifloat8": 32768.0}
@@ -66,8 +77,10 @@ def block_amax(a: np.ndarray, row_block_size: int, col_block_size: int) -> np.nd
 
 
 def _expand(s: np.ndarray, m: int, n: int, rb: int, cb: int) -> np.ndarray:
-    """Broadcast a per-block array ``[B, Mb, Nb]`` back to elements ``[B, M, N]``."""
-    return np.repeat(np.repeat(s, rb, axis=1), cb, axis=2)[:, :m, :n]
+    """Broadcast a per-block array ``[B, Mb, Nb]`` back to elements ``[B, M, N]`` (general path only)."""
+    b, mb, nb = s.shape
+    full = np.broadcast_to(s[:, :, None, :, None], (b, mb, rb, nb, cb)).reshape(b, mb * rb, nb * cb)
+    return full[:, :m, :n]
 
 
 def _cast(y: np.ndarray, dst_type: str, round_mode: str) -> np.ndarray:
@@ -91,39 +104,109 @@ def dynamic_block_quant(x: np.ndarray, *, min_scale: float = 0.0, round_mode: st
               also maps torch_npu's integer codes).
     Returns ``(y, scale)``: ``y`` has x's shape and is int8, ml_dtypes float8_e4m3fn / float8_e5m2, or
     uint8 HiFloat8 codes; ``scale`` is float32 ``[(B,) ceil(M/rb), ceil(N/cb)]``.
+
+    Speed (issue 15): blocks that tile x exactly are views of one float32 copy of x, divided in place (no
+    per-element expansion of the scales); the inf / nan handling runs only when x holds inf or nan (then the
+    general path below, which also serves partial edge blocks).
     """
     x = np.asarray(x)
     two_d = x.ndim == 2
-    xf = x.astype(np.float32)
+    if scale_order not in SCALE_ORDERS:
+        raise ValueError(f"unknown scale_order {scale_order!r}")
+    assert scale_order != "multiply" or not min_scale, "scale_order='multiply' needs min_scale == 0"
+    xf = x.astype(np.float32)  # a fresh copy: worked on in place below
     if two_d:
         xf = xf[None]
     b, m, n = xf.shape
-    rb, cb = int(row_block_size), int(col_block_size)
+    # a block at least as large as the matrix is the whole matrix: clamping gives the same blocks and keeps
+    # a huge declared block size (2**40) from padding to its size
+    rb, cb = min(int(row_block_size), max(m, 1)), min(int(col_block_size), max(n, 1))
     type_max = np.float32(dst_type_max if dst_type_max else TYPE_MAX[dst_type])
     finite_max = np.float32(FINITE_MAX[dst_type])
-
-    finite = np.isfinite(xf)
-    amax = block_amax(np.where(finite, np.abs(xf), np.float32(0)), rb, cb).astype(np.float32)
-    scale = np.asarray(dynamic_block_scale(amax, type_max, min_scale), dtype=np.float32)
-
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # 0/0 and x/0 are handled below
-        if scale_order == "divide":
-            y = xf / _expand(scale, m, n, rb, cb)
-        elif scale_order == "multiply":
-            assert not min_scale, "scale_order='multiply' needs min_scale == 0"
-            y = xf * _expand((type_max / amax).astype(np.float32), m, n, rb, cb)
-        else:
-            raise ValueError(f"unknown scale_order {scale_order!r}")
-    y = np.where(np.isnan(y), np.float32(0), y)  # nan inputs and 0/0 -> 0
-    y = np.clip(y, -finite_max, finite_max).astype(np.float32)  # +-inf -> +-max
-    q = _cast(y, dst_type, round_mode)
+    q = scale = None
+    if m % rb == 0 and n % cb == 0 and xf.size:
+        q, scale = _quant_tiled(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order)
+    if q is None:
+        q, scale = _quant_general(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order)
     if two_d:
         q, scale = q[0], scale[0]
     return q, scale
 
 
+def _scale_and_multiplier(amax, type_max, min_scale, scale_order):
+    """``(scale, multiplier)`` per block for ``scale_order`` (module docstring); multiplier None = divide by scale.
+    The multiplier of an all-zero block is inf (callers map its 0 * inf to code 0)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if scale_order == "divide":
+            return np.asarray(dynamic_block_scale(amax, type_max, min_scale), dtype=np.float32), None
+        if scale_order == "multiply":
+            return (np.asarray(dynamic_block_scale(amax, type_max, min_scale), dtype=np.float32),
+                    (type_max / amax).astype(np.float32))
+        mult = ((np.float32(1) / amax).astype(np.float32) * type_max).astype(np.float32)  # two fp32 roundings
+        if min_scale:
+            mult = np.maximum(mult, np.float32(min_scale))
+        if scale_order == "reciprocal_multiply":
+            return np.asarray(dynamic_block_scale(amax, type_max, min_scale), dtype=np.float32), mult
+        scale = (amax * (np.float32(1) / type_max)).astype(np.float32)
+        if min_scale:
+            scale = np.minimum(scale, np.float32(1) / np.float32(min_scale))
+        return scale, mult
+
+
+def _quant_tiled(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order):
+    """Blocks that tile ``xf [B, M, N]`` exactly, finite values: ``(q, scale)``; ``(None, None)`` when xf holds
+    inf / nan (the caller then takes the general path). xf is overwritten."""
+    b, m, n = xf.shape
+    blocks = xf.reshape(b, m // rb, rb, n // cb, cb)
+    amax = np.maximum(blocks.max(axis=4), -blocks.min(axis=4))  # |x| max without an |x| temporary; nan propagates
+    amax = amax.max(axis=2) if rb > 1 else amax[:, :, 0]
+    np.abs(amax, out=amax)  # max(0, -0) may be -0: an all-zero block's amax (and scale) is +0
+    if not np.isfinite(amax).all():
+        return None, None
+    scale, mult = _scale_and_multiplier(amax, type_max, min_scale, scale_order)
+    zero = amax == 0  # all-zero blocks: 0 / 0 (0 * inf) -> code 0 (the only nan a finite x can produce here)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if mult is None:
+            np.divide(blocks, scale[:, :, None, :, None], out=blocks)
+        else:
+            np.multiply(blocks, mult[:, :, None, :, None], out=blocks)
+    if zero.any():
+        np.copyto(blocks, np.float32(0), where=zero[:, :, None, :, None])
+    return _cast_inplace(xf, dst_type, round_mode, finite_max), scale
+
+
+def _cast_inplace(y, dst_type, round_mode, finite_max):
+    """``_cast(clip(y, +-finite_max))`` for nan-free fp32 ``y`` (overwritten). For int8 one clip after the rounding
+    (rint and round-half-away are monotonic and fix the integer bounds, so clip-round-clip equals round-clip)."""
+    if dst_type == "int8":
+        if round_mode == "rint":
+            np.rint(y, out=y)
+        else:
+            y = np.sign(y) * np.floor(np.abs(y) + np.float32(0.5))
+        np.clip(y, np.float32(-127), np.float32(127), out=y)
+        return y.astype(np.int8)
+    np.clip(y, -finite_max, finite_max, out=y)
+    return _cast(y, dst_type, round_mode)
+
+
+def _quant_general(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order):
+    """Any block shape (partial edge blocks) and inf / nan inputs."""
+    b, m, n = xf.shape
+    finite = np.isfinite(xf)
+    amax = block_amax(np.where(finite, np.abs(xf), np.float32(0)), rb, cb).astype(np.float32)
+    scale, mult = _scale_and_multiplier(amax, type_max, min_scale, scale_order)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # 0/0 and x/0 are handled below
+        if mult is None:
+            y = xf / _expand(scale, m, n, rb, cb)
+        else:
+            y = xf * _expand(mult, m, n, rb, cb)
+    y = np.where(np.isnan(y), np.float32(0), y)  # nan inputs and 0/0 -> 0
+    y = np.clip(y, -finite_max, finite_max).astype(np.float32)  # +-inf -> +-max
+    return _cast(y, dst_type, round_mode), scale
+
+
 def int8_tile_quant(x: np.ndarray, tile_size: int = 128, scale_order: str = "divide"):
-    """The int8 dynamic rule of SPEC.md 2 over 1 x ``tile_size`` tiles of the last dimension.
+    """The int8 dynamic rule of docs/numerics/quantisers.md#int8-dynamic over 1 x ``tile_size`` tiles of the last dimension.
 
     ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero tile gives ``s = 0`` and
     ``q = 0`` (qsfa's definition; OPEN on hardware). ``x``: ``[..., D]`` with ``D % tile_size == 0``.

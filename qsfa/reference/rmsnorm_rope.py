@@ -1,6 +1,6 @@
-"""RMSNorm and interleave RoPE in float32, with the kernels' operation order (SPEC.md 3.3).
+"""RMSNorm and interleave RoPE in float32, with the kernels' operation order (docs/numerics/cache-writers.md#rmsnorm-and-rope).
 
-Both follow the Ascend kernels of KvRmsNormRopeCache ([OT] posembedding/kv_rms_norm_rope_cache/op_kernel,
+Both follow the Ascend kernels of KvRmsNormRopeCache (cannmirror/ops-transformer posembedding/kv_rms_norm_rope_cache/op_kernel,
 ``RmsNormWithQuant`` / ``RopeBasicComputeVF``): every step is one float32 operation, nothing is fused.
 
 RMSNorm over the last axis (length n)::
@@ -30,16 +30,30 @@ __all__ = ["rms_norm_f32", "interleave_rope_f32", "round_to_dtype", "MODEL_DTYPE
 MODEL_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
+#: rows per block of :func:`rms_norm_f32` (its float32 / float64 temporaries stay in cache)
+_ROW_BLOCK = 256
+
+
 def rms_norm_f32(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray:
-    """RMSNorm of the last axis of ``x`` in float32 (see the module docstring); returns float32."""
-    xf = np.asarray(x).astype(np.float32)
+    """RMSNorm of the last axis of ``x`` in float32 (see the module docstring); returns float32.
+
+    Computed in blocks of rows (every row's arithmetic, including its float64 sum, is independent of the
+    blocking), so the temporaries stay in cache."""
+    x = np.asarray(x)
     g = np.asarray(gamma).astype(np.float32)
-    n = xf.shape[-1]
-    sq = xf * xf  # fp32 products
-    ss = sq.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32)
-    ms = ss * np.float32(1.0 / n)
-    rms = np.sqrt(ms + np.float32(epsilon)).astype(np.float32)
-    return (g * (xf / rms)).astype(np.float32)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = np.empty(x2.shape, np.float32)
+    inv_n, eps = np.float32(1.0 / n), np.float32(epsilon)
+    for a in range(0, x2.shape[0], _ROW_BLOCK):
+        xf = out[a:a + _ROW_BLOCK]
+        np.copyto(xf, x2[a:a + _ROW_BLOCK], casting="unsafe")  # exact widening of the 16-bit (or fp32) x
+        sq = xf * xf  # fp32 products
+        ss = sq.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32)
+        rms = np.sqrt(ss * inv_n + eps)  # fp32 multiply, add, sqrt
+        np.divide(xf, rms, out=xf)
+        np.multiply(g, xf, out=xf)
+    return out.reshape(x.shape)
 
 
 def interleave_rope_f32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -48,13 +62,17 @@ def interleave_rope_f32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.n
     Returns float32 in half-split order: ``out[..., :d/2]`` rotates the even elements, ``out[..., d/2:]``
     the odd ones.
     """
-    xf = np.asarray(x).astype(np.float32)
-    c = np.asarray(cos).astype(np.float32)
-    s = np.asarray(sin).astype(np.float32)
+    xf = np.asarray(x).astype(np.float32, copy=False)
+    c = np.asarray(cos).astype(np.float32, copy=False)
+    s = np.asarray(sin).astype(np.float32, copy=False)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     part1 = np.concatenate([x1, x2], axis=-1)
     part2 = np.concatenate([-x2, x1], axis=-1)
-    return ((part1 * c).astype(np.float32) + (part2 * s).astype(np.float32)).astype(np.float32)
+    if np.broadcast_shapes(part1.shape, c.shape, s.shape) != part1.shape:  # tables larger than x
+        return (part1 * c) + (part2 * s)
+    np.multiply(part1, c, out=part1)  # fp32 products, then one fp32 add
+    np.multiply(part2, s, out=part2)
+    return np.add(part1, part2, out=part1)
 
 
 def round_to_dtype(x: np.ndarray, dtype) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Reference scale rules (SPEC.md section 2): per-group (tile) scales, fp32 arithmetic exactly as stated.
+"""Reference scale rules (docs/numerics/quantisers.md#scale-rules): per-group (tile) scales, fp32 arithmetic exactly as stated.
 
 amax = max |x| over a group, computed in fp32 (fp16 / bf16 inputs widen exactly). Every function takes
 amax (or a scale) as an array (any shape; converted to float32) and returns float32 / raw codes of the
@@ -6,7 +6,7 @@ same shape. The arithmetic order of each rule is part of its definition (a divid
 rounded reciprocal differ in the last bit), so each docstring states it.
 
 ==========================  =========================================================================
-rule                        SPEC.md section 2
+rule                        docs/numerics/quantisers.md#scale-rules
 ==========================  =========================================================================
 int8 dynamic                ``s = amax / 127``; ``q = clamp(RINT(x / s), -127, 127)``; s is the dequant
                             scale (x ~ q*s). The order x/s vs x*(127/amax) is OPEN (``order``).
@@ -59,14 +59,14 @@ RECIP_6 = _F32(1.0 / 6.0)
 #: The amax floor of the fp8 group rule and of FlashMLA (fp32(1e-4)).
 FP8_AMAX_FLOOR = _F32(1e-4)
 
-#: TYPE_MAX of the dynamic block quant rule per destination format (SPEC 2 / 3.1). E5M2 uses its
+#: TYPE_MAX of the dynamic block quant rule per destination format (docs/numerics/quantisers.md#dynamic-block-scale). E5M2 uses its
 #: largest finite value (57344), as npu_dynamic_block_quant's 950 variant does for dst_type_max = 0.
 TYPE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "hifloat8": 32768.0}
 
 #: emax of the element formats of the OCP MX spec (largest binade exponent of the element format).
 MX_ELEM_EMAX = {"float8_e4m3fn": 8, "float8_e5m2": 15, "float4_e2m1": 2, "int8": 0}
 
-#: Orders of the int8 dynamic quant (SPEC 2, OPEN): "divide" = x / s (aclnn doc, default);
+#: Orders of the int8 dynamic quant (docs/numerics/open-facts.md#scale_order, OPEN): "divide" = x / s (aclnn doc, default);
 #: "multiply" = x * fp32(127 / amax) (the op-plugin test golden).
 INT8_DYNAMIC_ORDERS = ("divide", "multiply")
 
@@ -105,12 +105,12 @@ def int8_dynamic_scale(amax) -> np.ndarray:
 
 
 def int8_dynamic_quant(x, *, group: int = 128, order: str = "divide"):
-    """int8 dynamic quant of ``x`` in groups of ``group`` along the last axis (SPEC 2, "int8 dynamic").
+    """int8 dynamic quant of ``x`` in groups of ``group`` along the last axis (docs/numerics/quantisers.md#int8-dynamic, "int8 dynamic").
 
     x:     ``[..., N]`` float32 / float16 / bfloat16 (widened exactly to fp32). The last group may be
            partial.
     group: group (tile / col block) size; 128 for the QSFA C8 cache and npu_dynamic_block_quant.
-    order: **OPEN** (SPEC 2): "divide" (default, aclnn doc) computes ``RINT(x / s)`` with
+    order: **OPEN** (docs/numerics/open-facts.md#scale_order): "divide" (default, aclnn doc) computes ``RINT(x / s)`` with
            ``s = amax / 127``; "multiply" computes ``RINT(x * fp32(127 / amax))`` (the op-plugin test
            golden, Ascend/op-plugin test/test_custom_ops/test_npu_dynamic_block_quant.py). They differ
            by one code at rare ties.

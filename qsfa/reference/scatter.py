@@ -1,4 +1,4 @@
-"""Scatter rows into a paged cache by slot (SPEC.md 3.5): the one routine every cache writer uses.
+"""Scatter rows into a paged cache by slot (docs/numerics/cache-writers.md#scatter_by_slot): the one routine every cache writer uses.
 
 A paged cache is viewed as ``[block_num, block_size, *row_shape]``. Slot ``s`` addresses block
 ``s // block_size``, row ``s % block_size``. Slot ``-1`` means "skip this token": the destination bytes

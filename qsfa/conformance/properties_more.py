@@ -1,0 +1,160 @@
+"""Metamorphic properties of the cache-family operators added beside the first catalogue.
+
+:func:`more_properties` is called by :func:`qsfa.conformance.properties.catalogue` with the set of operators
+that have strategies; each property here is built the same way as those of :mod:`.properties` and its
+expectation is derived independently of the reference (a float64 model or a relation between two calls).
+
+* FlashMLA MODEL1 cache (``docs/numerics/flashmla-model1.md``): quantise-dequantise round trip
+  (RoPE bits exact, NoPE within half an E4M3 step of its tile scale, scale bytes and pad bytes as the rule
+  says) and requantisation stability (dequantised values quantise back to themselves).
+* vLLM-Ascend's kv_compress_epilog (``docs/numerics/cache-writers.md#kv_compress_epilog_vllm``): layouts 1 and 2
+  store the same bytes per token, and with power-of-two scales every code times its E8M0 scale is within half a
+  step of the input (a float64 model).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._support import call, fail
+
+__all__ = ["more_properties"]
+
+M1Q = "layouts.flashmla_model1_quantize"
+M1D = "layouts.flashmla_model1_dequantize"
+KCEV = "kv_compress_epilog_vllm"
+
+
+def _m1_round_trip(P, examples):
+    def check(ex, backend: str):
+        k = ex.args["k"]
+        nb, bs = k.shape[0], k.shape[1]
+        cache = call(M1Q, ex.args, backend)["cache"]
+        back = call(M1D, dict(cache=cache, block_size=bs), backend)["k"]
+        if back.shape != k.shape:
+            fail(f"dequantised shape {back.shape} != {k.shape}")
+        if not np.array_equal(back[..., 448:].view(np.uint16), k[..., 448:].view(np.uint16)):
+            fail("RoPE bits changed in the round trip")
+        x = k[..., :448].astype(np.float64).reshape(nb, bs, 7, 64)
+        y = back[..., :448].astype(np.float64).reshape(nb, bs, 7, 64)
+        amax = np.abs(x).max(axis=-1)
+        e = np.ceil(np.log2(np.maximum(amax / 448.0, 1e-4)))  # float64: exact for every bf16 amax
+        s = np.exp2(e)[..., None]
+        err = np.abs(y - x)
+        lim = np.maximum(np.abs(x) * 2.0**-4, s * 2.0**-10)
+        if not (err <= lim).all():
+            i = np.unravel_index(int(np.argmax(err - lim)), err.shape)
+            fail(f"NoPE value {x[i]!r} came back as {y[i]!r} (tile scale {float(s[i[:3]][0])!r}): more than half "
+                 "an E4M3 step away")
+        sc = cache[:, bs * 576:bs * 584].reshape(nb, bs, 8)
+        if not np.array_equal(sc[..., :7].astype(np.int64), e.astype(np.int64) + 127):
+            fail("E8M0 scale bytes are not log2(2^ceil(log2(max(amax / 448, 1e-4)))) + 127")
+        if sc[..., 7].any() or cache[:, bs * 584:].any():
+            fail("pad bytes (8th scale byte, block padding) are not zero")
+
+    return P(f"{M1Q}.round_trip", (M1Q, M1D), "metamorphic",
+             "dequantize(quantize(k)) keeps the RoPE bits, puts every NoPE value within half an E4M3 step of its "
+             "tile's power-of-two scale (float64 model of 2^ceil(log2(max(amax / 448, 1e-4)))), stores that "
+             "scale's E8M0 byte and zero pad bytes.", examples(M1Q), check)
+
+
+def _m1_requantize(P, examples):
+    def check(ex, backend: str):
+        k = ex.args["k"]
+        bs = k.shape[1]
+        once = call(M1D, dict(cache=call(M1Q, ex.args, backend)["cache"], block_size=bs), backend)["k"]
+        again = call(M1D, dict(cache=call(M1Q, dict(k=once), backend)["cache"], block_size=bs), backend)["k"]
+        if not np.array_equal(once.view(np.uint16), again.view(np.uint16)):
+            n = int((once.view(np.uint16) != again.view(np.uint16)).sum())
+            fail(f"{n} dequantised values changed when quantised and dequantised again")
+
+    return P(f"{M1Q}.requantize_stable", (M1Q, M1D), "metamorphic",
+             "Dequantised values are fixed points: quantising and dequantising them again returns the same bf16 "
+             "bits (each is an E4M3 value times a power-of-two scale no smaller than the new tile scale).",
+             examples(M1Q), check)
+
+
+def _kcev_tokens(a: dict, cache: np.ndarray):
+    """Per valid token ``(codes, rope bytes, scale bytes)`` read back from a written cache (either layout)."""
+    from ..reference import kv_compress_epilog_vllm as kv
+
+    d, gs = a["x"].shape[1], a["quant_group_size"]
+    n, g = d - 64, -(-(d - 64) // gs)
+    slots = np.asarray(a["slot_mapping"]).astype(np.int64)
+    s = slots[slots >= 0]
+    b = cache.view(np.uint8)
+    if a["layout"] == 1:
+        rows = b[s, 0]
+        return rows[:, 128:128 + n], rows[:, :128], rows[:, 128 + n:128 + n + g]
+    nb, bs = b.shape[0], b.shape[1]
+    blocks = np.ascontiguousarray(b).reshape(nb, -1)
+    vpt, spt = kv.value_per_token(d), kv.scale_per_token(d, gs)
+    blk, pos = s // bs, s % bs
+    vals = blocks[blk[:, None], pos[:, None] * vpt + np.arange(vpt)]
+    sc = blocks[blk[:, None], bs * vpt + pos[:, None] * spt + np.arange(g)]
+    return vals[:, :n], vals[:, n:], sc
+
+
+def _kcev_layouts(P, examples):
+    def check(ex, backend: str):
+        a = ex.args
+        got = _kcev_tokens(a, call(KCEV, a, backend)["kv_compress_cache"])
+        other = dict(a)
+        slots = np.asarray(a["slot_mapping"]).astype(np.int64)
+        t, d, gs = a["x"].shape[0], a["x"].shape[1], a["quant_group_size"]
+        from ..reference import kv_compress_epilog_vllm as kv
+
+        if a["layout"] == 1:
+            other["layout"] = 2
+            shape = (t, 1, 1, kv.value_per_token(d) + kv.scale_per_token(d, gs))
+        else:
+            other["layout"] = 1
+            shape = (t, 1, kv.kv_cache_col(d, gs))
+        other["kv_compress_cache"] = np.zeros(shape, np.uint8).view(a["kv_compress_cache"].dtype)
+        remap = np.full(t, -1, np.int64)
+        remap[slots >= 0] = np.arange(int((slots >= 0).sum()))  # the valid tokens, in order, to slots 0, 1, ...
+        other["slot_mapping"] = remap.astype(slots.dtype)
+        want = _kcev_tokens(other, call(KCEV, other, backend)["kv_compress_cache"])
+        for name, g_, w_ in zip(("codes", "RoPE", "scales"), got, want):
+            if not np.array_equal(g_, w_):
+                fail(f"layout {a['layout']} and layout {other['layout']} store different {name} bytes")
+
+    return P(f"{KCEV}.layouts_agree", (KCEV,), "metamorphic",
+             "Layout 1 (padded rows) and layout 2 (blocks of values, then scales) store the same FP8 codes, RoPE "
+             "bytes and E8M0 scale bytes for every token.", examples(KCEV), check)
+
+
+def _kcev_half_step(P, examples):
+    import ml_dtypes
+
+    def check(ex, backend: str):
+        a = ex.args
+        codes, _, sc = _kcev_tokens(a, call(KCEV, a, backend)["kv_compress_cache"])
+        fmt = np.dtype(a["kv_compress_cache"].dtype)
+        e5m2 = fmt == np.dtype(ml_dtypes.float8_e5m2)
+        mant, sub = (2, 2.0**-16) if e5m2 else (3, 2.0**-9)
+        slots = np.asarray(a["slot_mapping"]).astype(np.int64)
+        x = a["x"][slots >= 0, :codes.shape[1]].astype(np.float64)
+        gs = a["quant_group_size"]
+        s = np.exp2(np.repeat(sc.astype(np.float64) - 127, gs, axis=1)[:, :x.shape[1]])
+        y = codes.view(fmt).astype(np.float64) * s
+        lim = np.maximum(np.abs(x) * 2.0 ** -(mant + 1), s * sub / 2)
+        if not (np.abs(y - x) <= lim).all():
+            i = np.unravel_index(int(np.argmax(np.abs(y - x) - lim)), x.shape)
+            fail(f"x {x[i]!r} is stored as {y[i]!r} (code times 2^(byte - 127)): more than half a step away")
+
+    return P(f"{KCEV}.dequant_within_half_step", (KCEV,), "metamorphic",
+             "With round_scale_flag every stored code times its E8M0 scale 2^(byte - 127) is within half an FP8 "
+             "step of x (float64 model): the scale byte is the divisor the codes were made with.",
+             examples(KCEV, {"round_scale_flag": True}), check, {"round_scale_flag": True})
+
+
+def more_properties(have: set, P, examples) -> list:
+    """The properties of this module whose operators are all in ``have``. ``P`` is the Property class and
+    ``examples(op)`` the example-strategy builder of :mod:`.properties` (passed in to avoid an import cycle)."""
+    out = []
+    if {M1Q, M1D} <= have:
+        out += [_m1_round_trip(P, examples), _m1_requantize(P, examples)]
+    if KCEV in have:
+        out += [_kcev_layouts(P, examples), _kcev_half_step(P, examples)]
+    return out

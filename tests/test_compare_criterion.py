@@ -1,0 +1,56 @@
+"""The float criterion decided for attention outputs (docs/numerics/comparison.md#float-criterion): an element
+passes when |actual - golden| <= atol + rtol * |golden| (torch.testing.assert_close's form), plus cos_diff."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qsfa.compare import TOLERANCES, Tolerance, compare_float
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def test_elementwise_bound_is_atol_plus_rtol_times_golden():
+    # bf16: atol 6e-2, rtol 2^-7 -> at |golden| = 1 the bound is 0.0678125. 1.0625 (error 0.0625) passes - it fails
+    # both halves of FlashMLA's "abs < atol or rel < rtol" - and 1.0703125 (error 0.0703) fails.
+    g = np.ones(4, BF16)
+    cos_free = Tolerance(atol=6e-2, rtol=7.8125e-3, cos_tol=1.0)
+    ok = np.array([1, 1.0625, 1, 1], BF16)
+    bad = np.array([1, 1.0703125, 1, 1], BF16)
+    assert compare_float(ok, g, dtype="bfloat16", tol=cos_free).passed
+    r = compare_float(bad, g, dtype="bfloat16", tol=cos_free)
+    assert not r.passed and r.n_fail == 1 and r.worst[0]["index"] == [1]
+
+
+def test_fp16_bound_at_zero_golden_is_atol():
+    g = np.zeros(3, np.float16)
+    tol = Tolerance(**{**TOLERANCES["float16"].__dict__, "cos_tol": 1.0})
+    assert compare_float(np.array([0, 2.4e-5, 0], np.float16), g, dtype="float16", tol=tol).passed
+    assert not compare_float(np.array([0, 3e-5, 0], np.float16), g, dtype="float16", tol=tol).passed
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_matches_torch_assert_close(dtype):
+    """Element verdicts equal torch.testing.assert_close with the same atol / rtol (cos_diff set aside)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    t = TOLERANCES[dtype]
+    g = rng.standard_normal(4000).astype(np.float32) * np.float32(4)
+    width = np.repeat(np.array([0.2, 1.05] * 5, np.float32), 400)  # slices well inside / just around the bound
+    a = g + rng.uniform(-1, 1, 4000).astype(np.float32) * width * (np.float32(t.atol) + np.float32(t.rtol) * np.abs(g))
+    a64, g64 = a.astype(np.float64), g.astype(np.float64)
+    tol = Tolerance(t.atol, t.rtol, cos_tol=1.0)
+    seen = set()
+    for i in range(0, 4000, 400):  # ten slices: the narrow ones pass, the wide ones fail
+        sa, sg = a64[i:i + 400], g64[i:i + 400]
+        mine = compare_float(sa, sg, dtype="float64", tol=tol).passed
+        try:
+            torch.testing.assert_close(torch.from_numpy(sa), torch.from_numpy(sg), atol=t.atol, rtol=t.rtol)
+            theirs = True
+        except AssertionError:
+            theirs = False
+        assert mine == theirs, i
+        seen.add(mine)
+    assert seen == {True, False}
