@@ -399,3 +399,58 @@ def test_conformance_runs_model_the_requested_chip(fake_backends):
     assert calls and all(c["k_rounding"] == "rint" and c["out_rounding"] == "round" for c in calls)
     r = run_property(prop, "fake_chip_device", max_examples=2, seed=1)
     assert r.chip == "950" and r.status == "passed", r.message
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the per-row loop golden of tests/test_attention_support.py (its own table of each chip's modes), for every chip
+
+@pytest.mark.parametrize("chip", ["A2", "A3", "950"])
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
+def test_faithful_matches_the_per_row_golden_of_each_chip(chip, qdtype):
+    from test_attention_support import golden_faithful, layout_args, random_case
+
+    case = random_case(np.random.default_rng(11), kv=200, act_kv=[200, 150], act_q=[2, 3], sparse=96, heads=4,
+                       qdtype=qdtype, key_fmt="int8")
+    args = layout_args(case, "BSND", "PA_BSND", block_size=64)
+    out = qsfa.kv_quant_sparse_flash_attention(**args, chip=chip)[0]
+    g_out, _, _ = golden_faithful(case, accumulate="float64", chip=chip)
+    res = qsfa.compare.assert_close(out.astype(np.float32), g_out.astype(QDT[qdtype]).astype(np.float32),
+                                    dtype=qdtype)
+    assert res.max_ulp is not None and res.max_ulp <= 2
+
+
+def test_docs_table_says_what_the_code_does():
+    """docs/numerics/chips.md's attention table and qsfa.chips.ATTENTION_ROUNDING agree cell by cell."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "numerics" / "chips.md").read_text()
+
+    def modes(cell):
+        m = re.match(r"\s*(bf16 (RINT|ROUND), fp16 (RINT|ROUND)|(RINT|ROUND) for both)", cell)
+        assert m, cell
+        if m.group(4):
+            return {"bfloat16": m.group(4).lower(), "float16": m.group(4).lower()}
+        return {"bfloat16": m.group(2).lower(), "float16": m.group(3).lower()}
+
+    rows = {"QSFA K": "k", "QSFA P": "p", "QSFA output": "out", "SFA P": "p", "SFA output": "out"}
+    seen = set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3:
+            key = next((k for k in rows if cells[0] == k or cells[0].startswith(k + ":")), None)
+            if key is None:
+                continue
+            seen.add(key)
+            point = rows[key]
+            assert modes(cells[1]) == chips.ATTENTION_ROUNDING["A2"][point], key
+            assert modes(cells[2]) == chips.ATTENTION_ROUNDING["950"][point], key
+    assert seen == set(rows)
+
+
+def test_attention_front_door_passes_the_chip():
+    a = _ties_out("bfloat16")
+    for chip, want in (("A2", 256.0), ("950", 258.0)):
+        out = qsfa.attention(a["query"][..., :512], a["key"], None, a["sparse_indices"], 1.0,
+                             query_rope=a["query"][..., 512:], chip=chip)[0]
+        assert float(np.asarray(out, np.float32)[0, 0, 0, 7]) == want

@@ -307,3 +307,56 @@ def test_every_case_file_field_of_a_wrong_type_is_named(template, tmp_path, caps
                 misses.append((name, wrong, rc, err.strip()))
     assert not misses, misses[:5]
     assert tried > 40
+
+
+def test_files_computed_elsewhere_are_written_like_generate_writes_them(tmp_path):
+    """write_case_files (what the Dask executor uses): new files in plain case folders, generate's file
+    names only, every file and folder remembered for the clean-up of a failed run."""
+    from qsfa.golden.manifest import _remove_partial, write_case_files
+
+    out = tmp_path / "out"
+    out.mkdir()
+    made: list = []
+    write_case_files(str(out), {"c1/in.x.bin": b"ab", "c1/case.json": b"{}"}, made)
+    assert (out / "c1" / "in.x.bin").read_bytes() == b"ab" and len(made) == 3  # the folder and two files
+    for files, what in [({"c1/in.x.bin": b"again"}, "refusing to overwrite"),
+                        ({"../in.x.bin": b""}, "Invalid case folder for case name"),
+                        ({"../x/in.x.bin": b""}, "not a file name generate writes"),
+                        ({"c2/notes.txt": b""}, "not a file name generate writes"),
+                        ({"c3/sub/in.x.bin": b""}, "not a file name generate writes")]:
+        with pytest.raises(GoldenInputError, match=what):
+            write_case_files(str(out), files, made)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", out / "c4")
+    with pytest.raises(GoldenInputError, match="not a plain folder"):
+        write_case_files(str(out), {"c4/in.x.bin": b""}, made)
+    assert not os.listdir(tmp_path / "elsewhere") and (out / "c1" / "in.x.bin").read_bytes() == b"ab"
+    _remove_partial(str(out), made, created=False)
+    assert sorted(os.listdir(out)) == ["c4"]  # what it made is gone; the link it did not make stays
+
+
+def test_python_m_qsfa_cli_reports_usage_errors_in_one_line(tmp_path):
+    """``python -m qsfa.cli`` (the form the docs use without an install) exits 2 with one line, as the
+    console script does (before: the subcommand's UsageError escaped the __main__ copy of the module)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "qsfa.cli", "golden", "verify", str(tmp_path / "nope")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "golden directory not found" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text,depth", [
+    (b"", 0), (b"[]", 1), (b'{"a": [1, {"b": "[[["}]}', 3), (b"[" * 10 + b"]" * 10, 10),
+    (b"[][][[]]", 2), (b'"\\"[[[" [', 1), (b'{"k\\\\": "{"}', 1),
+])
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 22])
+def test_nesting_depth_scan(text, depth, chunk):
+    """The pre-parse depth scan ignores brackets inside strings (escaped quotes included) and carries the
+    depth across its chunks."""
+    from qsfa.golden.guard import _nesting_depth
+
+    assert _nesting_depth(text, chunk=chunk) == depth

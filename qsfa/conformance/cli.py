@@ -140,10 +140,6 @@ def main(args) -> int:
 
     get_backend(args.backend or "reference")  # unknown / unusable backend: one line, exit 2 (qsfa.cli)
     if args.workers is not None or args.scheduler is not None or args.seed_shards != 1:
-        if args.chip is not None:
-            raise _usage(f"Invalid value for --chip, actual: {args.chip!r}, reason: the sharded runs (--workers, "
-                         "--scheduler, --seed-shards) do not take a chip yet; run without them, or leave --chip out "
-                         "(the npu backend uses its device's chip).")
         return _main_sharded(args, props, shard, b, reports)
 
     def progress(k, total, r):
@@ -178,7 +174,7 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
         check_seed_shards(args.seed_shards, args.seed, m)
         selected = shard_props(props, *shard) if shard else props
         kw = dict(profile=args.profile, max_examples=args.max_examples, seed=args.seed, seed_shards=args.seed_shards,
-                  shard_spec=shard, bounds=bounds, cases_dir=args.cases_dir or DEFAULT_CASES_DIR)
+                  shard_spec=shard, bounds=bounds, cases_dir=args.cases_dir or DEFAULT_CASES_DIR, chip=args.chip)
         if args.workers is None and args.scheduler is None:
             def progress(k, total, r):
                 if not args.quiet:

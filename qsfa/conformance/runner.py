@@ -287,7 +287,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
             res.reproduce = _reproduce_line(e)
             if cases_dir is not None:
                 try:
-                    res.case_file = save_case(prop, backend, ex, res.message, cases_dir, seed=seed)
+                    res.case_file = save_case(prop, backend, ex, res.message, cases_dir, seed=seed, chip=chip)
                 except Exception as save_err:  # noqa: BLE001 - report, do not hide the failure
                     res.message += f"\n(could not save the case file: {type(save_err).__name__}: {save_err})"
         else:
@@ -351,7 +351,8 @@ def _case_name(backend: str, prop: Property) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", f"{backend}.{prop.name}")
 
 
-def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir: str, *, seed=None) -> str:
+def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir: str, *, seed=None,
+              chip: str | None = None) -> str:
     """Save the falsifying example ``ex`` of ``prop`` as ``<cases_dir>/<backend>.<property>.json`` (a
     ``qsfa-case/1`` file, arrays as explicit ``.npy`` inputs) plus the ``.conformance.json`` sidecar.
     Returns the case file's path."""
@@ -382,6 +383,7 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
         "ops": list(prop.ops),
         "kind": prop.kind,
         "backend": backend,
+        "chip": chip,  # the chip the failing run modelled (replayed with it)
         "seed": seed,
         "check_seed": int(ex.seed),
         "constraint": ex.constraint.id if ex.constraint is not None else None,
@@ -429,7 +431,8 @@ def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
     prop, ex, side = load_example(path)
     be = backend or side["backend"]
     try:
-        prop.check(ex, be)
+        with modelling_chip(side.get("chip")):
+            prop.check(ex, be)
     except AssertionError as e:
         return False, f"{prop.name} fails on {be!r}: {e}"
     return True, f"{prop.name} holds on {be!r}"

@@ -42,8 +42,8 @@ __all__ = [
     "lexists_plain_dir", "read_npy", "read_npz_member", "declared_nbytes",
 ]
 
-#: largest JSON file (manifest, case file) read
-MAX_JSON_BYTES = 256 << 20
+#: largest JSON file (manifest, case file) read (a 1,000-case manifest is about 20 MB)
+MAX_JSON_BYTES = 64 << 20
 #: deepest nesting of arrays/objects accepted in a JSON file (a manifest needs 5)
 MAX_JSON_DEPTH = 64
 #: an .npz member claiming more than this many times its compressed size is refused (DEFLATE tops out
@@ -100,13 +100,18 @@ def declared_nbytes(shape, itemsize: int) -> int:
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 
 
-def _nesting_depth(data: bytes) -> int:
-    """Deepest ``[``/``{`` nesting outside strings (a byte scan: no recursion, no parse)."""
-    if not data:
-        return 0
+def _nesting_depth(data: bytes, chunk: int = 1 << 22) -> int:
+    """Deepest ``[``/``{`` nesting outside strings (a byte scan in chunks: no recursion, no parse, memory
+    bounded by the chunk)."""
     bare = np.frombuffer(_STRING.sub(b'""', data), dtype=np.uint8)
-    step = (np.isin(bare, (0x5B, 0x7B)).astype(np.int64) - np.isin(bare, (0x5D, 0x7D)).astype(np.int64))
-    return int(np.cumsum(step).max(initial=0))
+    depth = best = 0
+    for i in range(0, bare.size, chunk):
+        b = bare[i:i + chunk]
+        step = ((b == 0x5B).astype(np.int32) + (b == 0x7B)) - ((b == 0x5D).astype(np.int32) + (b == 0x7D))
+        run = np.cumsum(step, dtype=np.int64)
+        best = max(best, depth + int(run.max()))
+        depth += int(run[-1])
+    return best
 
 
 def _reject_constant(name):
