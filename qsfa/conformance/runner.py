@@ -179,10 +179,18 @@ def _property_seed(seed: int, name: str) -> int:
 # running one property
 
 
+#: Seconds hypothesis may spend shrinking one property's first failure. After that every new candidate the
+#: shrinker proposes is skipped (counted as passing, not run), so it stops at the smallest failure found so far
+#: and replays that one; without a cap hypothesis shrinks silently for up to 5 minutes per property.
+SHRINK_SECONDS = 20.0
+
+
 class _State:
     def __init__(self):
         self.passed = self.failed = self.rejected = 0
         self.final: list = []
+        self.first_failure: float | None = None  # perf_counter() of the first failure (shrinking starts)
+        self.shrink_skipped = 0
 
 
 def _within_limits(prop: Property, be) -> Callable[[Example], bool] | None:
@@ -253,6 +261,10 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
 
     def test(ex):
         final = current_build_context().is_final
+        if (not final and state.first_failure is not None
+                and time.perf_counter() - state.first_failure > SHRINK_SECONDS):
+            state.shrink_skipped += 1  # bounded shrinking (see SHRINK_SECONDS)
+            return
         try:
             prop.check(ex, backend)
         except UnsupportedByBackend:
@@ -260,6 +272,8 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
             reject()
         except Exception as e:
             state.failed += 1
+            if state.first_failure is None:
+                state.first_failure = time.perf_counter()
             if final:
                 state.final.append((ex, e))
             raise
@@ -283,6 +297,9 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
             ex, err = state.final[-1]
             res.status = "failed"
             res.message = f"{type(err).__name__}: {err}"
+            if state.shrink_skipped:
+                res.message += (f"\n(shrinking stopped after {SHRINK_SECONDS:g} s: the falsifying example is the "
+                                "smallest found by then)")
             res.falsifying_example = summarize(ex)
             res.reproduce = _reproduce_line(e)
             if cases_dir is not None:
