@@ -111,6 +111,19 @@ def test_local_cluster_writes_the_serial_bytes(client, tmp_path, fmt):
     assert ex.summary.tasks == len(cases) + ex.row_tasks and not ex.summary.reruns
 
 
+def test_a_case_file_with_explicit_inputs(client, tmp_path):
+    """``--case FILE``: its input files are read by the client (a worker may be on another machine)."""
+    src = ROW_CASES[1]
+    case = Case.from_args("from-file", src.op, src.args(src.inputs()))
+    path = case.save(str(tmp_path / "in" / "from-file.json"))
+    loaded = Case.load(path)
+    serial = generate([loaded], str(tmp_path / "serial"), progress=False)
+    ex = GoldenExecutor(client, chunk_rows=5, progress=False)
+    assert generate([Case.load(path)], str(tmp_path / "dist"), executor=ex) == serial
+    assert_same_tree(str(tmp_path / "serial"), str(tmp_path / "dist"))
+    assert ex.row_tasks == 3  # 11 query rows, 5 per task
+
+
 def test_a_failing_case_is_reported_once_with_its_case_file(client, tmp_path):
     bad = Case(name="dbq-row-block-0", op="dynamic_block_quant", generator="dynamic_block_quant",
                params={"M": 4, "N": 128, "row_block_size": 0}, seed=3)
