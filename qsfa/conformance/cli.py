@@ -142,11 +142,19 @@ def main(args) -> int:
     if args.workers is not None or args.scheduler is not None or args.seed_shards != 1:
         return _main_sharded(args, props, shard, b, reports)
 
+    max_examples = args.max_examples
+    budget = interpreter_budget(args)
+    if budget is not None:
+        b, max_examples = budget
+        if not args.quiet:
+            print(f"Triton interpreter: tiny shapes ({', '.join(f'{k}={v}' for k, v in b.to_dict().items())}) "
+                  f"and {max_examples} examples per property; --bound / --max-examples override", flush=True)
+
     def progress(k, total, r):
         if not args.quiet:
             print(R.format_progress(k, total, r), flush=True)
 
-    report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=args.max_examples,
+    report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=max_examples,
                              seed=args.seed, shard_spec=shard, cases_dir=args.cases_dir or DEFAULT_CASES_DIR,
                              bounds=b, progress=progress, chip=args.chip)
     print()
@@ -156,6 +164,19 @@ def main(args) -> int:
         print(f"wrote {f}")
     return 0 if report.ok else 1
 
+
+
+def interpreter_budget(args):
+    """``(bounds, max_examples)`` for a triton run in the CPU interpreter without --bound / --max-examples
+    (tiny shapes, few examples: :data:`qsfa._profiles.INTERPRETER_BOUNDS`), else None."""
+    if not (args.backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1" and not args.bound
+            and args.max_examples is None):
+        return None
+    from .._profiles import INTERPRETER_BOUNDS, INTERPRETER_EXAMPLES, PROFILES, active_profile
+    from ..strategies import Bounds
+
+    prof = args.profile or active_profile()
+    return Bounds(**INTERPRETER_BOUNDS), min(INTERPRETER_EXAMPLES[prof], PROFILES[prof]["max_examples"])
 
 
 def _main_sharded(args, props, shard, bounds, reports) -> int:

@@ -179,10 +179,18 @@ def _property_seed(seed: int, name: str) -> int:
 # running one property
 
 
+#: Seconds hypothesis may spend shrinking one property's first failure. After that every new candidate the
+#: shrinker proposes is skipped (counted as passing, not run), so it stops at the smallest failure found so far
+#: and replays that one; without a cap hypothesis shrinks silently for up to 5 minutes per property.
+SHRINK_SECONDS = 20.0
+
+
 class _State:
     def __init__(self):
         self.passed = self.failed = self.rejected = 0
         self.final: list = []
+        self.first_failure: float | None = None  # perf_counter() of the first failure (shrinking starts)
+        self.shrink_skipped = 0
 
 
 def _within_limits(prop: Property, be) -> Callable[[Example], bool] | None:
@@ -211,7 +219,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     saved (None: not saved). ``pins``: extra strategy pins (e.g. tiny shapes for an interpreter). ``chip``: the
     chip modelled by every call, backend's and reference's ("A2", "A3", "950"; None: the backend's device chip, or
     each call's own rule, docs/numerics/chips.md); examples are drawn within that chip's limits."""
-    from hypothesis import given, reject, settings
+    from hypothesis import example, given, reject, settings
     from hypothesis import seed as hyp_seed
     from hypothesis.control import current_build_context
     from hypothesis.errors import Unsatisfiable
@@ -253,6 +261,10 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
 
     def test(ex):
         final = current_build_context().is_final
+        if (not final and state.first_failure is not None
+                and time.perf_counter() - state.first_failure > SHRINK_SECONDS):
+            state.shrink_skipped += 1  # bounded shrinking (see SHRINK_SECONDS)
+            return
         try:
             prop.check(ex, backend)
         except UnsupportedByBackend:
@@ -260,6 +272,8 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
             reject()
         except Exception as e:
             state.failed += 1
+            if state.first_failure is None:
+                state.first_failure = time.perf_counter()
             if final:
                 state.final.append((ex, e))
             raise
@@ -267,8 +281,15 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
 
     test.__name__ = re.sub(r"\W", "_", f"conformance_{prop.name}")
     wrapped = given(strategy)(test)
+    from ._edge_phase import edge_examples, shrink_within_edge
+
+    edges = edge_examples(prop, b, chip, pins or {}, fits)  # edges first (qsfa._edges), in EDGES order
+    for _, ex in reversed(edges):
+        wrapped = example(ex)(wrapped)
+    edge_of = {id(ex): e for e, ex in edges}
     wrapped._hypothesis_internal_add_digest = prop.name.encode()
-    wrapped = settings(**settings_for(profile, max_examples=max_examples, seed=seed))(wrapped)
+    settings_kw = settings_for(profile, max_examples=max_examples, seed=seed)
+    wrapped = settings(**settings_kw)(wrapped)
     if seed is not None:
         wrapped = hyp_seed(_property_seed(seed, prop.name))(wrapped)
     try:
@@ -279,10 +300,18 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
         res.status = "skipped"
         res.message = f"no drawn example fits backend {backend!r} ({e})"
     except Exception as e:  # noqa: BLE001
+        if state.final and id(state.final[-1][0]) in edge_of:  # an explicit edge example: shrink within its edge
+            state.first_failure = None  # a shrunk failure found there is appended to state.final
+            with modelling_chip(chip):
+                shrink_within_edge(prop, edge_of[id(state.final[-1][0])], b, chip, pins or {}, fits, test,
+                                   settings_kw)
         if state.final:
             ex, err = state.final[-1]
             res.status = "failed"
             res.message = f"{type(err).__name__}: {err}"
+            if state.shrink_skipped:
+                res.message += (f"\n(shrinking stopped after {SHRINK_SECONDS:g} s: the falsifying example is the "
+                                "smallest found by then)")
             res.falsifying_example = summarize(ex)
             res.reproduce = _reproduce_line(e)
             if cases_dir is not None:
