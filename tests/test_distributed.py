@@ -301,7 +301,7 @@ def _shrink_counts_aside(report: dict) -> dict:
     d = _strip(report)
     for r in d["results"]:
         if r["status"] == "failed":
-            assert r["examples"] > 10 and r["failed"] >= 1  # shrinking ran
+            assert r["failed"] >= 1
             r.pop("examples"), r.pop("passed"), r.pop("failed")
     d.pop("summary")
     return d
