@@ -163,3 +163,33 @@ def test_strided_clone_of_every_ml_dtype():
         a = np.repeat((np.arange(12, dtype=np.float32) % 5).astype(dt).reshape(3, 4), 2, axis=0)[::2]
         c = qst.clone(a)
         assert c.strides == a.strides and np.ascontiguousarray(c).tobytes() == np.ascontiguousarray(a).tobytes()
+
+
+def test_nan_softmax_statistics_fail_the_property_and_replay_exits_1(tmp_path):
+    """A backend returning NaN LSE statistics fails split_merge with that message (not a merge input error),
+    and replaying the saved case exits 1 (a failing property), not 2 (bad usage)."""
+    from qsfa.cli import main
+
+    op = "kv_quant_sparse_flash_attention"
+    ref = operator(op).impls["reference"]
+
+    class NanLse(qsfa.Backend):
+        name = "test-nan-lse"
+
+    def impl(**kw):
+        o, m, s = ref(**kw)
+        if m.size:
+            m = m.copy()
+            m.reshape(-1)[0] = np.nan
+        return o, m, s
+
+    qsfa.register_backend(NanLse(), replace=True)
+    for name, o in qsfa.operators().items():
+        qsfa.register_impl("test-nan-lse", name, impl if name == op else o.impls["reference"])
+    try:
+        r = run_property(P.get(f"{op}.split_merge"), "test-nan-lse", cases_dir=str(tmp_path))
+        assert r.status == "failed" and "non-finite" in r.message and "Invalid" not in r.message, r.message
+        assert main(["conformance", "--replay", r.case_file]) == 1
+        assert main(["conformance", "--replay", r.case_file, "--backend", "reference"]) == 0
+    finally:
+        qsfa.unregister_backend("test-nan-lse")

@@ -459,11 +459,17 @@ def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
     Returns ``(holds, message)``: ``holds`` is False when the property still fails on that backend."""
     prop, ex, side = load_example(path)
     be = backend or side["backend"]
+    from .._errors import BackendError
+
     try:
         with modelling_chip(side.get("chip")):
             prop.check(ex, be)
     except AssertionError as e:
         return False, f"{prop.name} fails on {be!r}: {e}"
+    except BackendError:  # the backend cannot run the case at all (unknown, unusable, declines it): not a verdict
+        raise
+    except Exception as e:  # noqa: BLE001 - as in a run: any other error of the check is a failure of the property
+        return False, f"{prop.name} fails on {be!r}: {type(e).__name__}: {e}"
     return True, f"{prop.name} holds on {be!r}"
 
 
