@@ -193,3 +193,23 @@ def test_nan_softmax_statistics_fail_the_property_and_replay_exits_1(tmp_path):
         assert main(["conformance", "--replay", r.case_file, "--backend", "reference"]) == 0
     finally:
         qsfa.unregister_backend("test-nan-lse")
+
+
+def test_a_missing_helper_operator_runs_on_the_reference_and_is_reported(tmp_path):
+    """split_merge needs merge_attention_lse: a backend that only has QSFA is still checked (the merge runs on the
+    reference, and the result says so) instead of being skipped with exit 0."""
+    op = "kv_quant_sparse_flash_attention"
+
+    class OnlyQsfa(qsfa.Backend):
+        name = "test-only-qsfa"
+
+    qsfa.register_backend(OnlyQsfa(), replace=True)
+    qsfa.register_impl("test-only-qsfa", op, operator(op).impls["reference"])
+    try:
+        r = run_property(P.get(f"{op}.split_merge"), "test-only-qsfa", max_examples=3)
+        assert r.status == "passed" and r.examples > 0
+        assert "merge_attention_lse ran on the reference" in r.message
+        r = run_property(P.get("merge_attention_lse.vs_reference"), "test-only-qsfa")
+        assert r.status == "skipped" and "does not implement merge_attention_lse" in r.message
+    finally:
+        qsfa.unregister_backend("test-only-qsfa")
