@@ -262,6 +262,11 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
     names = list(args)
     kind = caller_kind([args[n] for n in names], names)
 
+    # In-place tensors: layout and aliasing read from the tensors themselves (a device tensor's host copy
+    # would hide an expand()-ed view or a view of another argument); CPU tensors are also checked exactly below.
+    for n in op.contract.inplace:
+        if is_torch(args.get(n)):
+            _check_tensor_buffer(op, n, args)
     # Host NumPy views for validation (zero-copy for CPU tensors).
     host = Args({n: (_host_view(n, v) if is_torch(v) else v) for n, v in args.items()})
     be_chip = be.chip()
@@ -332,6 +337,24 @@ def _host_view(name: str, t):
     except (TypeError, RuntimeError) as e:
         raise InvalidDtype("dtype", name, str(t.dtype).replace("torch.", ""),
                            f"has no NumPy equivalent ({type(e).__name__}: {e})") from e
+
+
+def _check_tensor_buffer(op: Operator, name: str, args: Mapping):
+    """The overlap / aliasing rules of in-place buffer ``name`` (a torch tensor), from its strides and storage."""
+    from ._buffers import tensor_layout_overlaps, tensors_may_share
+
+    t = args[name]
+    if str(t.layout) != "torch.strided":
+        return  # rejected by name in _host_view
+    if tensor_layout_overlaps(t):
+        c = op.contract.constraint(f"{op.name}.{name}_overlap")
+        raise c.error(Raw(f"shape {tuple(t.shape)} with strides {tuple(t.stride())} (elements)"))
+    if t.device.type == "cpu":
+        return  # the host views share the memory: the exact NumPy test of the contract applies
+    for k, w in args.items():
+        if k != name and is_torch(w) and str(w.layout) == "torch.strided" and tensors_may_share(t, w):
+            c = op.contract.constraint(f"{op.name}.{name}_aliasing")
+            raise c.error(Raw(f"shares memory with {k}"))
 
 
 def _out_of_memory(host: Mapping) -> InvalidArgument:
