@@ -1,0 +1,95 @@
+"""A third-party backend reaches every entry point: the public registration API, ``--backend-module`` on the CLI,
+and the ``qsfa.backends`` entry-point group of an installed distribution (a fake ``*.dist-info`` on sys.path)."""
+
+import textwrap
+
+import numpy as np
+import pytest
+
+import qsfa
+from qsfa.cli import main
+
+pytest.importorskip("hypothesis")
+
+#: a backend module as a user writes it (docs/your-kernel.md): NumPy kernels for two operators; the "buggy"
+#: variant swaps the FP4 nibbles
+MODULE = '''
+import numpy as np
+import qsfa
+
+
+class {cls}(qsfa.Backend):
+    name = "{name}"
+    description = "a test kernel"
+
+
+def pack_fp4(codes, nibble_order):
+    first, second = codes[..., 0::2], codes[..., 1::2]
+    lo, hi = (first, second) if (nibble_order == "low_first") != {buggy} else (second, first)
+    return (lo | (hi << 4)).astype(np.uint8)
+
+
+def register():
+    qsfa.register_backend({cls}(), replace=True)
+    qsfa.register_impl("{name}", "formats.pack_fp4", pack_fp4)
+
+
+{call_register}
+'''
+
+
+def _write(tmp_path, mod, name, *, buggy=False, call_register=True):
+    (tmp_path / f"{mod}.py").write_text(MODULE.format(cls="Toy", name=name, buggy=buggy,
+                                                      call_register="register()" if call_register else ""))
+
+
+@pytest.fixture
+def clean(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = []
+    yield names
+    for n in names:
+        qsfa.unregister_backend(n)
+
+
+def _conformance(*extra, tmp_path):
+    return main(["conformance", "--properties", "formats.pack_fp4.vs_reference", "-q",
+                 "--cases-dir", str(tmp_path / "cases"), *extra])
+
+
+def test_backend_module_option(tmp_path, clean, capsys):
+    _write(tmp_path, "qsfa_test_kernel_ok", "test-kernel-ok")
+    _write(tmp_path, "qsfa_test_kernel_bad", "test-kernel-bad", buggy=True)
+    clean += ["test-kernel-ok", "test-kernel-bad"]
+    assert _conformance("--backend", "test-kernel-nope", tmp_path=tmp_path) == 2  # unknown without the module
+    assert _conformance("--backend-module", "qsfa_test_kernel_ok", "--backend", "test-kernel-ok",
+                        tmp_path=tmp_path) == 0
+    assert _conformance("--backend-module", "qsfa_test_kernel_bad", "--backend", "test-kernel-bad",
+                        tmp_path=tmp_path) == 1
+    assert list((tmp_path / "cases").glob("test-kernel-bad.formats.pack_fp4.vs_reference.json"))
+    assert _conformance("--backend-module", "no_such_module_xyz", "--backend", "x", tmp_path=tmp_path) == 2
+    assert "Invalid value for --backend-module" in capsys.readouterr().err
+    assert main(["backends", "--backend-module", "qsfa_test_kernel_ok"]) == 0
+    assert "test-kernel-ok" in capsys.readouterr().out
+
+
+def test_entry_point_group(tmp_path, clean, capsys):
+    _write(tmp_path, "qsfa_test_kernel_ep", "test-kernel-ep", call_register=False)
+    _write(tmp_path, "qsfa_test_kernel_broken", "test-kernel-broken", call_register=False)
+    dist = tmp_path / "qsfa_test_kernel-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: qsfa-test-kernel\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
+        [qsfa.backends]
+        test-kernel-ep = qsfa_test_kernel_ep:register
+        test-kernel-broken = qsfa_test_kernel_broken:no_such_function
+        """))
+    clean += ["test-kernel-ep"]
+    st = qsfa.backends()
+    assert st["test-kernel-ep"].usable and "formats.pack_fp4" in st["test-kernel-ep"].operators
+    assert not st["test-kernel-broken"].usable and "no_such_function" in st["test-kernel-broken"].reason
+    assert _conformance("--backend", "test-kernel-ep", tmp_path=tmp_path) == 0
+    codes = np.arange(8, dtype=np.uint8)
+    assert np.array_equal(qsfa.formats.pack_fp4(codes, backend="test-kernel-ep"), qsfa.formats.pack_fp4(codes))
+    assert _conformance("--backend", "test-kernel-broken", tmp_path=tmp_path) == 2
+    assert "test-kernel-broken" in capsys.readouterr().err
