@@ -155,7 +155,8 @@ class GoldenExecutor:
         folder = os.path.abspath(out).rstrip(os.sep) + ".failed"
         try:
             self.failed_case = case.save(os.path.join(folder, case.name + ".json"))
-            message += f" (case file: {self.failed_case}; replay: qsfa golden generate --case {self.failed_case} --out DIR)"
+            message += (f" (case file: {self.failed_case}; replay: qsfa golden generate --case {self.failed_case} "
+                        "--out DIR)")
         except Exception as e:  # noqa: BLE001 - report the failure itself regardless
             message += f" (could not save its case file: {type(e).__name__}: {e})"
         return GoldenInputError(message)
