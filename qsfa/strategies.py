@@ -624,18 +624,23 @@ class _QPlan:
     valid: np.ndarray  # [R] real (not padding) rows
 
 
+def _lengths(draw, n: int, lo: int, hi: int) -> np.ndarray:
+    """``n`` sequence lengths in [lo, hi] drawn by hypothesis (so a failing example shrinks to short ones)."""
+    return np.array(draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)), np.int64)
+
+
 def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _QPlan:
     max_q = max(1, b.max_q_tokens)
     if layout_query == "BSND":
         q_s = _E.pinned_int(draw, pins, "q_tokens", 1, max_q)
         explicit = _choose(draw, pins, "explicit_lengths", (False, True))
-        act_q = (rng.integers(0, q_s + 1, batch) if explicit and rng.random() < 0.7 else np.full(batch, q_s))
+        act_q = (_lengths(draw, batch, 0, q_s) if explicit and draw(st.integers(0, 9)) < 7 else np.full(batch, q_s))
         act_q = _E.query_lengths(act_q.astype(np.int64), pins, q_s)
         lens = act_q.astype(np.int32) if explicit else None
         bb = np.repeat(np.arange(batch), q_s)
         pos = np.tile(np.arange(q_s), batch)
         return _QPlan("BSND", (batch, q_s), act_q, lens, bb, pos, pos < act_q[bb])
-    act_q = np.maximum(rng.integers(0, max_q + 1, batch), pins.get("q_tokens", 0)).astype(np.int64)
+    act_q = np.maximum(_lengths(draw, batch, 0, max_q), pins.get("q_tokens", 0)).astype(np.int64)
     if act_q.sum() == 0:
         act_q[0] = 1
     act_q = _E.query_lengths(act_q, pins, max_q)
@@ -654,9 +659,9 @@ def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _Q
 def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_sizes, act_kv=None) -> _KvPlan:
     max_kv = max(1, b.max_kv_tokens)
     if act_kv is None:
-        act_kv = rng.integers(0, max_kv + 1, batch).astype(np.int64)
-        if rng.random() < 0.5:  # long sequences are the interesting ones
-            act_kv = np.maximum(act_kv, rng.integers(max_kv // 2, max_kv + 1, batch))
+        act_kv = _lengths(draw, batch, 0, max_kv)
+        if draw(st.booleans()):  # long sequences are the interesting ones
+            act_kv = np.maximum(act_kv, _lengths(draw, batch, max_kv // 2, max_kv))
         act_kv = _E.kv_lengths(act_kv, pins)
     mk = max(int(act_kv.max(initial=0)), 1)
     j = np.arange(mk)[None, :]
