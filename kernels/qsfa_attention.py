@@ -8,8 +8,8 @@ Per program:
    token ``sparse_indices[row, e] * sbs + p % sbs``; a token is valid when it lies in ``[0, limit)``
    (``limit = min(actKV, threshold)``); positions stop after ``n_read`` entries (the host computes
    ``n_read = min(sparse_size, ceil(threshold / sbs), first -1)``; 0 for rows that see nothing);
-2. gather the packed rows (PA_BSND through block_table, or BSND / TND), dequantise the NoPE codes (int8 or
-   FP8 E4M3FN) with their tile scale in fp32 and round to the query dtype; RoPE as stored;
+2. gather the packed rows (PA_BSND through block_table, or BSND / TND), dequantise the NoPE codes (int8,
+   FP8 E4M3FN or HiFloat8, each decoded exactly by bit arithmetic) with their tile scale in fp32 and round to the query dtype; RoPE as stored;
 3. scores = fp32(q . k) * scale_value with fp32 accumulation; invalid tokens get probability exactly 0
    (the effect of the reference's -2e38 score);
 4. softmax in fp32 and probabilities rounded to the query dtype before P @ V (fp32 accumulation):
@@ -51,24 +51,82 @@ def _decode_e4m3fn(c):
 
 
 @triton.jit
-def _dequant(q8, sc, IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr):
-    """``decode(code) * scale`` (one fp32 multiply) rounded to the query dtype."""
-    if KEY_FP8:
+def _decode_hif8(c):
+    """HiFloat8 codes (uint8) -> fp32, exact (docs/numerics/formats.md#hifloat8): bits 6..0 start with the dot
+    field (``11`` D = 4, ``10`` D = 3, ``01`` D = 2, ``001`` D = 1, ``0001`` D = 0, ``0000`` denormal), then D
+    sign-magnitude exponent bits (implicit leading 1 on the magnitude), then M = 1, 2, 3, 3, 3 mantissa bits;
+    denormal ``0000 mmm`` = 2^(mmm - 23). 0x00 = 0, 0x80 = NaN, 0x6F / 0xEF = +-Inf. Every value is a normal
+    fp32 number (2^-22 .. 2^15), so the result is assembled from its fp32 fields."""
+    c32 = c.to(tl.int32) & 0xFF
+    a = c32 & 0x7F
+    d4 = a >= 0x60
+    d3 = a >= 0x40
+    d2 = a >= 0x20
+    d1 = a >= 0x10
+    mbits = tl.where(d4, 1, tl.where(d3, 2, 3))
+    mant = a & ((1 << mbits) - 1)
+    # exponent magnitude: 8 + eee, 4 + ee, 2 + e, 1, 0; its sign bit is bit 4 (D >= 2) or bit 3 (D = 1)
+    mag = tl.where(d4, 8 + ((a >> 1) & 7), tl.where(d3, 4 + ((a >> 2) & 3), tl.where(d2, 2 + ((a >> 3) & 1),
+                                                                               tl.where(d1, 1, 0))))
+    neg_e = tl.where(d2, (a >> 4) & 1, tl.where(d1, (a >> 3) & 1, 0))
+    e = tl.where(neg_e != 0, -mag, mag)
+    normal = ((e + 127) << 23) | (mant << (23 - mbits))
+    bits = tl.where(a >= 0x08, normal, tl.where(a == 0, 0, (a + 104) << 23))
+    val = bits.to(tl.float32, bitcast=True)
+    val = tl.where(a == 0x6F, float("inf"), val)
+    val = tl.where(c32 == 0x80, float("nan"), val)
+    return tl.where((c32 & 0x80) != 0, -val, val)
+
+
+@triton.jit
+def _hif8_table_kernel(o_ptr):
+    c = tl.arange(0, 256)
+    tl.store(o_ptr + c, _decode_hif8(c.to(tl.uint8)))
+
+
+_HIF8_TABLES: dict = {}
+
+
+def hif8_table(device):
+    """The 256 HiFloat8 values as fp32 on ``device`` (decoded once per device by :func:`_decode_hif8`)."""
+    import torch
+
+    key = str(device)
+    if key not in _HIF8_TABLES:
+        tab = torch.empty(256, dtype=torch.float32, device=device)
+        _hif8_table_kernel[(1,)](tab)
+        _HIF8_TABLES[key] = tab
+    return _HIF8_TABLES[key]
+
+
+#: NoPE code formats of the KEY_FMT constexpr
+KEY_INT8, KEY_E4M3FN, KEY_HIF8 = 0, 1, 2
+KEY_FORMATS = {"int8": KEY_INT8, "float8_e4m3fn": KEY_E4M3FN, "hifloat8": KEY_HIF8}
+
+
+@triton.jit
+def _dequant(q8, sc, tab_ptr, IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FMT: tl.constexpr):
+    """``decode(code) * scale`` (one fp32 multiply; every code decodes exactly) rounded to the query dtype.
+    HiFloat8 codes are looked up in ``tab_ptr`` (256 fp32 values written by :func:`_decode_hif8`; a gather from
+    a 1 KiB table costs fewer registers than decoding in place, which spills at the default tiling)."""
+    if KEY_FMT == 1:
         val = _decode_e4m3fn(q8.to(tl.uint8, bitcast=True))
+    elif KEY_FMT == 2:
+        val = tl.load(tab_ptr + q8.to(tl.uint8, bitcast=True).to(tl.int32))
     else:
         val = q8.to(tl.float32)
     return round_to_dtype(val * sc, IS_BF16, Q_ROUND)
 
 
 @triton.jit
-def _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, J: tl.constexpr, SCALE_IDX: tl.constexpr,
-               IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr):
+def _nope_tile(kv_i8_ptr, kv_f32_ptr, tab_ptr, row_off, valid, J: tl.constexpr, SCALE_IDX: tl.constexpr,
+               IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FMT: tl.constexpr):
     """NoPE tile J (columns [128 J, 128 J + 128)) of the rows at byte offsets ``row_off``, dequantised:
     [BLOCK_N, 128] in the query dtype (one scale load per row)."""
     cols = tl.arange(0, 128)
     q8 = tl.load(kv_i8_ptr + row_off[:, None] + (J * 128 + cols)[None, :], mask=valid[:, None], other=0)
     sc = tl.load(kv_f32_ptr + row_off // 4 + (SCALE_IDX + J), mask=valid, other=0.0)
-    return _dequant(q8, sc[:, None], IS_BF16, Q_ROUND, KEY_FP8)
+    return _dequant(q8, sc[:, None], tab_ptr, IS_BF16, Q_ROUND, KEY_FMT)
 
 
 @triton.jit
@@ -82,10 +140,10 @@ def _dot_t(a, b, IS_BF16: tl.constexpr, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope,
-                  kv_i8_ptr, kv_16_ptr, kv_f32_ptr, stride_kb, stride_kt, bt_ptr, stride_bt,
+                  kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr, stride_kb, stride_kt, bt_ptr, stride_bt,
                   idx_ptr, stride_ir, scale_value, block_size,
                   SBS: tl.constexpr, SCALE_IDX: tl.constexpr, IS_PA: tl.constexpr, HAS_ROPE: tl.constexpr,
-                  IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr, DOT_F32: tl.constexpr,
+                  IS_BF16: tl.constexpr, Q_ROUND: tl.constexpr, KEY_FMT: tl.constexpr, DOT_F32: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """Scores [BLOCK_H, BLOCK_N] (invalid tokens -inf) of the selected positions [p0, p0 + BLOCK_N), plus
     the gathered rows' byte offsets and their validity. The NoPE is streamed in four 128-column tiles
@@ -104,13 +162,13 @@ def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope,
         row_off = kv_b * stride_kb + (kv_off + tok) * stride_kt
     row_off = tl.multiple_of(row_off, 16)  # the launcher guarantees 16-byte aligned rows (vector loads)
 
-    s = _dot_t(q0, _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, 0, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8),
+    s = _dot_t(q0, _nope_tile(kv_i8_ptr, kv_f32_ptr, tab_ptr, row_off, valid, 0, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FMT),
                IS_BF16, DOT_F32)
-    s += _dot_t(q1, _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, 1, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8),
+    s += _dot_t(q1, _nope_tile(kv_i8_ptr, kv_f32_ptr, tab_ptr, row_off, valid, 1, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FMT),
                 IS_BF16, DOT_F32)
-    s += _dot_t(q2, _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, 2, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8),
+    s += _dot_t(q2, _nope_tile(kv_i8_ptr, kv_f32_ptr, tab_ptr, row_off, valid, 2, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FMT),
                 IS_BF16, DOT_F32)
-    s += _dot_t(q3, _nope_tile(kv_i8_ptr, kv_f32_ptr, row_off, valid, 3, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8),
+    s += _dot_t(q3, _nope_tile(kv_i8_ptr, kv_f32_ptr, tab_ptr, row_off, valid, 3, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FMT),
                 IS_BF16, DOT_F32)
     if HAS_ROPE:
         rcols = tl.arange(0, 64)
@@ -123,20 +181,20 @@ def _chunk_scores(p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope,
 
 
 @triton.jit
-def _v_sub(kv_i8_ptr, kv_f32_ptr, row_off, valid, c0, SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr,
-           Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr, W: tl.constexpr):
+def _v_sub(kv_i8_ptr, kv_f32_ptr, tab_ptr, row_off, valid, c0, SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr,
+           Q_ROUND: tl.constexpr, KEY_FMT: tl.constexpr, W: tl.constexpr):
     """V columns [c0, c0 + W) (inside one 128-column scale tile) dequantised: [BLOCK_N, W]."""
     cols = tl.arange(0, W)
     q8 = tl.load(kv_i8_ptr + row_off[:, None] + (c0 + cols)[None, :], mask=valid[:, None], other=0)
     sc = tl.load(kv_f32_ptr + row_off // 4 + SCALE_IDX + c0 // 128, mask=valid, other=0.0)
-    return _dequant(q8, sc[:, None], IS_BF16, Q_ROUND, KEY_FP8)
+    return _dequant(q8, sc[:, None], tab_ptr, IS_BF16, Q_ROUND, KEY_FMT)
 
 
 @triton.jit
-def _pv(acc, p16, row_off, valid, c0, kv_i8_ptr, kv_f32_ptr, SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr,
-        Q_ROUND: tl.constexpr, KEY_FP8: tl.constexpr, DOT_F32: tl.constexpr, W: tl.constexpr):
+def _pv(acc, p16, row_off, valid, c0, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX: tl.constexpr, IS_BF16: tl.constexpr,
+        Q_ROUND: tl.constexpr, KEY_FMT: tl.constexpr, DOT_F32: tl.constexpr, W: tl.constexpr):
     """acc + P @ V[:, c0:c0 + W] with fp32 accumulation (V re-gathered and dequantised, one sub-tile)."""
-    v = _v_sub(kv_i8_ptr, kv_f32_ptr, row_off, valid, c0, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, W)
+    v = _v_sub(kv_i8_ptr, kv_f32_ptr, tab_ptr, row_off, valid, c0, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FMT, W)
     if DOT_F32:
         return acc + tl.dot(to_f32(p16, IS_BF16), to_f32(v, IS_BF16))
     else:
@@ -158,6 +216,7 @@ def _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, c0, acc, has, l
 def qsfa_attention_kernel(
     q_ptr, stride_qr, stride_qh,               # query rows [R, Q_N, Q_D] (element strides, last dim dense)
     kv_i8_ptr, kv_16_ptr, kv_f32_ptr,          # the key buffer viewed as int8 / 16-bit / fp32
+    tab_ptr,                                   # fp32 [256] HiFloat8 decode table (KEY_FMT 2; else unread)
     stride_kb, stride_kt,                      # byte strides: batch-or-block, token-row
     bt_ptr, stride_bt,                         # block_table [B, max_blocks] (PA only)
     idx_ptr, stride_ir,                        # sparse_indices rows [R, sparse_size] int32
@@ -174,7 +233,7 @@ def qsfa_attention_kernel(
     Q_ROUND: tl.constexpr,                     # rounding of the dequantised K (and V): ROUND_AWAY / ROUND_RINT
     P_ROUND: tl.constexpr,                     # rounding of P before P @ V
     O_ROUND: tl.constexpr,                     # rounding of the output
-    KEY_FP8: tl.constexpr,                     # NoPE codes are FP8 E4M3FN (else int8)
+    KEY_FMT: tl.constexpr,                     # NoPE codes: 0 int8, 1 FP8 E4M3FN, 2 HiFloat8
     TWO_PASS: tl.constexpr,                    # pass 1: row max and sum; pass 2: P against the final max
     P_NORMALISED: tl.constexpr,                # (two-pass only) round p / sum instead of p
     WRITE_LSE: tl.constexpr,
@@ -219,9 +278,9 @@ def qsfa_attention_kernel(
     if TWO_PASS:
         for p0 in range(0, n_pos, BLOCK_N):
             s, row_off, valid = _chunk_scores(
-                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
-                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
@@ -230,21 +289,21 @@ def qsfa_attention_kernel(
         l_div = tl.where(l_i > 0.0, l_i, 1.0)
         for p0 in range(0, n_pos, BLOCK_N):
             s, row_off, valid = _chunk_scores(
-                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
-                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, BLOCK_N)
             p = tl.exp(s - m_fin[:, None])
             if P_NORMALISED:
                 p = tl.math.div_rn(p, tl.broadcast_to(l_div[:, None], p.shape))
             p16 = round_to_dtype(p, IS_BF16, P_ROUND)
-            acc0 = _pv(acc0, p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
-                       KEY_FP8, DOT_F32, W)
-            acc1 = _pv(acc1, p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
-                       KEY_FP8, DOT_F32, W)
-            acc2 = _pv(acc2, p16, row_off, valid, dv0 + 2 * W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16,
-                       Q_ROUND, KEY_FP8, DOT_F32, W)
-            acc3 = _pv(acc3, p16, row_off, valid, dv0 + 3 * W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX, IS_BF16,
-                       Q_ROUND, KEY_FP8, DOT_F32, W)
+            acc0 = _pv(acc0, p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
+                       KEY_FMT, DOT_F32, W)
+            acc1 = _pv(acc1, p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
+                       KEY_FMT, DOT_F32, W)
+            acc2 = _pv(acc2, p16, row_off, valid, dv0 + 2 * W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16,
+                       Q_ROUND, KEY_FMT, DOT_F32, W)
+            acc3 = _pv(acc3, p16, row_off, valid, dv0 + 3 * W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16,
+                       Q_ROUND, KEY_FMT, DOT_F32, W)
         if P_NORMALISED:
             l_out = tl.where(l_i > 0.0, 1.0, 0.0)
         else:
@@ -252,9 +311,9 @@ def qsfa_attention_kernel(
     else:
         for p0 in range(0, n_pos, BLOCK_N):
             s, row_off, valid = _chunk_scores(
-                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr,
+                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
-                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, BLOCK_N)
+                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
@@ -262,14 +321,14 @@ def qsfa_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
             p16 = round_to_dtype(p, IS_BF16, P_ROUND)
-            acc0 = _pv(acc0 * alpha[:, None], p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, SCALE_IDX,
-                       IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
-            acc1 = _pv(acc1 * alpha[:, None], p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, SCALE_IDX,
-                       IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
+            acc0 = _pv(acc0 * alpha[:, None], p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX,
+                       IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, W)
+            acc1 = _pv(acc1 * alpha[:, None], p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX,
+                       IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, W)
             acc2 = _pv(acc2 * alpha[:, None], p16, row_off, valid, dv0 + 2 * W, kv_i8_ptr, kv_f32_ptr,
-                       SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
+                       tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, W)
             acc3 = _pv(acc3 * alpha[:, None], p16, row_off, valid, dv0 + 3 * W, kv_i8_ptr, kv_f32_ptr,
-                       SCALE_IDX, IS_BF16, Q_ROUND, KEY_FP8, DOT_F32, W)
+                       tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, W)
         l_out = l_i
 
     has = l_out > 0.0
@@ -396,7 +455,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     sparse_indices: ``[B, Q_S, 1, K]`` / ``[Q_T, 1, K]`` int32 (entries >= -1; -1 ends a row).
     block_table: int32 ``[B, max_blocks]`` (PA_BSND).
     actual_seq_lengths_query / _kv: int ``[B]`` (TND: prefix sums); None = full lengths (BSND).
-    key_dtype: NoPE code format, "int8" or "float8_e4m3fn".
+    key_dtype: NoPE code format, "int8", "float8_e4m3fn" or "hifloat8" (HiFloat8: rope 64 only, the contract's rule).
     probability_rounding: "unnormalised" (round ``exp(s - max)``; P @ V divided by the sum at the end) or
             "normalised" (round ``p / sum``; always runs two-pass) - the reference's OPEN parameter.
     k_rounding, p_rounding, out_rounding: "rint" or "round" (half away from zero) at the three rounding points
@@ -420,8 +479,8 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             raise ValueError(f"{name} must be 'rint' or 'round', got {m!r}")
     if probability_rounding not in ("unnormalised", "normalised"):
         raise ValueError(f"probability_rounding must be 'unnormalised' or 'normalised', got {probability_rounding!r}")
-    if key_dtype not in ("int8", "float8_e4m3fn"):
-        raise ValueError(f"key_dtype must be 'int8' or 'float8_e4m3fn', got {key_dtype!r}")
+    if key_dtype not in KEY_FORMATS:
+        raise ValueError(f"key_dtype must be 'int8', 'float8_e4m3fn' or 'hifloat8', got {key_dtype!r}")
     normalised = probability_rounding == "normalised"
 
     q_n = int(query.shape[-2])
@@ -483,7 +542,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     if R > 0:
         qsfa_attention_kernel[grid](
             q_rows, q_rows.stride(0), q_rows.stride(1),
-            k8, k16, k32, stride_kb, stride_kt,
+            k8, k16, k32, hif8_table(dev) if key_dtype == "hifloat8" else k32, stride_kb, stride_kt,
             bt, stride_bt,
             idx, idx.stride(0),
             meta,
@@ -499,7 +558,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             Q_ROUND=modes[k_rounding],
             P_ROUND=modes[p_rounding],
             O_ROUND=modes[out_rounding],
-            KEY_FP8=key_dtype == "float8_e4m3fn",
+            KEY_FMT=KEY_FORMATS[key_dtype],
             TWO_PASS=cfg.two_pass or normalised,
             P_NORMALISED=normalised,
             WRITE_LSE=bool(return_softmax_lse),

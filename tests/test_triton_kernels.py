@@ -38,7 +38,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 from qsfa.compare import assert_bytes_equal, compare_float  # noqa: E402
 from qsfa.kernels import _common as C  # noqa: E402
 from qsfa.kernels.c8_cache_writer import launch_c8_cache_write  # noqa: E402
-from qsfa.kernels.qsfa_attention import KernelConfig, launch_qsfa_attention  # noqa: E402
+from qsfa.kernels.qsfa_attention import KernelConfig, _decode_hif8, hif8_table, launch_qsfa_attention  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEV = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -191,6 +191,33 @@ def test_interpreter_fp8_cast_is_not_rne():
     rne = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     assert rne.tolist() == [0x38, 0x40, 0x48, 0x3A]
     assert _np(out).tolist() == [0x39, 0x38, 0x48, 0x3A]
+
+
+@triton.jit
+def _hif8_decode_kernel(c_ptr, o_ptr):
+    i = tl.arange(0, 256)
+    tl.store(o_ptr + i, _decode_hif8(tl.load(c_ptr + i)))
+
+
+def test_hif8_decode_every_code():
+    """The attention kernel's HiFloat8 decoder (bit arithmetic) against the independent en-dtypes type and
+    qsfa.formats.decode, all 256 codes, bit for bit (NaN only at 0x80, +-Inf at 0x6F / 0xEF)."""
+    en = pytest.importorskip("en_dtypes")
+    from qsfa import formats
+
+    codes = np.arange(256, dtype=np.uint8)
+    out = torch.empty(256, dtype=torch.float32, device=DEV)
+    _hif8_decode_kernel[(1,)](_t(codes), out)
+    got = _np(out)
+    want = codes.view(en.hifloat8).astype(np.float32)
+    assert np.flatnonzero(np.isnan(got)).tolist() == [0x80] == np.flatnonzero(np.isnan(want)).tolist()
+    assert got[0x6F] == np.inf and got[0xEF] == -np.inf
+    keep = codes != 0x80
+    assert_bytes_equal(got[keep], want[keep], name="hifloat8 decode vs en_dtypes")
+    assert_bytes_equal(got[keep], np.asarray(formats.decode(codes, "hifloat8"))[keep], name="vs qsfa.formats")
+    tab = _np(hif8_table(DEV))  # the table the attention kernel gathers from
+    assert np.isnan(tab[0x80])
+    assert_bytes_equal(tab[keep], want[keep], name="hif8_table")
 
 
 @triton.jit
