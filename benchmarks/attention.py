@@ -76,8 +76,10 @@ def decode_case(rng, batch=4, kv_len=8192, sparse=2048, heads=128):
                 actual_seq_lengths_kv=np.full(batch, kv_len, np.int32), layout_query="BSND", layout_kv="PA_BSND")
 
 
-def prefill_case(rng, q_tokens=4096, sparse=2048, heads=128):
-    kv_len = sparse + q_tokens
+def prefill_case(rng, q_tokens=4096, sparse=2048, heads=128, cached=None):
+    """cached: tokens before the query (default sparse: every row sees >= sparse tokens); fewer leave the first
+    rows' surplus indices past their causal threshold (unselected)."""
+    kv_len = (sparse if cached is None else cached) + q_tokens
     cache, nblk = _cache(rng, kv_len)
     table = np.arange(nblk, dtype=np.int32)[None, :]
     q = (rng.standard_normal((q_tokens, heads, 576)) * 0.5).astype(BF16)

@@ -1,7 +1,8 @@
 """Byte check of the optimised oracles against hashes stored from the implementation before the speed work.
 
 ``benchmarks/bytecheck_hashes.json`` holds the SHA-256 of every output of the cases below as computed by commit
-69d1248 (before issue 15's speed work). The speed work may change how the values are computed, never which bytes
+69d1248 (before issue 15's speed work; cases whose meaning a later issue changed on purpose are re-pinned from the
+commit named in the file, which equals 69d1248 on every other case). The speed work may change how the values are computed, never which bytes
 come out: ``python -m benchmarks.bytecheck`` recomputes every case and compares (exit status 1 on a mismatch);
 ``--write`` regenerates the file (only ever from a commit whose outputs are the accepted ones).
 
@@ -61,6 +62,25 @@ def _variant(args, *, qdt=None, fmt=None, wide=False, rope0=False, seed=0):
     return a
 
 
+def _padded(args, huge=False):
+    """Rows with unselected entries: -1 padding, indices past the KV length, and (huge) rows whose selected scores
+    overflow to -inf, so the masked tokens' -2e38 is the row max."""
+    a = dict(args)
+    idx = a["sparse_indices"].copy()
+    w = idx.shape[-1]
+    idx[0, ..., w // 3:] = -1
+    idx[1, ..., : w // 2] = int(a["actual_seq_lengths_kv"][1]) + np.arange(w // 2)  # past the KV: unselected
+    a["sparse_indices"] = idx
+    if huge:  # non-negative codes and positive scales: q . k overflows to -inf for every selected token
+        q = a["query"].astype(np.float32)
+        q[0, 0, :4, :512] = -3e38
+        a["query"] = q.astype(a["query"].dtype)
+        cache = a["key"].view(np.int8).copy()
+        cache[..., :512] = np.abs(cache[..., :512])
+        a["key"] = a["value"] = cache
+    return a
+
+
 def _sfa_case(seed=3, batch=2, heads=16, kv=2048, sparse=512):
     rng = np.random.default_rng(seed)
     k = (rng.standard_normal((batch, kv, 1, 512)) * 0.5).astype(BF16)
@@ -91,6 +111,10 @@ def cases():
         "qsfa-rope0": lambda: qs(**_variant(small, rope0=True, seed=7), **lse),
         "qsfa-prefill-wide": lambda: qs(**_variant(pre, wide=True, seed=8), **lse),
         "sfa-sinks": lambda: qsfa.sparse_flash_attention(**_sfa_case()),
+        "qsfa-padded": lambda: qs(**_padded(small), **lse),
+        "qsfa-prefill-causal": lambda: qs(**prefill_case(np.random.default_rng(9), q_tokens=96, sparse=256, heads=16,
+                                                         cached=192), **lse),
+        "qsfa-masked-max": lambda: qs(**_padded(small, huge=True), **lse),
     }
     out.update(writer_cases())
     return out
@@ -179,12 +203,13 @@ def check(names=None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--write", action="store_true", help="store this checkout's hashes (pre-change commit only)")
+    p.add_argument("--made-from", default="?", help="with --write: the commit the hashes come from")
     p.add_argument("--only", nargs="+")
     a = p.parse_args(argv)
     if a.write:
         hashes = {name: digest(fn()) for name, fn in cases().items()}
         with open(HASHES, "w") as f:
-            json.dump({"made_from": "69d1248", "hashes": hashes}, f, indent=1, sort_keys=True)
+            json.dump({"made_from": a.made_from, "hashes": hashes}, f, indent=1, sort_keys=True)
             f.write("\n")
         print(f"wrote {len(hashes)} hashes to {HASHES}")
         return 0

@@ -1,5 +1,6 @@
-"""``--workers 2`` against a serial run, end to end: ``qsfa golden generate --set seed-rope0`` and the full ``ci``
-conformance run (``qsfa conformance --backend reference``).
+"""``--workers 2`` against a serial run, end to end: ``qsfa golden generate --set seed-rope0``, the full ``ci``
+conformance run (``qsfa conformance --backend reference``) and one long prefill case (``--case``: 128 query
+tokens x 32 heads x 1024 selected tokens, split into row tasks of 16 rows with ``--chunk-rows 16``).
 
 Each figure is the wall time of the whole command (a fresh process: imports, cluster start-up, writing the
 files and reports), so the fixed cost of a local cluster counts. Serial and parallel runs alternate (serial
@@ -7,7 +8,7 @@ first in even rounds, parallel first in odd ones) so that a change in machine lo
 the ratio and the load average (``os.getloadavg``) before and after are reported. The written golden sets are
 compared byte for byte after each pair.
 
-    python -m benchmarks.distributed [--rounds 5] [--only golden|conformance] [--workers 2]
+    python -m benchmarks.distributed [--rounds 5] [--only "golden seed-rope0" ...] [--workers 2]
 """
 
 from __future__ import annotations
@@ -35,7 +36,21 @@ COMMANDS = {
                         "OUT.cases"],
                        ["conformance", "--backend", "reference", "-q", "--properties", "formats.decode.*",
                         "--report", "OUT.json", "--cases-dir", "OUT.cases"]),
+    "golden prefill case": (["golden", "generate", "--case", "CASE", "--out", "OUT", "-q"], None),
 }
+
+#: the long case of "golden prefill case": written to CASE before the runs
+PREFILL = dict(q_lens=[128], kv_lens=[2048], heads=32, layout_query="TND", layout_kv="PA_BSND", block_size=128,
+               width=1024, rope_head_dim=64, dtype="bfloat16", data="realistic", scale_value=576 ** -0.5,
+               sparse_mode=3, return_softmax_lse=True)
+
+
+def _prefill_case(folder: str) -> str:
+    from qsfa.golden import Case
+
+    case = Case(name="prefill-128x32x1024", op="kv_quant_sparse_flash_attention", generator="qsfa_attention",
+                seed=7, params=PREFILL, description="benchmarks/distributed.py: one long prefill case")
+    return case.save(os.path.join(folder, "prefill.json"))
 
 
 def _run(cmd, out) -> float:
@@ -68,14 +83,17 @@ def measure(name: str, rounds: int, workers: int, quick: bool) -> dict:
     serial, parallel = [], []
     load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="qsfa-bench-dist-")
+    split = ["--chunk-rows", "16"] if "--case" in cmd else []
     try:
+        if "--case" in cmd:
+            cmd = [a.replace("CASE", _prefill_case(tmp)) for a in cmd]
         for k in range(rounds):
             order = ("serial", "parallel") if k % 2 == 0 else ("parallel", "serial")
             outs = {}
             for which in order:
                 out = os.path.join(tmp, f"{which}{k}")
                 outs[which] = out
-                extra = [] if which == "serial" else ["--workers", str(workers)]
+                extra = [] if which == "serial" else ["--workers", str(workers)] + split
                 (serial if which == "serial" else parallel).append(_run(cmd + extra, out))
             if not _same_tree(outs["serial"], outs["parallel"]):
                 raise RuntimeError(f"{name}: the --workers {workers} set differs from the serial one")
@@ -93,7 +111,7 @@ def measure(name: str, rounds: int, workers: int, quick: bool) -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    names = ["golden seed-rope0"] if quick else list(COMMANDS)
+    names = ["golden seed-rope0"] if quick else list(COMMANDS)  # quick: the smoke set
     return [measure(n, 1 if quick else 5, 2, quick) for n in names]
 
 
@@ -101,10 +119,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.distributed", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--only", choices=("golden", "conformance"))
+    p.add_argument("--only", nargs="+", choices=sorted(COMMANDS), help="only these measurements")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    names = [n for n in COMMANDS if args.only is None or n.startswith(args.only)]
+    names = [n for n in COMMANDS if args.only is None or n in args.only]
     for n in names:
         r = measure(n, args.rounds, args.workers, args.quick)
         print(f"{r['case']}: serial {r['baseline_s']:.2f} s, --workers {args.workers} {r['ours_s']:.2f} s "

@@ -122,7 +122,9 @@ class Param:
         return r + (" or None" if self.optional and self.type != "any" else "")
 
     def offending(self, v):
-        """``None`` if ``v`` has the declared type, else the actual value to report."""
+        """``None`` if ``v`` has the declared type, else the actual value to report. (A parameter absent from
+        the arguments - a direct ``run`` call that leaves a defaulted one out - is not checked; the public
+        functions pass every parameter.)"""
         if v is None:
             return None if self.optional else Raw("None")
         t = self.type
@@ -175,7 +177,8 @@ def _type_constraint(op: str, p: Param) -> Constraint:
 
     suffix = "is_array" if p.type == "array" else "type"
     return Constraint(id=f"{op}.{p.name}_{suffix}", param=p.name, kind="type", reason=p.reason,
-                      check=lambda a, _p=p: _p.offending(a.get(_p.name)), dtype=True, violate=violate,
+                      check=lambda a, _p=p: _p.offending(a[_p.name]) if _p.name in a else None, dtype=True,
+                      violate=violate,
                       source="qsfa contract: declared parameter type")
 
 

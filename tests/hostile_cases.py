@@ -94,7 +94,7 @@ def declared_types() -> dict:
 def _set(param, value_fn):
     def build(base):
         out = dict(base)
-        out[param] = value_fn(base[param], base)
+        out[param] = value_fn(base.get(param), base)
         return out
 
     return build
@@ -159,7 +159,8 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
     def add(param, kind, expect, build, torch=False):
         out.append(Case(op, param, kind, expect, build, torch))
 
-    for param, value in example.items():
+    declared_only = {p: None for p in types if p not in example}  # defaulted parameters the example leaves out
+    for param, value in {**example, **declared_only}.items():
         t, optional = types.get(param, (None, False))
         if t is None:  # undeclared: infer from the example (None -> anything, optional)
             t = ("array" if isinstance(value, np.ndarray) else "bool" if isinstance(value, bool) else "int"
@@ -212,7 +213,19 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
                 add(param, "inf", "must_reject", _set(param, lambda v, b: float("inf")))
             if t == "bool":
                 add(param, "int_for_bool", "must_reject", _set(param, lambda v, b: 1))
+    if "chip" in _signature(op) and "chip" not in example:  # the per-chip keyword every operator takes
+        add("chip", "bad_value", "must_reject", lambda b: {**b, "chip": "A5"})
+        add("chip", "wrong_type", "must_reject", lambda b: {**b, "chip": 950})
     return out
+
+
+def _signature(op):
+    import inspect
+
+    try:
+        return inspect.signature(public_function(op)).parameters
+    except (AttributeError, ValueError, TypeError):
+        return {}
 
 
 def _to_torch_all(args):
@@ -314,7 +327,9 @@ def _run_forked(case, table, timeout_s, mem_bytes):
     if pid == 0:  # child
         os.close(r)
         try:
-            resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+            with open("/proc/self/status") as f:  # the address space already mapped (torch maps a lot) + the budget
+                vm = next((int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:")), 0)
+            resource.setrlimit(resource.RLIMIT_AS, (vm + mem_bytes, vm + mem_bytes))
             res = run_case(case, table)
         except BaseException as e:  # noqa: BLE001
             res = ("foreign", f"{type(e).__name__}: {str(e)[:200]}")

@@ -1,22 +1,26 @@
-"""The faithful attention and indexer oracles give the same bytes whatever BLAS kernel, thread count or NumPy SIMD
-dispatch the machine picks (golden tensors must be byte-identical on every machine, issue 7).
+"""The faithful attention and indexer oracles give the same bytes whatever summation order the machine's GEMM uses
+(golden tensors must be byte-identical on every machine, issue 7).
 
-Each variant runs the same decode-sized cases (Q_N 64, sparse 2048, bf16 and fp16; QSFA, SFA with sinks, the
-lightning indexer and its quantised form) in a fresh interpreter whose environment changes how NumPy computes:
+The oracles do their float64 GEMMs through ``np.matmul`` (``qsfa.reference.attention._dot_f32``, also used by the
+indexers) and certify every result against the any-order error bound, so any float64 GEMM must give the same
+output bytes. Each variant injects another GEMM in process and runs the same decode-sized cases (Q_N 64, sparse
+2048, bf16 and fp16; QSFA, SFA with sinks, the lightning indexer and its quantised form):
 
-* ``OPENBLAS_CORETYPE=Prescott``: OpenBLAS's SSE3 kernels instead of the one picked for this CPU (another
-  summation order, no FMA; checked to change fp32 sgemm bits, else the variant is skipped as vacuous);
-* ``OPENBLAS_NUM_THREADS=1`` and ``=2``: another split of the work;
-* ``NPY_DISABLE_CPU_FEATURES=X86_V3``: NumPy's pre-AVX2 loops (changes float32 ``np.exp``).
+* ``reversed`` / ``permuted`` / ``blocked``: float64 sums over K in reversed order, in a random permutation of K,
+  and in blocks of 7 whose partial sums are added last-to-first (three orders no BLAS kernel shares);
+* ``torch``: torch's CPU GEMM (MKL / oneDNN), another library's kernels and blocking.
 
-and the output bytes (attention out, softmax_max, softmax_sum, indices, indexer values) must equal the in-process
-ones with ``==``. Runs only on x86-64 NumPy builds linked to OpenBLAS for the BLAS variants (skipped otherwise,
-with the reason); the SIMD variant needs the X86_V3 feature group.
+The outputs (attention out, softmax_max, softmax_sum, indices, indexer values) must equal the unpatched ones with
+``==``, and each injected GEMM must actually have been called (an oracle that stopped using ``np.matmul`` fails
+here instead of passing vacuously). No variant touches the BLAS configuration of the process (``OPENBLAS_*`` stays
+as the machine set it: some machines need ``OPENBLAS_CORETYPE`` to run at all). A last variant runs the cases in a
+child interpreter with ``NPY_DISABLE_CPU_FEATURES=X86_V3`` added to the unchanged environment (NumPy's pre-AVX2
+loops: another float32 ``np.exp``).
 """
-
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import platform
 import subprocess
@@ -99,22 +103,11 @@ def run_all() -> dict:
         for i, a in enumerate(outs):
             a = np.ascontiguousarray(a)
             res[f"{name}/{i}"] = a.view(np.uint8).reshape(-1) if a.size else np.zeros(0, np.uint8)
-    rng = np.random.default_rng(1)  # fingerprint of this interpreter's fp32 sgemm (is the variant effective?)
-    a, b = rng.standard_normal((64, 577), dtype=np.float32), rng.standard_normal((577, 96), dtype=np.float32)
-    res["sgemm-fingerprint"] = (a @ b).view(np.uint8).reshape(-1)
     return res
 
 
 def _main(path):  # pragma: no cover - runs in the child interpreter
     np.savez(path, **{k.replace("/", "__"): v for k, v in run_all().items()})
-
-
-def _uses_openblas() -> bool:
-    try:
-        blas = np.__config__.CONFIG["Build Dependencies"]["blas"]
-        return "openblas" in str(blas.get("name", "")).lower()
-    except (AttributeError, KeyError, TypeError):
-        return False
 
 
 def _features():
@@ -123,41 +116,125 @@ def _features():
     return {k for k, v in __cpu_features__.items() if v}
 
 
-def _child(env_extra, tmp_path):
-    path = os.path.join(tmp_path, "out.npz")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENBLAS_", "NPY_DISABLE", "OMP_"))}
-    env.update(env_extra)
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_attention_determinism as t; t._main({path!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(path) as z:
-        return {k.replace("__", "/"): z[k] for k in z.files}
-
-
 @pytest.fixture(scope="module")
 def here():
     return run_all()
 
 
-VARIANTS = {
-    "openblas-prescott": {"OPENBLAS_CORETYPE": "Prescott"},
-    "openblas-1-thread": {"OPENBLAS_NUM_THREADS": "1"},
-    "openblas-2-threads": {"OPENBLAS_NUM_THREADS": "2"},
-    "numpy-no-avx2": {"NPY_DISABLE_CPU_FEATURES": "X86_V3"},
+# ---------------------------------------------------------------------------------------------------------------
+# injected float64 GEMMs: a @ b over the last two axes, each summing over K in its own order
+
+
+def _gemm(fn):
+    """``np.matmul(a, b[, out=])`` computed by ``fn(a, b)`` for float64 matrices (anything else: NumPy's own)."""
+
+    def matmul(a, b, *args, out=None, **kwargs):
+        assert not args and not kwargs, "the injected GEMM supports matmul(a, b, out=None) only"
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype != np.float64 or b.dtype != np.float64 or a.ndim < 2 or b.ndim < 2:
+            return _REAL_MATMUL(a, b, out=out)
+        r = fn(a, b)
+        if out is None:
+            return r
+        out[...] = r
+        return out
+
+    return matmul
+
+
+def _ordered(order):
+    """Adds the K products ``a[..., m, k] * b[..., k, n]`` one k at a time in ``order(K)``."""
+
+    def fn(a, b):
+        shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+        acc = np.zeros(shape, np.float64)
+        for k in order(a.shape[-1]):
+            acc += a[..., :, k, None] * b[..., None, k, :]
+        return acc
+
+    return fn
+
+
+def _blocked(a, b):
+    """Blocks of 7 along K, each block summed in order, the block sums added from the last block to the first."""
+    k = a.shape[-1]
+    partial = [_ordered(lambda n, s=s: range(s, min(s + 7, k)))(a, b) for s in range(0, k, 7)]
+    acc = np.zeros_like(partial[0]) if partial else _REAL_MATMUL(a, b)
+    for p in reversed(partial):
+        acc += p
+    return acc
+
+
+def _torch(a, b):
+    import torch
+
+    return torch.matmul(torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(np.ascontiguousarray(b))).numpy()
+
+
+_REAL_MATMUL = np.matmul
+
+GEMMS = {
+    "reversed": _gemm(_ordered(lambda k: range(k - 1, -1, -1))),
+    "permuted": _gemm(_ordered(lambda k: np.random.default_rng(k).permutation(k))),
+    "blocked": _gemm(_blocked),
+    "torch": _gemm(_torch),
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_outputs_are_byte_identical_across_blas_and_simd(variant, here, tmp_path):
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    if variant.startswith("openblas") and not (_uses_openblas() and x86):
-        pytest.skip("numpy's BLAS is not OpenBLAS on x86-64 (np.__config__): the OpenBLAS variants do not apply")
-    if variant == "numpy-no-avx2" and not (x86 and "X86_V3" in _features()):
-        pytest.skip("this CPU / NumPy build has no X86_V3 dispatch group to disable")
-    there = _child(VARIANTS[variant], str(tmp_path))
+@pytest.mark.parametrize("gemm", list(GEMMS))
+def test_outputs_are_byte_identical_under_other_gemm_orders(gemm, here, monkeypatch):
+    if gemm == "torch":
+        pytest.importorskip("torch")
+    calls = []
+
+    def counted(a, b, *args, **kwargs):
+        r = GEMMS[gemm](a, b, *args, **kwargs)
+        if np.asarray(a).dtype == np.float64 and np.asarray(b).dtype == np.float64:
+            calls.append(not np.array_equal(r, _REAL_MATMUL(a, b)))  # did this GEMM change any bit?
+        return r
+
+    monkeypatch.setattr(np, "matmul", counted)
+    there = run_all()
+    monkeypatch.undo()
+    assert calls, ("the oracles no longer call np.matmul on float64 arrays: inject the GEMM where they compute their "
+                   "float64 products")
+    if gemm != "torch":  # (torch's kernel may happen to share this BLAS's order on a machine)
+        assert any(calls), f"{gemm}: the injected GEMM gave np.matmul's exact bits on every call: the test is vacuous"
     assert sorted(there) == sorted(here)
-    if variant == "openblas-prescott" and np.array_equal(there["sgemm-fingerprint"], here["sgemm-fingerprint"]):
-        pytest.skip("OPENBLAS_CORETYPE=Prescott did not change sgemm's bits on this build: the variant proves nothing")
-    differ = [k for k in sorted(here) if k != "sgemm-fingerprint" and not np.array_equal(here[k], there[k])]
-    assert not differ, (f"{variant}: outputs differ from the in-process run: {differ} "
+    differ = [k for k in sorted(here) if not np.array_equal(here[k], there[k])]
+    assert not differ, (f"{gemm}: outputs differ from the unpatched run: {differ} "
                         f"(sha1 here / there: {[(hashlib.sha1(here[k]).hexdigest()[:8], hashlib.sha1(there[k]).hexdigest()[:8]) for k in differ]})")
+
+
+def test_injected_gemms_change_float64_bits():
+    """The injected orders are really different: on wide-range data their float64 results differ from np.matmul's
+    in the last bits (else the byte-identity test above would prove nothing)."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 16, 577)) * np.exp(rng.uniform(-8, 8, (3, 16, 577)))
+    b = rng.standard_normal((3, 577, 24)) * np.exp(rng.uniform(-8, 8, (3, 577, 24)))
+    ref = _REAL_MATMUL(a, b)
+    for name, fn in GEMMS.items():
+        if name == "torch" and importlib.util.find_spec("torch") is None:
+            continue
+        got = fn(a, b)
+        np.testing.assert_allclose(got, ref, rtol=1e-9, atol=0)  # a float64 GEMM: the same up to rounding
+        if name != "torch":  # torch may share the summation order with this NumPy's BLAS
+            assert not np.array_equal(got, ref), f"{name}: the injected order gave np.matmul's exact bits"
+
+
+def test_outputs_are_byte_identical_without_avx2_loops(here, tmp_path):
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if not (x86 and "X86_V3" in _features()):
+        pytest.skip("this CPU / NumPy build has no X86_V3 dispatch group to disable")
+    path = os.path.join(str(tmp_path), "out.npz")
+    env = dict(os.environ)  # the machine's environment as it is (OPENBLAS_* included), one NumPy switch added
+    prior = env.get("NPY_DISABLE_CPU_FEATURES", "")
+    env["NPY_DISABLE_CPU_FEATURES"] = (prior + " X86_V3").strip()
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_attention_determinism as t; t._main({path!r})"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(path) as z:
+        there = {k.replace("__", "/"): z[k] for k in z.files}
+    assert sorted(there) == sorted(here)
+    differ = [k for k in sorted(here) if not np.array_equal(here[k], there[k])]
+    assert not differ, f"NPY_DISABLE_CPU_FEATURES=X86_V3: outputs differ from the in-process run: {differ}"

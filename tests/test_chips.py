@@ -417,3 +417,40 @@ def test_faithful_matches_the_per_row_golden_of_each_chip(chip, qdtype):
     res = qsfa.compare.assert_close(out.astype(np.float32), g_out.astype(QDT[qdtype]).astype(np.float32),
                                     dtype=qdtype)
     assert res.max_ulp is not None and res.max_ulp <= 2
+
+
+def test_docs_table_says_what_the_code_does():
+    """docs/numerics/chips.md's attention table and qsfa.chips.ATTENTION_ROUNDING agree cell by cell."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "numerics" / "chips.md").read_text()
+
+    def modes(cell):
+        m = re.match(r"\s*(bf16 (RINT|ROUND), fp16 (RINT|ROUND)|(RINT|ROUND) for both)", cell)
+        assert m, cell
+        if m.group(4):
+            return {"bfloat16": m.group(4).lower(), "float16": m.group(4).lower()}
+        return {"bfloat16": m.group(2).lower(), "float16": m.group(3).lower()}
+
+    rows = {"QSFA K": "k", "QSFA P": "p", "QSFA output": "out", "SFA P": "p", "SFA output": "out"}
+    seen = set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3:
+            key = next((k for k in rows if cells[0] == k or cells[0].startswith(k + ":")), None)
+            if key is None:
+                continue
+            seen.add(key)
+            point = rows[key]
+            assert modes(cells[1]) == chips.ATTENTION_ROUNDING["A2"][point], key
+            assert modes(cells[2]) == chips.ATTENTION_ROUNDING["950"][point], key
+    assert seen == set(rows)
+
+
+def test_attention_front_door_passes_the_chip():
+    a = _ties_out("bfloat16")
+    for chip, want in (("A2", 256.0), ("950", 258.0)):
+        out = qsfa.attention(a["query"][..., :512], a["key"], None, a["sparse_indices"], 1.0,
+                             query_rope=a["query"][..., 512:], chip=chip)[0]
+        assert float(np.asarray(out, np.float32)[0, 0, 0, 7]) == want

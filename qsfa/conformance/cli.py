@@ -140,17 +140,21 @@ def main(args) -> int:
 
     get_backend(args.backend or "reference")  # unknown / unusable backend: one line, exit 2 (qsfa.cli)
     if args.workers is not None or args.scheduler is not None or args.seed_shards != 1:
-        if args.chip is not None:
-            raise _usage(f"Invalid value for --chip, actual: {args.chip!r}, reason: the sharded runs (--workers, "
-                         "--scheduler, --seed-shards) do not take a chip yet; run without them, or leave --chip out "
-                         "(the npu backend uses its device's chip).")
         return _main_sharded(args, props, shard, b, reports)
+
+    max_examples = args.max_examples
+    budget = interpreter_budget(args)
+    if budget is not None:
+        b, max_examples = budget
+        if not args.quiet:
+            print(f"Triton interpreter: tiny shapes ({', '.join(f'{k}={v}' for k, v in b.to_dict().items())}) "
+                  f"and {max_examples} examples per property; --bound / --max-examples override", flush=True)
 
     def progress(k, total, r):
         if not args.quiet:
             print(R.format_progress(k, total, r), flush=True)
 
-    report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=args.max_examples,
+    report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=max_examples,
                              seed=args.seed, shard_spec=shard, cases_dir=args.cases_dir or DEFAULT_CASES_DIR,
                              bounds=b, progress=progress, chip=args.chip)
     print()
@@ -160,6 +164,19 @@ def main(args) -> int:
         print(f"wrote {f}")
     return 0 if report.ok else 1
 
+
+
+def interpreter_budget(args):
+    """``(bounds, max_examples)`` for a triton run in the CPU interpreter without --bound / --max-examples
+    (tiny shapes, few examples: :data:`qsfa._profiles.INTERPRETER_BOUNDS`), else None."""
+    if not (args.backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1" and not args.bound
+            and args.max_examples is None):
+        return None
+    from .._profiles import INTERPRETER_BOUNDS, INTERPRETER_EXAMPLES, PROFILES, active_profile
+    from ..strategies import Bounds
+
+    prof = args.profile or active_profile()
+    return Bounds(**INTERPRETER_BOUNDS), min(INTERPRETER_EXAMPLES[prof], PROFILES[prof]["max_examples"])
 
 
 def _main_sharded(args, props, shard, bounds, reports) -> int:
@@ -178,7 +195,7 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
         check_seed_shards(args.seed_shards, args.seed, m)
         selected = shard_props(props, *shard) if shard else props
         kw = dict(profile=args.profile, max_examples=args.max_examples, seed=args.seed, seed_shards=args.seed_shards,
-                  shard_spec=shard, bounds=bounds, cases_dir=args.cases_dir or DEFAULT_CASES_DIR)
+                  shard_spec=shard, bounds=bounds, cases_dir=args.cases_dir or DEFAULT_CASES_DIR, chip=args.chip)
         if args.workers is None and args.scheduler is None:
             def progress(k, total, r):
                 if not args.quiet:

@@ -68,7 +68,9 @@ def format_table(report: ConformanceReport) -> str:
         lines.append(fmt(shown))
     s = report.summary
     lines.append("")
+    chips = sorted({r.chip for r in report.results if getattr(r, "chip", None)})
     lines.append(f"backend {report.backend!r}, profile {report.profile}"
+                 + (f", chip {'/'.join(chips)}" if chips else "")
                  + (f", seed {report.seed}" if report.seed is not None else "")
                  + (f", shard {report.shard}" if report.shard else "")
                  + f": {s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors; "

@@ -179,10 +179,18 @@ def _property_seed(seed: int, name: str) -> int:
 # running one property
 
 
+#: Seconds hypothesis may spend shrinking one property's first failure. After that every new candidate the
+#: shrinker proposes is skipped (counted as passing, not run), so it stops at the smallest failure found so far
+#: and replays that one; without a cap hypothesis shrinks silently for up to 5 minutes per property.
+SHRINK_SECONDS = 20.0
+
+
 class _State:
     def __init__(self):
         self.passed = self.failed = self.rejected = 0
         self.final: list = []
+        self.first_failure: float | None = None  # perf_counter() of the first failure (shrinking starts)
+        self.shrink_skipped = 0
 
 
 def _within_limits(prop: Property, be) -> Callable[[Example], bool] | None:
@@ -253,6 +261,10 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
 
     def test(ex):
         final = current_build_context().is_final
+        if (not final and state.first_failure is not None
+                and time.perf_counter() - state.first_failure > SHRINK_SECONDS):
+            state.shrink_skipped += 1  # bounded shrinking (see SHRINK_SECONDS)
+            return
         try:
             prop.check(ex, backend)
         except UnsupportedByBackend:
@@ -260,6 +272,8 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
             reject()
         except Exception as e:
             state.failed += 1
+            if state.first_failure is None:
+                state.first_failure = time.perf_counter()
             if final:
                 state.final.append((ex, e))
             raise
@@ -283,11 +297,14 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
             ex, err = state.final[-1]
             res.status = "failed"
             res.message = f"{type(err).__name__}: {err}"
+            if state.shrink_skipped:
+                res.message += (f"\n(shrinking stopped after {SHRINK_SECONDS:g} s: the falsifying example is the "
+                                "smallest found by then)")
             res.falsifying_example = summarize(ex)
             res.reproduce = _reproduce_line(e)
             if cases_dir is not None:
                 try:
-                    res.case_file = save_case(prop, backend, ex, res.message, cases_dir, seed=seed)
+                    res.case_file = save_case(prop, backend, ex, res.message, cases_dir, seed=seed, chip=chip)
                 except Exception as save_err:  # noqa: BLE001 - report, do not hide the failure
                     res.message += f"\n(could not save the case file: {type(save_err).__name__}: {save_err})"
         else:
@@ -351,7 +368,8 @@ def _case_name(backend: str, prop: Property) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", f"{backend}.{prop.name}")
 
 
-def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir: str, *, seed=None) -> str:
+def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir: str, *, seed=None,
+              chip: str | None = None) -> str:
     """Save the falsifying example ``ex`` of ``prop`` as ``<cases_dir>/<backend>.<property>.json`` (a
     ``qsfa-case/1`` file, arrays as explicit ``.npy`` inputs) plus the ``.conformance.json`` sidecar.
     Returns the case file's path."""
@@ -382,6 +400,7 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
         "ops": list(prop.ops),
         "kind": prop.kind,
         "backend": backend,
+        "chip": chip,  # the chip the failing run modelled (replayed with it)
         "seed": seed,
         "check_seed": int(ex.seed),
         "constraint": ex.constraint.id if ex.constraint is not None else None,
@@ -429,7 +448,8 @@ def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
     prop, ex, side = load_example(path)
     be = backend or side["backend"]
     try:
-        prop.check(ex, be)
+        with modelling_chip(side.get("chip")):
+            prop.check(ex, be)
     except AssertionError as e:
         return False, f"{prop.name} fails on {be!r}: {e}"
     return True, f"{prop.name} holds on {be!r}"

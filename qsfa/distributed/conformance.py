@@ -78,7 +78,7 @@ def plan(props, *, seed: int | None, max_examples: int, seed_shards: int = 1) ->
     return out
 
 
-def run_task(task: PropertyTask, backend: str, profile: str, max_examples, bounds, pins=None) -> dict:
+def run_task(task: PropertyTask, backend: str, profile: str, max_examples, bounds, pins=None, chip=None) -> dict:
     """Run one task (on a worker, or inline): ``{"result": PropertyResult, "files": {name: bytes}}`` - the
     falsifying case and its sidecar, saved in a temporary directory, as bytes."""
     from ..conformance.properties import get
@@ -92,7 +92,7 @@ def run_task(task: PropertyTask, backend: str, profile: str, max_examples, bound
                 prop = get(task.name)
                 res = run_property(prop, backend, profile=profile,
                                    max_examples=task.max_examples if task.shards > 1 else max_examples,
-                                   seed=task.seed, bounds=bounds, cases_dir=tmp, pins=pins)
+                                   seed=task.seed, bounds=bounds, cases_dir=tmp, pins=pins, chip=chip)
             except (MemoryError, OSError):
                 raise
             except Exception as e:  # noqa: BLE001 - the run itself broke: an error verdict, reported once
@@ -155,17 +155,18 @@ def _finish(props, tasks_plan, by_index, seed, cases_dir):
     return results
 
 
-def _empty_report(backend, profile, max_examples, seed, shard_spec, bounds):
+def _empty_report(backend, profile, max_examples, seed, shard_spec, bounds, chip):
     """The report header exactly as the serial runner makes it (no properties run)."""
     from ..conformance.runner import run_conformance
 
     return run_conformance(backend, props=[], profile=profile, max_examples=max_examples, seed=seed,
-                           shard_spec=shard_spec, bounds=bounds, cases_dir=None)
+                           shard_spec=shard_spec, bounds=bounds, cases_dir=None, chip=chip)
 
 
 def run_sharded(props, backend: str = "reference", *, profile: str | None = None, max_examples=None,
                 seed: int | None = None, seed_shards: int = 1, shard_spec=None, bounds=None,
-                cases_dir: str | None = None, progress=None, client=None, env: dict | None = None):
+                cases_dir: str | None = None, progress=None, client=None, env: dict | None = None,
+                chip: str | None = None):
     """Run ``props`` (already selected and sharded) as :func:`plan`'s tasks: on the Dask ``client``, or in
     this process when it is None. Returns ``(ConformanceReport, RunSummary or None)``; ``progress`` (bool)
     shows a tqdm bar with a client, or is called as ``progress(k, total, result)`` per property without."""
@@ -176,14 +177,14 @@ def run_sharded(props, backend: str = "reference", *, profile: str | None = None
     b = bounds if bounds is not None else qst.bounds(profile)
     m = int(max_examples if max_examples is not None else PROFILES[profile]["max_examples"])
     tasks_plan = plan(props, seed=seed, max_examples=m, seed_shards=seed_shards)
-    report = _empty_report(backend, profile, max_examples, seed, shard_spec, b)
+    report = _empty_report(backend, profile, max_examples, seed, shard_spec, b, chip)
     by_index: dict = {i: [] for i in range(len(props))}
     t0 = time.perf_counter()
     summary = None
     if client is None:
         done = 0
         for t in tasks_plan:
-            by_index[t.index].append(dict(run_task(t, backend, profile, max_examples, b), task=t))
+            by_index[t.index].append(dict(run_task(t, backend, profile, max_examples, b, chip=chip), task=t))
             if len(by_index[t.index]) == t.shards and callable(progress):
                 done += 1
                 r, _ = merge(sorted(by_index[t.index], key=lambda x: x["task"].shard), seed)
@@ -192,8 +193,8 @@ def run_sharded(props, backend: str = "reference", *, profile: str | None = None
         tasks = Tasks(client, "conformance", bool(progress), env=env)
         try:
             for t in tasks_plan:
-                tasks.submit(run_task, t, backend, profile, max_examples, b, label=f"property-{t.label}", tag=t,
-                             priority=_priority(props[t.index]))
+                tasks.submit(run_task, t, backend, profile, max_examples, b, None, chip, label=f"property-{t.label}",
+                             tag=t, priority=_priority(props[t.index]))
             for t, fut in tasks.completed():
                 by_index[t.index].append(dict(_task_result(t, fut, backend), task=t))
                 del fut

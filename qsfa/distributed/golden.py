@@ -117,6 +117,15 @@ def assemble(parts: dict) -> dict:
     return out
 
 
+def _with_loaded_inputs(case):
+    """``case`` with the arrays of its input files (a loaded case file) held in memory, otherwise as it is."""
+    if case.inputs_given is not None or not case.has_explicit_inputs:
+        return case
+    import dataclasses
+
+    return dataclasses.replace(case, inputs_given=case.inputs(), _refs=None)
+
+
 def _safe_rel(rel: str) -> bool:
     parts = rel.replace("\\", "/").split("/")
     return not os.path.isabs(rel) and ".." not in parts and "" not in parts
@@ -157,7 +166,8 @@ class GoldenExecutor:
         from ..golden.manifest import _write_case, case_error
 
         made = [] if made is None else made
-        cases = list(cases)
+        # a case file's explicit inputs are read here: the workers may not see this machine's files
+        cases = [_with_loaded_inputs(c) for c in cases]
         entries: list = [None] * len(cases)
         tasks = Tasks(self.client, "generate", self.progress)
         splits: dict = {}  # case index -> (split future, split dict, {start: rows result}, expected count)

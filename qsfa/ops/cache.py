@@ -213,7 +213,8 @@ def _c8_cache_rules(op, *, rope_present, cache="kv_cache"):
 
 
 def _c8_dst_type_max(a):
-    v = a.get("dst_type_max", 0.0)
+    v = a.get("dst_type_max")
+    v = 0.0 if v is None else v  # None (or absent) = 0 = HiFloat8's 32768
     ok = _is_num(v) and math.isfinite(v) and 0 <= v <= 32768 and (v == 0 or a.key_dtype == "hifloat8")
     return None if ok else v
 
@@ -243,7 +244,7 @@ def _c8_example(rng):
     k_rope = rng.standard_normal((t, 64)).astype(BF16)
     cache = np.full((3, 4, 1, 656), 17, np.uint8)
     return dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=np.array([0, 5, -1, 11, 3], np.int64),
-                kv_cache=cache, key_dtype="int8", scale_order="divide")
+                kv_cache=cache, key_dtype="int8", scale_order="divide", dst_type_max=0.0)
 
 
 def _t(a, name="k_nope"):
@@ -278,13 +279,14 @@ C8_CONTRACT = Contract(
     ],
     example=_c8_example,
     inplace=("kv_cache",),
-    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"),
+    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"
+                  " dst_type_max:float?"),
 )
 
 
-def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order, dst_type_max=0.0):
+def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order, dst_type_max=None):
     return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype, scale_order=scale_order,
-                              dst_type_max=dst_type_max)
+                              dst_type_max=dst_type_max or 0.0)
 
 
 define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
@@ -332,7 +334,8 @@ def _c8r_example(rng):
     sin = np.concatenate([np.sin(ang), np.sin(ang)], axis=-1).astype(BF16)
     cache = np.full((3, 4, 1, 656), 17, np.uint8)
     return dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=np.array([0, 5, -1, 11, 3], np.int64),
-                kv_cache=cache, epsilon=1e-6, rope_head_dim=64, key_dtype="int8", scale_order="divide")
+                kv_cache=cache, epsilon=1e-6, rope_head_dim=64, key_dtype="int8", scale_order="divide",
+                dst_type_max=0.0)
 
 
 def _c8r_rope(a):
@@ -398,15 +401,15 @@ C8R_CONTRACT = Contract(
     example=_c8r_example,
     inplace=("kv_cache",),
     params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
-                  " rope_head_dim:int key_dtype:str scale_order:str"),
+                  " rope_head_dim:int key_dtype:str scale_order:str dst_type_max:float?"),
 )
 
 
 def _c8r_reference(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon, rope_head_dim, key_dtype, scale_order,
-                   dst_type_max=0.0):
+                   dst_type_max=None):
     return _c8.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon=epsilon,
                                      rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order,
-                                     dst_type_max=dst_type_max)
+                                     dst_type_max=dst_type_max or 0.0)
 
 
 define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_reference,

@@ -610,21 +610,35 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     step = _rows_per_chunk(chunk_size, n_heads, width)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
 
-    def chunk(start):  # one chunk of rows; chunks are independent (run_chunks may run them on a thread pool)
-        r = active[start:start + step]
-        tok, valid = selected_tokens(idx[r], thr[r], limit[r], sparse_block_size)
+    def compute(r, tok, valid):
         storage = kvm.storage_rows(rows.batch[r][:, None], tok)
         k, v, k_facts, v_facts = load_kv(storage, valid)
         q, q_facts = load_q(r)
         if exact:
-            o, m, l = _exact_chunk(q, k, v, valid, np.float64(scale_value), sink, lse_includes_sink)
-        else:
-            vmax, vlq = v_facts  # per column of V: the largest entry and the smallest quantum over the tokens
-            g = dv // vmax.shape[-1]
-            v_cols = (np.repeat(vmax.max(axis=1), g, axis=-1), np.repeat(vlq.min(axis=1), g, axis=-1))
-            o, m, l = _faithful_chunk(q, q_facts, k, k_facts, v, v_cols, valid, np.float32(scale_value), qdtype,
-                                      probability_rounding, sink, lse_includes_sink, p_rounding)
-        del k, v, q
+            return _exact_chunk(q, k, v, valid, np.float64(scale_value), sink, lse_includes_sink)
+        vmax, vlq = v_facts  # per column of V: the largest entry and the smallest quantum over the tokens
+        g = dv // vmax.shape[-1]
+        v_cols = (np.repeat(vmax.max(axis=1), g, axis=-1), np.repeat(vlq.min(axis=1), g, axis=-1))
+        return _faithful_chunk(q, q_facts, k, k_facts, v, v_cols, valid, np.float32(scale_value), qdtype,
+                               probability_rounding, sink, lse_includes_sink, p_rounding)
+
+    def chunk(start):  # one chunk of rows; chunks are independent (run_chunks may run them on a thread pool)
+        r = active[start:start + step]
+        tok, valid = selected_tokens(idx[r], thr[r], limit[r], sparse_block_size)
+        o = None
+        n_valid = valid.sum(axis=1)
+        w = max(int(n_valid.max(initial=0)), 1)
+        if not exact and w < valid.shape[1]:
+            # Only the selected tokens (stable order): an unselected token's score is MASK_VALUE, so where a row's
+            # max m is above it, its e = RN32(exp(MASK_VALUE - m)) is exactly 0 and adds nothing to l or P @ V -
+            # the bytes are those of the full width (every fp32 result is RN32 of an exact value). A row whose max
+            # is not above the mask value (a selected score <= -2e38, or inf / nan) is recomputed at full width.
+            order = np.argsort(~valid, axis=1, kind="stable")[:, :w]
+            o, m, l = compute(r, np.take_along_axis(tok, order, 1), np.take_along_axis(valid, order, 1))
+            if not (m[n_valid > 0] > MASK_VALUE).all():
+                o = None
+        if o is None:
+            o, m, l = compute(r, tok, valid)
         empty = ~valid.any(axis=1)  # rows without a selected token
         o[empty] = 0
         m[empty] = 0
@@ -766,7 +780,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
             k, facts = dequant(key2d[uniq])
             inv = inv.reshape(-1)
-            k = np.take(k, inv, axis=0, out=scratch("qsfa_k_gathered", (inv.size, dqk), np.float64))
+            k = np.take(k, inv, axis=0, mode="clip",  # mode="raise" would buffer out (a copy)
+                        out=scratch("qsfa_k_gathered", (inv.size, dqk), np.float64))
             k[bad] = 0  # unselected tokens: K = V = 0 (whatever the cache holds there)
             if facts is not None:
                 facts = [f[inv] for f in facts]
