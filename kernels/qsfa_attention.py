@@ -36,6 +36,7 @@ from ._common import ROUND_AWAY, ROUND_RINT, interpreting, round_to_dtype, to_f3
 __all__ = ["qsfa_attention_kernel", "launch_qsfa_attention", "KernelConfig", "default_config"]
 
 NOPE = 512
+NOPE_C = tl.constexpr(NOPE)  # the same, readable inside @triton.jit functions
 
 
 @triton.jit
@@ -213,6 +214,30 @@ def _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, c0, acc, has, l
 
 
 @triton.jit
+def _store_acc(ws_acc_ptr, ws_row, Q_N, heads, hmask, c0, acc, W: tl.constexpr):
+    """ws_acc[ws_row, heads, c0:c0 + W] = acc (fp32, unnormalised P @ V of one split)."""
+    cols = c0 + tl.arange(0, W)
+    tl.store(ws_acc_ptr + (ws_row * Q_N + heads.to(tl.int64))[:, None] * NOPE_C + cols[None, :], acc,
+             mask=hmask[:, None])
+
+
+@triton.jit
+def split_stats(ws_ml_ptr, row, heads, hmask, Q_N, NS: tl.constexpr):
+    """The row's softmax max and sum [BLOCK_H] from its NS splits' (max, sum): m = max_s m_s (-inf when no split
+    saw a token), l = sum_s l_s * exp(m_s - m), summed in split order (an empty split has m_s = -inf, l_s = 0)."""
+    m = tl.load(ws_ml_ptr + (row * NS * 2) * Q_N + heads, mask=hmask, other=float("-inf"))
+    for sp in range(1, NS):
+        m = tl.maximum(m, tl.load(ws_ml_ptr + ((row * NS + sp) * 2) * Q_N + heads, mask=hmask, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros_like(m)
+    for sp in range(0, NS):
+        ms = tl.load(ws_ml_ptr + ((row * NS + sp) * 2) * Q_N + heads, mask=hmask, other=float("-inf"))
+        ls = tl.load(ws_ml_ptr + ((row * NS + sp) * 2 + 1) * Q_N + heads, mask=hmask, other=0.0)
+        l += ls * tl.exp(ms - m_safe)
+    return m, l
+
+
+@triton.jit
 def qsfa_attention_kernel(
     q_ptr, stride_qr, stride_qh,               # query rows [R, Q_N, Q_D] (element strides, last dim dense)
     kv_i8_ptr, kv_16_ptr, kv_f32_ptr,          # the key buffer viewed as int8 / 16-bit / fp32
@@ -241,8 +266,16 @@ def qsfa_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    ws_ml_ptr=None, ws_acc_ptr=None,           # split-KV workspace: fp32 [R, NS, 2, Q_N] (max, sum), [R, NS, Q_N, 512]
+    SPLIT: tl.constexpr = 0,                   # 0 unsplit; 1 stats / 2 P @ V (two-pass); 3 one-pass (module doc)
+    NS: tl.constexpr = 1,                      # splits per row
+    CHUNK: tl.constexpr = 0,                   # selected positions per split (a multiple of BLOCK_N)
 ):
-    row = tl.program_id(0).to(tl.int64)
+    if SPLIT == 0:
+        row = tl.program_id(0).to(tl.int64)
+    else:
+        row = (tl.program_id(0) // NS).to(tl.int64)
+        split = tl.program_id(0) % NS
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
 
@@ -250,6 +283,10 @@ def qsfa_attention_kernel(
     kv_off = tl.load(meta_ptr + row * 4 + 1)
     limit = tl.load(meta_ptr + row * 4 + 2)
     n_pos = tl.load(meta_ptr + row * 4 + 3).to(tl.int32)
+    p_lo = 0
+    if SPLIT != 0:  # this program's share of the row's positions: [p_lo, n_pos) after the clamp
+        p_lo = split * CHUNK
+        n_pos = tl.minimum(n_pos, p_lo + CHUNK)
 
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < Q_N
@@ -276,40 +313,45 @@ def qsfa_attention_kernel(
     acc3 = tl.zeros([BLOCK_H, W], tl.float32)
 
     if TWO_PASS:
-        for p0 in range(0, n_pos, BLOCK_N):
-            s, row_off, valid = _chunk_scores(
-                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr,
-                stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
-                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-            m_i = m_new
-        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        l_div = tl.where(l_i > 0.0, l_i, 1.0)
-        for p0 in range(0, n_pos, BLOCK_N):
-            s, row_off, valid = _chunk_scores(
-                p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr,
-                stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
-                SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, BLOCK_N)
-            p = tl.exp(s - m_fin[:, None])
-            if P_NORMALISED:
-                p = tl.math.div_rn(p, tl.broadcast_to(l_div[:, None], p.shape))
-            p16 = round_to_dtype(p, IS_BF16, P_ROUND)
-            acc0 = _pv(acc0, p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
-                       KEY_FMT, DOT_F32, W)
-            acc1 = _pv(acc1, p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
-                       KEY_FMT, DOT_F32, W)
-            acc2 = _pv(acc2, p16, row_off, valid, dv0 + 2 * W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16,
-                       Q_ROUND, KEY_FMT, DOT_F32, W)
-            acc3 = _pv(acc3, p16, row_off, valid, dv0 + 3 * W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16,
-                       Q_ROUND, KEY_FMT, DOT_F32, W)
-        if P_NORMALISED:
-            l_out = tl.where(l_i > 0.0, 1.0, 0.0)
+        if SPLIT == 2:  # the row's max and sum (split_stats over its splits' pass 1; here ws_ml is [R, 2, Q_N])
+            m_i = tl.load(ws_ml_ptr + row * 2 * Q_N + heads, mask=hmask, other=float("-inf"))
+            l_i = tl.load(ws_ml_ptr + (row * 2 + 1) * Q_N + heads, mask=hmask, other=0.0)
         else:
-            l_out = l_i
+            for p0 in range(p_lo, n_pos, BLOCK_N):
+                s, row_off, valid = _chunk_scores(
+                    p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr,
+                    stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
+                    SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, BLOCK_N)
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+                m_i = m_new
+        if SPLIT != 1:  # (phase 1 of a two-pass split stops after pass 1)
+            m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+            l_div = tl.where(l_i > 0.0, l_i, 1.0)
+            for p0 in range(p_lo, n_pos, BLOCK_N):
+                s, row_off, valid = _chunk_scores(
+                    p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr,
+                    stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
+                    SBS, SCALE_IDX, IS_PA, HAS_ROPE, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, BLOCK_N)
+                p = tl.exp(s - m_fin[:, None])
+                if P_NORMALISED:
+                    p = tl.math.div_rn(p, tl.broadcast_to(l_div[:, None], p.shape))
+                p16 = round_to_dtype(p, IS_BF16, P_ROUND)
+                acc0 = _pv(acc0, p16, row_off, valid, dv0, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
+                           KEY_FMT, DOT_F32, W)
+                acc1 = _pv(acc1, p16, row_off, valid, dv0 + W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND,
+                           KEY_FMT, DOT_F32, W)
+                acc2 = _pv(acc2, p16, row_off, valid, dv0 + 2 * W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16,
+                           Q_ROUND, KEY_FMT, DOT_F32, W)
+                acc3 = _pv(acc3, p16, row_off, valid, dv0 + 3 * W, kv_i8_ptr, kv_f32_ptr, tab_ptr, SCALE_IDX, IS_BF16,
+                           Q_ROUND, KEY_FMT, DOT_F32, W)
+            if P_NORMALISED:
+                l_out = tl.where(l_i > 0.0, 1.0, 0.0)
+            else:
+                l_out = l_i
     else:
-        for p0 in range(0, n_pos, BLOCK_N):
+        for p0 in range(p_lo, n_pos, BLOCK_N):
             s, row_off, valid = _chunk_scores(
                 p0, n_pos, limit, kv_b, kv_off, row, q0, q1, q2, q3, q_rope, kv_i8_ptr, kv_16_ptr, kv_f32_ptr, tab_ptr,
                 stride_kb, stride_kt, bt_ptr, stride_bt, idx_ptr, stride_ir, scale_value, block_size,
@@ -331,17 +373,29 @@ def qsfa_attention_kernel(
                        tab_ptr, SCALE_IDX, IS_BF16, Q_ROUND, KEY_FMT, DOT_F32, W)
         l_out = l_i
 
-    has = l_out > 0.0
-    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0, acc0, has, l_out, IS_BF16, O_ROUND, W)
-    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + W, acc1, has, l_out, IS_BF16, O_ROUND, W)
-    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + 2 * W, acc2, has, l_out, IS_BF16,
-               O_ROUND, W)
-    _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + 3 * W, acc3, has, l_out, IS_BF16,
-               O_ROUND, W)
-    if WRITE_LSE:
-        if pid_v == 0:
-            tl.store(max_ptr + row * Q_N + heads, tl.where(l_i > 0.0, m_i, 0.0), mask=hmask)
-            tl.store(sum_ptr + row * Q_N + heads, l_i, mask=hmask)
+    if SPLIT == 0:
+        has = l_out > 0.0
+        _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0, acc0, has, l_out, IS_BF16, O_ROUND, W)
+        _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + W, acc1, has, l_out, IS_BF16, O_ROUND, W)
+        _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + 2 * W, acc2, has, l_out, IS_BF16,
+                   O_ROUND, W)
+        _store_out(out_ptr, row, stride_or, stride_oh, heads, hmask, dv0 + 3 * W, acc3, has, l_out, IS_BF16,
+                   O_ROUND, W)
+        if WRITE_LSE:
+            if pid_v == 0:
+                tl.store(max_ptr + row * Q_N + heads, tl.where(l_i > 0.0, m_i, 0.0), mask=hmask)
+                tl.store(sum_ptr + row * Q_N + heads, l_i, mask=hmask)
+    else:  # split-KV: this split's partial results into the workspace (combined by kernels/qsfa_split.py)
+        ws_row = (row * NS + split).to(tl.int64)
+        if SPLIT != 1:
+            _store_acc(ws_acc_ptr, ws_row, Q_N, heads, hmask, dv0, acc0, W)
+            _store_acc(ws_acc_ptr, ws_row, Q_N, heads, hmask, dv0 + W, acc1, W)
+            _store_acc(ws_acc_ptr, ws_row, Q_N, heads, hmask, dv0 + 2 * W, acc2, W)
+            _store_acc(ws_acc_ptr, ws_row, Q_N, heads, hmask, dv0 + 3 * W, acc3, W)
+        if SPLIT != 2:
+            if pid_v == 0:
+                tl.store(ws_ml_ptr + ws_row * 2 * Q_N + heads, m_i, mask=hmask)
+                tl.store(ws_ml_ptr + (ws_row * 2 + 1) * Q_N + heads, l_i, mask=hmask)
 
 
 class KernelConfig:
@@ -355,12 +409,17 @@ class KernelConfig:
               (fastest; its rounding differs from a whole-row softmax by ~1 ulp of P per element).
               True = pass 1 finds the row max and sum, pass 2 rounds P against the final max - the
               reference's rounding points exactly, at the cost of computing Q.K twice.
+    split_block_dv: block_dv of the split-KV path's programs (kernels/qsfa_split.py): 128 by default (the
+              split programs already fill the device; 256 columns there spill on sm_90, the chunk bookkeeping
+              costing the last registers the unsplit kernel had spare).
     """
 
     def __init__(self, block_h: int = 64, block_n: int = 32, block_dv: int = 512, num_warps: int = 8,
-                 num_stages: int = 1, two_pass: bool = False):
-        if block_dv not in (128, 256, 512):
-            raise ValueError(f"block_dv must be 128, 256 or 512, got {block_dv}")
+                 num_stages: int = 1, two_pass: bool = False, split_block_dv: int = 128):
+        for name, v in (("block_dv", block_dv), ("split_block_dv", split_block_dv)):
+            if v not in (128, 256, 512):
+                raise ValueError(f"{name} must be 128, 256 or 512, got {v}")
+        self.split_block_dv = split_block_dv
         for name, v in (("block_h", block_h), ("block_n", block_n)):
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
@@ -370,13 +429,15 @@ class KernelConfig:
 
     def __repr__(self):
         return (f"KernelConfig(block_h={self.block_h}, block_n={self.block_n}, block_dv={self.block_dv}, "
-                f"num_warps={self.num_warps}, num_stages={self.num_stages}, two_pass={self.two_pass})")
+                f"num_warps={self.num_warps}, num_stages={self.num_stages}, two_pass={self.two_pass}, "
+                f"split_block_dv={self.split_block_dv})")
 
 
 def default_config(q_n: int) -> KernelConfig:
     """Tiling used when none is given: small tiles under the interpreter, 64-head tiles on a GPU."""
     if interpreting():
-        return KernelConfig(block_h=16, block_n=16, block_dv=512, num_warps=1, num_stages=1, two_pass=True)
+        return KernelConfig(block_h=16, block_n=16, block_dv=512, num_warps=1, num_stages=1, two_pass=True,
+                            split_block_dv=512)
     # sm_90 compile (AOT, no GPU): 64 heads x 256 columns, 8 warps, 2 stages uses 254 registers and no
     # spills; 64 x 512 spills (see benchmarks/triton_qsfa.py for the tilings to time on a device)
     return KernelConfig(block_h=64 if q_n >= 64 else 16 if q_n <= 16 else 32, block_n=32, block_dv=256,
@@ -446,7 +507,7 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
                           layout_query="BSND", layout_kv="BSND", sparse_mode=3, rope_head_dim=64,
                           return_softmax_lse=False, key_dtype="int8", probability_rounding="unnormalised",
                           k_rounding=None, p_rounding=None, out_rounding=None, config: KernelConfig | None = None,
-                          _fault: str | None = None):
+                          split_kv=None, _fault: str | None = None):
     """Run the QSFA kernel on validated arguments (torch tensors on one device).
 
     query:  BSND ``[B, Q_S, Q_N, 512 + rope]`` or TND ``[Q_T, Q_N, 512 + rope]``, float16 / bfloat16.
@@ -462,6 +523,10 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             (dequantised K, P, out); None = the A2/A3 kernels' mode (K and out: bf16 RINT, fp16 ROUND; P: ROUND).
             The triton backend passes the requested chip's modes (qsfa.chips).
     config: tiling (:class:`KernelConfig`); None = :func:`default_config`.
+    split_kv: the split-KV (flash-decoding) path for long selections (kernels/qsfa_split.py): None = the
+            ``QSFA_TRITON_SPLIT_KV`` environment variable, else "auto" (split long rows when the unsplit grid
+            would leave a CUDA device idle); "auto", "on" / True, "off" / False, or an int = positions per
+            split (forces it; tests). Same rounding points as unsplit; only fp32 summation order changes.
     _fault: tests only - ``"threshold_off_by_one"`` or ``"ignore_stop"`` run a deliberately broken variant.
     Returns ``(attention_out, softmax_max, softmax_sum)``; the LSE tensors are fp32 ``[B, 1, Q_S, Q_N]`` /
     ``[1, Q_T, Q_N]``, or empty ``[0]`` unless ``return_softmax_lse``.
@@ -538,10 +603,9 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
     else:
         smax = ssum = torch.empty((1,), dtype=torch.float32, device=dev)
 
-    grid = (R, triton.cdiv(q_n, cfg.block_h), NOPE // cfg.block_dv)
-    if R > 0:
-        qsfa_attention_kernel[grid](
-            q_rows, q_rows.stride(0), q_rows.stride(1),
+    n_hb, n_vb = triton.cdiv(q_n, cfg.block_h), NOPE // cfg.block_dv
+    two_pass = cfg.two_pass or normalised
+    args = (q_rows, q_rows.stride(0), q_rows.stride(1),
             k8, k16, k32, hif8_table(dev) if key_dtype == "hifloat8" else k32, stride_kb, stride_kt,
             bt, stride_bt,
             idx, idx.stride(0),
@@ -549,27 +613,52 @@ def launch_qsfa_attention(query, key, sparse_indices, scale_value, *, block_tabl
             out, out.stride(0), out.stride(1),
             smax, ssum,
             float(scale_value),
-            q_n, bsz,
-            SBS=int(sparse_block_size),
-            SCALE_IDX=160 if int(rope_head_dim) == 64 else 128,
-            IS_PA=layout_kv == "PA_BSND",
-            HAS_ROPE=int(rope_head_dim) == 64,
-            IS_BF16=is_bf16,
-            Q_ROUND=modes[k_rounding],
-            P_ROUND=modes[p_rounding],
-            O_ROUND=modes[out_rounding],
-            KEY_FMT=KEY_FORMATS[key_dtype],
-            TWO_PASS=cfg.two_pass or normalised,
-            P_NORMALISED=normalised,
-            WRITE_LSE=bool(return_softmax_lse),
-            DOT_F32=interpreting(),
-            BLOCK_H=cfg.block_h,
-            BLOCK_N=cfg.block_n,
-            BLOCK_DV=cfg.block_dv,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            enable_fp_fusion=False,  # keep every fp32 rounding point (no mul+add -> fma contraction)
-        )
+            q_n, bsz)
+    consts = dict(
+        SBS=int(sparse_block_size),
+        SCALE_IDX=160 if int(rope_head_dim) == 64 else 128,
+        IS_PA=layout_kv == "PA_BSND",
+        HAS_ROPE=int(rope_head_dim) == 64,
+        IS_BF16=is_bf16,
+        Q_ROUND=modes[k_rounding],
+        P_ROUND=modes[p_rounding],
+        O_ROUND=modes[out_rounding],
+        KEY_FMT=KEY_FORMATS[key_dtype],
+        TWO_PASS=two_pass,
+        P_NORMALISED=normalised,
+        WRITE_LSE=bool(return_softmax_lse),
+        DOT_F32=interpreting(),
+        BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
+        BLOCK_DV=cfg.block_dv,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        enable_fp_fusion=False,  # keep every fp32 rounding point (no mul+add -> fma contraction)
+    )
+    from .qsfa_split import split_combine_kernel, split_plan, split_row_stats_kernel
+
+    chunk = split_plan(split_kv, int(idx.shape[-1]) * int(sparse_block_size), R * n_hb * n_vb, cfg.block_n,
+                       dev) if R > 0 else 0
+    if R > 0 and chunk == 0:
+        qsfa_attention_kernel[(R, n_hb, n_vb)](*args, **consts)
+    elif R > 0:  # split-KV (kernels/qsfa_split.py): partials per chunk of positions, then one combine pass
+        ns = triton.cdiv(int(idx.shape[-1]) * int(sparse_block_size), chunk)
+        ws_ml = torch.empty((R, ns, 2, q_n), dtype=torch.float32, device=dev)
+        ws_acc = torch.empty((R, ns, q_n, NOPE), dtype=torch.float32, device=dev)
+        split = dict(consts, NS=ns, CHUNK=chunk, BLOCK_DV=cfg.split_block_dv)
+        n_vb = NOPE // cfg.split_block_dv
+        if two_pass:
+            qsfa_attention_kernel[(R * ns, n_hb, 1)](*args, ws_ml_ptr=ws_ml, ws_acc_ptr=ws_acc, SPLIT=1, **split)
+            row_ml = torch.empty((R, 2, q_n), dtype=torch.float32, device=dev)
+            split_row_stats_kernel[(R, n_hb)](ws_ml, row_ml, q_n, NS=ns, BLOCK_H=cfg.block_h, num_warps=1)
+            qsfa_attention_kernel[(R * ns, n_hb, n_vb)](*args, ws_ml_ptr=row_ml, ws_acc_ptr=ws_acc, SPLIT=2, **split)
+        else:
+            qsfa_attention_kernel[(R * ns, n_hb, n_vb)](*args, ws_ml_ptr=ws_ml, ws_acc_ptr=ws_acc, SPLIT=3, **split)
+        split_combine_kernel[(R, n_hb, n_vb)](
+            ws_ml, ws_acc, out, out.stride(0), out.stride(1), smax, ssum, q_n, NS=ns, RESCALE=not two_pass,
+            P_NORMALISED=normalised, IS_BF16=is_bf16, O_ROUND=modes[out_rounding],
+            WRITE_LSE=bool(return_softmax_lse), BLOCK_H=cfg.block_h, BLOCK_DV=cfg.split_block_dv,
+            num_warps=cfg.num_warps, enable_fp_fusion=False)
 
     attention_out = out.reshape(tuple(query.shape[:-1]) + (NOPE,))
     if return_softmax_lse:

@@ -4,6 +4,7 @@ Operators implemented:
 
 * ``c8_cache_write``: :func:`qsfa.kernels.c8_cache_writer.launch_c8_cache_write` (bit-exact with the
   reference: quantise + pack + scatter in one launch);
+* ``merge_attention_lse``: :func:`qsfa.kernels.lse_merge.launch_merge_attention_lse` (the reference's bytes);
 * ``kv_quant_sparse_flash_attention``: :func:`qsfa.kernels.qsfa_attention.launch_qsfa_attention`
   (within docs/numerics/comparison.md#float-criterion of the faithful reference; int8, FP8 E4M3FN and
   HiFloat8 NoPE).
@@ -24,7 +25,7 @@ from ._contract import Constraint, one_of
 from ._dispatch import operator, register_impl
 from ._errors import BackendUnavailable
 
-__all__ = ["limits", "c8_cache_write", "kv_quant_sparse_flash_attention", "IMPLEMENTED"]
+__all__ = ["limits", "c8_cache_write", "kv_quant_sparse_flash_attention", "merge_attention_lse", "IMPLEMENTED"]
 
 BACKEND = "triton"
 
@@ -100,9 +101,24 @@ def kv_quant_sparse_flash_attention(**args):
     )
 
 
+def merge_attention_lse(**args):
+    """Triton implementation of ``qsfa.merge_attention_lse``: :func:`qsfa.kernels.lse_merge.launch_merge_attention_lse`
+    (float64 in the reference's operation order, one rounding to the inputs' dtypes: the reference's bytes, see
+    that module for the one caveat, float64 ``exp`` on a GPU)."""
+    unknown = set(args) - {"attention_out", "softmax_max", "softmax_sum", "layout_query"}
+    if unknown:
+        raise TypeError(f"triton merge_attention_lse does not know the parameters {sorted(unknown)}")
+    _kernels()
+    from .kernels import lse_merge
+
+    return lse_merge.launch_merge_attention_lse(args["attention_out"], args["softmax_max"], args["softmax_sum"],
+                                                layout_query=args.get("layout_query", "BSND"))
+
+
 IMPLEMENTED = {
     "c8_cache_write": c8_cache_write,
     "kv_quant_sparse_flash_attention": kv_quant_sparse_flash_attention,
+    "merge_attention_lse": merge_attention_lse,
 }
 
 

@@ -237,6 +237,21 @@ def test_attention_hifloat8_matches_reference(layouts, qdtype):
     assert res.passed
 
 
+@pytest.mark.parametrize("layouts", LAYOUTS, ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
+def test_attention_split_kv_matches_reference(layouts, monkeypatch):
+    """The split-KV path, forced through its environment variable with 16-position chunks, against the
+    reference: both probability_rounding choices (normalised divides P by the row sum merged over the splits),
+    LSE on, fp16 (tight atol) and bf16."""
+    from qsfa.kernels.qsfa_split import SPLIT_ENV
+
+    monkeypatch.setenv(SPLIT_ENV, "16")
+    i = LAYOUTS.index(layouts)
+    args = make_attention_case(np.random.default_rng(70 + i), layouts=layouts, dtype=("float16", "bfloat16")[i % 2],
+                               sbs=(1, 4)[i // 2], q_n=2, K=20, stray_stop=True)
+    for pr in ("unnormalised", "normalised"):
+        check_attention(dict(args, probability_rounding=pr))
+
+
 def test_attention_torch_caller():
     args = make_attention_case(np.random.default_rng(9), layouts=("TND", "PA_BSND"), q_n=4)
     t = {k: (to_torch(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
@@ -295,6 +310,11 @@ def test_benchmark_helpers_on_cpu(layout_query):
     kw = {k: v for k, v in args.items() if k not in ("query", "key", "value", "sparse_indices", "scale_value")}
     out = launch_qsfa_attention(args["query"], args["key"], args["sparse_indices"], args["scale_value"], **kw)[0]
     assert bench._check_subset(args, out).startswith("PASS")
+    if layout_query == "BSND":  # the split rows' call, with a chunk small enough to split here
+        out = launch_qsfa_attention(args["query"], args["key"], args["sparse_indices"], args["scale_value"],
+                                    split_kv=16, **kw)[0]
+        assert bench._check_subset(args, out).startswith("PASS")
+        assert "auto" in bench.SPLITS
 
 
 # ------------------------------------------------------------------------------------------------

@@ -685,3 +685,47 @@ def test_attention_uniform_scores():
     assert np.array_equal(got[1], np.zeros((2, 512), BF16))  # the empty row
     res = compare_float(got, np.repeat(want[:, None], 2, 1).astype(BF16), dtype="bfloat16")
     assert res.passed, str(res)
+
+
+# ------------------------------------------------------------------------------------------------
+# split-KV (flash-decoding) path: forced with tiny chunks
+
+@pytest.mark.parametrize("two_pass", [True, False])
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_attention_split_kv_matches_naive(two_pass, chunk):
+    """Rows cut into chunks of 16 / 32 positions (several splits, empty trailing splits, rows with nothing) meet
+    the same criterion as unsplit; the LSE is the row's, merged over the splits."""
+    args = make_attention_case(np.random.default_rng(21 + chunk), dtype="bfloat16", rope=64,
+                               layouts=("TND", "PA_BSND"), sbs=2, q_n=4, K=24, stray_stop=True)
+    cfg = KernelConfig(block_h=16, block_n=16, two_pass=two_pass, num_warps=1)
+    from qsfa.kernels import qsfa_split
+
+    plans = []
+    real = qsfa_split.split_plan
+    qsfa_split.split_plan = lambda *a: plans.append(real(*a)) or plans[-1]
+    try:
+        check_attention_naive(args, config=cfg, split_kv=chunk)
+    finally:
+        qsfa_split.split_plan = real
+    assert plans == [chunk] and -(-48 // chunk) >= 2  # K 24 x sbs 2 = 48 positions: the path really split
+    split = [_np(x) for x in _launch(args, config=cfg, split_kv=chunk)]
+    whole = [_np(x) for x in _launch(args, config=cfg, split_kv="off")]
+    for a, b, dt in zip(split, whole, ("bfloat16", "float32", "float32")):
+        r = compare_float(a, b, dtype=dt)
+        assert r.passed, str(r)
+
+
+def test_attention_split_kv_fp16_rope0_and_plan():
+    from qsfa.kernels.qsfa_split import split_plan
+
+    args = _prefill_case("float16", 0, sbs=1)
+    cfg = KernelConfig(block_h=16, block_n=16, two_pass=True, num_warps=1)
+    check_attention_naive(args, config=cfg, split_kv=16)
+    assert split_plan(16, 32, 1, 16, "cpu") == 16
+    assert split_plan(20, 64, 1, 16, "cpu") == 32          # rounded up to a multiple of block_n
+    assert split_plan(64, 64, 1, 16, "cpu") == 0           # one chunk covers the row: no split
+    assert split_plan("off", 4096, 1, 16, "cpu") == 0
+    assert split_plan("auto", 4096, 1, 16, "cpu") == 0     # auto never splits off a CUDA device
+    assert split_plan("on", 4096, 1, 16, "cpu") == 256
+    with pytest.raises(ValueError, match="split_kv"):
+        split_plan("sometimes", 4096, 1, 16, "cpu")
