@@ -29,6 +29,7 @@ BENCHMARKS = {
     "attention": "reference attention vs a per-row golden and the matmul-only floor",
     "decode_floor": "faithful QSFA decode vs the fp32 / float64 GEMM floors and a torch fp32 user version (1 thread)",
     "cores": "TND prefill on 2 threads vs 1 (qsfa.set_num_threads), byte-identical",
+    "long_prefill": "a long TND prefill streamed to an np.memmap (attention_out=): time and peak memory",
     "scaling": "how attention cost grows with sparse_size, query tokens and context length",
     "conformance": "conformance examples per second per operator",
     "triton_qsfa": "Triton QSFA on a GPU vs the device's measured peak (skipped without a GPU)",

@@ -1,7 +1,8 @@
 """The cache writers and dynamic_block_quant against naive vectorised NumPy versions of the same rules (issue 15).
 
 The baselines below are what a NumPy user writes in a few lines each - whole-array float32 passes, no care for
-temporaries - for the benchmarked configurations (1 x 128 tiles, int8 or FP8 E4M3FN, finite inputs). Each one must
+temporaries - for the benchmarked configurations (1 x 128 tiles, int8 or FP8 E4M3FN, finite inputs, the "divide"
+scale order ``x / (amax / TYPE_MAX)``). Each one must
 produce the same bytes as qsfa before any time is reported (so a fast-but-wrong writer cannot produce a figure).
 qsfa is called through its public operators (contract validation included: finiteness, slot range and duplicates),
 the baselines validate nothing. Goal: every ratio <= 1.0. BLAS is not involved; threads are pinned to one anyway.
@@ -91,7 +92,7 @@ def run(quick: bool = False, rounds: int | None = None) -> list[dict]:
     with threadpool_limits(limits=1):
         for fmt in ("int8", "float8_e4m3fn"):
             x = kv[:, :512]
-            q, s = qsfa.dynamic_block_quant(x, dst_type=fmt)
+            q, s = qsfa.dynamic_block_quant(x, dst_type=fmt, scale_order="divide")
             nq, ns = naive_block_quant(x, fmt)
             if q.tobytes() != nq.tobytes() or s.tobytes() != ns.tobytes():
                 raise AssertionError(f"dynamic_block_quant ({fmt}) and the naive version disagree: not reported")
@@ -103,7 +104,7 @@ def run(quick: bool = False, rounds: int | None = None) -> list[dict]:
             if caches[0].tobytes() != caches[1].tobytes() or caches[2].tobytes() != caches[3].tobytes():
                 raise AssertionError(f"a C8 writer ({fmt}) and its naive version disagree: not reported")
             fns = {
-                "dbq": lambda: qsfa.dynamic_block_quant(x, dst_type=fmt),
+                "dbq": lambda: qsfa.dynamic_block_quant(x, dst_type=fmt, scale_order="divide"),
                 "dbq naive": lambda: naive_block_quant(x, fmt),
                 "c8": lambda: qsfa.c8_cache_write(x, kv[:, 512:], slots, caches[0], key_dtype=fmt),
                 "c8 naive": lambda: naive_c8_write(x, kv[:, 512:], slots, caches[1], fmt),

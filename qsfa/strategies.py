@@ -43,6 +43,7 @@ import numpy as np
 from hypothesis import assume
 from hypothesis import strategies as st
 
+from . import _edges as _E
 from ._contract import Args, Constraint
 from ._profiles import SIZE_BOUNDS, active_profile
 
@@ -280,6 +281,7 @@ def encode_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     from .reference import formats as F
 
     b = _b(bounds)
+    pins, edge = _E.take(draw, "formats.encode", pins)
     fmt = _choose(draw, pins, "fmt", F.FORMAT_NAMES)
     saturate = _choose(draw, pins, "saturate", (False, True))
     rounding = _choose(draw, pins, "rounding", (None,) + F.rounding_modes(fmt))
@@ -290,6 +292,10 @@ def encode_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     no_specials = fmt in ("int8", "float4_e2m1")
     with np.errstate(over="ignore"):
         x = _format_values(rng, fmt, n, specials=not no_specials or saturate).astype(_NP_IN[in_dt])
+        if edge is not None:  # every boundary value in the edge phase; a shrinkable prefix otherwise
+            x = _E.encode_values(rng, fmt, saturate).astype(_NP_IN[in_dt])
+            x = x if pins.get("edge_full") else x[:draw(st.integers(1, x.size))]
+            shape = x.shape
     if no_specials:
         x[np.isnan(x.astype(np.float64))] = 0
         if not saturate:
@@ -304,6 +310,7 @@ def decode_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     from .reference import formats as F
 
     b = _b(bounds)
+    pins, edge = _E.take(draw, "formats.decode", pins)
     fmt = _choose(draw, pins, "fmt", F.FORMAT_NAMES)
     dts = F.code_input_dtypes(fmt)
     dt = dts[draw(st.integers(0, len(dts) - 1))]
@@ -311,6 +318,9 @@ def decode_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     rng = _rng(draw)
     hi = 16 if fmt == "float4_e2m1" else 1 << (8 * dt.itemsize)
     codes = rng.integers(0, hi, n).astype(np.uint16 if dt.itemsize == 2 else np.uint8)
+    if edge is not None:
+        codes = _E.decode_codes(fmt, dt.itemsize)
+        n = codes.size
     if draw(st.booleans()):
         codes = codes.reshape(1, n)
     return dict(codes=codes.view(dt), fmt=fmt)
@@ -320,10 +330,11 @@ def decode_args(draw, bounds: Bounds | None = None, **pins) -> dict:
 def pack_fp4_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     """``formats.pack_fp4``: uint8 codes 0..15 with an even last axis; both nibble orders."""
     b = _b(bounds)
+    pins, edge = _E.take(draw, "formats.pack_fp4", pins)
     k = draw(st.integers(1, max(1, b.max_elements // 2)))
     lead = draw(st.sampled_from([(), (1,), (3,)]))
     rng = _rng(draw)
-    codes = rng.integers(0, 16, lead + (2 * k,)).astype(np.uint8)
+    codes = rng.integers(0, 16, lead + (2 * k,)).astype(np.uint8) if edge is None else _E.nibble_pairs()
     return dict(codes=codes, nibble_order=_choose(draw, pins, "nibble_order", ("low_first", "high_first")))
 
 
@@ -331,10 +342,12 @@ def pack_fp4_args(draw, bounds: Bounds | None = None, **pins) -> dict:
 def unpack_fp4_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     """``formats.unpack_fp4``: any uint8 bytes; both nibble orders."""
     b = _b(bounds)
+    pins, edge = _E.take(draw, "formats.unpack_fp4", pins)
     k = draw(st.integers(1, max(1, b.max_elements // 2)))
     lead = draw(st.sampled_from([(), (2,)]))
     rng = _rng(draw)
-    return dict(packed=rng.integers(0, 256, lead + (k,)).astype(np.uint8),
+    packed = rng.integers(0, 256, lead + (k,)).astype(np.uint8) if edge is None else np.arange(256, dtype=np.uint8)
+    return dict(packed=packed,
                 nibble_order=_choose(draw, pins, "nibble_order", ("low_first", "high_first")))
 
 
@@ -363,13 +376,14 @@ def dynamic_block_quant_args(draw, bounds: Bounds | None = None, **pins) -> dict
     blocks, optionally +-inf / nan), every destination (as a name or a torch_npu code), block shapes of the
     chip limits, ``min_scale``, ``dst_type_max`` (HiFloat8) and both ``scale_order`` values (OPEN)."""
     b = _b(bounds)
+    pins, edge = _E.take(draw, "dynamic_block_quant", pins)
     dst = _choose(draw, pins, "dst_type", tuple(_DBQ_CODES))
     as_code = draw(st.booleans())
     dst_arg = draw(st.sampled_from(_DBQ_CODES[dst])) if as_code else dst
     xdt = _choose(draw, pins, "x_dtype", ("float16", "bfloat16", "float32"))
     rank = _choose(draw, pins, "x_ndim", (2, 3))
-    m = draw(st.integers(1, 6))
-    n = draw(st.integers(1, max(1, min(b.max_elements, 320))))
+    m = _E.pinned_int(draw, pins, "rows", 1, 6)
+    n = draw(st.integers(1, max(1, min(b.max_elements, 320)))) if edge is None else 2 * 128 + 3
     shape = (m, n) if rank == 2 else (draw(st.integers(1, 2)), m, n)
     rb = _choose(draw, pins, "row_block_size", (1, 2, 64, 128))
     cb = _choose(draw, pins, "col_block_size", (1, 64, 128, 192, 256))
@@ -379,6 +393,8 @@ def dynamic_block_quant_args(draw, bounds: Bounds | None = None, **pins) -> dict
     specials = _choose(draw, pins, "specials", (False, True))
     rng = _rng(draw)
     x = _group_values(rng, shape)
+    if edge is not None:
+        x = _E.dbq_x(rng, edge, x, dst, dmax, cb)
     if specials:
         sp = rng.random(shape) < 0.03
         x[sp] = rng.choice(np.array([np.inf, -np.inf, np.nan], np.float32), int(sp.sum()))
@@ -396,30 +412,31 @@ def scatter_by_slot_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     """``scatter_by_slot``: a paged cache ``[block_num, block_size, *row]`` of any dtype prefilled with random
     bytes, rows of its dtype, distinct slots with ``-1`` skips (int32 / int64)."""
     b = _b(bounds)
+    pins, edge = _E.take(draw, "scatter_by_slot", pins)
     dt = _choose(draw, pins, "cache_dtype", ("uint8", "int8", "float16", "bfloat16", "float32", "int32"))
     bn = draw(st.integers(1, 4))
-    bs = draw(st.integers(1, min(b.max_block_size, 16)))
+    bs = _E.block_size(draw, pins, min(b.max_block_size, 16), edge)
     row = draw(st.sampled_from([(1, 8), (16,), (2, 4), (1, 1)]))
-    t = draw(st.integers(1, b.max_tokens))
+    t = _E.tokens(draw(st.integers(1, b.max_tokens)), edge)
     rng = _rng(draw)
     npdt = np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
     cache = poison_bytes(rng, (bn, bs) + row, npdt)
     rows = poison_bytes(rng, (t,) + row, npdt)
     slots = slot_mapping(rng, t, bn * bs, skip_fraction=draw(st.sampled_from([0.0, 0.25, 0.6])),
                          dtype=_choose(draw, pins, "slot_dtype", ("int64", "int32")))
-    return dict(cache=cache, rows=rows, slot_mapping=slots)
+    return dict(cache=cache, rows=rows, slot_mapping=_E.slots_edge(slots, edge, bn * bs, bs))
 
 
-def _c8_cache(draw, rng, pins, b: Bounds, t: int, rope: bool):
+def _c8_cache(draw, rng, pins, b: Bounds, t: int, rope: bool, edge=None):
     bn = draw(st.integers(1, 4))
-    bs = draw(st.integers(1, max(1, min(b.max_block_size, 16))))
+    bs = _E.block_size(draw, pins, max(1, min(b.max_block_size, 16)), edge)
     cdt = _choose(draw, pins, "cache_dtype", ("uint8", "int8", "float8_e4m3fn"))
     npdt = {"uint8": np.dtype(np.uint8), "int8": np.dtype(np.int8),
             "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}[cdt]
     cache = poison_bytes(rng, (bn, bs, 1, 656 if rope else 528), npdt)
     slots = slot_mapping(rng, t, bn * bs, skip_fraction=draw(st.sampled_from([0.0, 0.25, 0.5])),
                          dtype=_choose(draw, pins, "slot_dtype", ("int64", "int32")))
-    return cache, slots
+    return cache, _E.slots_edge(slots, edge, bn * bs, bs)
 
 
 @st.composite
@@ -428,16 +445,21 @@ def c8_cache_write_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     ``k_rope [T, 64]`` or None (rope 0), a random-byte packed cache (uint8 / int8 / float8_e4m3fn), slots
     with ``-1``, ``key_dtype`` int8 / float8_e4m3fn and both ``scale_order`` values (OPEN)."""
     b = _b(bounds)
+    pins, edge = _E.take(draw, "c8_cache_write", pins)
     qdt = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
     rope = _choose(draw, pins, "rope", (True, False))
-    t = draw(st.integers(1, b.max_tokens))
+    t = _E.tokens(draw(st.integers(1, b.max_tokens)), edge)
     rng = _rng(draw)
     k_nope = _group_values(rng, (t, 512)).astype(np.float32)
+    key_dtype = _choose(draw, pins, "key_dtype", ("int8", "float8_e4m3fn"))
+    if edge is not None and edge.startswith("ties:"):
+        k_nope = _E.c8_ties(rng, t, key_dtype)
+    elif edge == "zero_tiles":
+        k_nope = _E.zero_tiles(k_nope, 128)
     k_nope = np.clip(k_nope, -6e4, 6e4).astype(_QDT[qdt])
     k_rope = rng.standard_normal((t, 64)).astype(_QDT[qdt]) if rope else None
-    cache, slots = _c8_cache(draw, rng, pins, b, t, rope)
-    return dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slots, kv_cache=cache,
-                key_dtype=_choose(draw, pins, "key_dtype", ("int8", "float8_e4m3fn")),
+    cache, slots = _c8_cache(draw, rng, pins, b, t, rope, edge)
+    return dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slots, kv_cache=cache, key_dtype=key_dtype,
                 scale_order=_choose(draw, pins, "scale_order", ("divide", "multiply")))
 
 
@@ -446,21 +468,27 @@ def c8_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
     """``c8_rmsnorm_rope_cache``: ``kv [T, 512 + rope]``, ``gamma [512]``, half-split cos/sin ``[T, 64]``
     (None at rope 0), epsilon, a random-byte packed cache and slots with ``-1``."""
     b = _b(bounds)
+    pins, edge = _E.take(draw, "c8_rmsnorm_rope_cache", pins)
     qdt = _QDT[_choose(draw, pins, "dtype", ("bfloat16", "float16"))]
     rope = _choose(draw, pins, "rope_head_dim", (64, 0))
-    t = draw(st.integers(1, b.max_tokens))
+    t = _E.tokens(draw(st.integers(1, b.max_tokens)), edge)
     rng = _rng(draw)
     kv = (rng.standard_normal((t, 512 + rope)) * 10.0 ** rng.uniform(-2, 1, (t, 1))).astype(qdt)
     gamma = (1 + 0.25 * rng.standard_normal(512)).astype(qdt)
+    key_dtype = _choose(draw, pins, "key_dtype", ("int8", "float8_e4m3fn"))
+    if edge is not None and edge.startswith("ties:"):
+        nope, g = _E.c8r_ties(rng, t, key_dtype)
+        kv[:, :512], gamma = nope.astype(qdt), g.astype(qdt)
+    elif pins.get("small_norm"):  # mean square ~1e-6: the epsilon is not negligible
+        kv = (kv.astype(np.float32) * 1e-3).astype(qdt)
     cos = sin = None
     if rope:
         ang = rng.uniform(0, 2 * np.pi, (t, 32))
         cos = np.concatenate([np.cos(ang)] * 2, axis=-1).astype(qdt)
         sin = np.concatenate([np.sin(ang)] * 2, axis=-1).astype(qdt)
-    cache, slots = _c8_cache(draw, rng, pins, b, t, bool(rope))
+    cache, slots = _c8_cache(draw, rng, pins, b, t, bool(rope), edge)
     return dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slots, kv_cache=cache,
-                epsilon=_choose(draw, pins, "epsilon", (1e-6, 1e-5)), rope_head_dim=rope,
-                key_dtype=_choose(draw, pins, "key_dtype", ("int8", "float8_e4m3fn")),
+                epsilon=_choose(draw, pins, "epsilon", (1e-6, 1e-5)), rope_head_dim=rope, key_dtype=key_dtype,
                 scale_order=_choose(draw, pins, "scale_order", ("divide", "multiply")))
 
 
@@ -494,24 +522,30 @@ def kv_compress_epilog_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     from .reference.kv_compress_epilog import kv_cache_col
 
     b = _b(bounds)
+    pins, edge = _E.take(draw, "kv_compress_epilog", pins)
     mode = _choose(draw, pins, "quant_mode", (0, 1, 2))
     gs = _choose(draw, pins, "quant_group_size", (16, 32, 64) if mode == 2 else (64, 16, 128))
     d = _choose(draw, pins, "d", (128, 192, 256, 576))
     pad_to = _choose(draw, pins, "pad_to", (32, 128))
-    t = draw(st.integers(1, b.max_tokens))
+    t = _E.tokens(draw(st.integers(1, b.max_tokens)), edge)
     lead = (t,) if draw(st.booleans()) or t % 2 else (2, t // 2)
     rng = _rng(draw)
-    x = _group_values(rng, lead + (d,)).astype(_BF16)
+    x = _group_values(rng, lead + (d,))
+    if edge is not None and edge.split(":")[0] in ("zero_groups", "ties", "mode"):
+        x2 = x.reshape(-1, d)
+        x2[:, :d - 64] = _E.kce_nope(rng, edge, x2[:, :d - 64], mode, gs)
+    x = x.astype(_BF16)
     col = kv_cache_col(d, mode, gs, pad_to)
     head = col + draw(st.sampled_from([0, 0, 7, 32]))
     bn = draw(st.integers(1, 4))
-    bs = draw(st.integers(1, min(b.max_block_size, 8)))
+    bs = _E.block_size(draw, pins, min(b.max_block_size, 8), edge)
     cache = poison_bytes(rng, (bn, bs, 1, head), np.uint8)
     if draw(st.booleans()):  # blockNum stride larger than a block: a non-contiguous view
         item = cache.strides
         cache = strided_like(cache, (item[0] + 64 * draw(st.integers(1, 3)),) + item[1:])
     slots = slot_mapping(rng, int(np.prod(lead)), bn * bs, skip_fraction=draw(st.sampled_from([0.0, 0.3])),
-                         dtype=_choose(draw, pins, "slot_dtype", ("int64", "int32"))).reshape(lead)
+                         dtype=_choose(draw, pins, "slot_dtype", ("int64", "int32")))
+    slots = _E.slots_edge(slots, edge, bn * bs, bs).reshape(lead)
     return dict(cache=cache, x=x, slot_mapping=slots, quant_group_size=gs, quant_mode=mode,
                 round_scale=_choose(draw, pins, "round_scale", (True, False)),
                 x_scale=_choose(draw, pins, "x_scale", (1.0, 0.37, 3.0)), pad_to=pad_to,
@@ -530,6 +564,7 @@ def kv_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
     from .ops.cache import KRR_CONTRACT, kv_rmsnorm_rope_cache_example
 
     b = _b(bounds)
+    pins, edge = _E.take(draw, "kv_rmsnorm_rope_cache", pins)
     version = _choose(draw, pins, "version", (1, 2))
     mode = _choose(draw, pins, "cache_mode", _KRR_MODES)
     dtype = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
@@ -543,9 +578,9 @@ def kv_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
     any8 = k_fmt in fmts[:4] or ckv_fmt in fmts[:4]
     bs_opts = tuple(x for x in (16, 32, 64) if x <= max(b.max_block_size, 32) and (x % 32 == 0 or not any8))
     block_size = draw(st.sampled_from(bs_opts)) if mode != "Norm" else None
-    seq = draw(st.integers(1, max(1, b.max_q_tokens)))
-    batch = draw(st.integers(1, b.max_batch))
-    offsets = draw(st.booleans()) and any8
+    seq = _E.pinned_int(draw, pins, "seq", 1, max(1, b.max_q_tokens))
+    batch = _E.pinned_int(draw, pins, "batch", 1, b.max_batch)
+    offsets = _choose(draw, pins, "offsets", (False, True)) and any8
     param_shape = draw(st.sampled_from(("ND", "D", "1D", "1")))
     rng = _rng(draw)
     args = kv_rmsnorm_rope_cache_example(
@@ -555,6 +590,8 @@ def kv_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
         cos_seq1=draw(st.booleans()), param_shape=param_shape, skip=draw(st.booleans()),
         is_output_kv=draw(st.booleans()), sentinel=int(rng.integers(0, 256)))
     args["epsilon"] = _choose(draw, pins, "epsilon", (1e-5, 1e-6))
+    if edge is not None:
+        args = _E.krr_edge(rng, args, edge)
     assume(KRR_CONTRACT.first_violation(Args(args)) is None)
     return args
 
@@ -590,17 +627,18 @@ class _QPlan:
 def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _QPlan:
     max_q = max(1, b.max_q_tokens)
     if layout_query == "BSND":
-        q_s = draw(st.integers(1, max_q))
+        q_s = _E.pinned_int(draw, pins, "q_tokens", 1, max_q)
         explicit = _choose(draw, pins, "explicit_lengths", (False, True))
         act_q = (rng.integers(0, q_s + 1, batch) if explicit and rng.random() < 0.7 else np.full(batch, q_s))
-        act_q = act_q.astype(np.int64)
+        act_q = _E.query_lengths(act_q.astype(np.int64), pins, q_s)
         lens = act_q.astype(np.int32) if explicit else None
         bb = np.repeat(np.arange(batch), q_s)
         pos = np.tile(np.arange(q_s), batch)
         return _QPlan("BSND", (batch, q_s), act_q, lens, bb, pos, pos < act_q[bb])
-    act_q = rng.integers(0, max_q + 1, batch).astype(np.int64)
+    act_q = np.maximum(rng.integers(0, max_q + 1, batch), pins.get("q_tokens", 0)).astype(np.int64)
     if act_q.sum() == 0:
         act_q[0] = 1
+    act_q = _E.query_lengths(act_q, pins, max_q)
     ends = np.cumsum(act_q)
     extra = int(draw(st.sampled_from([0, 0, 1, 2])))
     t = int(ends[-1]) + extra
@@ -619,6 +657,7 @@ def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_si
         act_kv = rng.integers(0, max_kv + 1, batch).astype(np.int64)
         if rng.random() < 0.5:  # long sequences are the interesting ones
             act_kv = np.maximum(act_kv, rng.integers(max_kv // 2, max_kv + 1, batch))
+        act_kv = _E.kv_lengths(act_kv, pins)
     mk = max(int(act_kv.max(initial=0)), 1)
     j = np.arange(mk)[None, :]
     live = j < act_kv[:, None]
@@ -639,7 +678,7 @@ def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_si
         starts = np.concatenate([[0], ends[:-1]])
         flat = np.where(live, starts[:, None] + j, -1)
         return _KvPlan("TND", (kv_t,), act_kv, flat, None, ends.astype(np.int32))
-    bs = int(draw(st.sampled_from(tuple(block_sizes))))
+    bs = int(_choose(draw, pins, "block_size", tuple(block_sizes)))
     need = -(-act_kv // bs)
     width = max(int(need.max(initial=0)), 1) + int(draw(st.sampled_from([0, 0, 1])))
     used = int(need.sum())
@@ -665,7 +704,7 @@ def _row_limits(q: _QPlan, act_kv: np.ndarray, sparse_mode: int):
 def _indices(draw, rng, q: _QPlan, kv: _KvPlan, sparse_mode: int, sbs: int, width: int, pins) -> np.ndarray:
     _, limit = _row_limits(q, kv.act_kv, sparse_mode)
     lb = -(-limit // sbs)
-    fill = 1.0 if draw(st.booleans()) else rng.uniform(0, 1, limit.size)
+    fill = pins["fill"] if "fill" in pins else 1.0 if draw(st.booleans()) else rng.uniform(0, 1, limit.size)
     junk = _choose(draw, pins, "junk_after_minus1", (False, True))
     strays = _choose(draw, pins, "stray_entries", (0.0, 0.5, 1.0))
     total = -(-kv.act_kv[q.batch] // sbs)  # per row: strays below actKV (past it only when no room is left)
@@ -695,7 +734,7 @@ def _attention_common(draw, b: Bounds, pins, *, heads_options, block_sizes):
     layout_kv = _choose(draw, pins, "layout_kv", (layout_query, "PA_BSND"))
     if layout_kv != "PA_BSND":  # without paging the KV layout is the query's (a pinned KV layout wins)
         layout_query = layout_kv
-    batch = draw(st.integers(1, b.max_batch))
+    batch = _E.pinned_int(draw, pins, "batch", 1, b.max_batch)
     heads = tuple(h for h in heads_options if h <= b.max_heads) or (heads_options[0],)
     n_heads = _choose(draw, pins, "n_heads", heads)
     sparse_mode = _choose(draw, pins, "sparse_mode", (3, 0))
@@ -746,6 +785,7 @@ def qsfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     from .ops.attention import QSFA_QUERY_HEADS
 
     b = _b(bounds)
+    pins, _ = _E.take(draw, "kv_quant_sparse_flash_attention", pins)
     key_fmt = _choose(draw, pins, "key_dtype", ("int8", "float8_e4m3fn", "hifloat8"))
     rope = 64 if key_fmt == "hifloat8" else _choose(draw, pins, "rope_head_dim", (64, 0))
     qname = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
@@ -754,7 +794,7 @@ def qsfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     sbs = 1 if key_fmt == "hifloat8" else _choose(draw, pins, "sparse_block_size", (1, 2, 4, 8, 16))
     rng, q, kv, n_heads, sparse_mode = _attention_common(draw, b, pins, heads_options=QSFA_QUERY_HEADS,
                                                          block_sizes=_pa_block_sizes(b))
-    width = 2048 if key_fmt == "hifloat8" else draw(st.integers(1, max(1, b.max_sparse)))
+    width = 2048 if key_fmt == "hifloat8" else _E.sparse_width(draw, pins, b.max_sparse, kv.act_kv, sbs)
     idx = _indices(draw, rng, q, kv, sparse_mode, sbs, width, pins)
 
     # logical packed rows [B, max_kv, W]
@@ -807,6 +847,7 @@ def sfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     from .ops.attention import SFA_QUERY_HEADS
 
     b = _b(bounds)
+    pins, _ = _E.take(draw, "sparse_flash_attention", pins)
     qname = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
     qdt = _QDT[qname]
     rng, q, kv, n_heads, sparse_mode = _attention_common(draw, b, pins, heads_options=SFA_QUERY_HEADS,
@@ -815,7 +856,7 @@ def sfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     if kv.layout_kv == "PA_BSND":
         sbs_opts = tuple(s for s in sbs_opts if kv.block_size % s == 0)
     sbs = _choose(draw, pins, "sparse_block_size", sbs_opts)
-    width = draw(st.integers(1, max(1, b.max_sparse)))
+    width = _E.sparse_width(draw, pins, b.max_sparse, kv.act_kv, sbs)
     idx = _indices(draw, rng, q, kv, sparse_mode, sbs, width, pins)
     bsz, mk = kv.flat_of.shape
     rope = _choose(draw, pins, "rope", (True, False))
@@ -854,12 +895,16 @@ def lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     by the OPEN tie_break alone), N1 up to ``min(64, max_heads)``, every KV layout with NaN in unused rows,
     sparse_count up to ``max_sparse``, return_value (not under PA_BSND)."""
     b = _b(bounds)
+    pins, _ = _E.take(draw, "lightning_indexer", pins)
     qname = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
     qdt = _QDT[qname]
     rng, q, kv, n_heads, sparse_mode = _attention_common(draw, b, pins, heads_options=tuple(range(1, 65)),
                                                          block_sizes=_pa_block_sizes(b))
     bsz, mk = kv.flat_of.shape
-    key = _place_rows(kv, rng.integers(-3, 4, (bsz, mk, 128)).astype(qdt), np.full(128, np.nan, np.float32).astype(qdt))
+    key_rows = rng.integers(-3, 4, (bsz, mk, 128))
+    if pins.get("constant_rows"):  # every key equal: every score of a row equal (ties everywhere)
+        key_rows[:] = key_rows[:1, :1]
+    key = _place_rows(kv, key_rows.astype(qdt), np.full(128, np.nan, np.float32).astype(qdt))
     rows = q.batch.size
     query = _store_q(rng.integers(-3, 4, (rows, n_heads, 128)).astype(qdt), q)
     wdt = _choose(draw, pins, "weights_dtype", (qname, "float32"))
@@ -867,7 +912,7 @@ def lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     ret = False if kv.layout_kv == "PA_BSND" else _choose(draw, pins, "return_value", (False, True))
     return dict(query=query, key=key, weights=weights, actual_seq_lengths_query=q.lens_q,
                 actual_seq_lengths_key=kv.lens_kv, block_table=kv.block_table, layout_query=q.layout_query,
-                layout_key=kv.layout_kv, sparse_count=draw(st.integers(1, max(1, b.max_sparse))),
+                layout_key=kv.layout_kv, sparse_count=_E.pinned_int(draw, pins, "sparse_count", 1, max(1, b.max_sparse)),
                 sparse_mode=sparse_mode, pre_tokens=INT64_MAX, next_tokens=INT64_MAX, return_value=ret,
                 tie_break="lower_index")
 
@@ -890,13 +935,17 @@ def quant_lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> 
     scores exact in fp32), float16 / float32 scales, every KV layout; unused key rows hold NaN codes where the
     format has one."""
     b = _b(bounds)
+    pins, edge = _E.take(draw, "quant_lightning_indexer", pins)
     fmt = _choose(draw, pins, "format", ("int8", "float8_e4m3fn", "hifloat8"))
     rng, q, kv, n_heads, sparse_mode = _attention_common(draw, b, pins, heads_options=tuple(range(1, 65)),
                                                          block_sizes=_pa_block_sizes(b))
     bsz, mk = kv.flat_of.shape
     rows = q.batch.size
     poison = np.full(128, _NAN_CODE[fmt] if _NAN_CODE[fmt] is not None else 0x7F, np.uint8)
-    key = _place_rows(kv, _exact_codes(rng, (bsz, mk, 128), fmt), poison)
+    key_codes = _exact_codes(rng, (bsz, mk, 128), fmt)
+    if pins.get("constant_rows"):  # every key equal: every score of a row equal (ties everywhere)
+        key_codes[:] = key_codes[:1, :1]
+    key = _place_rows(kv, key_codes, poison)
     query = _store_q(_exact_codes(rng, (rows, n_heads, 128), fmt), q)
     named = fmt == "hifloat8" or draw(st.booleans())
     arr = {"int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "hifloat8": np.uint8}[fmt]
@@ -908,12 +957,18 @@ def quant_lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> 
     weights = _store_q(rng.integers(-2, 3, (rows, n_heads)).astype(wdt), q)
     qs = _store_q(np.exp2(rng.integers(-2, 1, (rows, n_heads))).astype(sdt), q)
     ks = np.exp2(rng.integers(-2, 1, kv.key_lead + (1,))).astype(sdt)
-    return dict(query=query.view(arr), key=key.view(arr), weights=weights, query_dequant_scale=qs,
+    if pins.get("constant_rows"):
+        ks[:] = 1
+    args = dict(query=query.view(arr), key=key.view(arr), weights=weights, query_dequant_scale=qs,
                 key_dequant_scale=ks, query_quant_mode=0, key_quant_mode=0, actual_seq_lengths_query=q.lens_q,
                 actual_seq_lengths_key=kv.lens_kv, block_table=kv.block_table, layout_query=q.layout_query,
-                layout_key=kv.layout_kv, sparse_count=draw(st.integers(1, max(1, min(2048, b.max_sparse)))),
+                layout_key=kv.layout_kv,
+                sparse_count=_E.pinned_int(draw, pins, "sparse_count", 1, max(1, min(2048, b.max_sparse))),
                 sparse_mode=sparse_mode, pre_tokens=INT64_MAX, next_tokens=INT64_MAX, query_dtype=qd,
                 key_dtype=kd, tie_break="lower_index")
+    if edge == "scale_order" and not pins.get("exact_scores") and sdt == np.float32:
+        args = _E.qli_scale_order(rng, args, kv.flat_of, fmt)
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -925,6 +980,7 @@ def merge_attention_lse_args(draw, bounds: Bounds | None = None, **pins) -> dict
     """``merge_attention_lse``: P partial results (float16 / bfloat16 / float32 / float64) with float32 /
     float64 statistics, empty shards (max = sum = 0) included, BSND or TND."""
     b = _b(bounds)
+    pins, edge = _E.take(draw, "merge_attention_lse", pins)
     layout = _choose(draw, pins, "layout_query", ("BSND", "TND"))
     parts = _choose(draw, pins, "parts", (1, 2, 3))
     n = draw(st.integers(1, min(8, b.max_heads)))
@@ -944,6 +1000,8 @@ def merge_attention_lse_args(draw, bounds: Bounds | None = None, **pins) -> dict
     empty = rng.random(stat) < 0.15
     m[empty] = 0
     s[empty] = 0
+    if edge is not None:
+        m, s = _E.merge_stats(rng, edge, stat, sdt)
     return dict(attention_out=out, softmax_max=m, softmax_sum=s, layout_query=layout)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from . import _edges as _E
 from .strategies import (_BF16, STRATEGIES, Bounds, _b, _choose, _group_values, _rng, poison_bytes, slot_mapping,
                          strided_like)
 
@@ -98,13 +99,14 @@ def kv_compress_epilog_vllm_args(draw, bounds: Bounds | None = None, **pins) -> 
                 round_scale_flag=_choose(draw, pins, "round_scale_flag", (True, False)), layout=layout)
 
 
-def _with_hifloat8_keys(base):
+def _with_hifloat8_keys(base, op):
     """``base`` (a C8 writer strategy) with ``key_dtype`` drawn from int8 / float8_e4m3fn / hifloat8 and, for
     HiFloat8, the OPEN ``dst_type_max`` from 0 (= 32768) and the values torch_npu documents."""
 
     @st.composite
     def strat(draw, bounds: Bounds | None = None, **pins) -> dict:
-        key = _choose(draw, pins, "key_dtype", ("int8", "float8_e4m3fn", "hifloat8"))
+        key = _choose(draw, {**_E.edge_pins(op, pins.get("edge")), **pins}, "key_dtype",  # a pinned edge's key first
+                      ("int8", "float8_e4m3fn", "hifloat8"))
         args = draw(base(bounds, **{k: v for k, v in pins.items() if k != "dst_type_max"}, key_dtype=key))
         args["dst_type_max"] = (_choose(draw, pins, "dst_type_max", (0.0, 15.0, 56.0, 224.0, 32768.0))
                                 if key == "hifloat8" else 0.0)
@@ -122,6 +124,6 @@ MORE_STRATEGIES = {
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):
     if _op in STRATEGIES and not getattr(STRATEGIES[_op], "_hifloat8_keys", False):
-        MORE_STRATEGIES[_op] = _with_hifloat8_keys(STRATEGIES[_op])
+        MORE_STRATEGIES[_op] = _with_hifloat8_keys(STRATEGIES[_op], _op)
         MORE_STRATEGIES[_op]._hifloat8_keys = True
 STRATEGIES.update(MORE_STRATEGIES)

@@ -159,7 +159,8 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
     def add(param, kind, expect, build, torch=False):
         out.append(Case(op, param, kind, expect, build, torch))
 
-    declared_only = {p: None for p in types if p not in example}  # defaulted parameters the example leaves out
+    sig = _signature(op)  # defaulted parameters the example leaves out (that this version's function takes)
+    declared_only = {p: None for p in types if p not in example and p in sig}
     for param, value in {**example, **declared_only}.items():
         t, optional = types.get(param, (None, False))
         if t is None:  # undeclared: infer from the example (None -> anything, optional)
@@ -213,7 +214,7 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
                 add(param, "inf", "must_reject", _set(param, lambda v, b: float("inf")))
             if t == "bool":
                 add(param, "int_for_bool", "must_reject", _set(param, lambda v, b: 1))
-    if "chip" in _signature(op) and "chip" not in example:  # the per-chip keyword every operator takes
+    if "chip" in sig and "chip" not in example:  # the per-chip keyword every operator takes
         add("chip", "bad_value", "must_reject", lambda b: {**b, "chip": "A5"})
         add("chip", "wrong_type", "must_reject", lambda b: {**b, "chip": 950})
     return out
@@ -382,6 +383,9 @@ def main(argv=None):
     if ns.declared:
         with open(ns.declared) as f:
             declared = json.load(f)
+    import qsfa
+
+    print(f"qsfa from {os.path.dirname(qsfa.__file__)}", flush=True)
     counts, rows = campaign(declared, ns.timeout, verbose=ns.verbose)
     total = sum(counts.values())
     print(f"{total} cases: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in ("clear", "foreign", "silent", "related",

@@ -229,9 +229,10 @@ def round_query_dtype(x: np.ndarray, qdtype: str) -> np.ndarray:
     return np.asarray(formats.round_to(x.astype(np.float32), qdtype, rounding=rounding), np.float64)
 
 
-def packed_kv(args: dict, *, faithful: bool):
+def packed_kv(args: dict, *, faithful: bool, k_rounding: str | None = None):
     """QSFA packed rows as float64 ``(K [n, 512 + 64], V [n, 512])``: NoPE ``decode(code) * tile scale``
-    (one fp32 multiply), rounded to the query dtype when ``faithful``; RoPE as stored (zeros at rope 0)."""
+    (one fp32 multiply), rounded to the query dtype when ``faithful`` (``k_rounding`` "rint" / "round"; None: the
+    A2/A3 rule of :func:`round_query_dtype`); RoPE as stored (zeros at rope 0)."""
     from .. import formats
 
     key = args["key"]
@@ -246,7 +247,8 @@ def packed_kv(args: dict, *, faithful: bool):
     with np.errstate(invalid="ignore", over="ignore"):
         if faithful:  # one fp32 multiply, then the query-dtype rounding
             nope = (vals.reshape(n, 4, 128) * scales[:, :, None]).reshape(n, 512)
-            nope64 = round_query_dtype(nope, qd)
+            nope64 = (round_query_dtype(nope, qd) if k_rounding is None else
+                      np.asarray(formats.round_to(nope, qd, rounding=k_rounding), np.float64))
         else:  # exact: the product of two fp32 values is exact in float64
             nope64 = (vals.reshape(n, 4, 128).astype(np.float64) * scales[:, :, None]).reshape(n, 512)
     k = np.zeros((n, 576), np.float64)

@@ -219,7 +219,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     saved (None: not saved). ``pins``: extra strategy pins (e.g. tiny shapes for an interpreter). ``chip``: the
     chip modelled by every call, backend's and reference's ("A2", "A3", "950"; None: the backend's device chip, or
     each call's own rule, docs/numerics/chips.md); examples are drawn within that chip's limits."""
-    from hypothesis import given, reject, settings
+    from hypothesis import example, given, reject, settings
     from hypothesis import seed as hyp_seed
     from hypothesis.control import current_build_context
     from hypothesis.errors import Unsatisfiable
@@ -281,8 +281,15 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
 
     test.__name__ = re.sub(r"\W", "_", f"conformance_{prop.name}")
     wrapped = given(strategy)(test)
+    from ._edge_phase import edge_examples, shrink_within_edge
+
+    edges = edge_examples(prop, b, chip, pins or {}, fits)  # edges first (qsfa._edges), in EDGES order
+    for _, ex in reversed(edges):
+        wrapped = example(ex)(wrapped)
+    edge_of = {id(ex): e for e, ex in edges}
     wrapped._hypothesis_internal_add_digest = prop.name.encode()
-    wrapped = settings(**settings_for(profile, max_examples=max_examples, seed=seed))(wrapped)
+    settings_kw = settings_for(profile, max_examples=max_examples, seed=seed)
+    wrapped = settings(**settings_kw)(wrapped)
     if seed is not None:
         wrapped = hyp_seed(_property_seed(seed, prop.name))(wrapped)
     try:
@@ -293,6 +300,11 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
         res.status = "skipped"
         res.message = f"no drawn example fits backend {backend!r} ({e})"
     except Exception as e:  # noqa: BLE001
+        if state.final and id(state.final[-1][0]) in edge_of:  # an explicit edge example: shrink within its edge
+            state.first_failure = None  # a shrunk failure found there is appended to state.final
+            with modelling_chip(chip):
+                shrink_within_edge(prop, edge_of[id(state.final[-1][0])], b, chip, pins or {}, fits, test,
+                                   settings_kw)
         if state.final:
             ex, err = state.final[-1]
             res.status = "failed"

@@ -31,6 +31,7 @@ from .._arrays import dtype_name, is_torch, to_numpy
 from .._checks import dtype_in, is_array
 from .._contract import Constraint, Contract, copy_args, one_of, params
 from .. import chips as _chips
+from ._out_buffers import attention_out_rules, reject_on_device
 from .._dispatch import define_operator, run
 from .._errors import InvalidArgument, Raw
 from ..reference import attention as _ref
@@ -897,15 +898,17 @@ def _qsfa_rules():
                   "Ascend 950 writes only the attention output: return_softmax_lse must be False",
                   lambda a: None if not a.return_softmax_lse else a.return_softmax_lse,
                   edit(n, setting(return_softmax_lse=True)), chips=("950",)))
+    r += attention_out_rules(n, lambda a: 512)
     return r
 
 
-QSFA_CONTRACT = Contract(op=QSFA, constraints=_qsfa_rules(), example=lambda rng: qsfa_case(), params=params(
+QSFA_CONTRACT = Contract(op=QSFA, constraints=_qsfa_rules(), example=lambda rng: {**qsfa_case(), "attention_out": None},
+                         params=params(
     "query:array key:array value:array sparse_indices:array scale_value:float key_quant_mode:int value_quant_mode:int"
     " key_dequant_scale:array? value_dequant_scale:array? block_table:array? actual_seq_lengths_query:array?"
     " actual_seq_lengths_kv:array? sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int"
     " pre_tokens:int next_tokens:int attention_mode:int quant_scale_repo_mode:int tile_size:int rope_head_dim:int"
-    " return_softmax_lse:bool key_dtype:str precision:str probability_rounding:str"))
+    " return_softmax_lse:bool key_dtype:str precision:str probability_rounding:str attention_out:array?"))
 
 
 def _qsfa_reference(**args):
@@ -924,7 +927,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
                                     quant_scale_repo_mode=1, tile_size=128, rope_head_dim=64,
                                     return_softmax_lse=False, key_dtype="int8", chip=None, backend="reference",
-                                    precision="faithful", probability_rounding="unnormalised"):
+                                    precision="faithful", probability_rounding="unnormalised", attention_out=None):
     """Sparse flash attention over a packed quantised KV cache (vllm-ascend ``npu_kv_quant_sparse_flash_attention``).
 
     Computes per query row and head ``softmax(scale_value * q . K_sel^T) @ V_sel`` over the tokens the
@@ -960,6 +963,9 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
       probability_rounding: **OPEN** - "unnormalised" (default; round exp(s - max), divide by the fp32 sum
               after P @ V, as the kernels do) or "normalised" (round softmax probabilities; vLLM-Ascend's
               test golden).
+      attention_out: optional NumPy buffer (an ``np.memmap`` for a long prefill) of the output's shape and dtype,
+              C-contiguous, writable, sharing no memory with the inputs; the reference writes the output into it
+              chunk by chunk and returns it (reference backend only).
     Returns ``(attention_out, softmax_max, softmax_sum)``: attention_out in the query dtype (float64 for
     exact) ``[B, Q_S, Q_N, 512]`` / ``[Q_T, Q_N, 512]``; softmax_max / softmax_sum float32 ``[B, 1, Q_S, Q_N]``
     (BSND) / ``[1, Q_T, Q_N]`` (TND) when return_softmax_lse, else empty ``[0]``.
@@ -973,6 +979,9 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 attention_mode=attention_mode, quant_scale_repo_mode=quant_scale_repo_mode, tile_size=tile_size,
                 rope_head_dim=rope_head_dim, return_softmax_lse=return_softmax_lse, key_dtype=key_dtype,
                 precision=precision, probability_rounding=probability_rounding)
+    reject_on_device(backend, attention_out)
+    if attention_out is not None:
+        args["attention_out"] = attention_out
     return run(QSFA, args, backend, chip=chip)
 
 
@@ -1087,15 +1096,17 @@ def _sfa_rules():
     r.append(rule(n, "a2a3_sinks", "sinks", "value", "sinks are supported on Ascend 950 only",
                   lambda a: None if a.get("sinks") is None else "a tensor",
                   edit(n, setting(sinks=np.zeros((1,), np.float32))), chips=("A2", "A3")))
+    r += attention_out_rules(n, lambda a: (a["key"] if a.get("value") is None else a["value"]).shape[-1])
     return r
 
 
-SFA_CONTRACT = Contract(op=SFA, constraints=_sfa_rules(), example=lambda rng: sfa_case(), params=params(
+SFA_CONTRACT = Contract(op=SFA, constraints=_sfa_rules(), example=lambda rng: {**sfa_case(), "attention_out": None},
+                        params=params(
     "query:array key:array value:array? sparse_indices:array scale_value:float block_table:array?"
     " actual_seq_lengths_query:array? actual_seq_lengths_kv:array? query_rope:array? key_rope:array?"
     " sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int pre_tokens:int next_tokens:int"
     " attention_mode:int return_softmax_lse:bool sinks:array? lse_includes_sink:bool precision:str"
-    " probability_rounding:str"))
+    " probability_rounding:str attention_out:array?"))
 
 
 def _sfa_reference(**args):
@@ -1111,7 +1122,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                            key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                            pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
                            return_softmax_lse=False, sinks=None, lse_includes_sink=False, chip=None,
-                           backend="reference", precision="faithful", probability_rounding="unnormalised"):
+                           backend="reference", precision="faithful", probability_rounding="unnormalised",
+                           attention_out=None):
     """Sparse flash attention over a float KV (torch_npu ``npu_sparse_flash_attention``).
 
     Computes per query row and head ``softmax(scale_value * [q, q_rope] . [k, k_rope]^T) @ v`` over the
@@ -1136,6 +1148,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
               softmax_sum includes ``exp(sink - softmax_max)``.
       chip, backend, precision, probability_rounding: as :func:`kv_quant_sparse_flash_attention` (the chip
               selects the P and output roundings).
+    attention_out: optional output buffer, as :func:`kv_quant_sparse_flash_attention`.
     Returns ``(attention_out like query, softmax_max, softmax_sum)`` (LSE shapes as QSFA; empty ``[0]``
     when not requested).
     """
@@ -1147,6 +1160,9 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                 attention_mode=attention_mode, return_softmax_lse=return_softmax_lse, sinks=sinks,
                 lse_includes_sink=lse_includes_sink, precision=precision,
                 probability_rounding=probability_rounding)
+    reject_on_device(backend, attention_out)
+    if attention_out is not None:
+        args["attention_out"] = attention_out
     return run(SFA, args, backend, chip=chip)
 
 
@@ -1547,7 +1563,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
               key_dtype=None, rope_head_dim=None, chip=None, backend="reference", precision="faithful",
-              probability_rounding="unnormalised"):
+              probability_rounding="unnormalised", attention_out=None):
     """Sparse attention, routed by the key's dtype exactly as vLLM-Ascend does.
 
     vllm_ascend/device/device_op.py (``execute_sparse_flash_attention_process``) sends a KV cache of dtype
@@ -1567,6 +1583,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
       rope_head_dim: QSFA; default from the packed width (656 -> 64, 528 -> 0).
       block_table, actual_seq_lengths_query / _kv, sparse_block_size, layout_query, layout_kv, sparse_mode,
       return_softmax_lse, chip, backend, precision, probability_rounding: as the operators.
+    attention_out: optional output buffer (an ``np.memmap``), as :func:`kv_quant_sparse_flash_attention`.
     Returns ``(attention_out, softmax_max, softmax_sum)`` of the operator it routes to.
     """
     from ..reference.attention import is_quant_key
@@ -1578,7 +1595,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
                   actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                   layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
                   return_softmax_lse=return_softmax_lse, chip=chip, backend=backend, precision=precision,
-                  probability_rounding=probability_rounding)
+                  probability_rounding=probability_rounding, attention_out=attention_out)
     if is_quant_key(key):
         if key_rope is not None:
             raise InvalidArgument("value", "key_rope", "a tensor",

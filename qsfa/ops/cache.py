@@ -902,13 +902,13 @@ def _krr_param_consistent(a):
     return None if len(ndims) <= 1 and len(ns) <= 1 else f"ndims {sorted(ndims)}, N sizes {sorted(ns)}"
 
 
-def _krr_cache_rank(a):
-    want = 5 if a.cache_mode in _NZ_MODES else 4
-    for which in ("k", "ckv"):
+def _krr_cache_rank(which):
+    def check(a):
+        want = 5 if a.cache_mode in _NZ_MODES else 4
         arr = a[_cache_name(which)]
-        if arr.ndim != want:
-            return f"{_cache_name(which)} has {arr.ndim} dims"
-    return None
+        return None if arr.ndim == want else f"{_cache_name(which)} has {arr.ndim} dims"
+
+    return check
 
 
 def _krr_nz_align(a):
@@ -1148,8 +1148,11 @@ KRR_CONTRACT = Contract(
               "all quant parameters must have the same number of dims and the same N size", _krr_param_consistent,
               _edit(lambda o: o.update(k_rope_offset=np.zeros((32,), np.float32))), source=KRR_SRC),
         _rule(KRR, "cache_rank", "k_cache", "dim", "caches are 4-D ([..]) in Norm / PA / PA_BNSD / PA_BLK_BNSD "
-              "and 5-D NZ storage in PA_NZ / PA_BLK_NZ", _krr_cache_rank,
+              "and 5-D NZ storage in PA_NZ / PA_BLK_NZ", _krr_cache_rank("k"),
               _edit(lambda o: o.update(k_cache=o["k_cache"][..., None])), source=KRR_SRC),
+        _rule(KRR, "ckv_cache_rank", "ckv_cache", "dim", "caches are 4-D ([..]) in Norm / PA / PA_BNSD / "
+              "PA_BLK_BNSD and 5-D NZ storage in PA_NZ / PA_BLK_NZ", _krr_cache_rank("ckv"),
+              _edit(lambda o: o.update(ckv_cache=o["ckv_cache"][..., None])), source=KRR_SRC),
         _rule(KRR, "nz_alignment", "k_cache", "shape",
               "NZ modes need Dk and Dv to be multiples of the NZ column (16 elements for 16-bit caches, 32 for "
               "8-bit caches)", _krr_nz_align, _krr_build(cache_mode="PA_NZ", dk=48, dv=64), source=KRR_SRC),
