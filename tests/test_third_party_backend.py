@@ -93,3 +93,42 @@ def test_entry_point_group(tmp_path, clean, capsys):
     assert np.array_equal(qsfa.formats.pack_fp4(codes, backend="test-kernel-ep"), qsfa.formats.pack_fp4(codes))
     assert _conformance("--backend", "test-kernel-broken", tmp_path=tmp_path) == 2
     assert "test-kernel-broken" in capsys.readouterr().err
+
+
+def test_pytest_runs_the_catalogue_on_a_named_backend(tmp_path):
+    """``pytest --qsfa-backend NAME --qsfa-backend-module MODULE`` runs tests/test_conformance_reference.py on it."""
+    import os
+    import subprocess
+    import sys
+
+    _write(tmp_path, "qsfa_test_kernel_py", "test-kernel-py", buggy=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(root, "tests",
+           "test_conformance_reference.py"), "-k", "pack_fp4", "--qsfa-backend", "test-kernel-py",
+           "--qsfa-backend-module", "qsfa_test_kernel_py"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    # the swapped nibbles fail vs_reference, and the round trip (its unpack_fp4 helper on the reference)
+    assert "2 failed, 1 passed" in out.stdout, out.stdout[-2000:]
+    assert "pack_fp4.vs_reference" in out.stdout and "pack_fp4.unpack_roundtrip" in out.stdout
+
+
+def test_your_kernel_doc_example_works(tmp_path, clean):
+    """The backend module of docs/your-kernel.md, as written there, registers and passes its properties."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "your-kernel.md"), encoding="utf-8").read()
+    code = re.search(r"```python\n(# yourpkg/qsfa_backend.py.*?)```", text, re.S).group(1)
+    (tmp_path / "qsfa_doc_backend.py").write_text(code)
+    clean.append("yours")
+    assert _conformance("--backend-module", "qsfa_doc_backend", "--backend", "yours", tmp_path=tmp_path) == 0
+    import qsfa.compare
+    from qsfa.golden import Case
+
+    case = Case.from_args("pack", "formats.pack_fp4", dict(codes=np.arange(16, dtype=np.uint8),
+                                                           nibble_order="high_first"))
+    got, want = case.run(backend="yours"), case.run(backend="reference")  # the golden comparison of the doc
+    assert all(qsfa.compare.compare(got[n], want[n], name=n).passed for n in want)
