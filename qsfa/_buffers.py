@@ -26,7 +26,8 @@ import numpy as np
 from ._contract import Constraint, copy_args
 from ._errors import Raw
 
-__all__ = ["memory_bytes", "self_overlaps", "shares_memory", "distinct_bytes", "array_rules", "inplace_rules"]
+__all__ = ["memory_bytes", "self_overlaps", "strided_overlaps", "tensor_layout_overlaps", "tensors_may_share",
+           "shares_memory", "distinct_bytes", "array_rules", "inplace_rules"]
 
 _SOURCE = "qsfa contract: generic buffer rule (docs/architecture.md)"
 
@@ -40,18 +41,46 @@ def memory_bytes() -> int:
 
 
 def self_overlaps(a: np.ndarray) -> bool:
-    """Whether two elements of ``a`` may share memory (stride 0, or strides that interleave).
+    """Whether two elements of ``a`` may share memory (stride 0, or strides that interleave)."""
+    return strided_overlaps(a.shape, a.strides, a.itemsize)
 
-    Sorted by absolute stride, each dimension must step over everything the smaller ones span; an
-    array that fails this is reported as overlapping (exotic non-overlapping interleavings included).
+
+def strided_overlaps(shape, strides, itemsize: int) -> bool:
+    """:func:`self_overlaps` from a shape, byte strides and the element size (NumPy arrays or tensors).
+
+    Sorted by absolute stride, each dimension must step over everything the smaller ones span; a layout
+    that fails this is reported as overlapping (exotic non-overlapping interleavings included).
     """
-    dims = sorted((abs(st), n) for n, st in zip(a.shape, a.strides) if n > 1)
-    span = a.itemsize
+    dims = sorted((abs(st), n) for n, st in zip(shape, strides) if n > 1)
+    span = itemsize
     for st, n in dims:
         if st < span:
             return True
         span += st * (n - 1)
     return False
+
+
+def tensor_layout_overlaps(t) -> bool:
+    """:func:`strided_overlaps` of a torch tensor (on any device: read from its strides, not its data)."""
+    item = t.element_size()
+    return strided_overlaps(tuple(t.shape), tuple(s * item for s in t.stride()), item)
+
+
+def tensors_may_share(a, b) -> bool:
+    """Whether two strided torch tensors on one device may share bytes: the same storage and intersecting
+    byte spans (conservative: interleaved views of one storage count as sharing)."""
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        item = t.element_size()
+        lo = t.data_ptr()
+        return lo, lo + item + sum((n - 1) * st * item for n, st in zip(t.shape, t.stride()) if n > 0)
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def shares_memory(a: np.ndarray, b: np.ndarray) -> bool:

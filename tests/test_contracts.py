@@ -84,3 +84,29 @@ def test_declared_optional_matches_the_public_signature(op_name):
     for p in inspect.signature(fn).parameters.values():
         if p.name in declared and p.default is None:
             assert declared[p.name].optional, f"{op_name}.{p.name} defaults to None but is declared required"
+
+
+def test_a_none_value_cannot_pass_a_hand_written_check():
+    """The issue-12 root cause: a check returns None for 'passed', so 'None if v in allowed else v' passed a
+    parameter whose value was None. A declared type rejects it first, and a hand-written type rule of a
+    declared parameter is replaced by the generic one."""
+    from qsfa._contract import Constraint, Contract, params
+
+    allowed = Constraint(id="toy.mode_value", param="mode", kind="value", reason="must be 'a' or 'b'",
+                         check=lambda a: None if a.mode in ("a", "b") else a.mode)
+    own_type = Constraint(id="toy.flag_is_bool", param="flag", kind="type", reason="must be a bool",
+                          check=lambda a: None if isinstance(a.flag, bool) else a.flag)
+    bare = Contract(op="toy", constraints=[allowed])
+    assert bare.first_violation({"mode": None}) is None  # the hole, without declarations
+    c = Contract(op="toy", constraints=[allowed, own_type], params=params("mode:str flag:bool n:int? x:array"))
+    assert [k.id for k in c.constraints][:4] == ["toy.mode_type", "toy.flag_type", "toy.n_type", "toy.x_is_array"]
+    assert "toy.flag_is_bool" not in c.ids()
+    ok = {"mode": "a", "flag": True, "n": None, "x": np.zeros(2)}
+    assert c.first_violation(ok) is None
+    for name, bad in (("mode", None), ("flag", None), ("flag", 1), ("n", 1.5), ("n", 1 << 64), ("x", [1.0]),
+                      ("x", np.zeros(2, np.complex64))):
+        with pytest.raises(InvalidDtype) as ei:
+            c.validate({**ok, name: bad})
+        assert ei.value.param == name and str(ei.value).startswith(f"Invalid type for {name}, actual: ")
+    with pytest.raises(InvalidArgument, match="Invalid value for mode"):
+        c.validate({**ok, "mode": "c"})

@@ -49,3 +49,18 @@ def test_every_operator_and_parameter_is_attacked():
         for p in inplace:
             kinds = {c.kind for c in _CASES if c.op == op and c.param == p}
             assert {"readonly", "dtype_bool", "huge_view"} <= kinds, f"{op}.{p}: {sorted(kinds)}"
+
+
+def test_tensor_buffer_rules_read_the_tensor_itself():
+    """Device tensors reach validation as host copies, which lose an expand()-ed layout and aliasing: the
+    dispatch layer reads both from the tensor's strides and storage (checked here on CPU tensors)."""
+    torch = pytest.importorskip("torch")
+    from qsfa._buffers import tensor_layout_overlaps, tensors_may_share
+
+    base = torch.zeros(4, 8, dtype=torch.int8)
+    assert not any(tensor_layout_overlaps(t) for t in (base, base[:, ::2], base.t()))
+    assert tensor_layout_overlaps(base[:1].expand(4, 8))
+    assert tensor_layout_overlaps(torch.zeros(16, dtype=torch.int8).as_strided((4, 4), (2, 1)))
+    assert tensors_may_share(base[1:3], base[2:])
+    assert not tensors_may_share(base[:2], base[2:])
+    assert not tensors_may_share(base, torch.zeros(4, 8, dtype=torch.int8))

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._contract import Args
 from .._errors import UnsupportedByBackend
-from ._support import modelling_chip
+from ._support import helpers_on_reference, modelling_chip
 from .properties import Example, Property, catalogue
 
 __all__ = [
@@ -237,10 +237,14 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     except BackendError as e:
         res.message = str(e)
         return res
-    missing = [op for op in prop.ops if be.name not in operator(op).impls]
-    if missing:
-        res.message = f"backend {backend!r} does not implement {', '.join(missing)}"
+    if be.name not in operator(prop.op).impls:
+        res.message = f"backend {backend!r} does not implement {prop.op}"
         return res
+    # helper operators the backend lacks (e.g. merge_attention_lse for split_merge) run on the reference
+    helpers = [op for op in prop.ops[1:] if be.name not in operator(op).impls]
+    if helpers:
+        res.message = (f"helper operator(s) {', '.join(helpers)} ran on the reference (backend {backend!r} does not "
+                       f"implement them); {prop.op} ran on {backend!r}")
     try:
         be_chip = be.chip()
     except Exception as e:  # noqa: BLE001
@@ -293,7 +297,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     if seed is not None:
         wrapped = hyp_seed(_property_seed(seed, prop.name))(wrapped)
     try:
-        with modelling_chip(chip):
+        with modelling_chip(chip), helpers_on_reference(helpers):
             wrapped()
         res.status = "passed"
     except Unsatisfiable as e:
@@ -302,13 +306,13 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     except Exception as e:  # noqa: BLE001
         if state.final and id(state.final[-1][0]) in edge_of:  # an explicit edge example: shrink within its edge
             state.first_failure = None  # a shrunk failure found there is appended to state.final
-            with modelling_chip(chip):
+            with modelling_chip(chip), helpers_on_reference(helpers):
                 shrink_within_edge(prop, edge_of[id(state.final[-1][0])], b, chip, pins or {}, fits, test,
                                    settings_kw)
         if state.final:
             ex, err = state.final[-1]
             res.status = "failed"
-            res.message = f"{type(err).__name__}: {err}"
+            res.message = f"{type(err).__name__}: {err}" + (f"\n({res.message})" if helpers else "")
             if state.shrink_skipped:
                 res.message += (f"\n(shrinking stopped after {SHRINK_SECONDS:g} s: the falsifying example is the "
                                 "smallest found by then)")
@@ -459,11 +463,21 @@ def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
     Returns ``(holds, message)``: ``holds`` is False when the property still fails on that backend."""
     prop, ex, side = load_example(path)
     be = backend or side["backend"]
+    from .._errors import BackendError
+
+    from .._dispatch import get_backend, operator
+
+    name = get_backend(be).name
+    helpers = [op for op in prop.ops[1:] if name not in operator(op).impls]
     try:
-        with modelling_chip(side.get("chip")):
+        with modelling_chip(side.get("chip")), helpers_on_reference(helpers):
             prop.check(ex, be)
     except AssertionError as e:
         return False, f"{prop.name} fails on {be!r}: {e}"
+    except BackendError:  # the backend cannot run the case at all (unknown, unusable, declines it): not a verdict
+        raise
+    except Exception as e:  # noqa: BLE001 - as in a run: any other error of the check is a failure of the property
+        return False, f"{prop.name} fails on {be!r}: {type(e).__name__}: {e}"
     return True, f"{prop.name} holds on {be!r}"
 
 
@@ -477,9 +491,12 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
                     shard_spec: str | tuple | None = None, cases_dir: str | None = DEFAULT_CASES_DIR,
                     bounds=None, pins: dict | None = None,
                     progress: Callable[[int, int, PropertyResult], None] | None = None,
-                    props: list | None = None, chip: str | None = None) -> ConformanceReport:
+                    props: list | None = None, chip: str | None = None, time_budget: float | None = None,
+                    on_result: Callable[[ConformanceReport], None] | None = None) -> ConformanceReport:
     """Run the selected properties against ``backend``; see :func:`run_property` for the arguments.
-    ``shard_spec``: "i/n" or ``(i, n)``. ``progress(k, total, result)`` is called after each property."""
+    ``shard_spec``: "i/n" or ``(i, n)``. ``progress(k, total, result)`` is called after each property;
+    ``on_result(report)`` too (incremental reports: a run stopped later keeps what it measured).
+    ``time_budget`` (seconds): properties not started when it is spent are reported as skipped ("not run")."""
     import hypothesis
 
     from .. import __version__
@@ -505,11 +522,18 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
         versions={"qsfa": __version__, "hypothesis": hypothesis.__version__, "numpy": np.__version__})
     t0 = time.perf_counter()
     for k, p in enumerate(selected, 1):
-        r = run_property(p, backend, profile=profile, max_examples=max_examples, seed=seed, bounds=b,
-                         cases_dir=cases_dir, pins=pins, chip=chip)
+        if time_budget is not None and time.perf_counter() - t0 > time_budget:
+            r = PropertyResult(p.name, list(p.ops), p.kind, backend, "skipped", doc=p.doc, seed=seed,
+                               message=f"not run: the time budget ({time_budget:g} s) was spent")
+        else:
+            r = run_property(p, backend, profile=profile, max_examples=max_examples, seed=seed, bounds=b,
+                             cases_dir=cases_dir, pins=pins, chip=chip)
         report.results.append(r)
+        report.seconds = time.perf_counter() - t0
         if progress is not None:
             progress(k, len(selected), r)
+        if on_result is not None:
+            on_result(report)
     report.seconds = time.perf_counter() - t0
     return report
 
