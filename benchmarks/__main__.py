@@ -32,6 +32,7 @@ BENCHMARKS = {
     "long_prefill": "a long TND prefill streamed to an np.memmap (attention_out=): time and peak memory",
     "scaling": "how attention cost grows with sparse_size, query tokens and context length",
     "conformance": "conformance examples per second per operator",
+    "conformance_cost": "a QSFA conformance example vs bare reference calls on the same drawn arguments",
     "triton_qsfa": "Triton QSFA on a GPU vs the device's measured peak (skipped without a GPU)",
     "distributed": "golden seed-rope0 and the ci conformance run: --workers 2 vs serial, end to end",
 }

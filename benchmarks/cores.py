@@ -5,7 +5,8 @@ over 2048 cached + 4096 new tokens, int8 PA cache, bf16 query. 1 thread: the ser
 thread (threadpoolctl); 2 threads: the oracle's chunk pool, each worker with one BLAS thread. Runs alternate
 (1, 2, 1, 2, ...) so a change of machine load hits both; medians are reported with the load average before and
 after, and every output is compared byte for byte with the first one. Goal: speedup >= 1.7 on 2 free cores (a
-machine whose cores other processes use cannot show it: read the load figures).
+machine whose cores other processes use cannot show it: read the load figures and the CPU seconds per wall second,
+which say how many cores the process actually got).
 
     python -m benchmarks.cores [--quick] [--tokens N] [--reps N]
 """
@@ -34,6 +35,7 @@ def run(quick: bool = False, tokens: int | None = None, reps: int | None = None)
     size = dict(sparse=256, heads=16) if quick else dict(sparse=2048, heads=128)
     args = prefill_case(np.random.default_rng(1), q_tokens=tokens, **size)
     times = {1: [], 2: []}
+    cpu = {1: [], 2: []}
     first = None
     load0 = os.getloadavg()[0]
     try:
@@ -41,9 +43,10 @@ def run(quick: bool = False, tokens: int | None = None, reps: int | None = None)
             for n in (1, 2):
                 qsfa.set_num_threads(n)
                 with threadpool_limits(limits=1 if n == 1 else 2, user_api="blas"):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     out = qsfa.kv_quant_sparse_flash_attention(**args, return_softmax_lse=True)
                     times[n].append(time.perf_counter() - t0)
+                    cpu[n].append(time.process_time() - c0)
                 if first is None:
                     first = out
                 elif any(a.tobytes() != b.tobytes() for a, b in zip(first, out)):
@@ -53,7 +56,8 @@ def run(quick: bool = False, tokens: int | None = None, reps: int | None = None)
     tm = {n: Timing(float(np.median(t)), float(min(t)), float(max(t)), 0.0, len(t)) for n, t in times.items()}
     note = (f"TND {tokens} tokens, Q_N={args['query'].shape[-2]}, sparse={args['sparse_indices'].shape[-1]}; "
             f"{reps} alternating reps each; {os.cpu_count()} CPUs; load {load0:.2f}->{os.getloadavg()[0]:.2f}; "
-            f"{blas_info()}; outputs byte-identical")
+            f"{blas_info()}; outputs byte-identical; CPU seconds per wall second (cores actually used): "
+            f"1 thread {np.median(cpu[1]) / tm[1].median_s:.2f}, 2 threads {np.median(cpu[2]) / tm[2].median_s:.2f}")
     return [row("cores", f"prefill {tokens} tokens, 2 threads vs 1", tm[2], baseline_name="1 thread",
                 baseline=tm[1], goal="speedup >= 1.7", notes=note)]
 

@@ -135,6 +135,11 @@ _PINS[("merge_attention_lse", "empty_shards")] = dict(parts=(2, 3))
 _PINS[("merge_attention_lse", "large_max")] = dict(parts=(2, 3), stat_dtype="float32")
 
 
+#: False turns the edges off (no edge draws, no edge phase): the catalogue as it was before them, for measuring
+#: their effect (``python -m qsfa.conformance.campaign --without-edges``)
+ENABLED = True
+
+
 def take(draw, op: str, pins: dict):
     """Draw the edge of an operator strategy and merge its pins under ``pins``: ``(pins, edge)``.
     ``pins["edge"]`` fixes it (None: a typical draw); otherwise hypothesis draws one, a typical draw (None)
@@ -144,7 +149,7 @@ def take(draw, op: str, pins: dict):
         e = pins["edge"]
         if isinstance(e, (tuple, list)):
             e = draw(st.sampled_from(tuple(e)))
-    elif edges and draw(st.integers(0, 3)) == 3:
+    elif edges and ENABLED and draw(st.integers(0, 3)) == 3:
         e = draw(st.sampled_from(edges))
     else:
         e = None

@@ -231,7 +231,8 @@ _OUTSIDE = re.compile("|".join((
     r"\.\./" + "shared",
     r"(?<![\w/.-])" + "sha" + "red/",
     "seeds" + "/",
-    r"\[(?:OT|VA|OP|FM)" + r"\]",  # the source abbreviations of the old outside document
+    r"\[(?:OT|VA|FM)" + r"\]",  # the source abbreviations of the old outside document ([OP] only before a
+    r"\[OP" + r"\] (?:doc|torch_npu|Ascend)",  # source word: ``ops=[OP]`` is code)
 )))
 
 
@@ -252,7 +253,7 @@ def test_the_outside_pattern_catches_the_old_forms():
     for old in ("see SPEC" + ".md 3.6", "(SPEC" + " 1.1)", "SPEC" + " section 4 tolerances", "../" + "sha" + "red/x",
                 "kept in " + "sha" + "red/", "the [" + "OT] kernels"):
         assert _OUTSIDE.search(old), old
-    for fine in ("_NO_SPECIALS", "shared memory", "torch.cuda.shared_mem", "spec_example"):
+    for fine in ("_NO_SPECIALS", "shared memory", "torch.cuda.shared_mem", "spec_example", "select(ops=[" + "OP])"):
         assert not _OUTSIDE.search(fine), fine
 
 

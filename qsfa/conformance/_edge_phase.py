@@ -19,9 +19,10 @@ def edge_examples(prop, bounds, chip, pins: dict, fits=None) -> list:
     from hypothesis import HealthCheck, Phase, find, settings
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
+    from .. import _edges
     from .._edges import EDGES
 
-    if prop.family == "invalid_rejected" or "edge" in pins or "edge" in prop.pins:
+    if not _edges.ENABLED or prop.family == "invalid_rejected" or "edge" in pins or "edge" in prop.pins:
         return []
     cfg = settings(database=None, derandomize=True, phases=[Phase.generate], max_examples=20,
                    suppress_health_check=list(HealthCheck), deadline=None)

@@ -66,11 +66,28 @@ def modelling_chip(chip: str | None):
         _CHIP.reset(token)
 
 
+#: helper operators the checked backend lacks: :func:`call` runs them on the reference (the property still checks
+#: the backend's own operator; the runner says so in the result)
+_HELPERS_ON_REFERENCE: contextvars.ContextVar = contextvars.ContextVar("qsfa_helpers_on_reference", default=())
+
+
+@contextlib.contextmanager
+def helpers_on_reference(ops):
+    """Within the block, :func:`call` runs the operators ``ops`` on the reference whatever backend it is given."""
+    token = _HELPERS_ON_REFERENCE.set(tuple(ops))
+    try:
+        yield
+    finally:
+        _HELPERS_ON_REFERENCE.reset(token)
+
+
 def call(op: str, args: dict, backend: str) -> dict:
     """Run ``op`` on ``backend`` with copies of ``args`` (strided caches stay strided) for the chip of
     :func:`modelling_chip`; return ``{output name: NumPy array or None}``. The caller's arrays are never modified.
     Fails (PropertyFailure) when the backend writes into an input array that is not one of the operator's
     in-place parameters."""
+    if op in _HELPERS_ON_REFERENCE.get():
+        backend = "reference"
     inplace = set(operator(op).contract.inplace)
     a = {k: clone(v) for k, v in args.items()}
     before = {k: v.tobytes() for k, v in a.items() if isinstance(v, np.ndarray) and k not in inplace}

@@ -178,6 +178,8 @@ def main(argv=None) -> int:
                     help="where the falsifying examples are saved")
     ap.add_argument("--report", nargs="+", default=[], metavar="FILE", help="reports: .json and/or .md")
     ap.add_argument("--time-budget", type=float, metavar="SECONDS", help="start no mutant after this many seconds")
+    ap.add_argument("--without-edges", action="store_true",
+                    help="turn the edge cases of qsfa._edges off (the catalogue's power without them)")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
@@ -195,6 +197,11 @@ def main(argv=None) -> int:
         if not f.endswith((".json", ".md")):
             print(f"Invalid value for --report, actual: {f!r}, reason: must end in .json or .md.", file=sys.stderr)
             return 2
+
+    if a.without_edges:
+        from .. import _edges
+
+        _edges.ENABLED = False
 
     def on_result(rep):
         for f in a.report:

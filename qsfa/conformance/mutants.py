@@ -603,7 +603,7 @@ def _krr():
 
 
 def _select(indices, threshold, limit, sbs, *, stop_at_minus1=True, stride=None):
-    """Token selection of SPEC.md 3.6 with two possible bugs: ``stop_at_minus1=False`` skips a -1 entry but
+    """Token selection (docs/numerics/attention.md#token-selection) with two possible bugs: ``stop_at_minus1=False`` skips a -1 entry but
     reads on; ``stride`` (instead of sbs) spaces the blocks the entries select."""
     idx = np.asarray(indices).astype(np.int64)
     c, k = idx.shape

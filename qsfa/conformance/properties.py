@@ -635,6 +635,13 @@ def _split_merge(op: str) -> Property:
             keep = np.take_along_axis(mask, order, axis=1)
             new = np.where(keep, vals, -1).astype(np.int32).reshape(a["sparse_indices"].shape)
             shards.append(call(op, {**a, "sparse_indices": new}, backend))
+        for part, sh in enumerate(shards):  # the backend's own output, not a merge input error, is the failure
+            for stat in ("softmax_max", "softmax_sum"):
+                bad_stat = ~np.isfinite(np.asarray(sh[stat], np.float64))
+                if bad_stat.any():
+                    fail(f"shard {part}: {stat} has {int(bad_stat.sum())} non-finite values (first "
+                         f"{np.asarray(sh[stat]).reshape(-1)[np.argmax(bad_stat.reshape(-1))]!r} at flat index "
+                         f"{int(np.argmax(bad_stat.reshape(-1)))}); the LSE statistics must be finite")
         merged = call(MERGE, dict(attention_out=np.stack([p["attention_out"] for p in shards]),
                                   softmax_max=np.stack([p["softmax_max"] for p in shards]),
                                   softmax_sum=np.stack([p["softmax_sum"] for p in shards]),

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._contract import Args
 from .._errors import UnsupportedByBackend
-from ._support import modelling_chip
+from ._support import helpers_on_reference, modelling_chip
 from .properties import Example, Property, catalogue
 
 __all__ = [
@@ -237,10 +237,14 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     except BackendError as e:
         res.message = str(e)
         return res
-    missing = [op for op in prop.ops if be.name not in operator(op).impls]
-    if missing:
-        res.message = f"backend {backend!r} does not implement {', '.join(missing)}"
+    if be.name not in operator(prop.op).impls:
+        res.message = f"backend {backend!r} does not implement {prop.op}"
         return res
+    # helper operators the backend lacks (e.g. merge_attention_lse for split_merge) run on the reference
+    helpers = [op for op in prop.ops[1:] if be.name not in operator(op).impls]
+    if helpers:
+        res.message = (f"helper operator(s) {', '.join(helpers)} ran on the reference (backend {backend!r} does not "
+                       f"implement them); {prop.op} ran on {backend!r}")
     try:
         be_chip = be.chip()
     except Exception as e:  # noqa: BLE001
@@ -293,7 +297,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     if seed is not None:
         wrapped = hyp_seed(_property_seed(seed, prop.name))(wrapped)
     try:
-        with modelling_chip(chip):
+        with modelling_chip(chip), helpers_on_reference(helpers):
             wrapped()
         res.status = "passed"
     except Unsatisfiable as e:
@@ -302,13 +306,13 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     except Exception as e:  # noqa: BLE001
         if state.final and id(state.final[-1][0]) in edge_of:  # an explicit edge example: shrink within its edge
             state.first_failure = None  # a shrunk failure found there is appended to state.final
-            with modelling_chip(chip):
+            with modelling_chip(chip), helpers_on_reference(helpers):
                 shrink_within_edge(prop, edge_of[id(state.final[-1][0])], b, chip, pins or {}, fits, test,
                                    settings_kw)
         if state.final:
             ex, err = state.final[-1]
             res.status = "failed"
-            res.message = f"{type(err).__name__}: {err}"
+            res.message = f"{type(err).__name__}: {err}" + (f"\n({res.message})" if helpers else "")
             if state.shrink_skipped:
                 res.message += (f"\n(shrinking stopped after {SHRINK_SECONDS:g} s: the falsifying example is the "
                                 "smallest found by then)")
@@ -459,11 +463,21 @@ def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
     Returns ``(holds, message)``: ``holds`` is False when the property still fails on that backend."""
     prop, ex, side = load_example(path)
     be = backend or side["backend"]
+    from .._errors import BackendError
+
+    from .._dispatch import get_backend, operator
+
+    name = get_backend(be).name
+    helpers = [op for op in prop.ops[1:] if name not in operator(op).impls]
     try:
-        with modelling_chip(side.get("chip")):
+        with modelling_chip(side.get("chip")), helpers_on_reference(helpers):
             prop.check(ex, be)
     except AssertionError as e:
         return False, f"{prop.name} fails on {be!r}: {e}"
+    except BackendError:  # the backend cannot run the case at all (unknown, unusable, declines it): not a verdict
+        raise
+    except Exception as e:  # noqa: BLE001 - as in a run: any other error of the check is a failure of the property
+        return False, f"{prop.name} fails on {be!r}: {type(e).__name__}: {e}"
     return True, f"{prop.name} holds on {be!r}"
 
 
