@@ -205,8 +205,45 @@ def _known() -> str:
     return ", ".join(repr(n) for n in sorted(_BACKENDS))
 
 
+#: entry-point group through which an installed package declares backends (``name = "pkg.mod"`` or
+#: ``"pkg.mod:obj"``; obj a Backend, a Backend subclass, or a function that registers), loaded on first use
+ENTRY_POINT_GROUP = "qsfa.backends"
+_ENTRY_POINT_ERRORS: dict[str, str] = {}
+
+
+def _load_entry_points(name: str | None = None) -> set:
+    """Load the ``qsfa.backends`` entry points (only ``name``'s when given) not registered yet; returns the names
+    of the entry points installed now."""
+    from importlib.metadata import entry_points
+
+    present = set()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if name is not None and ep.name != name:
+            continue
+        present.add(ep.name)
+        if ep.name in _BACKENDS or ep.name in _ENTRY_POINT_ERRORS:
+            continue
+        try:
+            obj = ep.load()
+            if ep.name not in _BACKENDS:  # importing a module may have registered it already
+                if isinstance(obj, type) and issubclass(obj, Backend):
+                    obj = obj()
+                if isinstance(obj, Backend):
+                    register_backend(obj, replace=True)
+                elif callable(obj):
+                    obj()
+            if ep.name not in _BACKENDS:
+                raise LookupError(f"loading it registered no backend named {ep.name!r}")
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not break the others; report it by name
+            _ENTRY_POINT_ERRORS[ep.name] = f"entry point {ep.value!r} failed: {type(e).__name__}: {e}"
+    return present
+
+
 def get_backend(name: str, *, require_usable: bool = True) -> Backend:
     _ensure_builtin_backends()
+    if isinstance(name, str) and name not in _BACKENDS:
+        if name in _load_entry_points(name) and name in _ENTRY_POINT_ERRORS:
+            raise BackendUnavailable(f"backend {name!r} is not usable here: {_ENTRY_POINT_ERRORS[name]}")
     if not isinstance(name, str) or name not in _BACKENDS:
         raise UnknownBackend(f"unknown backend {name!r}; known backends: {_known()}")
     be = _BACKENDS[name]
@@ -222,7 +259,11 @@ def backends() -> dict[str, BackendStatus]:
     """Every registered backend, whether it is usable here and, if not, why."""
     _ensure_builtin_backends()
     _load_all_operators()
+    present = _load_entry_points()
     out = {}
+    for name, why in sorted(_ENTRY_POINT_ERRORS.items()):
+        if name not in _BACKENDS and name in present:
+            out[name] = BackendStatus(name, False, why, "", ())
     for name, be in sorted(_BACKENDS.items()):
         ok, why = be.availability()
         if ok:
@@ -232,7 +273,7 @@ def backends() -> dict[str, BackendStatus]:
                 ok, why = False, f"loading {be.module} failed: {type(e).__name__}: {e}"
         ops = tuple(sorted(n for n, op in _OPERATORS.items() if name in op.impls)) if ok else ()
         out[name] = BackendStatus(name, ok, why, be.description, ops)
-    return out
+    return dict(sorted(out.items()))
 
 
 _BUILTINS_DONE = False

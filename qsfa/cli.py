@@ -68,7 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
             _register_unavailable(sub, name, e.name)  # an optional dependency is missing
             continue
         module.register(sub)
+    _add_backend_module_option(p)
     return p
+
+
+def _add_backend_module_option(parser):
+    """``--backend-module MODULE`` (repeatable) on ``qsfa backends`` and on every subcommand with ``--backend``:
+    import the module first, so a third-party backend it registers (qsfa.register_backend / register_impl) can be
+    named. Backends a package declares in the ``qsfa.backends`` entry-point group need no option."""
+    for action in parser._actions:  # argparse keeps subcommands as a _SubParsersAction
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sp in action.choices.items():
+                if "--backend" in sp._option_string_actions or name == "backends":
+                    sp.add_argument("--backend-module", action="append", metavar="MODULE", default=None,
+                                    help="import this module first (it registers a third-party backend); repeatable")
+                _add_backend_module_option(sp)
+
+
+def _import_backend_modules(modules):
+    for m in modules or ():
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - any import failure is the user's module: say which and why
+            raise UsageError(f"Invalid value for --backend-module, actual: {m!r}, reason: importing it failed: "
+                             f"{type(e).__name__}: {e}.") from None
 
 
 def _register_unavailable(sub, name: str, missing: str):
@@ -93,6 +116,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        _import_backend_modules(getattr(args, "backend_module", None))
         return int(args.func(args) or 0)
     except (UsageError, InvalidArgument, InvalidDtype, BackendError, FileNotFoundError) as e:
         print(f"qsfa {args.command}: error: {e}", file=sys.stderr)

@@ -213,3 +213,19 @@ def test_a_missing_helper_operator_runs_on_the_reference_and_is_reported(tmp_pat
         assert r.status == "skipped" and "does not implement merge_attention_lse" in r.message
     finally:
         qsfa.unregister_backend("test-only-qsfa")
+
+
+def test_reports_are_written_incrementally_under_a_time_budget(tmp_path):
+    from qsfa.cli import main
+    from qsfa.conformance.runner import run_conformance
+
+    seen = []
+    rep = run_conformance("reference", props=P.select(ops=["formats.pack_fp4"]), cases_dir=None,
+                          on_result=lambda r: seen.append([x.status for x in r.results]))
+    assert seen == [["passed"] * k for k in range(1, len(rep.results) + 1)]
+    js = tmp_path / "r.json"
+    assert main(["conformance", "--ops", "formats.pack_fp4", "--time-budget", "0", "-q", "--report", str(js)]) == 0
+    d = json.loads(js.read_text())
+    assert d["results"] and all(r["status"] == "skipped" and "time budget" in r["message"] for r in d["results"])
+    assert not list(tmp_path.glob("*.partial*"))
+    assert main(["conformance", "--ops", "formats.pack_fp4", "--time-budget", "-1"]) == 2

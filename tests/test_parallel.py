@@ -110,3 +110,31 @@ def test_environment_variables(env, want):
         pytest.skip("threadpoolctl finds no BLAS library in this NumPy")
     # a count above the CPUs this process may use is capped by them
     assert got == str(min(int(want), len(os.sched_getaffinity(0)))) if hasattr(os, "sched_getaffinity") else want
+
+
+def test_concurrent_calls_restore_the_blas_limit(threads):
+    """Pools of calls from several threads share one BLAS limit; afterwards BLAS has its old thread count."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    blas = parallel._blas()
+    if blas is None:
+        pytest.skip("threadpoolctl finds no BLAS library in this NumPy")
+    import threading
+    import time
+
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        before = [lib.num_threads for lib in blas.lib_controllers]
+        inside = []
+
+        def slow(_):
+            inside.append(min(lib.num_threads for lib in blas.lib_controllers))
+            time.sleep(0.01)
+
+        parallel.run_chunks(slow, range(8), 2)  # from this thread: the workers run BLAS on one thread
+        assert inside and set(inside) == {1}
+        callers = [threading.Thread(target=parallel.run_chunks, args=(slow, range(8), 2)) for _ in range(3)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        assert len(inside) == 32
+        assert [lib.num_threads for lib in blas.lib_controllers] == before

@@ -59,6 +59,9 @@ def register(subparsers):
                    help="set TRITON_INTERPRET=1 (run the Triton kernels in the CPU interpreter)")
     p.add_argument("--list", action="store_true", help="list the selected properties and exit")
     p.add_argument("--replay", metavar="CASE", help="re-run the property of a saved falsifying example")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="start no property after this many seconds (the rest are reported as skipped, 'not run'); "
+                        "--report files are rewritten after every property, so a timeout keeps them")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, metavar="N",
@@ -154,9 +157,20 @@ def main(args) -> int:
         if not args.quiet:
             print(R.format_progress(k, total, r), flush=True)
 
+    if args.time_budget is not None and args.time_budget < 0:
+        raise _usage(f"Invalid value for --time-budget, actual: {args.time_budget}, reason: must be >= 0.")
+
+    def incremental(rep):  # a run stopped by a timeout keeps the reports of what it finished
+        for f in reports:
+            base, ext = os.path.splitext(f)
+            tmp = base + ".partial" + ext
+            R.write_report(rep, tmp)
+            os.replace(tmp, f)
+
     report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=max_examples,
                              seed=args.seed, shard_spec=shard, cases_dir=args.cases_dir or DEFAULT_CASES_DIR,
-                             bounds=b, progress=progress, chip=args.chip)
+                             bounds=b, progress=progress, chip=args.chip, time_budget=args.time_budget,
+                             on_result=incremental if reports else None)
     print()
     print(R.format_table(report))
     for f in reports:

@@ -491,9 +491,12 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
                     shard_spec: str | tuple | None = None, cases_dir: str | None = DEFAULT_CASES_DIR,
                     bounds=None, pins: dict | None = None,
                     progress: Callable[[int, int, PropertyResult], None] | None = None,
-                    props: list | None = None, chip: str | None = None) -> ConformanceReport:
+                    props: list | None = None, chip: str | None = None, time_budget: float | None = None,
+                    on_result: Callable[[ConformanceReport], None] | None = None) -> ConformanceReport:
     """Run the selected properties against ``backend``; see :func:`run_property` for the arguments.
-    ``shard_spec``: "i/n" or ``(i, n)``. ``progress(k, total, result)`` is called after each property."""
+    ``shard_spec``: "i/n" or ``(i, n)``. ``progress(k, total, result)`` is called after each property;
+    ``on_result(report)`` too (incremental reports: a run stopped later keeps what it measured).
+    ``time_budget`` (seconds): properties not started when it is spent are reported as skipped ("not run")."""
     import hypothesis
 
     from .. import __version__
@@ -519,11 +522,18 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
         versions={"qsfa": __version__, "hypothesis": hypothesis.__version__, "numpy": np.__version__})
     t0 = time.perf_counter()
     for k, p in enumerate(selected, 1):
-        r = run_property(p, backend, profile=profile, max_examples=max_examples, seed=seed, bounds=b,
-                         cases_dir=cases_dir, pins=pins, chip=chip)
+        if time_budget is not None and time.perf_counter() - t0 > time_budget:
+            r = PropertyResult(p.name, list(p.ops), p.kind, backend, "skipped", doc=p.doc, seed=seed,
+                               message=f"not run: the time budget ({time_budget:g} s) was spent")
+        else:
+            r = run_property(p, backend, profile=profile, max_examples=max_examples, seed=seed, bounds=b,
+                             cases_dir=cases_dir, pins=pins, chip=chip)
         report.results.append(r)
+        report.seconds = time.perf_counter() - t0
         if progress is not None:
             progress(k, len(selected), r)
+        if on_result is not None:
+            on_result(report)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -73,7 +73,7 @@ def connect(workers: int | None = None, scheduler: str | None = None, *, env: di
 
     if (workers is None) == (scheduler is None):
         raise ClusterUsageError("Invalid value for --workers/--scheduler, actual: "
-                         f"{workers!r}/{scheduler!r}, reason: give exactly one of them.")
+                                f"{workers!r}/{scheduler!r}, reason: give exactly one of them.")
     cluster = client = None
     try:
         if scheduler is not None:

@@ -3,11 +3,12 @@
 Tasks are (property x seed shard). Without ``--seed-shards`` (K = 1) a task is one property run exactly as
 :func:`qsfa.conformance.runner.run_property` runs it serially - the same seed (or the profile's derandomised
 examples), the same verdict. With ``--seed S --seed-shards K`` a property's examples are split into K
-independent hypothesis runs: shard k runs ``max_examples / K`` examples (the first ``max_examples % K``
-shards one more) with the seed :func:`shard_seed` ``(S, k)``; the property's verdict merges them (failed if
-any shard failed - the lowest such shard is reported with its falsifying case -, else error if any errored,
-else passed if any passed, else skipped). The serial run of the same ``--seed S --seed-shards K`` runs the
-same shards one after another (:func:`run_sharded`), so it gives the same verdicts, reports and cases.
+independent hypothesis runs: shard k draws ``max_examples / K`` examples (the first ``max_examples % K``
+shards one more; each also runs the property's explicit edge examples) with the seed :func:`shard_seed`
+``(S, k)``; the property's verdict merges them (failed if any shard failed - the lowest such shard is
+reported with its falsifying case -, else error if any errored, else passed if any passed, else skipped).
+The serial run of the same ``--seed S --seed-shards K`` runs the same shards one after another
+(:func:`run_sharded`), so it gives the same verdicts, reports and cases.
 
 A task runs its property with a temporary case directory on the worker and returns the result and the
 bytes of any falsifying case it saved; the client writes them into ``--cases-dir`` and the reports.

@@ -28,8 +28,8 @@ __all__ = ["GoldenExecutor", "ROW_SPLIT_OPS", "ROW_TASK_WORK", "attention_rows"]
 #: operators whose outputs are per query row (``qsfa.reference.attention.only_rows``)
 ROW_SPLIT_OPS = ("kv_quant_sparse_flash_attention", "sparse_flash_attention")
 
-#: default work of one row task, in query row x head x selected-token units: about 2-8 s of the reference on
-#: one core (1-2 million units per second measured here, benchmarks/attention.py shapes)
+#: default work of one row task, in query row x head x selected-token units: seconds of the reference on one
+#: core (of the order of a million units per second here)
 ROW_TASK_WORK = 1 << 23
 
 
@@ -155,7 +155,8 @@ class GoldenExecutor:
         folder = os.path.abspath(out).rstrip(os.sep) + ".failed"
         try:
             self.failed_case = case.save(os.path.join(folder, case.name + ".json"))
-            message += f" (case file: {self.failed_case}; replay: qsfa golden generate --case {self.failed_case} --out DIR)"
+            message += (f" (case file: {self.failed_case}; replay: qsfa golden generate --case {self.failed_case} "
+                        "--out DIR)")
         except Exception as e:  # noqa: BLE001 - report the failure itself regardless
             message += f" (could not save its case file: {type(e).__name__}: {e})"
         return GoldenInputError(message)

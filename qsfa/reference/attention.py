@@ -82,7 +82,10 @@ heads about 120 MiB besides the outputs, benchmarks/attention.py); results do no
 (every row is reduced over its full index width).
 Per chunk the selected packed rows are gathered once and dequantised (decode), or - when the chunk's rows
 share most cache rows (prefill) - each distinct cache row is dequantised once and the float rows gathered;
-unselected positions are zeroed, so nothing a row did not select is ever read into a result.
+unselected positions are zeroed, so nothing a row did not select is ever read into a result. The largest float64
+arrays live in per-thread buffers reused across calls (:mod:`qsfa.reference._workspace`); chunks run on
+``qsfa.set_num_threads(n)`` threads (:mod:`qsfa.reference.parallel`), each with its own working set; ``attention_out``
+(a caller's C-contiguous buffer, e.g. an ``np.memmap``) receives the output chunk by chunk.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ working set (see ``chunk_size``), so peak memory grows with the thread count.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["set_num_threads", "get_num_threads", "run_chunks"]
@@ -98,10 +99,9 @@ def run_chunks(fn, starts, n_threads: int | None = None) -> None:
         for s in starts:
             fn(s)
         return
-    blas = _blas()
-    limit = blas.limit(limits=1) if blas is not None else None
+    _enter_one_blas_thread()
     try:
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="qsfa") as pool:
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="qsfa", initializer=_one_blas_thread_here) as pool:
             futures = [pool.submit(fn, s) for s in starts]
             try:
                 for f in futures:
@@ -111,5 +111,37 @@ def run_chunks(fn, starts, n_threads: int | None = None) -> None:
                     f.cancel()
                 raise
     finally:
-        if limit is not None:
-            limit.restore_original_limits()
+        _leave_one_blas_thread()
+
+
+# Pools of concurrent calls (several caller threads) share one BLAS limit: the first sets it, the last restores the
+# limits found before the first (a per-call set / restore would leave BLAS at one thread after interleaved calls).
+_limit_lock = threading.Lock()
+_limit_users = 0
+_limiter = None
+
+
+def _one_blas_thread_here() -> None:
+    """Pool worker start: one BLAS thread. Recent OpenBLAS builds keep the thread count per calling thread, so the
+    limit the caller's thread set does not reach the workers; a global count is restored by the caller's exit."""
+    blas = _blas()
+    if blas is not None:
+        blas.limit(limits=1)
+
+
+def _enter_one_blas_thread() -> None:
+    global _limit_users, _limiter
+    with _limit_lock:
+        if _limit_users == 0:
+            blas = _blas()
+            _limiter = blas.limit(limits=1) if blas is not None else None
+        _limit_users += 1
+
+
+def _leave_one_blas_thread() -> None:
+    global _limit_users, _limiter
+    with _limit_lock:
+        _limit_users -= 1
+        if _limit_users == 0 and _limiter is not None:
+            _limiter.restore_original_limits()
+            _limiter = None
