@@ -118,7 +118,12 @@ res["split combine"] = usage(compile_combine(False, False))
 res["split combine normalised"] = usage(compile_combine(True, True))
 
 for kind in range(4):
-    res["merge %d" % kind] = usage(compile_merge(kind, kind == 3))
+    km = compile_merge(kind, kind == 3)
+    res["merge %d" % kind] = usage(km)
+    ptx = km.asm["ptx"]
+    # float64 exp from libdevice (not the approximate fp32 ex2), IEEE float64 division and RNE narrowing
+    res["merge %d" % kind]["ptx_ok"] = ("__nv_exp" in ptx and "ex2.approx" not in ptx and "div.rn.f64" in ptx
+                                       and "div.full" not in ptx and "div.approx" not in ptx)
 print("RESULT " + json.dumps(res))
 '''
 
@@ -146,5 +151,7 @@ def test_kernels_compile_for_sm90_without_spilling_by_default():
                  "attn split 2", "attn split 3"):
         assert res[name]["stack"] == 0, f"{name}: the default decode tiling spills registers: {res[name]}"
     for name, u in res.items():
+        if name.startswith("merge"):
+            assert u["ptx_ok"], f"{name}: the merge kernel must use libdevice exp and div.rn.f64 (lse_merge.py)"
         if name.startswith(("c8", "merge", "split")):
             assert u["stack"] == 0, f"{name} spills: {u}"
