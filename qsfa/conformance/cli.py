@@ -143,6 +143,9 @@ def main(args) -> int:
 
     get_backend(args.backend or "reference")  # unknown / unusable backend: one line, exit 2 (qsfa.cli)
     if args.workers is not None or args.scheduler is not None or args.seed_shards != 1:
+        if args.time_budget is not None:
+            raise _usage("Invalid value for --time-budget, actual: "
+                         f"{args.time_budget}, reason: not supported with --workers / --scheduler / --seed-shards.")
         return _main_sharded(args, props, shard, b, reports)
 
     max_examples = args.max_examples
