@@ -112,3 +112,23 @@ def test_pytest_runs_the_catalogue_on_a_named_backend(tmp_path):
     # the swapped nibbles fail vs_reference, and the round trip (its unpack_fp4 helper on the reference)
     assert "2 failed, 1 passed" in out.stdout, out.stdout[-2000:]
     assert "pack_fp4.vs_reference" in out.stdout and "pack_fp4.unpack_roundtrip" in out.stdout
+
+
+def test_your_kernel_doc_example_works(tmp_path, clean):
+    """The backend module of docs/your-kernel.md, as written there, registers and passes its properties."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "your-kernel.md"), encoding="utf-8").read()
+    code = re.search(r"```python\n(# yourpkg/qsfa_backend.py.*?)```", text, re.S).group(1)
+    (tmp_path / "qsfa_doc_backend.py").write_text(code)
+    clean.append("yours")
+    assert _conformance("--backend-module", "qsfa_doc_backend", "--backend", "yours", tmp_path=tmp_path) == 0
+    import qsfa.compare
+    from qsfa.golden import Case
+
+    case = Case.from_args("pack", "formats.pack_fp4", dict(codes=np.arange(16, dtype=np.uint8),
+                                                           nibble_order="high_first"))
+    got, want = case.run(backend="yours"), case.run(backend="reference")  # the golden comparison of the doc
+    assert all(qsfa.compare.compare(got[n], want[n], name=n).passed for n in want)

@@ -158,9 +158,8 @@ def _quant_tiled(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mo
     inf / nan (the caller then takes the general path). xf is overwritten."""
     b, m, n = xf.shape
     blocks = xf.reshape(b, m // rb, rb, n // cb, cb)
-    amax = np.maximum(blocks.max(axis=4), -blocks.min(axis=4))  # |x| max without an |x| temporary; nan propagates
+    amax = np.abs(blocks).max(axis=4)  # one reduction (faster than max and -min); nan propagates; +0 for zeros
     amax = amax.max(axis=2) if rb > 1 else amax[:, :, 0]
-    np.abs(amax, out=amax)  # max(0, -0) may be -0: an all-zero block's amax (and scale) is +0
     if not np.isfinite(amax).all():
         return None, None
     scale, mult = _scale_and_multiplier(amax, type_max, min_scale, scale_order)

@@ -76,7 +76,9 @@ def scatter_by_slot(cache: np.ndarray, rows: np.ndarray, slot_mapping) -> np.nda
         return cache
     width = rows.shape[-1]
     src = rows[valid]
-    if width == cache.shape[-1]:
+    if width == cache.shape[-1] and cache.flags.c_contiguous:  # one flat row index (faster than two)
+        cache.reshape(cache.shape[0] * block_size, *cache.shape[2:])[blocks * block_size + pos] = src
+    elif width == cache.shape[-1]:
         cache[blocks, pos] = src
     else:
         cache[blocks, pos, ..., :width] = src
