@@ -8,6 +8,10 @@ Measured in one process:
 * QSFA prefill: TND query (2 batches x 1024 tokens), Q_N=128, sparse_size 2048, PA_BSND block 64,
   KV 8192 per batch;
 
+* split-KV: a small decode batch (B=4, Q_N=128, sparse_size 2048), whose unsplit grid leaves most of the
+  device idle, with the split path (``split_kv``) off, automatic, and at fixed chunk sizes: ratio = split
+  time / unsplit time, same process;
+
 each over a few kernel tilings (``KernelConfig``), reporting achieved TFLOP/s (2 * Q_N * (576 + 512)
 flops per selected token and row) and GB/s (unique bytes: query + gathered packed rows + output), as
 fractions of the measured peaks, and checking a subset of the output against the reference backend
@@ -222,6 +226,37 @@ def _bench_shape(name, args, peaks, configs, quick) -> list[dict]:
     return rows
 
 
+#: split-KV settings timed against the unsplit kernel (``split_kv`` of launch_qsfa_attention)
+SPLITS = ["auto", 128, 256, 512]
+
+
+def _bench_split(name, args, peaks, quick) -> list[dict]:
+    """The split-KV path (kernels/qsfa_split.py) at the default tiling against the unsplit kernel, same process:
+    ratio = split time / unsplit time (< 1: the split helps), and the split output checked like the rest."""
+    from qsfa.kernels.qsfa_attention import launch_qsfa_attention
+
+    flops, nbytes, n_sel = _work(args)
+    kw = {k: v for k, v in args.items() if k not in ("query", "key", "value", "sparse_indices", "scale_value")}
+
+    def call(split):
+        return launch_qsfa_attention(args["query"], args["key"], args["sparse_indices"], args["scale_value"],
+                                     split_kv=split, **kw)
+
+    reps = dict(warmup=2 if quick else 3, reps=3 if quick else 10)
+    base, base_spread = _time(lambda: call("off"), **reps)
+    rows = [{"case": f"{name} unsplit", "ours_s": base, "spread_s": base_spread,
+             "tflops": flops / base / 1e12, "notes": f"{flops / base / 1e12:.1f} TFLOP/s (the split rows' baseline)"}]
+    for split in SPLITS[:2] if quick else SPLITS:
+        med, spread = _time(lambda: call(split), **reps)
+        r = {"case": f"{name} split_kv={split}", "ours_s": med, "spread_s": spread, "baseline_name": "unsplit",
+             "baseline_s": base, "ratio": med / base, "tflops": flops / med / 1e12,
+             "fraction_of_matmul_peak": flops / med / 1e12 / peaks["matmul_tflops"], "selected_tokens": n_sel}
+        r["check"] = _check_subset(args, call(split)[0])
+        r["notes"] = (f"{r['tflops']:.1f} TFLOP/s; {med / base:.2f}x the unsplit time; {r['check']}")
+        rows.append(r)
+    return rows
+
+
 def run(quick: bool = False) -> list[dict]:
     """Benchmark rows (see the module docstring); one ``skipped`` row when no CUDA device is usable."""
     why = _why_not()
@@ -239,6 +274,9 @@ def run(quick: bool = False) -> list[dict]:
     rows += _bench_shape("decode B=%d Q_N=128 sparse 2048" % (8 if quick else 64), decode, peaks, configs, quick)
     del decode
     torch.cuda.empty_cache()
+    small = make_case(batch=2 if quick else 4, q_per_batch=1, q_n=128, sparse=2048, kv_len=4096, seed=2)
+    rows += _bench_split("decode B=%d Q_N=128 sparse 2048" % (2 if quick else 4), small, peaks, quick)
+    del small
     prefill = make_case(batch=2, q_per_batch=128 if quick else 1024, q_n=128, sparse=2048, kv_len=8192,
                         layout_query="TND", seed=1)
     rows += _bench_shape("prefill TND 2x%d Q_N=128 sparse 2048" % (128 if quick else 1024), prefill, peaks,

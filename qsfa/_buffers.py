@@ -125,7 +125,7 @@ def array_rules(op: str, name: str) -> list[Constraint]:
         if v.ndim == 0 or v.size == 0:
             v = np.zeros((1,) * max(v.ndim, 1), v.dtype)
         rest = int(np.prod(v.shape[1:]))
-        n0 = -(-(1 << 41) // max(rest * v.itemsize, 1))
+        n0 = -(-(1 << 50) // max(rest * v.itemsize, 1))  # 1 PiB: beyond any machine's memory
         out[name] = np.lib.stride_tricks.as_strided(v, shape=(n0, *v.shape[1:]), strides=(0, *v.strides[1:]),
                                                     writeable=False)
         return out

@@ -29,7 +29,8 @@ SIZE_BOUNDS = {
 
 #: The Triton CPU interpreter (TRITON_INTERPRET=1) runs kernels about a thousand times slower than a device:
 #: ``qsfa conformance --backend triton`` there defaults to these tiny shapes (one batch, two query rows, 16 KV
-#: tokens, two heads) and at most this many examples per property (``--bound`` / ``--max-examples`` override).
+#: tokens, two heads), at most this many examples per property and no edge examples (:mod:`qsfa._edges`: they
+#: exceed these bounds) - ``--bound`` / ``--max-examples`` override.
 INTERPRETER_BOUNDS = dict(max_batch=1, max_q_tokens=2, max_kv_tokens=16, max_sparse=4, max_heads=2,
                           max_block_size=16, max_tokens=4)
 INTERPRETER_EXAMPLES = {"ci": 8, "dev": 25, "nightly": 100}

@@ -34,7 +34,6 @@ and backends can be compared index for index.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, NamedTuple
 
@@ -46,6 +45,7 @@ from hypothesis import strategies as st
 from . import _edges as _E
 from ._contract import Args, Constraint
 from ._profiles import SIZE_BOUNDS, active_profile
+from ._values import _exact_codes, _format_values, _group_values, _nope_codes
 
 __all__ = [
     "Bounds",
@@ -244,36 +244,6 @@ _ENCODE_INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 _NP_IN = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64), "float16": _F16, "bfloat16": _BF16}
 
 
-def _format_values(rng, fmt: str, n: int, *, specials: bool) -> np.ndarray:
-    """float64 values that stress ``fmt``'s rounding: representable values, midpoints (ties), their float32
-    neighbours, random values over the whole range (sub-normal to beyond max), zeros and (optionally)
-    +-inf / nan."""
-    from .reference import formats as F
-
-    rep = F.representable_values(fmt)
-    mid = F.midpoints(fmt)
-    kind = rng.integers(0, 6, n)
-    out = np.empty(n, np.float64)
-    out[kind == 0] = rng.choice(rep, int((kind == 0).sum()))
-    out[kind == 1] = rng.choice(mid, int((kind == 1).sum()))
-    m2 = rng.choice(mid, int((kind == 2).sum())).astype(np.float32)
-    out[kind == 2] = np.nextafter(m2, np.where(rng.random(m2.size) < 0.5, np.inf, -np.inf).astype(np.float32))
-    top = math.log2(F.max_finite(fmt)) + 1.5
-    low = math.log2(float(rep[rep > 0].min())) - 2
-    e = rng.uniform(low, top, int((kind == 3).sum()))
-    out[kind == 3] = np.exp2(e) * np.where(rng.random(e.size) < 0.5, -1, 1)
-    out[kind == 4] = rng.standard_normal(int((kind == 4).sum())) * 4
-    out[kind == 5] = 0.0
-    if fmt == "float8_e8m0":
-        out = np.abs(out)
-    if specials:
-        sp = rng.random(n) < 0.05
-        out[sp] = rng.choice(np.array([np.inf, -np.inf, np.nan]), int(sp.sum()))
-        if fmt == "float8_e8m0":
-            out[sp & (out < 0)] = np.inf
-    return out
-
-
 @st.composite
 def encode_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     """``formats.encode``: ``x`` (float32 / float64 / float16 / bfloat16, 1-2 dims) of values chosen to hit
@@ -356,18 +326,6 @@ def unpack_fp4_args(draw, bounds: Bounds | None = None, **pins) -> dict:
 
 
 _DBQ_CODES = {"int8": (1,), "float8_e5m2": (23, 291), "float8_e4m3fn": (24, 292), "hifloat8": (290,)}
-
-
-def _group_values(rng, shape, *, zero_fraction=0.1, dtype=np.float32) -> np.ndarray:
-    """Normal values whose magnitude varies over several decades along the last axis groups of 16, with
-    some all-zero stretches (exercises per-tile amax and all-zero tiles)."""
-    x = rng.standard_normal(shape)
-    n = shape[-1]
-    g = -(-n // 16)
-    mag = 10.0 ** rng.uniform(-3, 2, shape[:-1] + (g,))
-    mag[rng.random(mag.shape) < zero_fraction] = 0.0
-    x = x * np.repeat(mag, 16, axis=-1)[..., :n]
-    return x.astype(dtype)
 
 
 @st.composite
@@ -624,18 +582,23 @@ class _QPlan:
     valid: np.ndarray  # [R] real (not padding) rows
 
 
+def _lengths(draw, n: int, lo: int, hi: int) -> np.ndarray:
+    """``n`` sequence lengths in [lo, hi] drawn by hypothesis (so a failing example shrinks to short ones)."""
+    return np.array(draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)), np.int64)
+
+
 def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _QPlan:
     max_q = max(1, b.max_q_tokens)
     if layout_query == "BSND":
         q_s = _E.pinned_int(draw, pins, "q_tokens", 1, max_q)
         explicit = _choose(draw, pins, "explicit_lengths", (False, True))
-        act_q = (rng.integers(0, q_s + 1, batch) if explicit and rng.random() < 0.7 else np.full(batch, q_s))
+        act_q = (_lengths(draw, batch, 0, q_s) if explicit and draw(st.integers(0, 9)) < 7 else np.full(batch, q_s))
         act_q = _E.query_lengths(act_q.astype(np.int64), pins, q_s)
         lens = act_q.astype(np.int32) if explicit else None
         bb = np.repeat(np.arange(batch), q_s)
         pos = np.tile(np.arange(q_s), batch)
         return _QPlan("BSND", (batch, q_s), act_q, lens, bb, pos, pos < act_q[bb])
-    act_q = np.maximum(rng.integers(0, max_q + 1, batch), pins.get("q_tokens", 0)).astype(np.int64)
+    act_q = np.maximum(_lengths(draw, batch, 0, max_q), pins.get("q_tokens", 0)).astype(np.int64)
     if act_q.sum() == 0:
         act_q[0] = 1
     act_q = _E.query_lengths(act_q, pins, max_q)
@@ -654,9 +617,9 @@ def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _Q
 def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_sizes, act_kv=None) -> _KvPlan:
     max_kv = max(1, b.max_kv_tokens)
     if act_kv is None:
-        act_kv = rng.integers(0, max_kv + 1, batch).astype(np.int64)
-        if rng.random() < 0.5:  # long sequences are the interesting ones
-            act_kv = np.maximum(act_kv, rng.integers(max_kv // 2, max_kv + 1, batch))
+        act_kv = _lengths(draw, batch, 0, max_kv)
+        if draw(st.booleans()):  # long sequences are the interesting ones
+            act_kv = np.maximum(act_kv, _lengths(draw, batch, max_kv // 2, max_kv))
         act_kv = _E.kv_lengths(act_kv, pins)
     mk = max(int(act_kv.max(initial=0)), 1)
     j = np.arange(mk)[None, :]
@@ -747,23 +710,6 @@ def _attention_common(draw, b: Bounds, pins, *, heads_options, block_sizes):
 def _pa_block_sizes(b: Bounds, mult=16):
     opts = tuple(x for x in (16, 32, 48, 64, 128) if x % mult == 0 and x <= max(b.max_block_size, 16))
     return opts or (16,)
-
-
-def _nope_code_table(fmt: str, max_abs: float) -> np.ndarray:
-    """Finite codes of ``fmt`` whose value is at most ``max_abs`` in magnitude (uint8)."""
-    from .reference import formats as F
-
-    v = F.decode(np.arange(256, dtype=np.uint8), fmt).astype(np.float64)
-    ok = np.isfinite(v) & (np.abs(v) <= max_abs)
-    return np.nonzero(ok)[0].astype(np.uint8)
-
-
-def _nope_codes(rng, shape, fmt: str) -> tuple[np.ndarray, float]:
-    """uint8 NoPE codes of ``fmt`` and the tile-scale magnitude that keeps dequantised K around +-4."""
-    if fmt == "int8":
-        return rng.integers(-127, 128, shape).astype(np.int8).view(np.uint8), 4.0 / 127
-    table = _nope_code_table(fmt, 16.0)
-    return rng.choice(table, shape), 0.25
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -915,17 +861,6 @@ def lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> dict:
                 layout_key=kv.layout_kv, sparse_count=_E.pinned_int(draw, pins, "sparse_count", 1, max(1, b.max_sparse)),
                 sparse_mode=sparse_mode, pre_tokens=INT64_MAX, next_tokens=INT64_MAX, return_value=ret,
                 tie_break="lower_index")
-
-
-def _exact_codes(rng, shape, fmt: str) -> np.ndarray:
-    """uint8 codes of ``fmt`` whose values are integers in [-4, 4]."""
-    if fmt == "int8":
-        return rng.integers(-4, 5, shape).astype(np.int8).view(np.uint8)
-    from .reference import formats as F
-
-    v = F.decode(np.arange(256, dtype=np.uint8), fmt).astype(np.float64)
-    ok = np.isfinite(v) & (np.abs(v) <= 4) & (np.round(v) == v)
-    return rng.choice(np.nonzero(ok)[0].astype(np.uint8), shape)
 
 
 @st.composite

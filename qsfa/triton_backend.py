@@ -4,8 +4,10 @@ Operators implemented:
 
 * ``c8_cache_write``: :func:`qsfa.kernels.c8_cache_writer.launch_c8_cache_write` (bit-exact with the
   reference: quantise + pack + scatter in one launch);
+* ``merge_attention_lse``: :func:`qsfa.kernels.lse_merge.launch_merge_attention_lse` (the reference's bytes);
 * ``kv_quant_sparse_flash_attention``: :func:`qsfa.kernels.qsfa_attention.launch_qsfa_attention`
-  (within docs/numerics/comparison.md#float-criterion of the faithful reference; int8 and FP8 E4M3FN NoPE).
+  (within docs/numerics/comparison.md#float-criterion of the faithful reference; int8, FP8 E4M3FN and
+  HiFloat8 NoPE).
 
 The operator contract validates every call before a kernel runs; :func:`limits` adds what the kernels
 themselves do not cover, as data (each a :class:`~qsfa._contract.Constraint` with a ``violate``
@@ -18,14 +20,12 @@ when the kernels are defined).
 
 from __future__ import annotations
 
-import numpy as np
-
 from ._checks import set_param
-from ._contract import Constraint, copy_args, one_of
+from ._contract import Constraint, one_of
 from ._dispatch import operator, register_impl
 from ._errors import BackendUnavailable
 
-__all__ = ["limits", "c8_cache_write", "kv_quant_sparse_flash_attention", "IMPLEMENTED"]
+__all__ = ["limits", "c8_cache_write", "kv_quant_sparse_flash_attention", "merge_attention_lse", "IMPLEMENTED"]
 
 BACKEND = "triton"
 
@@ -73,8 +73,8 @@ _ATTN_PARAMS = {
 
 
 def kv_quant_sparse_flash_attention(**args):
-    """Triton implementation of ``qsfa.kv_quant_sparse_flash_attention`` (precision "faithful"; int8 and
-    float8_e4m3fn NoPE; both probability_rounding choices).
+    """Triton implementation of ``qsfa.kv_quant_sparse_flash_attention`` (precision "faithful"; int8,
+    float8_e4m3fn and hifloat8 NoPE; both probability_rounding choices).
 
     ``value`` is not read (MLA-absorb: V is the dequantised K NoPE). The parameters the contract pins to
     one value (quant modes, attention_mode, tile_size, pre/next tokens, reserved dequant scales) need no
@@ -101,9 +101,24 @@ def kv_quant_sparse_flash_attention(**args):
     )
 
 
+def merge_attention_lse(**args):
+    """Triton implementation of ``qsfa.merge_attention_lse``: :func:`qsfa.kernels.lse_merge.launch_merge_attention_lse`
+    (float64 in the reference's operation order, one rounding to the inputs' dtypes: the reference's bytes, see
+    that module for the one caveat, float64 ``exp`` on a GPU)."""
+    unknown = set(args) - {"attention_out", "softmax_max", "softmax_sum", "layout_query"}
+    if unknown:
+        raise TypeError(f"triton merge_attention_lse does not know the parameters {sorted(unknown)}")
+    _kernels()
+    from .kernels import lse_merge
+
+    return lse_merge.launch_merge_attention_lse(args["attention_out"], args["softmax_max"], args["softmax_sum"],
+                                                layout_query=args.get("layout_query", "BSND"))
+
+
 IMPLEMENTED = {
     "c8_cache_write": c8_cache_write,
     "kv_quant_sparse_flash_attention": kv_quant_sparse_flash_attention,
+    "merge_attention_lse": merge_attention_lse,
 }
 
 
@@ -122,31 +137,8 @@ _register()
 # ---------------------------------------------------------------------------------------------------
 # kernel limits (data)
 
-#: NoPE code formats the attention kernel decodes
-ATTENTION_KEY_DTYPES = ("int8", "float8_e4m3fn")
-
-
-def _attention_key_dtype() -> Constraint:
-    def check(a):
-        v = a.get("key_dtype", "int8")
-        return None if v in ATTENTION_KEY_DTYPES else v
-
-    def violate(args):
-        # a contract-valid HiFloat8 call: uint8 codes, rope 64, sparse_size 2048 (-1 padded)
-        out = copy_args(args)
-        out["key_dtype"] = "hifloat8"
-        out["key"] = np.ascontiguousarray(out["key"]).view(np.uint8)
-        out["value"] = out["key"]
-        si = out["sparse_indices"]
-        pad = np.full(si.shape[:-1] + (2048 - si.shape[-1],), -1, si.dtype)
-        out["sparse_indices"] = np.concatenate([si, pad], axis=-1)
-        return out
-
-    return Constraint(
-        id="triton.kv_quant_sparse_flash_attention.key_dtype", param="key_dtype", kind="value",
-        reason=f"the Triton kernel decodes NoPE codes {one_of(ATTENTION_KEY_DTYPES)} only (no HiFloat8)",
-        check=check, violate=violate, source="qsfa.kernels.qsfa_attention",
-    )
+#: NoPE code formats the attention kernel decodes (all of the operator's: no kernel limit on key_dtype)
+ATTENTION_KEY_DTYPES = ("int8", "float8_e4m3fn", "hifloat8")
 
 
 def _precision_faithful() -> Constraint:
@@ -176,13 +168,13 @@ def _c8_key_dtype() -> Constraint:
 
 
 _LIMITS = {
-    "kv_quant_sparse_flash_attention": lambda: [_attention_key_dtype(), _precision_faithful()],
+    "kv_quant_sparse_flash_attention": lambda: [_precision_faithful()],
     "c8_cache_write": lambda: [_c8_key_dtype()],
 }
 
 
 def limits(op: str) -> list[Constraint]:
     """The kernel limits of ``op`` on this backend (checked after the operator contract): the attention
-    kernel's key formats and precision, the C8 writer's key formats."""
+    kernel's precision, the C8 writer's key formats."""
     make = _LIMITS.get(op)
     return make() if make else []

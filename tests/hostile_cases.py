@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-HUGE = 1 << 40  # elements of a "huge declared size" view
+HUGE = 1 << 48  # elements of a "huge declared size" view (256 TiB even of bytes: beyond any machine)
+HUGE_INT = 1 << 40  # a huge integer parameter (a block size, a count)
 _FLOAT_KINDS = "fV"  # ml_dtypes' float types have kind "V"
 
 
@@ -207,7 +208,7 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
                 add(param, "bad_value", "must_reject", _set(param, lambda v, b: "bogus"))
             if t == "int":
                 add(param, "int64_overflow", "must_reject", _set(param, lambda v, b: 1 << 70))
-                add(param, "huge", "may_accept", _set(param, lambda v, b: HUGE))
+                add(param, "huge", "may_accept", _set(param, lambda v, b: HUGE_INT))
                 add(param, "float_for_int", "must_reject", _set(param, lambda v, b: 1.5))
             if t == "float":
                 add(param, "nan", "must_reject", _set(param, lambda v, b: float("nan")))

@@ -386,17 +386,21 @@ def dask_processes(tmp_path):
 
 def test_cli_on_a_dask_scheduler_and_workers(dask_processes, tmp_path, capsys):
     assert main(["golden", "generate", "--set", "smoke", "--out", str(tmp_path / "serial"), "-q"]) == 0
-    assert main(["golden", "generate", "--set", "smoke", "--out", str(tmp_path / "dist"), "-q",
+    capsys.readouterr()
+    assert main(["golden", "generate", "--set", "smoke", "--out", str(tmp_path / "dist"),
                  "--scheduler", dask_processes, "--chunk-rows", "2"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "dask: " in out and "on 2 workers, none re-run" in out
+    assert "generate: 100%" in err and "task" in err  # the tqdm bar over tasks, on stderr
     assert_same_tree(str(tmp_path / "serial"), str(tmp_path / "dist"))
 
     common = ["conformance", "-q", "--properties", *CHEAP[:2], "--max-examples", "5", "--bound", "max_heads=2",
               "--chip", "950"]
     assert main(common + ["--report", str(tmp_path / "s.json"), "--cases-dir", str(tmp_path / "cs")]) == 0
+    capsys.readouterr()
     assert main(common + ["--report", str(tmp_path / "d.json"), "--cases-dir", str(tmp_path / "cd"),
                           "--scheduler", dask_processes]) == 0
+    assert "conformance:" not in capsys.readouterr().err  # -q: no bar
     s, d = (json.load(open(tmp_path / f)) for f in ("s.json", "d.json"))
     assert _strip(s) == _strip(d) and d["summary"]["passed"] == len(d["results"]) > 0
     assert {r["chip"] for r in d["results"]} == {"950"}

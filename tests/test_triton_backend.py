@@ -112,7 +112,7 @@ def test_kernel_limits_fire_on_contract_valid_calls(op_name):
 
     op = operator(op_name)
     limits = triton_backend.limits(op_name)
-    assert limits  # C8: HiFloat8 NoPE has no kernel; QSFA: HiFloat8 keys, precision
+    assert limits  # C8: HiFloat8 NoPE has no kernel; QSFA: precision
     for c in limits:
         bad = c.violate(op.contract.example(np.random.default_rng(0)))
         assert op.contract.first_violation(bad) is None, f"{c.id}: the violating call must pass the contract"
@@ -195,6 +195,63 @@ def test_attention_matches_reference(args):
     check_attention(args)
 
 
+def _hif8_case(layouts, qdtype, seed):
+    """A contract-valid HiFloat8 call (rope 64, sparse_size 2048, -1 padded): NoPE codes drawn from every
+    finite code (denormals 2^-22 .. 32768) with small tile scales, and every packed row that no query row
+    selects poisoned (NaN NoPE codes 0x80, NaN scales, NaN RoPE) - the kernel must never read one."""
+    from qsfa.conformance._support import selection
+
+    lq, lkv = layouts
+    args = qsfa_case(layout_query=lq, layout_kv=lkv, key_fmt="hifloat8", n_heads=4, sparse=2048, kv_s=24, q_s=3,
+                     sparse_block_size=2, explicit_lengths=True, qdtype=qdtype, seed=seed)
+    rng = np.random.default_rng(seed)
+    idx = args["sparse_indices"]
+    r = idx.reshape(-1, 2048)
+    r[:] = -1
+    for i in range(r.shape[0]):  # 5 of blocks 0..9 per row, in a random order (tokens 20..23 never selected)
+        r[i, :5] = rng.permutation(10)[:5]
+    key = args["key"].view(np.uint8)
+    flat = key.reshape(-1, key.shape[-1])
+    finite = np.setdiff1d(np.arange(256), [0x80, 0x6F, 0xEF]).astype(np.uint8)
+    flat[:, :512] = rng.choice(finite, (flat.shape[0], 512))
+    flat[:, 640:656] = rng.uniform(2.0**-12, 2.0**-8, (flat.shape[0], 4)).astype("<f4").view(np.uint8)
+    w, batch, _, storage, _ = selection(args)
+    used = np.zeros(flat.shape[0], bool)
+    for row, j in zip(*np.nonzero(w)):
+        used[storage(batch[row], j)] = True
+    assert used.any() and not used.all()
+    flat[~used, :512] = 0x80
+    flat[~used, 512:] = np.full((int((~used).sum()), 36), np.nan, "<f4").view(np.uint8)
+    args["return_softmax_lse"] = True
+    return args
+
+
+@pytest.mark.parametrize("layouts", LAYOUTS, ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
+def test_attention_hifloat8_matches_reference(layouts, qdtype):
+    """HiFloat8 NoPE (no longer a kernel limit) against the reference, with poisoned unselected rows."""
+    args = _hif8_case(layouts, qdtype, seed=LAYOUTS.index(layouts) + 10 * (qdtype == "float16"))
+    res = check_attention(args)
+    assert np.isfinite(np.asarray(qsfa.kv_quant_sparse_flash_attention(**args, backend="triton")[0],
+                                  np.float32)).all()
+    assert res.passed
+
+
+@pytest.mark.parametrize("layouts", LAYOUTS, ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
+def test_attention_split_kv_matches_reference(layouts, monkeypatch):
+    """The split-KV path, forced through its environment variable with 16-position chunks, against the
+    reference: both probability_rounding choices (normalised divides P by the row sum merged over the splits),
+    LSE on, fp16 (tight atol) and bf16."""
+    from qsfa.kernels.qsfa_split import SPLIT_ENV
+
+    monkeypatch.setenv(SPLIT_ENV, "16")
+    i = LAYOUTS.index(layouts)
+    args = make_attention_case(np.random.default_rng(70 + i), layouts=layouts, dtype=("float16", "bfloat16")[i % 2],
+                               sbs=(1, 4)[i // 2], q_n=2, K=20, stray_stop=True)
+    for pr in ("unnormalised", "normalised"):
+        check_attention(dict(args, probability_rounding=pr))
+
+
 def test_attention_torch_caller():
     args = make_attention_case(np.random.default_rng(9), layouts=("TND", "PA_BSND"), q_n=4)
     t = {k: (to_torch(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
@@ -253,6 +310,11 @@ def test_benchmark_helpers_on_cpu(layout_query):
     kw = {k: v for k, v in args.items() if k not in ("query", "key", "value", "sparse_indices", "scale_value")}
     out = launch_qsfa_attention(args["query"], args["key"], args["sparse_indices"], args["scale_value"], **kw)[0]
     assert bench._check_subset(args, out).startswith("PASS")
+    if layout_query == "BSND":  # the split rows' call, with a chunk small enough to split here
+        out = launch_qsfa_attention(args["query"], args["key"], args["sparse_indices"], args["scale_value"],
+                                    split_kv=16, **kw)[0]
+        assert bench._check_subset(args, out).startswith("PASS")
+        assert "auto" in bench.SPLITS
 
 
 # ------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 from qsfa.compare import assert_bytes_equal, compare_float  # noqa: E402
 from qsfa.kernels import _common as C  # noqa: E402
 from qsfa.kernels.c8_cache_writer import launch_c8_cache_write  # noqa: E402
-from qsfa.kernels.qsfa_attention import KernelConfig, launch_qsfa_attention  # noqa: E402
+from qsfa.kernels.qsfa_attention import KernelConfig, _decode_hif8, hif8_table, launch_qsfa_attention  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEV = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -191,6 +191,33 @@ def test_interpreter_fp8_cast_is_not_rne():
     rne = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     assert rne.tolist() == [0x38, 0x40, 0x48, 0x3A]
     assert _np(out).tolist() == [0x39, 0x38, 0x48, 0x3A]
+
+
+@triton.jit
+def _hif8_decode_kernel(c_ptr, o_ptr):
+    i = tl.arange(0, 256)
+    tl.store(o_ptr + i, _decode_hif8(tl.load(c_ptr + i)))
+
+
+def test_hif8_decode_every_code():
+    """The attention kernel's HiFloat8 decoder (bit arithmetic) against the independent en-dtypes type and
+    qsfa.formats.decode, all 256 codes, bit for bit (NaN only at 0x80, +-Inf at 0x6F / 0xEF)."""
+    en = pytest.importorskip("en_dtypes")
+    from qsfa import formats
+
+    codes = np.arange(256, dtype=np.uint8)
+    out = torch.empty(256, dtype=torch.float32, device=DEV)
+    _hif8_decode_kernel[(1,)](_t(codes), out)
+    got = _np(out)
+    want = codes.view(en.hifloat8).astype(np.float32)
+    assert np.flatnonzero(np.isnan(got)).tolist() == [0x80] == np.flatnonzero(np.isnan(want)).tolist()
+    assert got[0x6F] == np.inf and got[0xEF] == -np.inf
+    keep = codes != 0x80
+    assert_bytes_equal(got[keep], want[keep], name="hifloat8 decode vs en_dtypes")
+    assert_bytes_equal(got[keep], np.asarray(formats.decode(codes, "hifloat8"))[keep], name="vs qsfa.formats")
+    tab = _np(hif8_table(DEV))  # the table the attention kernel gathers from
+    assert np.isnan(tab[0x80])
+    assert_bytes_equal(tab[keep], want[keep], name="hif8_table")
 
 
 @triton.jit
@@ -658,3 +685,47 @@ def test_attention_uniform_scores():
     assert np.array_equal(got[1], np.zeros((2, 512), BF16))  # the empty row
     res = compare_float(got, np.repeat(want[:, None], 2, 1).astype(BF16), dtype="bfloat16")
     assert res.passed, str(res)
+
+
+# ------------------------------------------------------------------------------------------------
+# split-KV (flash-decoding) path: forced with tiny chunks
+
+@pytest.mark.parametrize("two_pass", [True, False])
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_attention_split_kv_matches_naive(two_pass, chunk):
+    """Rows cut into chunks of 16 / 32 positions (several splits, empty trailing splits, rows with nothing) meet
+    the same criterion as unsplit; the LSE is the row's, merged over the splits."""
+    args = make_attention_case(np.random.default_rng(21 + chunk), dtype="bfloat16", rope=64,
+                               layouts=("TND", "PA_BSND"), sbs=2, q_n=4, K=24, stray_stop=True)
+    cfg = KernelConfig(block_h=16, block_n=16, two_pass=two_pass, num_warps=1)
+    from qsfa.kernels import qsfa_split
+
+    plans = []
+    real = qsfa_split.split_plan
+    qsfa_split.split_plan = lambda *a: plans.append(real(*a)) or plans[-1]
+    try:
+        check_attention_naive(args, config=cfg, split_kv=chunk)
+    finally:
+        qsfa_split.split_plan = real
+    assert plans == [chunk] and -(-48 // chunk) >= 2  # K 24 x sbs 2 = 48 positions: the path really split
+    split = [_np(x) for x in _launch(args, config=cfg, split_kv=chunk)]
+    whole = [_np(x) for x in _launch(args, config=cfg, split_kv="off")]
+    for a, b, dt in zip(split, whole, ("bfloat16", "float32", "float32")):
+        r = compare_float(a, b, dtype=dt)
+        assert r.passed, str(r)
+
+
+def test_attention_split_kv_fp16_rope0_and_plan():
+    from qsfa.kernels.qsfa_split import split_plan
+
+    args = _prefill_case("float16", 0, sbs=1)
+    cfg = KernelConfig(block_h=16, block_n=16, two_pass=True, num_warps=1)
+    check_attention_naive(args, config=cfg, split_kv=16)
+    assert split_plan(16, 32, 1, 16, "cpu") == 16
+    assert split_plan(20, 64, 1, 16, "cpu") == 32          # rounded up to a multiple of block_n
+    assert split_plan(64, 64, 1, 16, "cpu") == 0           # one chunk covers the row: no split
+    assert split_plan("off", 4096, 1, 16, "cpu") == 0
+    assert split_plan("auto", 4096, 1, 16, "cpu") == 0     # auto never splits off a CUDA device
+    assert split_plan("on", 4096, 1, 16, "cpu") == 256
+    with pytest.raises(ValueError, match="split_kv"):
+        split_plan("sometimes", 4096, 1, 16, "cpu")

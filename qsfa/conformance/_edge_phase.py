@@ -22,6 +22,10 @@ def edge_examples(prop, bounds, chip, pins: dict, fits=None) -> list:
     from .. import _edges
     from .._edges import EDGES
 
+    from .._profiles import SIZE_BOUNDS
+
+    if bounds.max_kv_tokens < SIZE_BOUNDS["ci"]["max_kv_tokens"]:  # tiny shapes (an interpreter): no edges
+        return []
     if not _edges.ENABLED or prop.family == "invalid_rejected" or "edge" in pins or "edge" in prop.pins:
         return []
     cfg = settings(database=None, derandomize=True, phases=[Phase.generate], max_examples=20,

@@ -143,15 +143,22 @@ def main(args) -> int:
 
     get_backend(args.backend or "reference")  # unknown / unusable backend: one line, exit 2 (qsfa.cli)
     if args.workers is not None or args.scheduler is not None or args.seed_shards != 1:
+        if args.time_budget is not None:
+            raise _usage("Invalid value for --time-budget, actual: "
+                         f"{args.time_budget}, reason: not supported with --workers / --scheduler / --seed-shards.")
         return _main_sharded(args, props, shard, b, reports)
 
     max_examples = args.max_examples
     budget = interpreter_budget(args)
     if budget is not None:
+        from .. import _edges
+
         b, max_examples = budget
+        _edges.ENABLED = False  # edge examples exceed the tiny bounds (rows of > 256 tokens): minutes each here
         if not args.quiet:
-            print(f"Triton interpreter: tiny shapes ({', '.join(f'{k}={v}' for k, v in b.to_dict().items())}) "
-                  f"and {max_examples} examples per property; --bound / --max-examples override", flush=True)
+            print(f"Triton interpreter: tiny shapes ({', '.join(f'{k}={v}' for k, v in b.to_dict().items())}), "
+                  f"{max_examples} examples per property, no edge examples; --bound / --max-examples override",
+                  flush=True)
 
     def progress(k, total, r):
         if not args.quiet:

@@ -545,9 +545,9 @@ def _krr():
 
     def static(int8_round):
         def factory(orig):
-            def f(x, fmt, scale, offset=None):
+            def f(x, fmt, scale, offset=None, *more, **kw):
                 if fmt != "int8":
-                    return orig(x, fmt, scale, offset)
+                    return orig(x, fmt, scale, offset, *more, **kw)
                 n, d = x.shape[1], x.shape[-1]
                 y = (x * R._bcast_param(scale, n, d)).astype(np.float32)
                 if offset is not None:

@@ -257,7 +257,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     res.chip = chip
     b = bounds if bounds is not None else qst.bounds(profile)
     strategy = prop.strategy(b, chip, pins or {})
-    fits = None if prop.family == "invalid_rejected" else _within_limits(prop, be)
+    fits = None if prop.family == "invalid_rejected" or prop.own_limits else _within_limits(prop, be)
     if fits is not None:
         strategy = strategy.filter(fits)
 

@@ -115,6 +115,8 @@ IGNORED = {
     "probability_rounding": "OPEN fact of the reference model (docs/numerics/open-facts.md#probability_rounding); the device does what it "
                             "does",
     "precision": "reference precision mode; backend_limits accepts only 'faithful' on the device",
+    "attention_out": "a NumPy output buffer of the reference; a device backend allocates its own output, and the front "
+                     "door rejects a buffer there before any mapping (qsfa/ops/_out_buffers.py)",
 }
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
