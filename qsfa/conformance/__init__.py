@@ -6,6 +6,10 @@
   as ``qsfa-case/1`` files (:func:`save_case`) and replayed (:func:`replay_case`).
 * :mod:`qsfa.conformance.reports` - console table, JSON, Markdown, JUnit XML.
 * :mod:`qsfa.conformance.cli` - ``qsfa conformance``.
+* :mod:`qsfa.conformance.mutants` / :mod:`qsfa.conformance.campaign` - mutant backends (the reference with one
+  realistic kernel bug each) and the campaign that measures which ones the catalogue kills
+  (``python -m qsfa.conformance.campaign``).
+* :mod:`qsfa.conformance.pytest_plugin` - ``pytest --qsfa-backend NAME``.
 
 See ``docs/conformance.md``. Needs hypothesis (``pip install qsfa[test]``).
 """

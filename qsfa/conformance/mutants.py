@@ -176,15 +176,10 @@ def _m(name):
 _MUTANTS: list[Mutant] = []
 
 
-class _General:
+def _general_path():
     """``(module, attr, factory)`` that sends dynamic_block_quant down its general path (the one built from
     ``block_amax`` and ``_cast``, the helpers the quantiser mutants replace): the tiled fast path declines."""
-
-    def __iter__(self):
-        return iter((_m("quant"), "_quant_tiled", lambda orig: (lambda *a, **k: (None, None))))
-
-
-_GENERAL = _General()
+    return _m("quant"), "_quant_tiled", lambda orig: (lambda *a, **k: (None, None))
 
 
 def _add(name, op, doc, make):
@@ -279,13 +274,13 @@ def _quant():
 
     _add("dynamic_block_quant.int8_ties_away_for_even", "dynamic_block_quant",
          "int8 codes round ties away from zero under round_mode 'rint'",
-         _patch(_GENERAL, (Q, "_cast", cast_int8(lambda r: "round"))))
+         _patch(_general_path(), (Q, "_cast", cast_int8(lambda r: "round"))))
 
     def cast_fp8_away(orig):
         return lambda y, dst_type, round_mode: orig(y, dst_type, "round" if dst_type.startswith("float8") else round_mode)
 
     _add("dynamic_block_quant.fp8_ties_away_for_even", "dynamic_block_quant",
-         "FP8 codes round ties away from zero under round_mode 'rint'", _patch(_GENERAL, (Q, "_cast", cast_fp8_away)))
+         "FP8 codes round ties away from zero under round_mode 'rint'", _patch(_general_path(), (Q, "_cast", cast_fp8_away)))
 
     def clamp128(orig):
         def f(y, dst_type, round_mode):
@@ -301,7 +296,7 @@ def _quant():
 
     _add("dynamic_block_quant.int8_clamp_minus128", "dynamic_block_quant",
          "int8 codes saturate to [-128, 127] instead of [-127, 127] (visible when min_scale bounds the scale)",
-         _patch(_GENERAL, (Q, "_cast", clamp128), (Q, "FINITE_MAX", no_int8_clamp)))
+         _patch(_general_path(), (Q, "_cast", clamp128), (Q, "FINITE_MAX", no_int8_clamp)))
 
     def zero_scale_one(orig):
         return lambda amax, type_max, min_scale=0.0: np.where(np.asarray(amax) == 0, np.float32(1.0),
@@ -336,7 +331,7 @@ def _quant():
 
     _add("dynamic_block_quant.block_amax_first_row", "dynamic_block_quant",
          "a block's amax is taken over its first row only (row_block_size > 1)",
-         _patch(_GENERAL, (Q, "block_amax", first_row_amax)))
+         _patch(_general_path(), (Q, "block_amax", first_row_amax)))
 
 
 def _scatter():
@@ -384,10 +379,10 @@ def _c8():
 
     for op, tag in (("c8_cache_write", "c8_cache_write"), ("c8_rmsnorm_rope_cache", "c8_rmsnorm_rope_cache")):
         _add(f"{tag}.int8_ties_away_for_even", op, "int8 codes round ties away from zero instead of to even",
-             _patch(_GENERAL, (Q, "_cast", cast("int8", lambda r: "round"))))
+             _patch(_general_path(), (Q, "_cast", cast("int8", lambda r: "round"))))
     _add("c8_cache_write.fp8_ties_away_for_even", "c8_cache_write",
          "FP8 E4M3FN codes round ties away from zero instead of to even",
-         _patch(_GENERAL, (Q, "_cast", cast("float8_e4m3fn", lambda r: "round"))))
+         _patch(_general_path(), (Q, "_cast", cast("float8_e4m3fn", lambda r: "round"))))
 
     def scale_at_rope_offset(orig):
         def f(q, rope, s):
