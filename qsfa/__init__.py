@@ -40,19 +40,19 @@ _LAZY = {
     # quantisation
     "dynamic_block_quant": "qsfa.ops.quant",
     # cache writers
-    "kv_rmsnorm_rope_cache": "qsfa.ops.cache",
-    "kv_compress_epilog": "qsfa.ops.cache",
-    "kv_compress_epilog_vllm": "qsfa.ops.cache_more",
-    "c8_cache_write": "qsfa.ops.cache",
-    "c8_rmsnorm_rope_cache": "qsfa.ops.cache",
-    "scatter_by_slot": "qsfa.ops.cache",
+    "kv_rmsnorm_rope_cache": "qsfa.ops.kv_rmsnorm_rope_cache",
+    "kv_compress_epilog": "qsfa.ops.kv_compress_epilog",
+    "kv_compress_epilog_vllm": "qsfa.ops.kv_compress_epilog_vllm",
+    "c8_cache_write": "qsfa.ops.c8_cache",
+    "c8_rmsnorm_rope_cache": "qsfa.ops.c8_cache",
+    "scatter_by_slot": "qsfa.ops.scatter",
     # attention
     "attention": "qsfa.ops.attention",
     "kv_quant_sparse_flash_attention": "qsfa.ops.attention",
     "sparse_flash_attention": "qsfa.ops.attention",
-    "lightning_indexer": "qsfa.ops.attention",
-    "quant_lightning_indexer": "qsfa.ops.attention",
-    "merge_attention_lse": "qsfa.ops.attention",
+    "lightning_indexer": "qsfa.ops.indexer",
+    "quant_lightning_indexer": "qsfa.ops.indexer",
+    "merge_attention_lse": "qsfa.ops.lse",
     "attention_error_budget": "qsfa.ops.attention",
     "c8_pipeline": "qsfa.ops.attention",
 }

@@ -98,10 +98,15 @@ def operators() -> dict[str, Operator]:
 _OPERATOR_MODULES = (
     "qsfa.formats",
     "qsfa.ops.quant",
-    "qsfa.ops.cache",
+    "qsfa.ops.scatter",
+    "qsfa.ops.c8_cache",
+    "qsfa.ops.kv_compress_epilog",
+    "qsfa.ops.kv_rmsnorm_rope_cache",
     "qsfa.ops.attention",
+    "qsfa.ops.indexer",
+    "qsfa.ops.lse",
     "qsfa.ops.layouts",
-    "qsfa.ops.cache_more",
+    "qsfa.ops.kv_compress_epilog_vllm",
 )
 
 

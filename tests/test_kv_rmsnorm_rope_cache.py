@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import qsfa
 from qsfa import layouts
-from qsfa.ops.cache import kv_rmsnorm_rope_cache_example as make_args
+from qsfa.ops.kv_rmsnorm_rope_cache import kv_rmsnorm_rope_cache_example as make_args
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32

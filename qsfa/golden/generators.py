@@ -509,12 +509,12 @@ def gen_qsfa_attention(params, rng):
 
 @register_generator("kv_rmsnorm_rope_cache")
 def gen_kv_rmsnorm_rope_cache(params, rng):
-    """The operator's own valid-argument builder (``qsfa.ops.cache.kv_rmsnorm_rope_cache_example``: randn
+    """The operator's own valid-argument builder (``qsfa.ops.kv_rmsnorm_rope_cache.kv_rmsnorm_rope_cache_example``: randn
     kv, gamma ~ 1 + 0.25 randn, random-angle cos/sin, static quant scales sized for the format, caches of
     sentinel bytes, a -1 index) with the params it knows (version, cache_mode, dtype, k_fmt, ckv_fmt,
     batch, heads, seq, dv, dk, rope, block_size, block_num, cache_seq, offsets, cos_seq1, param_shape,
     skip). The scalar operator arguments (cache_mode, is_output_kv, k_cache_dtype, ...) are case params."""
-    from ..ops.cache import kv_rmsnorm_rope_cache_example as example
+    from ..ops.kv_rmsnorm_rope_cache import kv_rmsnorm_rope_cache_example as example
 
     known = set(inspect.signature(example).parameters) - {"rng"}
     args = example(rng, **{k: v for k, v in params.items() if k in known})

@@ -34,7 +34,7 @@ def expected_out(a, dv_of: Callable) -> tuple[tuple, np.dtype]:
 def attention_out_rules(n, dv_of: Callable) -> list:
     """The ``attention_out`` constraints of an attention contract (``n``: its ``Names``; ``dv_of(args)``: the
     output's last dimension)."""
-    from .attention import edit, rule
+    from ._attention_rules import edit, rule
 
     def buf(a):
         v = a.get(NAME)

@@ -1,4 +1,4 @@
-"""Front doors of the cache writers added beside :mod:`qsfa.ops.cache`.
+"""Front door of ``kv_compress_epilog_vllm`` (the cache writers are listed in :mod:`qsfa.ops.cache`).
 
 * :func:`kv_compress_epilog_vllm` - vLLM-Ascend's own KvCompressEpilog, ``torch.ops._C_ascend.kv_compress_epilog``
   (Ascend 950; MXFP8: FP8 codes with E8M0 scales of 64 / 128 values, rows padded to 128 bytes, or the
@@ -18,9 +18,14 @@ from .._contract import Contract, copy_args, params
 from .._dispatch import define_operator, run
 from .._errors import Raw
 from ..reference import kv_compress_epilog_vllm as _kv
-from .cache import _slot_rules
+from ._cache_rules import _slot_rules
 
-__all__ = ["kv_compress_epilog_vllm", "KCEV", "KCEV_CONTRACT"]
+__all__ = [
+    "kv_compress_epilog_vllm",
+    "KCEV",
+    "KCEV_CONTRACT",
+]
+
 
 BF16 = ml_dtypes.bfloat16
 SLOT_DTYPES = ("int32", "int64")
@@ -176,4 +181,3 @@ def kv_compress_epilog_vllm(kv_compress_cache, x, slot_mapping, *, quant_group_s
                 quant_group_size=quant_group_size, quant_mode=quant_mode, round_scale_flag=round_scale_flag,
                 layout=layout)
     return run(KCEV, args, backend, chip=chip)
-

@@ -1,0 +1,182 @@
+"""Shared pieces of the hypothesis strategies: size bounds, drawing helpers and the index / slot builders
+used by several operator families (see :mod:`qsfa.strategies`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+
+from .._contract import Constraint
+from .._profiles import SIZE_BOUNDS, active_profile
+
+__all__ = [
+    "Bounds",
+    "bounds",
+    "InvalidArgs",
+    "slot_mapping",
+    "sparse_index_rows",
+    "poison_bytes",
+    "INT64_MAX",
+]
+
+
+INT64_MAX = 2**63 - 1
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F16 = np.dtype(np.float16)
+_QDT = {"bfloat16": _BF16, "float16": _F16}
+#: NaN bit patterns used to poison never-read memory
+_NAN16 = {"bfloat16": np.uint16(0x7FC0), "float16": np.uint16(0x7E00)}
+_NAN_CODE = {"float8_e4m3fn": 0x7F, "hifloat8": 0x80, "float8_e5m2": 0x7F, "int8": None}
+
+
+# ---------------------------------------------------------------------------------------------------
+# bounds
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Upper bounds on the sizes the strategies draw.
+
+    max_batch, max_q_tokens (query rows per batch), max_kv_tokens (KV tokens per batch), max_sparse
+    (sparse_size / sparse_count), max_heads (query heads), max_block_size (paged caches): from
+    :data:`qsfa._profiles.SIZE_BOUNDS`. max_tokens (tokens of one cache-writer call) and max_elements
+    (elements of a format / quant array) are derived: ``max_batch * max_q_tokens * 2`` and
+    ``4 * max_kv_tokens``.
+    """
+
+    max_batch: int
+    max_q_tokens: int
+    max_kv_tokens: int
+    max_sparse: int
+    max_heads: int
+    max_block_size: int
+    max_tokens: int = 0
+    max_elements: int = 0
+
+    def __post_init__(self):
+        if self.max_tokens <= 0:
+            object.__setattr__(self, "max_tokens", max(4, 2 * self.max_batch * self.max_q_tokens))
+        if self.max_elements <= 0:
+            object.__setattr__(self, "max_elements", max(16, 4 * self.max_kv_tokens))
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Invalid value for {f.name}, actual: {v!r}, reason: must be an integer >= 1.")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def bounds(profile: str | None = None, **overrides) -> Bounds:
+    """The :class:`Bounds` of a hypothesis profile (default: the active one, ``QSFA_HYPOTHESIS_PROFILE`` or
+    ``ci``), with ``overrides`` (e.g. ``max_kv_tokens=32``) applied."""
+    name = profile or active_profile()
+    if name not in SIZE_BOUNDS:
+        raise ValueError(f"Invalid value for profile, actual: {name!r}, reason: must be one of {sorted(SIZE_BOUNDS)}.")
+    return Bounds(**{**SIZE_BOUNDS[name], **overrides})
+
+
+def _b(b: Bounds | None) -> Bounds:
+    return bounds() if b is None else b
+
+
+# ---------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _choose(draw, pins: dict, name: str, options):
+    """Draw ``name`` from ``options``, or from the pinned value(s) when ``name`` is pinned."""
+    if name in pins:
+        p = pins[name]
+        opts = tuple(p) if isinstance(p, (tuple, list, frozenset, set)) else (p,)
+        if not opts:
+            raise ValueError(f"pin {name!r} allows no value")
+        return draw(st.sampled_from(opts))
+    return draw(st.sampled_from(tuple(options)))
+
+
+def _rng(draw) -> np.random.Generator:
+    return np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+
+def _bits16(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16)
+
+
+def poison_bytes(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """An array of ``dtype`` filled with random bytes (a prefill whose every byte a correct writer either
+    overwrites or leaves as it is)."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    return rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8).view(dt).reshape(shape)
+
+
+def slot_mapping(rng: np.random.Generator, n_tokens: int, num_slots: int, *, skip_fraction: float = 0.25,
+                 dtype="int64") -> np.ndarray:
+    """``[n_tokens]`` slots: distinct values in ``[0, num_slots)`` and ``-1`` (skip) for about
+    ``skip_fraction`` of the tokens (more when there are fewer slots than tokens)."""
+    n_valid = min(n_tokens, num_slots, int(round(n_tokens * (1 - skip_fraction))))
+    if skip_fraction > 0 and n_valid == n_tokens and n_tokens > 1 and rng.random() < 0.5:
+        n_valid -= 1
+    out = np.full(n_tokens, -1, np.int64)
+    where = rng.permutation(n_tokens)[:n_valid]
+    out[where] = rng.permutation(num_slots)[:n_valid]
+    return out.astype(dtype)
+
+
+def sparse_index_rows(rng: np.random.Generator, limit_blocks: np.ndarray, width: int, *, fill=1.0,
+                      junk_after=False, total_blocks: int | None = None, strays: float = 0.0) -> np.ndarray:
+    """int32 ``[R, width]`` sparse indices: row r holds distinct entries of ``[0, limit_blocks[r])`` in
+    random order (``round(fill * min(width, limit_blocks[r]))`` of them; ``fill`` may be an array), then
+    ``-1``.
+
+    strays: about this fraction of the free width also holds *non-causal* entries in
+    ``[limit_blocks[r], total_blocks[r])`` (blocks at or past the row's limit: they select nothing;
+    ``total_blocks`` may be one number or one per row), shuffled
+    among the causal ones - the kernel must clip them, and they push causal entries past the first
+    ``ceil(threshold / sbs)`` positions that are read. junk_after: the entries after the first ``-1`` hold
+    random values in ``[-1, total_blocks)`` (a reader must stop at the first ``-1``)."""
+    limit_blocks = np.asarray(limit_blocks, np.int64)
+    r = limit_blocks.size
+    nb_max = max(int(limit_blocks.max(initial=0)), 1)
+    total = np.broadcast_to(np.asarray(nb_max if total_blocks is None else total_blocks, np.int64), (r,))
+    total = np.maximum(total, 1)
+    key = rng.random((r, nb_max))
+    key[np.arange(nb_max)[None, :] >= limit_blocks[:, None]] = np.inf
+    order = np.argsort(key, axis=1, kind="stable")
+    take = min(width, nb_max)
+    count = np.minimum(limit_blocks, width)
+    count = np.clip(np.round(count * np.asarray(fill, np.float64)).astype(np.int64), 0, count)
+    idx = np.full((r, width), -1, np.int64)
+    pos = np.arange(take)[None, :]
+    idx[:, :take] = np.where(pos < count[:, None], order[:, :take], -1)
+    if strays > 0:
+        room = width - count
+        n_stray = np.minimum(room, rng.binomial(np.maximum(room, 0), min(strays, 1.0)))
+        lo = limit_blocks
+        hi = np.maximum(total, lo + 1)
+        vals = lo[:, None] + np.floor(rng.random((r, width)) * (hi - lo)[:, None]).astype(np.int64)
+        col = np.arange(width)[None, :]
+        is_stray = (col >= count[:, None]) & (col < (count + n_stray)[:, None])
+        idx = np.where(is_stray, vals, idx)
+        used = count + n_stray
+        mix = rng.random((r, width))
+        mix[col >= used[:, None]] = np.inf  # keep the -1 tail in place, shuffle the used prefix
+        idx = np.take_along_axis(idx, np.argsort(mix, axis=1, kind="stable"), axis=1)
+        count = used
+    if junk_after:
+        junk = rng.integers(-1, int(total.max()) + 1, (r, width))
+        after = np.arange(width)[None, :] > count[:, None]
+        idx = np.where(after, junk, idx)
+    return idx.astype(np.int32)
+
+
+class InvalidArgs(NamedTuple):
+    """An invalid argument set and the one constraint it violates (the first the contract reports)."""
+
+    args: dict
+    constraint: Constraint
