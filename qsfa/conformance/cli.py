@@ -94,7 +94,13 @@ def main(args) -> int:
     if args.replay:
         if not os.path.exists(args.replay):
             raise _usage(f"Invalid value for --replay, actual: {args.replay!r}, reason: no such file.")
-        holds, msg = replay_case(args.replay, args.backend)
+        from ..golden.io import GoldenInputError
+
+        try:
+            holds, msg = replay_case(args.replay, args.backend)
+        except GoldenInputError as e:  # a corrupt case file is bad usage (2), not a reproduced failure (1)
+            raise _usage(f"Invalid case file for --replay, actual: {args.replay!r}, reason: "
+                         f"{' '.join(str(e).split())}.") from None
         print(msg)
         return 0 if holds else 1
 

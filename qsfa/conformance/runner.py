@@ -444,11 +444,21 @@ def load_example(path: str) -> tuple[Property, Example, dict]:
     from .._dispatch import operator
     from .properties import get
 
+    from ..golden.io import GoldenInputError
+
     case = Case.load(path)
     side_path = path[:-5] + ".conformance.json" if path.endswith(".json") else path + ".conformance.json"
-    with open(side_path, encoding="utf-8") as f:
-        side = json.load(f)
-    prop = get(side["property"])
+    try:
+        with open(side_path, encoding="utf-8") as f:
+            side = json.load(f)
+        prop = get(side["property"])
+    except OSError as e:
+        raise GoldenInputError(f"{side_path}: cannot read the conformance sidecar of {path} "
+                               f"({type(e).__name__}: {e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise GoldenInputError(f"{side_path} is not valid JSON: {e}") from None
+    except (KeyError, TypeError) as e:
+        raise GoldenInputError(f"{side_path}: bad or missing field 'property' ({e})") from None
     args = dict(case.params)
     args.update(case.inputs())
     args.update({k: _restore(v) for k, v in side.get("params_not_in_case", {}).items()})
