@@ -317,11 +317,14 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
     host = Args({n: (_host_view(n, v) if is_torch(v) else v) for n, v in args.items()})
     be_chip = be.chip()
     if chip is not None and be_chip is not None and chip != be_chip:
-        raise InvalidArgument("value", "chip", repr(chip),
+        raise InvalidArgument("value", "chip", chip,
                               f"backend {be.name!r} runs on its device's chip {be_chip!r}; pass chip=None or "
                               f"chip={be_chip!r}")
     chip = chip or be_chip
-    normalised = op.contract.validate(host, chip=chip)
+    try:
+        normalised = op.contract.validate(host, chip=chip)
+    except (InvalidArgument, InvalidDtype) as e:
+        raise _as_passed(e, args, host) from None
     for c in be.limits(op_name):
         actual = c.check(normalised)
         if actual is not None:
@@ -371,6 +374,18 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
         else:
             out.append(kind.wrap(r))
     return out[0] if single else tuple(out)
+
+
+def _as_passed(e, args: Mapping, host: Mapping):
+    """``e`` reporting the caller's value: a type rule that rejected the NumPy view of a torch tensor
+    (``scale_value=torch.tensor(0.04)``) describes the tensor the caller passed, not its host copy."""
+    from ._contract import _describe
+    from ._errors import Raw
+
+    orig = args.get(e.param)
+    if not is_torch(orig) or host.get(e.param) is orig or e.actual != _describe(host.get(e.param)):
+        return e
+    return type(e)(e.kind, e.param, Raw(_describe(orig)), e.reason, constraint_id=e.constraint_id)
 
 
 def _host_view(name: str, t):

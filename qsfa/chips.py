@@ -88,7 +88,7 @@ def check_chip(chip) -> str | None:
         return chip
     from ._errors import InvalidArgument
 
-    raise InvalidArgument("value", "chip", repr(chip), "chip must be None, 'A2', 'A3' or '950'")
+    raise InvalidArgument("value", "chip", chip, "chip must be None, 'A2', 'A3' or '950'")
 
 
 def attention_rounding(chip: str | None, qdtype: str, *, dequant: bool = True) -> dict:

@@ -60,3 +60,26 @@ def test_str_of_a_verdict_names_it_once():
     b[1] = 9
     text = str(compare_bytes(b, a, name="codes"))
     assert text.startswith("FAIL codes [bytes]") and text.count("FAIL") == 1
+
+
+def _attention_args():
+    from qsfa._dispatch import operator
+    return operator("kv_quant_sparse_flash_attention").contract.example(np.random.default_rng(0))
+
+
+def test_a_tensor_scalar_is_reported_as_the_tensor_the_caller_passed():
+    torch = pytest.importorskip("torch")
+    args = _attention_args()
+    args["scale_value"] = torch.tensor(0.04)
+    with pytest.raises((InvalidArgument, InvalidDtype)) as e:
+        qsfa.kv_quant_sparse_flash_attention(**args)
+    msg = str(e.value)
+    assert "for scale_value, actual: tensor(0.0400) (Tensor)" in msg, msg
+    assert "ndarray" not in msg and "array(" not in msg
+
+
+def test_a_bad_chip_string_is_quoted_once():
+    args = _attention_args()
+    with pytest.raises(InvalidArgument) as e:
+        qsfa.kv_quant_sparse_flash_attention(**args, chip="a2")
+    assert "for chip, actual: 'a2', reason:" in str(e.value), str(e.value)
