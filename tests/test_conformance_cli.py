@@ -57,3 +57,22 @@ def test_replay_with_a_broken_sidecar_is_bad_usage(wrong, tmp_path, capsys):
     _one_line_usage_error(capsys, ["conformance", "--replay", r.case_file], "property")
     side.unlink()
     _one_line_usage_error(capsys, ["conformance", "--replay", r.case_file], "sidecar")
+
+
+def test_console_warns_when_the_case_file_cannot_be_saved(wrong, capsys):
+    assert main(["conformance", "--backend", wrong, "--properties", "formats.encode.vs_reference",
+                 "--max-examples", "5", "--cases-dir", "/proc/qsfa-no-such/cases"]) == 1
+    out = capsys.readouterr().out
+    warn = [s for s in out.splitlines() if "WARNING" in s]
+    assert warn and "could not save the case file" in warn[0] and "Error" in warn[0], out
+    assert "case file: " not in out.replace("could not save the case file:", "")
+
+
+def test_progress_line_keeps_the_save_warning_after_a_long_message():
+    from qsfa.conformance.reports import format_progress
+    from qsfa.conformance.runner import PropertyResult
+
+    msg = "\n".join(f"line {i}" for i in range(20)) + "\n(could not save the case file: OSError: disk full)"
+    text = format_progress(1, 1, PropertyResult("p.q", ["p"], "vs_reference", "b", "failed", message=msg))
+    assert text.splitlines()[-1] == "        WARNING: could not save the case file: OSError: disk full"
+    assert "line 5" in text and "line 6" not in text

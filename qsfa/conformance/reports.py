@@ -16,7 +16,7 @@ import json
 import os
 import xml.etree.ElementTree as ET
 
-from .runner import ConformanceReport, PropertyResult
+from .runner import CASE_SAVE_ERROR, ConformanceReport, PropertyResult
 
 __all__ = ["format_table", "format_progress", "to_json", "to_markdown", "to_junit", "write_report",
            "REPORT_FORMATS"]
@@ -33,9 +33,14 @@ def format_progress(k: int, total: int, r: PropertyResult) -> str:
     w = len(str(total))
     line = f"[{k:{w}d}/{total}] {_status_word(r):5s} {r.property}  {r.examples} ex  {r.seconds:.2f}s"
     if r.status in ("failed", "error"):
-        line += "\n" + "\n".join("        " + s for s in r.message.splitlines()[:6])
+        lines = r.message.splitlines()
+        save_err = [s for s in lines if s.startswith("(" + CASE_SAVE_ERROR)]  # appended by the runner
+        lines = [s for s in lines if s not in save_err]
+        line += "\n" + "\n".join("        " + s for s in lines[:6])
         if r.case_file:
             line += f"\n        case file: {r.case_file}"
+        for s in save_err:  # never cut off with a long failure message
+            line += "\n        WARNING: " + (s[1:-1] if s.endswith(")") else s[1:])
     elif r.status == "skipped" and r.message:
         line += f"  ({r.message})"
     return line

@@ -49,6 +49,7 @@ __all__ = [
 
 DEFAULT_CASES_DIR = os.path.join("conformance-out", "cases")
 SIDE_FORMAT = "qsfa-conformance-case/1"
+CASE_SAVE_ERROR = "could not save the case file:"  # the line the runner adds to a failure's message (reports)
 
 
 @dataclass
@@ -322,7 +323,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
                 try:
                     res.case_file = save_case(prop, backend, ex, res.message, cases_dir, seed=seed, chip=chip)
                 except Exception as save_err:  # noqa: BLE001 - report, do not hide the failure
-                    res.message += f"\n(could not save the case file: {type(save_err).__name__}: {save_err})"
+                    res.message += f"\n({CASE_SAVE_ERROR} {type(save_err).__name__}: {save_err})"
         else:
             res.status = "error"
             res.message = f"{type(e).__name__}: {e}"
