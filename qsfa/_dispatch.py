@@ -64,6 +64,10 @@ class Operator:
     #: (qsfa.chips); None when the operator's numerics do not depend on the chip
     numerics: Callable | None = None
 
+    def __repr__(self):
+        # the dataclass repr would print the whole contract (hundreds of KB for qsfa.operators())
+        return f"Operator({self.name!r}, outputs={self.outputs!r}, backends={sorted(self.impls)!r})"
+
 
 _OPERATORS: dict[str, Operator] = {}
 

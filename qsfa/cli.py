@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ._errors import BackendError, InvalidArgument, InvalidDtype
@@ -117,7 +118,17 @@ def main(argv=None) -> int:
         return 2
     try:
         _import_backend_modules(getattr(args, "backend_module", None))
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # `qsfa golden list smoke | head`: the reader left; stop quietly like other Unix tools. Point
+        # stdout at devnull so the interpreter's final flush does not raise again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141  # 128 + SIGPIPE, the status a shell reports for a writer killed by a closed pipe
     except (UsageError, InvalidArgument, InvalidDtype, BackendError, FileNotFoundError) as e:
         print(f"qsfa {args.command}: error: {e}", file=sys.stderr)
         return 2

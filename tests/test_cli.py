@@ -61,3 +61,25 @@ def test_conformance_help_is_listed_when_available(capsys):
         assert e.code == 0
     out = capsys.readouterr().out
     assert "golden" in out and "conformance" in out and "backends" in out
+
+
+def _run_into_closed_pipe(*argv):
+    """Run ``python -m qsfa.cli argv`` with stdout a pipe whose reader has already gone (``| head``)."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "qsfa.cli", *argv], stdout=w, stderr=subprocess.PIPE,
+                           text=True, timeout=300)
+    finally:
+        os.close(w)
+    return p
+
+
+def test_a_closed_stdout_ends_quietly_without_a_traceback():
+    for argv in (["golden", "list", "smoke"], ["backends"]):
+        p = _run_into_closed_pipe(*argv)
+        assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, (argv, p.stderr)
+        assert p.stderr == "", (argv, p.stderr)
+        assert p.returncode == 141, (argv, p.returncode)

@@ -471,3 +471,14 @@ def test_reference_gives_identical_bytes_for_numpy_and_torch_callers(op_name):
         if np_args.get(name) is not None:
             assert np.ascontiguousarray(np_args[name]).tobytes() == \
                 np.ascontiguousarray(to_numpy(t_args[name])).tobytes(), name
+
+
+def test_an_operator_prints_as_its_name_outputs_and_backends():
+    import qsfa
+
+    ops = qsfa.operators()
+    enc = ops["formats.encode"]
+    # other tests may register more backends for it: the list is whatever impls holds, sorted
+    assert repr(enc) == f"Operator('formats.encode', outputs=('codes',), backends={sorted(enc.impls)!r})"
+    assert "'reference'" in repr(enc)
+    assert len(repr(ops)) < 200 * len(ops)  # the dataclass repr printed every contract (~300 KB)
