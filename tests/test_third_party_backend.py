@@ -132,3 +132,28 @@ def test_your_kernel_doc_example_works(tmp_path, clean):
                                                            nibble_order="high_first"))
     got, want = case.run(backend="yours"), case.run(backend="reference")  # the golden comparison of the doc
     assert all(qsfa.compare.compare(got[n], want[n], name=n).passed for n in want)
+
+
+def test_reports_print_a_replay_command_that_loads_the_backend_module(tmp_path, clean, capsys):
+    import json
+    import re
+    import shlex
+    import sys
+
+    _write(tmp_path, "qsfa_test_kernel_rp", "test-kernel-rp", buggy=True)
+    clean.append("test-kernel-rp")
+    md, js = tmp_path / "out.md", tmp_path / "out.json"
+    assert main(["conformance", "--properties", "formats.pack_fp4.vs_reference", "--cases-dir", str(tmp_path / "c"),
+                 "--backend-module", "qsfa_test_kernel_rp", "--backend", "test-kernel-rp",
+                 "--report", str(md), str(js)]) == 1
+    console = capsys.readouterr().out
+    cmd = re.search(r"replay: `([^`]+)`", md.read_text()).group(1)
+    assert "--backend-module qsfa_test_kernel_rp" in cmd and f"replay: {cmd}" in console
+    assert json.loads(js.read_text())["backend_modules"] == ["qsfa_test_kernel_rp"]
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["qsfa", "conformance"]
+    # as in a fresh process: the backend is not registered until the command imports its module
+    qsfa.unregister_backend("test-kernel-rp")
+    sys.modules.pop("qsfa_test_kernel_rp", None)
+    assert main(argv[1:]) == 1  # still fails (not 2: unknown backend)
+    assert "fails on 'test-kernel-rp'" in capsys.readouterr().out

@@ -166,9 +166,17 @@ def main(args) -> int:
                   f"{max_examples} examples per property, no edge examples; --bound / --max-examples override",
                   flush=True)
 
+    from .runner import ConformanceReport, _backend_modules
+
+    backend_modules = list(args.backend_module or []) or _backend_modules(args.backend or "reference")
+    replay = ConformanceReport(args.backend or "reference", "", None, 0, None, {}, "",
+                               backend_modules=backend_modules,
+                               env={"TRITON_INTERPRET": "1"} if os.environ.get("TRITON_INTERPRET") == "1" else {}
+                               ).replay_command
+
     def progress(k, total, r):
         if not args.quiet:
-            print(R.format_progress(k, total, r), flush=True)
+            print(R.format_progress(k, total, r, replay), flush=True)
 
     if args.time_budget is not None and args.time_budget < 0:
         raise _usage(f"Invalid value for --time-budget, actual: {args.time_budget}, reason: must be >= 0.")
@@ -183,7 +191,7 @@ def main(args) -> int:
     report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=max_examples,
                              seed=args.seed, shard_spec=shard, cases_dir=args.cases_dir or DEFAULT_CASES_DIR,
                              bounds=b, progress=progress, chip=args.chip, time_budget=args.time_budget,
-                             on_result=incremental if reports else None)
+                             on_result=incremental if reports else None, backend_modules=backend_modules)
     print()
     print(R.format_table(report))
     for f in reports:
@@ -237,6 +245,8 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
                                               client=client, env=env, **kw)
     except (D.ClusterUsageError, D.DistributedUnavailable) as e:
         raise _usage(str(e)) from None
+    if args.backend_module:  # the replay commands of the reports
+        report.backend_modules = list(args.backend_module)
     print()
     print(R.format_table(report))
     if summary is not None:

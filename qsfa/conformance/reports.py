@@ -28,7 +28,7 @@ def _status_word(r: PropertyResult) -> str:
     return {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}[r.status]
 
 
-def format_progress(k: int, total: int, r: PropertyResult) -> str:
+def format_progress(k: int, total: int, r: PropertyResult, replay=None) -> str:
     """One progress line: ``[ 3/57] PASS  kv_quant_sparse_flash_attention.page_permutation  25 ex  1.23s``."""
     w = len(str(total))
     line = f"[{k:{w}d}/{total}] {_status_word(r):5s} {r.property}  {r.examples} ex  {r.seconds:.2f}s"
@@ -39,6 +39,8 @@ def format_progress(k: int, total: int, r: PropertyResult) -> str:
         line += "\n" + "\n".join("        " + s for s in lines[:6])
         if r.case_file:
             line += f"\n        case file: {r.case_file}"
+            if replay is not None:  # ConformanceReport.replay_command of the run
+                line += f"\n        replay: {replay(r.case_file)}"
         for s in save_err:  # never cut off with a long failure message
             line += "\n        WARNING: " + (s[1:-1] if s.endswith(")") else s[1:])
     elif r.status == "skipped" and r.message:
@@ -126,7 +128,7 @@ def to_markdown(report: ConformanceReport) -> str:
                 out.append("```")
             if r.case_file:
                 out.append("")
-                out.append(f"Case file: `{r.case_file}` (replay: `qsfa conformance --replay {r.case_file}`, "
+                out.append(f"Case file: `{r.case_file}` (replay: `{report.replay_command(r.case_file)}`, "
                            f"reference outputs: `qsfa golden generate --case {r.case_file}`).")
             if r.reproduce:
                 out.append("")
@@ -168,6 +170,7 @@ def to_junit(report: ConformanceReport) -> str:
                 body.append("minimal falsifying example: " + json.dumps(r.falsifying_example, sort_keys=True))
             if r.case_file:
                 body.append(f"case file: {r.case_file}")
+                body.append(f"replay: {report.replay_command(r.case_file)}")
             if r.reproduce:
                 body.append(r.reproduce)
             el.text = "\n".join(body)

@@ -100,6 +100,14 @@ class ConformanceReport:
     seconds: float = 0.0
     versions: dict = field(default_factory=dict)
     results: list = field(default_factory=list)
+    backend_modules: list = field(default_factory=list)  # --backend-module imports the backend needs (replay)
+    env: dict = field(default_factory=dict)  # environment the backend ran under that a replay needs
+
+    def replay_command(self, case_file: str) -> str:
+        """The shell command that replays ``case_file`` on this run's backend."""
+        env = "".join(f"{k}={v} " for k, v in sorted(self.env.items()))
+        mods = "".join(f" --backend-module {m}" for m in self.backend_modules)
+        return f"{env}qsfa conformance{mods} --replay {case_file}"
 
     @property
     def summary(self) -> dict:
@@ -128,6 +136,8 @@ class ConformanceReport:
             "summary": self.summary,
             "ok": self.ok,
             "results": [r.to_dict() for r in self.results],
+            "backend_modules": list(self.backend_modules),
+            "env": dict(self.env),
         }
 
 
@@ -503,11 +513,14 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
                     bounds=None, pins: dict | None = None,
                     progress: Callable[[int, int, PropertyResult], None] | None = None,
                     props: list | None = None, chip: str | None = None, time_budget: float | None = None,
-                    on_result: Callable[[ConformanceReport], None] | None = None) -> ConformanceReport:
+                    on_result: Callable[[ConformanceReport], None] | None = None,
+                    backend_modules: Iterable[str] | None = None) -> ConformanceReport:
     """Run the selected properties against ``backend``; see :func:`run_property` for the arguments.
     ``shard_spec``: "i/n" or ``(i, n)``. ``progress(k, total, result)`` is called after each property;
     ``on_result(report)`` too (incremental reports: a run stopped later keeps what it measured).
-    ``time_budget`` (seconds): properties not started when it is spent are reported as skipped ("not run")."""
+    ``time_budget`` (seconds): properties not started when it is spent are reported as skipped ("not run").
+    ``backend_modules``: the modules imported to register ``backend`` (``--backend-module``), for the replay
+    commands of the reports; default: the module of the backend's class when it is not part of qsfa."""
     import hypothesis
 
     from .. import __version__
@@ -530,7 +543,9 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
         max_examples=int(max_examples if max_examples is not None else PROFILES[profile]["max_examples"]),
         shard=shard_text, bounds=b.to_dict(),
         started=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        versions={"qsfa": __version__, "hypothesis": hypothesis.__version__, "numpy": np.__version__})
+        versions={"qsfa": __version__, "hypothesis": hypothesis.__version__, "numpy": np.__version__},
+        backend_modules=list(backend_modules) if backend_modules is not None else _backend_modules(backend),
+        env={"TRITON_INTERPRET": "1"} if os.environ.get("TRITON_INTERPRET") == "1" else {})
     t0 = time.perf_counter()
     for k, p in enumerate(selected, 1):
         if time_budget is not None and time.perf_counter() - t0 > time_budget:
@@ -547,6 +562,16 @@ def run_conformance(backend: str = "reference", *, ops: Iterable[str] | None = N
             on_result(report)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _backend_modules(backend: str) -> list:
+    from .._dispatch import get_backend
+
+    try:
+        mod = type(get_backend(backend)).__module__
+    except Exception:  # noqa: BLE001 - the run reports an unusable backend itself
+        return []
+    return [] if mod == "__main__" or mod == "qsfa" or mod.startswith("qsfa.") else [mod]
 
 
 def all_property_names() -> list[str]:
