@@ -76,3 +76,17 @@ def test_progress_line_keeps_the_save_warning_after_a_long_message():
     text = format_progress(1, 1, PropertyResult("p.q", ["p"], "vs_reference", "b", "failed", message=msg))
     assert text.splitlines()[-1] == "        WARNING: could not save the case file: OSError: disk full"
     assert "line 5" in text and "line 6" not in text
+
+
+def test_markdown_header_states_the_edge_examples_on_top_of_max_examples(tmp_path):
+    from qsfa._edges import EDGES
+    from qsfa.conformance import run_conformance
+    from qsfa.conformance.reports import to_markdown
+
+    rep = run_conformance("reference", properties=["formats.encode.vs_reference"], max_examples=3,
+                          cases_dir=str(tmp_path))
+    (r,) = rep.results
+    assert r.status == "passed" and 1 <= r.edge_examples <= len(EDGES["formats.encode"])
+    assert r.examples == 3 + r.edge_examples  # what the table shows: both, counted together
+    header = to_markdown(rep).splitlines()[2]
+    assert f"max_examples 3 per property (+ {r.edge_examples} edge examples" in header, header

@@ -95,10 +95,13 @@ def _md_escape(s: str) -> str:
 
 def to_markdown(report: ConformanceReport) -> str:
     s = report.summary
+    edges = sum(getattr(r, "edge_examples", 0) for r in report.results)
     out = [f"# qsfa conformance: backend `{report.backend}`", ""]
     out.append(f"Profile `{report.profile}`" + (f", seed {report.seed}" if report.seed is not None else "")
                + (f", shard {report.shard}" if report.shard else "")
-               + f", max_examples {report.max_examples}; started {report.started}, {report.seconds:.1f} s.")
+               + f", max_examples {report.max_examples} per property"
+               + (f" (+ {edges} edge examples in all, run first: qsfa._edges)" if edges else "")
+               + f"; started {report.started}, {report.seconds:.1f} s.")
     out.append("")
     out.append(f"**{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors** "
                f"({s['properties']} properties, {s['examples']} examples).")

@@ -79,6 +79,7 @@ class PropertyResult:
     seed: int | None = None
     doc: str = ""
     chip: str | None = None  # the chip every call modelled (None: each call's own rule; docs/numerics/chips.md)
+    edge_examples: int = 0  # explicit edge examples (qsfa._edges) run before the max_examples random ones
 
     @property
     def op(self) -> str:
@@ -302,6 +303,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     for _, ex in reversed(edges):
         wrapped = example(ex)(wrapped)
     edge_of = {id(ex): e for e, ex in edges}
+    res.edge_examples = len(edges)
     wrapped._hypothesis_internal_add_digest = prop.name.encode()
     settings_kw = settings_for(profile, max_examples=max_examples, seed=seed)
     wrapped = settings(**settings_kw)(wrapped)
