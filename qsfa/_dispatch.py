@@ -318,7 +318,7 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
         if is_torch(args.get(n)):
             _check_tensor_buffer(op, n, args)
     # Host NumPy views for validation (zero-copy for CPU tensors).
-    host = Args({n: (_host_view(n, v) if is_torch(v) else v) for n, v in args.items()})
+    host = Args({n: (_host_view(n, v) if is_torch(v) else _scalar_as_array(op, n, v)) for n, v in args.items()})
     be_chip = be.chip()
     if chip is not None and be_chip is not None and chip != be_chip:
         raise InvalidArgument("value", "chip", chip,
@@ -378,6 +378,17 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
         else:
             out.append(kind.wrap(r))
     return out[0] if single else tuple(out)
+
+
+def _scalar_as_array(op: Operator, name: str, v):
+    """A NumPy scalar (``np.float32(1.0)``) passed for an array parameter is the 0-d array it stands for,
+    for every operator; in-place buffers are not converted (a scalar cannot be written in place, so it
+    stays rejected by the type rule). Python numbers and lists stay rejected (docs/architecture.md)."""
+    if isinstance(v, np.generic) and name not in op.contract.inplace:
+        p = op.contract.params.get(name)
+        if p is not None and p.type == "array":
+            return np.asarray(v)
+    return v
 
 
 def _as_passed(e, args: Mapping, host: Mapping):

@@ -157,3 +157,20 @@ def test_reference_guards_too():
     with pytest.raises(TypeError):
         ref.decode(np.array([1.0]), "hifloat8")
     assert ref.decode(np.array([0x3F80], np.uint16).view(ml_dtypes.bfloat16), "bfloat16").tolist() == [1.0]
+
+
+def test_a_numpy_scalar_is_taken_as_its_0d_array_and_a_list_stays_rejected():
+    import qsfa
+    from qsfa._errors import InvalidDtype
+
+    for fmt, x in (("hifloat8", np.float32(1.0)), ("float8_e4m3fn", np.float16(-3.5)), ("int8", np.float32(7.0))):
+        got = np.asarray(qsfa.formats.encode(x, fmt))
+        want = np.asarray(qsfa.formats.encode(np.asarray(x), fmt))
+        assert got.dtype == want.dtype and got.shape == want.shape == ()
+        assert got.tobytes() == want.tobytes()
+        back = np.asarray(qsfa.formats.decode(want[()], fmt))
+        assert back.tobytes() == np.asarray(qsfa.formats.decode(want, fmt)).tobytes()
+    with pytest.raises(InvalidDtype, match=r"for x, actual: \[1\.0\] \(list\)"):
+        qsfa.formats.encode([1.0], "hifloat8")
+    with pytest.raises(InvalidDtype, match="for x"):
+        qsfa.formats.encode(1.0, "hifloat8")  # a Python float is not a NumPy value
