@@ -312,3 +312,12 @@ def test_formats_page_hifloat8_encode_examples():
 
     codes = formats.encode(np.float32([1.0625, 22.0, 40960.0, 1.5 * 2.0 ** -17]), "hifloat8")
     assert [int(c) for c in codes] == [0x09, 0x42, 0x6F, 0x07]  # the page's worked encodes
+
+
+def test_the_catalogue_table_counts_every_operator():
+    """docs/conformance.md states how many operators vs_reference / invalid_rejected cover: the registry's count."""
+    text = (DOCS / "conformance.md").read_text(encoding="utf-8")
+    for fam in ("vs_reference", "invalid_rejected"):
+        m = re.search(rf"^\| `{fam}` \| all (\d+) \|", text, re.M)
+        assert m, fam
+        assert int(m.group(1)) == len(operators()), (fam, m.group(1), sorted(operators()))
