@@ -457,3 +457,23 @@ def test_without_the_extra_the_flags_say_what_to_install(tmp_path):
     assert r.stderr.count("pip install 'qsfa[distributed]'") == 2
     assert "--workers/--scheduler needs the " in r.stderr and "Traceback" not in r.stderr
     assert not os.path.exists(tmp_path / "g")
+
+
+def test_workers_start_no_dashboard_and_print_nothing_to_stderr_when_8787_is_taken(tmp_path):
+    """``--workers N -q`` with port 8787 held by someone else: no warning ('Port 8787 is already in use')."""
+    import socket
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with contextlib.ExitStack() as stack:
+        s = stack.enter_context(socket.socket())
+        try:
+            s.bind(("", 8787))
+            s.listen()
+        except OSError:
+            pass  # already held by another process: the situation this test sets up
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        p = subprocess.run([sys.executable, "-m", "qsfa.cli", "conformance", "--workers", "1", "-q", "--properties",
+                            "formats.pack_fp4.vs_reference", "--cases-dir", str(tmp_path)],
+                           capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "", p.stderr

@@ -85,7 +85,10 @@ def connect(workers: int | None = None, scheduler: str | None = None, *, env: di
             check_same_code(client, same_code)
         else:
             cluster = LocalCluster(n_workers=check_workers(workers), threads_per_worker=1, processes=True,
-                                   dashboard_address=None, silence_logs=logging.ERROR, env=dict(env or {}))
+                                   dashboard_address=None, silence_logs=logging.ERROR, env=dict(env or {}),
+                                   # no dashboard, and the scheduler's remaining HTTP routes on a free port: the
+                                   # default 8787 warns on stderr (even with -q) when another cluster holds it
+                                   scheduler_kwargs={"dashboard": False, "dashboard_address": ":0"})
             client = Client(cluster, set_as_default=False)
         yield client
     finally:
