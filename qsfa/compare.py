@@ -144,7 +144,8 @@ def _scalar(v):
         return int(v)
     if v.dtype.itemsize == 1 and v.dtype.kind == "V":
         return int(v.view(np.uint8))
-    return float(v.astype(np.float64))
+    with np.errstate(invalid="ignore"):  # a signalling NaN (0x7f800001 ...) is quieted by the cast: it reads nan
+        return float(v.astype(np.float64))
 
 
 def cos_diff(actual, golden) -> float:
@@ -188,8 +189,9 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     if a_in.shape != g_in.shape:
         res.message = f"FAIL: shape mismatch: actual {a_in.shape}, golden {g_in.shape}"
         return res
-    a = a_in.astype(np.float64)
-    g = g_in.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # signalling NaNs become quiet NaNs, which is what is compared
+        a = a_in.astype(np.float64)
+        g = g_in.astype(np.float64)
     fin_a, fin_g = np.isfinite(a), np.isfinite(g)
     mask_bad = (fin_a != fin_g) | (~fin_g & ~fin_a & ~((np.isnan(a) & np.isnan(g)) | (a == g)))
     both = fin_a & fin_g
@@ -209,16 +211,21 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
         vals, counts = np.unique(np.minimum(u, 64), return_counts=True)
         res.ulp_histogram = {(f"{int(v)}" if v < 64 else ">=64"): int(c) for v, c in zip(vals, counts)}
     res.passed = res.n_fail == 0 and res.cos_diff <= tol.cos_tol
-    # worst elements: failing ones first, then by abs error
-    score = np.where(elem_fail, np.inf, abs_err).reshape(-1)
-    order = np.argsort(-score, kind="stable")[:max_report]
+    # worst elements: non-finite mismatches first, then the other failing ones, then the rest, each group by
+    # abs error (descending); a non-finite mismatch reports its own error, nan or inf (|nan - 0| is nan, not 0)
+    rank = np.where(mask_bad, 2, np.where(elem_fail, 1, 0)).reshape(-1)
+    order = np.lexsort((-abs_err.reshape(-1), -rank))[:max_report]
     for flat in order:
-        if score[flat] == 0:
+        if rank[flat] == 0 and abs_err.reshape(-1)[flat] == 0:
             break
         t = tuple(int(i) for i in np.unravel_index(flat, g.shape))
+        ae, re_ = float(abs_err[t]), float(rel_err[t])
+        if mask_bad[t]:
+            with np.errstate(invalid="ignore"):
+                ae = float(abs(a[t] - g[t]))
+                re_ = float(ae / (abs(g[t]) + 1e-6))
         res.worst.append({"index": list(t), "golden": float(g[t]), "actual": float(a[t]),
-                          "abs_err": float(abs_err[t]), "rel_err": float(rel_err[t]),
-                          "fails": bool(elem_fail[t])})
+                          "abs_err": ae, "rel_err": re_, "fails": bool(elem_fail[t])})
     parts = [f"{res.n_fail} of {res.n} elements outside atol={tol.atol:g} / rtol={tol.rtol:g}",
              f"cos_diff={res.cos_diff:.3e} (limit {tol.cos_tol:g})",
              f"max_abs={res.max_abs:.3e}", f"max_rel={res.max_rel:.3e}",

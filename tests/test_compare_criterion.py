@@ -54,3 +54,41 @@ def test_matches_torch_assert_close(dtype):
         assert mine == theirs, i
         seen.add(mine)
     assert seen == {True, False}
+
+
+def test_a_non_finite_mismatch_reports_its_error_as_nan_or_inf_and_ranks_worst():
+    import math
+
+    from qsfa.compare import compare_float
+    from qsfa.golden.compare import CompareReport, OutputResult, format_report
+
+    g = np.zeros(5, np.float32)
+    a = g.copy()
+    a[0] = 0.5  # a large finite failure, listed after the non-finite ones
+    a[3] = np.nan
+    a[4] = np.inf
+    res = compare_float(a, g, dtype="float32")
+    assert not res.passed
+    idx = [w["index"] for w in res.worst]
+    assert idx[:3] == [[3], [4], [0]], idx
+    w_nan, w_inf, w_fin = res.worst[:3]
+    assert math.isnan(w_nan["abs_err"]) and math.isnan(w_nan["rel_err"])
+    assert w_inf["abs_err"] == math.inf and w_inf["rel_err"] == math.inf
+    assert w_fin["abs_err"] == 0.5
+    text = format_report(CompareReport("g", "a", [OutputResult("c", "out", "float", res, "a.bin", 0)]))
+    assert "abs_err nan rel_err nan" in text and "abs_err 0 rel_err 0" not in text, text
+
+
+def test_signalling_nans_compare_without_a_cast_warning():
+    import warnings
+
+    from qsfa.compare import compare_bytes, compare_float
+
+    g = np.zeros(2, np.float32)
+    a = np.array([0x7F800001, 0], np.uint32).view(np.float32)  # a signalling NaN, then an equal element
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rf = compare_float(a, g, dtype="float32")
+        rb = compare_bytes(a, g)
+    assert not rf.passed and not rb.passed
+    assert np.isnan(rf.worst[0]["actual"]) and np.isnan(rb.worst[0]["actual"])
