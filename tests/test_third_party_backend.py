@@ -134,12 +134,15 @@ def test_your_kernel_doc_example_works(tmp_path, clean):
     assert all(qsfa.compare.compare(got[n], want[n], name=n).passed for n in want)
 
 
-def test_reports_print_a_replay_command_that_loads_the_backend_module(tmp_path, clean, capsys):
+def test_reports_print_a_replay_command_that_loads_the_backend_module(tmp_path, clean, capsys, monkeypatch):
     import json
     import re
     import shlex
     import sys
 
+    # the triton test modules set TRITON_INTERPRET=1 for the whole pytest process, and the replay command then
+    # (rightly) starts with it: this test is about the command itself, so it runs without that variable
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _write(tmp_path, "qsfa_test_kernel_rp", "test-kernel-rp", buggy=True)
     clean.append("test-kernel-rp")
     md, js = tmp_path / "out.md", tmp_path / "out.json"
