@@ -477,3 +477,36 @@ def test_workers_start_no_dashboard_and_print_nothing_to_stderr_when_8787_is_tak
                            capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert p.stderr == "", p.stderr
+
+
+def test_one_definition_of_the_cluster_options_without_importing_dask():
+    """``--workers/--scheduler`` come from qsfa.distributed._options for both commands; defining them (and
+    running without them) imports neither dask nor tqdm."""
+    code = ("import argparse, sys\n"
+            "from qsfa.distributed._options import add_cluster_options, cluster_target\n"
+            "import qsfa.golden.cli, qsfa.conformance.cli\n"
+            "p = argparse.ArgumentParser(); add_cluster_options(p, verb='go', same='same')\n"
+            "assert cluster_target(p.parse_args([])) is None\n"
+            "print(sorted(m for m in ('dask', 'distributed', 'tqdm') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    import argparse
+
+    from qsfa.distributed._options import add_cluster_options, cluster_target
+
+    p = argparse.ArgumentParser()
+    add_cluster_options(p, verb="compute", same="byte-identical")
+    assert cluster_target(p.parse_args(["--workers", "3"])) == {"workers": 3}
+    assert cluster_target(p.parse_args(["--scheduler", "tcp://h:1"])) == {"scheduler": "tcp://h:1"}
+    with pytest.raises(ClusterUsageError, match="Invalid value for --workers, actual: 0"):
+        cluster_target(p.parse_args(["--workers", "0"]))
+    with pytest.raises(SystemExit):  # exclusive
+        p.parse_args(["--workers", "2", "--scheduler", "tcp://h:1"])
+    helps = {}
+    for cmd in (["golden", "generate"], ["conformance"]):
+        out = subprocess.run([sys.executable, "-m", "qsfa.cli", *cmd, "--help"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT).stdout
+        helps[cmd[0]] = " ".join(out.split())
+    for h in helps.values():
+        assert "new local Dask cluster of N processes (pip install 'qsfa[distributed]')" in h
+        assert "on a running Dask cluster, e.g. tcp://host:8786 (workers need qsfa)" in h

@@ -10,6 +10,7 @@ import fnmatch
 import sys
 
 from ..distributed import ClusterUsageError, DistributedUnavailable
+from ..distributed._options import add_cluster_options, cluster_target
 from .io import GoldenInputError
 
 HELP = "golden tensor case sets: generate, verify, compare, list"
@@ -81,14 +82,9 @@ def _cluster_options(args) -> dict | None:
         if args.chunk_rows is not None:
             raise GoldenInputError("--chunk-rows needs --workers or --scheduler")
         return None
-    from ..distributed import check_workers, require
-
     if args.chunk_rows is not None and args.chunk_rows < 0:
         raise ClusterUsageError(f"Invalid value for --chunk-rows, actual: {args.chunk_rows}, reason: must be >= 0.")
-    require("--workers/--scheduler")
-    if args.workers is not None:
-        return {"workers": check_workers(args.workers)}
-    return {"scheduler": args.scheduler}
+    return cluster_target(args)
 
 
 def _cmd_verify(args) -> int:
@@ -181,12 +177,7 @@ def register(subparsers):
                    help="with --case: let the case file name input files outside its own folder (absolute "
                         "paths, '..', symbolic links out); refused by default")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--workers", type=int, metavar="N",
-                       help="compute on a new local Dask cluster of N processes (pip install 'qsfa[distributed]'); "
-                            "the written set is byte-identical to a serial run's")
-    where.add_argument("--scheduler", metavar="ADDRESS",
-                       help="compute on a running Dask cluster, e.g. tcp://host:8786 (workers need qsfa)")
+    add_cluster_options(p, verb="compute", same="the written set is byte-identical to a serial run's")
     p.add_argument("--chunk-rows", type=int, metavar="N",
                    help="with --workers/--scheduler: query rows per task of a long attention case (default: about "
                         "8M row x head x token units per task; 0: one task per case)")
