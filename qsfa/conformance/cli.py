@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ..distributed._options import add_cluster_options, cluster_target
+from ..distributed._options import CONFORMANCE_PRELOAD, add_cluster_options, cluster_target, start_early
 
 __all__ = ["register", "main"]
 
@@ -82,6 +82,8 @@ def _usage(msg):
 def main(args) -> int:
     if args.triton_interpret:
         os.environ["TRITON_INTERPRET"] = "1"
+    if not args.replay and not args.list:
+        start_early(args, CONFORMANCE_PRELOAD)  # the workers' imports overlap selecting the properties here
     from .._dispatch import get_backend, operators
     from ..strategies import Bounds, bounds as profile_bounds
     from . import reports as R
@@ -236,7 +238,7 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
             report, summary = run_sharded(selected, args.backend or "reference", progress=progress, **kw)
         else:
             where = cluster_target(args)
-            with D.connect(**where, env=env, same_code=("hypothesis", "numpy")) as client:
+            with D.connect(**where, env=env, same_code=("hypothesis", "numpy"), preload=CONFORMANCE_PRELOAD) as client:
                 report, summary = run_sharded(selected, args.backend or "reference", progress=not args.quiet,
                                               client=client, env=env, **kw)
     except (D.ClusterUsageError, D.DistributedUnavailable) as e:

@@ -6,11 +6,16 @@ when the ``qsfa[distributed]`` extra is missing. Importing this module imports n
 
 from __future__ import annotations
 
-from ._cluster import INSTALL_HINT, check_workers, require
+from ._cluster import INSTALL_HINT, check_workers, prestart, require
 
-__all__ = ["add_cluster_options", "cluster_target"]
+__all__ = ["add_cluster_options", "cluster_target", "start_early", "GOLDEN_PRELOAD", "CONFORMANCE_PRELOAD"]
 
 FLAGS = "--workers/--scheduler"
+
+#: the modules the tasks of each command import on a worker (:func:`~qsfa.distributed.prestart`)
+GOLDEN_PRELOAD = ("qsfa.golden.manifest", "qsfa.golden.generators", "qsfa.distributed.golden")
+CONFORMANCE_PRELOAD = ("hypothesis", "qsfa.conformance.properties", "qsfa.conformance.runner",
+                       "qsfa.distributed.conformance")
 
 
 def add_cluster_options(parser, *, verb: str, same: str):
@@ -37,3 +42,13 @@ def cluster_target(args) -> dict | None:
     if args.workers is not None:
         return {"workers": check_workers(args.workers)}
     return {"scheduler": args.scheduler}
+
+
+def start_early(args, preload: tuple) -> bool:
+    """With ``--workers N``: start the local cluster's fork server now (:func:`~qsfa.distributed.prestart`), so
+    that it imports ``preload`` while the command still reads its input. Never raises: a bad value or a missing
+    extra is reported later, by :func:`cluster_target`."""
+    w = getattr(args, "workers", None)
+    if isinstance(w, int) and not isinstance(w, bool) and w >= 1 and getattr(args, "scheduler", None) is None:
+        return prestart(preload)
+    return False

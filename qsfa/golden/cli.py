@@ -10,7 +10,7 @@ import fnmatch
 import sys
 
 from ..distributed import ClusterUsageError, DistributedUnavailable
-from ..distributed._options import add_cluster_options, cluster_target
+from ..distributed._options import GOLDEN_PRELOAD, add_cluster_options, cluster_target, start_early
 from .io import GoldenInputError
 
 HELP = "golden tensor case sets: generate, verify, compare, list"
@@ -33,6 +33,8 @@ def _cmd_generate(args) -> int:
     from .manifest import generate, parse_shard, select_shard
 
     try:
+        cluster = _cluster_options(args)
+        start_early(args, GOLDEN_PRELOAD)  # the workers' imports overlap reading the cases here
         shard = parse_shard(args.shard)
         if args.set:
             cases = get_set(args.set).cases()
@@ -46,7 +48,6 @@ def _cmd_generate(args) -> int:
                 raise GoldenInputError(f"no case of {label or args.case} matches --only {' '.join(args.only)}")
         cases = [c.for_chip(args.chip) for c in cases]
         selected = select_shard(cases, *shard)
-        cluster = _cluster_options(args)
         summary = None
         if cluster is None:
             man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
@@ -54,7 +55,7 @@ def _cmd_generate(args) -> int:
         else:
             from ..distributed import GoldenExecutor, connect
 
-            with connect(**cluster) as client:
+            with connect(**cluster, preload=GOLDEN_PRELOAD) as client:
                 ex = GoldenExecutor(client, chunk_rows=args.chunk_rows, progress=not args.quiet)
                 man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
                                executor=ex)
