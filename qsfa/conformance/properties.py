@@ -74,6 +74,14 @@ class Example(NamedTuple):
     seed: int = 0
     constraint: Constraint | None = None
 
+    def __repr__(self) -> str:
+        # arrays by shape and dtype (small integer ones by value): hypothesis reprs every explicit (edge) example
+        # before running it, and NumPy's repr of the KV arrays cost more than a reference call (issue 15)
+        from .runner import summarize
+
+        return (f"Example(args={summarize(Example(self.args))!r}, seed={self.seed}, "
+                f"constraint={getattr(self.constraint, 'id', None)!r})")
+
 
 @dataclass(frozen=True)
 class Property:

@@ -605,11 +605,15 @@ def _exact_chunk(q, k, v, valid, scale, sink, lse_includes_sink):
 
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
           scale_value, qdtype, precision, probability_rounding, chunk_size, sinks=None,
-          lse_includes_sink=False, p_rounding=None, out_rounding=None, out_buffer=None):
+          lse_includes_sink=False, p_rounding=None, out_rounding=None, out_buffer=None, lse=True,
+          lse_buffers=(None, None)):
     """Attention over selected tokens for every query row.
 
     out_buffer: an optional C-contiguous array of the output's size and dtype (``attention_out=``, e.g. an
     ``np.memmap``): the rows are written into it chunk by chunk, so the output never exists in memory as a whole.
+    lse: whether softmax_max / softmax_sum are wanted (if not, no per-row array of them is allocated: empty
+    arrays are returned); lse_buffers: optional C-contiguous buffers of their size and dtype (``softmax_max_out=``,
+    ``softmax_sum_out=``), written chunk by chunk like out_buffer.
 
     load_q(row_ids) -> (q [c, N, Dqk] float64, facts (2-norm bound, lq) [c, N] or None in exact mode).
     load_kv(storage [c, W] int64, valid [c, W]) -> (K [c, W, Dqk], V [c, W, dv], k_facts [c, W], v_facts
@@ -629,8 +633,15 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     else:
         out = out_buffer.reshape(n_rows, n_heads, dv)  # a view (C-contiguous, checked by the contract)
         assert np.shares_memory(out, out_buffer[..., :1]) and out.dtype == (np.float64 if exact else _QDT[qdtype])
-    mx = np.zeros((n_rows, n_heads), fdt)
-    sm = np.zeros((n_rows, n_heads), fdt)
+    lse_arrays = []
+    for buf in lse_buffers if lse else ():
+        if buf is None:
+            lse_arrays.append(np.zeros((n_rows, n_heads), fdt))
+        else:  # a view of the caller's buffer (C-contiguous, checked by the contract)
+            v = buf.reshape(n_rows, n_heads)
+            assert np.shares_memory(v, buf.reshape(-1)[:1]) and v.dtype == fdt
+            lse_arrays.append(v)
+    mx, sm = lse_arrays if lse else (np.zeros((0,), fdt), np.zeros((0,), fdt))
     active = np.nonzero(limit > 0)[0]
     row_range = _ROW_RANGE.get()
     if row_range is not None:
@@ -672,21 +683,27 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         m[empty] = 0
         l[empty] = 0
         out[r] = o if exact else round_q16(o, qdtype, out_rounding or DEFAULT_ROUNDING["out"][qdtype])
-        mx[r] = m
-        sm[r] = l
+        if lse:
+            mx[r] = m
+            sm[r] = l
 
-    if out_buffer is not None:  # rows no chunk writes (no selected token, or outside only_rows) are zero
+    # rows no chunk writes (no selected token, or outside only_rows) are zero in the caller's buffers
+    zeroed = [b for b, given in ((out, out_buffer), (mx, lse_buffers[0]), (sm, lse_buffers[1]))
+              if given is not None and (lse or b is out)]
+    if zeroed:
         idle = np.ones(n_rows, bool)
         idle[active] = False
         for a in range(0, n_rows, 4096):
             sel = np.flatnonzero(idle[a:a + 4096]) + a
             if sel.size:
-                out[sel] = 0
+                for b in zeroed:
+                    b[sel] = 0
     run_chunks(chunk, range(0, active.size, step))
     return out, mx, sm
 
 
-def _shape_outputs(out, mx, sm, layout_query, query_shape, return_softmax_lse, exact, attention_out=None):
+def _shape_outputs(out, mx, sm, layout_query, query_shape, return_softmax_lse, exact, attention_out=None,
+                   softmax_max_out=None, softmax_sum_out=None):
     n_heads = query_shape[-2]
     if layout_query == "BSND":
         b, s = query_shape[:2]
@@ -700,7 +717,8 @@ def _shape_outputs(out, mx, sm, layout_query, query_shape, return_softmax_lse, e
     if not return_softmax_lse:
         e = np.zeros((0,), np.float64 if exact else np.float32)
         return out, e, e.copy()
-    return out, mx.reshape(lse_shape), sm.reshape(lse_shape)
+    return (out, mx.reshape(lse_shape) if softmax_max_out is None else softmax_max_out,
+            sm.reshape(lse_shape) if softmax_sum_out is None else softmax_sum_out)
 
 
 def _rows_and_kv(query, key, layout_query, layout_kv, actual_seq_lengths_query, actual_seq_lengths_kv,
@@ -729,7 +747,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     tile_size=128, rope_head_dim=64, return_softmax_lse=False,
                                     key_dtype="int8", precision="faithful",
                                     probability_rounding="unnormalised", chunk_size=2048, k_rounding=None,
-                                    p_rounding=None, out_rounding=None, attention_out=None):
+                                    p_rounding=None, out_rounding=None, attention_out=None,
+                                    softmax_max_out=None, softmax_sum_out=None):
     """QSFA over a packed quantised KV cache (the oracle of ``qsfa.kv_quant_sparse_flash_attention``).
 
     query:  float16/bfloat16 ``[B, Q_S, Q_N, 512 + rope]`` (BSND) or ``[Q_T, Q_N, 512 + rope]`` (TND).
@@ -798,8 +817,10 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                         sparse_mode=sparse_mode, n_heads=n_heads, dv=NOPE_DIM, load_q=load_q, load_kv=load_kv,
                         scale_value=scale_value, qdtype=qdt, precision=precision,
                         probability_rounding=probability_rounding, chunk_size=chunk_size, p_rounding=p_rounding,
-                        out_rounding=out_rounding, out_buffer=attention_out)
-    return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out)
+                        out_rounding=out_rounding, out_buffer=attention_out, lse=bool(return_softmax_lse),
+                        lse_buffers=(softmax_max_out, softmax_sum_out))
+    return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out,
+                          softmax_max_out, softmax_sum_out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -812,7 +833,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                            sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
                            return_softmax_lse=False, sinks=None, lse_includes_sink=False,
                            precision="faithful", probability_rounding="unnormalised", chunk_size=2048,
-                           p_rounding=None, out_rounding=None, attention_out=None):
+                           p_rounding=None, out_rounding=None, attention_out=None, softmax_max_out=None,
+                           softmax_sum_out=None):
     """SFA over a float (fp16/bf16) KV (the oracle of ``qsfa.sparse_flash_attention``).
 
     query ``[..., Q_N, D]``, key ``[..., 1, D]``, value ``[..., 1, D]`` or ``None`` (then V = key),
@@ -888,8 +910,10 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                         scale_value=scale_value, qdtype=qdt, precision=precision,
                         probability_rounding=probability_rounding, chunk_size=chunk_size, sinks=sinks,
                         lse_includes_sink=lse_includes_sink, p_rounding=p_rounding, out_rounding=out_rounding,
-                        out_buffer=attention_out)
-    return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out)
+                        out_buffer=attention_out, lse=bool(return_softmax_lse),
+                        lse_buffers=(softmax_max_out, softmax_sum_out))
+    return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out,
+                          softmax_max_out, softmax_sum_out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -910,7 +934,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
               key_dtype=None, rope_head_dim=None, precision="faithful", probability_rounding="unnormalised",
-              chunk_size=2048, k_rounding=None, p_rounding=None, out_rounding=None, attention_out=None):
+              chunk_size=2048, k_rounding=None, p_rounding=None, out_rounding=None, attention_out=None,
+              softmax_max_out=None, softmax_sum_out=None):
     """Route like vLLM-Ascend: a one-byte (packed quantised) key -> QSFA, a float key -> SFA.
 
     For QSFA, ``query`` is the NoPE part and ``query_rope`` (if given) is concatenated to it;
@@ -923,7 +948,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
                   layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
                   return_softmax_lse=return_softmax_lse, precision=precision,
                   probability_rounding=probability_rounding, chunk_size=chunk_size, p_rounding=p_rounding,
-                  out_rounding=out_rounding, attention_out=attention_out)
+                  out_rounding=out_rounding, attention_out=attention_out, softmax_max_out=softmax_max_out,
+                  softmax_sum_out=softmax_sum_out)
     if is_quant_key(key):
         from .._arrays import dtype_name
 

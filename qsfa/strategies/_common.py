@@ -3,6 +3,7 @@ used by several operator families (see :mod:`qsfa.strategies`)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -95,8 +96,26 @@ def _choose(draw, pins: dict, name: str, options):
         opts = tuple(p) if isinstance(p, (tuple, list, frozenset, set)) else (p,)
         if not opts:
             raise ValueError(f"pin {name!r} allows no value")
-        return draw(st.sampled_from(opts))
-    return draw(st.sampled_from(tuple(options)))
+        return draw(sampled(opts))
+    return draw(sampled(tuple(options)))
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sampled_cached(key: tuple, opts: tuple) -> st.SearchStrategy:
+    return st.sampled_from(opts)
+
+
+def sampled(opts: tuple) -> st.SearchStrategy:
+    """``st.sampled_from(opts)``, one strategy object per distinct tuple of plain scalars: a fresh
+    ``sampled_from`` is validated and labelled again on every draw, which was ~30% of drawing an attention
+    example (issue 15). Draws are the same as with a fresh strategy. The cache key holds each option's type and
+    repr, so ``(False, True)`` and ``(0, 1)``, or ``0.0`` and ``-0.0``, stay distinct."""
+    if all(type(o) in _SCALARS for o in opts):
+        return _sampled_cached(tuple((type(o), repr(o)) for o in opts), opts)
+    return st.sampled_from(opts)
 
 
 def _rng(draw) -> np.random.Generator:

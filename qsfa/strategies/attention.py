@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from .. import _edges as _E
 from .._values import _exact_codes, _nope_codes
-from ._common import _b, _choose, _NAN16, _NAN_CODE, _QDT, _rng, Bounds, bounds, INT64_MAX, sparse_index_rows
+from ._common import _b, _choose, sampled, _NAN16, _NAN_CODE, _QDT, _rng, Bounds, bounds, INT64_MAX, sparse_index_rows
 from .formats import _NP_IN
 
 __all__ = [
@@ -72,7 +72,7 @@ def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _Q
         act_q[0] = 1
     act_q = _E.query_lengths(act_q, pins, max_q)
     ends = np.cumsum(act_q)
-    extra = int(draw(st.sampled_from([0, 0, 1, 2])))
+    extra = int(draw(sampled((0, 0, 1, 2))))
     t = int(ends[-1]) + extra
     r = np.arange(t)
     bb = np.searchsorted(ends, r, side="right")
@@ -94,7 +94,7 @@ def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_si
     j = np.arange(mk)[None, :]
     live = j < act_kv[:, None]
     if layout_kv == "BSND":
-        kv_s = mk + int(draw(st.sampled_from([0, 0, 1, 3])))
+        kv_s = mk + int(draw(sampled((0, 0, 1, 3))))
         explicit = _choose(draw, pins, "explicit_lengths", (False, True))
         if not explicit:
             act_kv = np.full(batch, kv_s, np.int64)
@@ -106,15 +106,15 @@ def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_si
                        act_kv.astype(np.int32) if explicit else None)
     if layout_kv == "TND":
         ends = np.cumsum(act_kv)
-        kv_t = max(int(ends[-1]) + int(draw(st.sampled_from([0, 0, 2]))), 1)
+        kv_t = max(int(ends[-1]) + int(draw(sampled((0, 0, 2)))), 1)
         starts = np.concatenate([[0], ends[:-1]])
         flat = np.where(live, starts[:, None] + j, -1)
         return _KvPlan("TND", (kv_t,), act_kv, flat, None, ends.astype(np.int32))
     bs = int(_choose(draw, pins, "block_size", tuple(block_sizes)))
     need = -(-act_kv // bs)
-    width = max(int(need.max(initial=0)), 1) + int(draw(st.sampled_from([0, 0, 1])))
+    width = max(int(need.max(initial=0)), 1) + int(draw(sampled((0, 0, 1))))
     used = int(need.sum())
-    nb = used + int(draw(st.sampled_from([0, 1, 2])))
+    nb = used + int(draw(sampled((0, 1, 2))))
     nb = max(nb, 1)
     phys = rng.permutation(nb)
     bt = rng.integers(-1, nb, (batch, width)).astype(np.int64)  # junk in unused entries

@@ -1,0 +1,51 @@
+"""The shortcuts that make a conformance example cheaper (issue 15) keep every verdict."""
+
+import numpy as np
+from hypothesis import given, settings
+
+from qsfa.conformance._support import compare_outputs
+from qsfa.conformance.properties import Example
+from qsfa.strategies._common import sampled
+
+
+def test_sampled_keeps_equal_but_distinct_options_apart():
+    # (False, True) == (0, 1) and 0.0 == -0.0: a cache keyed by value alone would hand out the wrong strategy
+    assert sampled((False, True)) is sampled((False, True))
+    assert sampled((0, 1)) is not sampled((False, True))
+    assert sampled((0.0,)) is not sampled((-0.0,))
+    seen = []
+
+    @settings(max_examples=20, database=None, derandomize=True)
+    @given(sampled((0, 1)), sampled((False, True)), sampled((-0.0,)))
+    def draw(i, b, z):
+        seen.append((type(i), type(b), str(z)))
+
+    draw()
+    assert {s for s in seen} <= {(int, bool, "-0.0")} and seen
+
+
+def test_sampled_unhashable_options_are_not_cached():
+    a, b = sampled(([1], [2])), sampled(([1], [2]))
+    assert a is not b
+
+
+def test_example_repr_is_a_summary():
+    ex = Example({"key": np.zeros((4, 16, 1, 656), np.uint8), "idx": np.arange(3, dtype=np.int32), "scale": 0.5},
+                 7)
+    r = repr(ex)
+    assert "'shape': [4, 16, 1, 656]" in r and "'values': [0, 1, 2]" in r and "seed=7" in r and len(r) < 300
+
+
+def test_identical_outputs_pass_and_differences_still_fail():
+    f = {"attention_out": "float"}
+    x = np.array([np.nan, 1.0, -0.0], np.float32)
+    assert compare_outputs({"attention_out": x.copy()}, {"attention_out": x}, f) == []
+    # a NaN where the other side is finite fails the float criterion; a byte difference fails "bytes"
+    y = x.copy()
+    y[0] = 1.0
+    assert compare_outputs({"attention_out": y}, {"attention_out": x}, f)
+    z = x.copy()
+    z[2] = 0.0
+    assert compare_outputs({"attention_out": z}, {"attention_out": x}, f) == []  # -0 == +0 under the criterion
+    assert compare_outputs({"attention_out": z}, {"attention_out": x})  # ... but not byte for byte
+    assert compare_outputs({"o": x.astype(np.float64)}, {"o": x})  # same values, another dtype: not identical
