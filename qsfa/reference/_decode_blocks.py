@@ -67,7 +67,8 @@ def qsfa_keys(packed: np.ndarray, *, fmt: str, qdt: str, k_mode: str, rope: int,
     if exact:  # the exact float64 products, in place
         kn3 = kn.reshape(n, tiles, TILE)  # splits the unit-stride axis: a view
         decode_nope_into(kn, packed[:, :NOPE_DIM], fmt)
-        np.multiply(kn3, scales.astype(np.float64)[:, :, None], out=kn3)
+        with np.errstate(invalid="ignore"):  # 0 x inf: NaN, as in the faithful path
+            np.multiply(kn3, scales.astype(np.float64)[:, :, None], out=kn3)
         return k, None
     bits = fmt == "int8" and qdt == "bfloat16" and bool(np.isfinite(scales).all())  # int8 x finite: no NaN
     rows = max(min(n, DEQUANT_ROWS), 1)
