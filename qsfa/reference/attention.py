@@ -98,6 +98,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from ._decode_blocks import bf16_bits_inplace, qsfa_keys
 from ._workspace import scratch
 from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
 from .parallel import run_chunks
@@ -117,7 +118,6 @@ __all__ = [
 NOPE_DIM = 512
 TILE = 128
 ROPE_DIM = 64
-_DEQUANT_BLOCK = 512  # packed rows per fp32 dequantisation block (its temporaries stay in cache)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 #: rounding of fp32 values to the query dtype at the K and output rounding points of the A2/A3 kernels
@@ -226,11 +226,6 @@ def decode_nope_into(out: np.ndarray, codes: np.ndarray, fmt: str) -> None:
         out[...] = decode_nope(codes, fmt, out.dtype)
 
 
-def _code_view(codes: np.ndarray, fmt: str) -> np.ndarray:
-    """A uint8 code array viewed as the NumPy dtype whose values are the decoded codes (int8, FP8)."""
-    return codes.view(np.int8 if fmt == "int8" else ml_dtypes.float8_e4m3fn)
-
-
 def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str, mode: str | None = None) -> None:
     """``x[...] = round_to_query_dtype(x, qdtype, mode)`` (fp32 ``x``, any strides)."""
     x[...] = round_q16(x, qdtype, mode)
@@ -244,6 +239,7 @@ def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str, mode: str | None = 
 _U64 = 2.0 ** -53  # float64 unit roundoff
 #: relative margin around NumPy's float64 exp / log (glibc and NumPy's AVX512F kernels stay below 1 ulp = 2^-52)
 _TRANSCENDENTAL_MARGIN = 2.0 ** -48
+_EXP_BLOCK = 1 << 16  # elements of one block of exp_f32 (its float64 values and fp32 bounds stay in L2)
 
 
 def sum_error_bound(n_terms: int, abs_total):
@@ -254,7 +250,7 @@ def sum_error_bound(n_terms: int, abs_total):
     return (4.0 * max(int(n_terms), 1) * _U64) * abs_total
 
 
-def certified_f32(approx, bound, exact, *, relative=False):
+def certified_f32(approx, bound, exact, *, relative=False, out=None):
     """fp32 round-to-nearest-even ``RN32(x)`` of real values ``x`` known through float64 ``approx``.
 
     ``|approx - x| <= bound`` (an array broadcastable to approx, or with ``relative=True`` a float: the bound is
@@ -262,9 +258,10 @@ def certified_f32(approx, bound, exact, *, relative=False):
     means approx is x. Where ``fp32(approx - bound)`` and ``fp32(approx + bound)`` have the same bits, rounding is
     monotonic so RN32(x) is those bits, whatever the approximation was. Elsewhere (x closer than ``bound`` to an
     fp32 rounding boundary or to zero: a fraction of about ``bound / ulp32`` of the elements)
-    ``exact(flat_indices) -> float32`` supplies the values. Returns a new float32 array of approx's shape.
+    ``exact(flat_indices) -> float32`` supplies the values. Returns a new float32 array of approx's shape (or
+    ``out``, a C-contiguous one given).
     """
-    lo = np.empty(approx.shape, np.float32)
+    lo = np.empty(approx.shape, np.float32) if out is None else out
     hi = np.empty(approx.shape, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         if relative:
@@ -353,10 +350,23 @@ def exp_f32(x: np.ndarray, out64: np.ndarray | None = None) -> np.ndarray:
     """RN32(e^x) of float32 ``x``: float64 exp rounded once, certified with a 2^-48 relative margin (NumPy's
     float32 exp has CPU-dependent SIMD variants; its float64 exp differs by up to an ulp between them); the rare
     arguments whose e^x lies closer than that to an fp32 rounding boundary go through :mod:`decimal`.
-    ``out64``: optional float64 scratch of x's shape."""
-    y = np.exp(x, out=out64, dtype=np.float64)
-    return certified_f32(y, _TRANSCENDENTAL_MARGIN, lambda idx: _decimal_f32(x.reshape(-1)[idx], "exp"),
-                         relative=True)
+    ``out64``: optional float64 scratch of x's shape. Large arrays go in blocks of rows whose float64 values stay
+    in cache."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(1, -1)
+    step = max(1, _EXP_BLOCK // max(x2.shape[1], 1))
+    if x2.shape[0] <= step:
+        y = np.exp(x, out=out64, dtype=np.float64)
+        return certified_f32(y, _TRANSCENDENTAL_MARGIN, lambda idx: _decimal_f32(x.reshape(-1)[idx], "exp"),
+                             relative=True)
+    res = np.empty(x.shape, np.float32)
+    r2 = res.reshape(x2.shape)
+    blk = scratch("exp_block", (step, x2.shape[1]), np.float64)
+    for a in range(0, x2.shape[0], step):
+        xb = x2[a:a + step]
+        y = np.exp(xb, out=blk[:xb.shape[0]], dtype=np.float64)
+        certified_f32(y, _TRANSCENDENTAL_MARGIN, lambda idx, xb=xb: _decimal_f32(xb.reshape(-1)[idx], "exp"),
+                      relative=True, out=r2[a:a + step])
+    return res
 
 
 def log_f32(x: np.ndarray) -> np.ndarray:
@@ -435,13 +445,14 @@ def row_facts(x64: np.ndarray, bits: np.ndarray, dtype_name: str):
     return norm, min_lq(bits, dtype_name)
 
 
-def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None):
+def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None, rope_facts=None):
     """Facts (see :func:`_dot_f32`) of faithful dequantised QSFA rows, from the tile scales and the RoPE bits:
     ``(k_norm [n], k_lq [n], v_max [n, 4], v_lq [n, 4])`` - a 2-norm bound and lq of each K row (NoPE + RoPE), and
     per NoPE tile the largest |entry| and lq of V.
 
     codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its values,
-    float32 or float64: squares are summed in float64) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
+    float32 or float64: squares are summed in float64) or None; or rope_facts, those two already reduced per row
+    (``(sum of squares [n] float64, min_lq(rope_bits) [n])``). A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
     ``|v| <= c_max s (1 + 2^-7) + tiny_q`` (the absolute term covers subnormal results), and a non-zero one has
     ``|c| >= c_min`` (the tile's smallest non-zero |code|; 1 for int8), so it is a multiple of ``2^(e - p)`` for the
     exponent e of ``c_min s (1 - 2^-7)`` and p the significand bits of the query dtype (a normal v is at least that
@@ -459,8 +470,10 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     k_sq = TILE * np.einsum("nt,nt->n", vmax, vmax)
     k_lq = vlq.min(axis=-1)
     if rope64 is not None:
-        k_sq += np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64)
-        k_lq = np.minimum(k_lq, min_lq(rope_bits, qdtype))
+        rope_facts = np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64), min_lq(rope_bits, qdtype)
+    if rope_facts is not None:
+        k_sq += rope_facts[0]
+        k_lq = np.minimum(k_lq, rope_facts[1])
     return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
 
 
@@ -552,7 +565,12 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
         p_low, p_sum = e_min * (1 - 2.0 ** -6), l * (1 + 2.0 ** -6) + slack
     p_lq = np.where(np.isfinite(p_low) & (p_low > 0), np.frexp(p_low)[1] - _PRECISION[qdtype], _NO_LQ)
     p = e64  # P rounded to the query dtype (p_rounding), held in float64 for the exact-product matmul
-    np.copyto(p, round_q16(e, qdtype, p_rounding or DEFAULT_ROUNDING["p"][qdtype]))
+    p_mode = p_rounding or DEFAULT_ROUNDING["p"][qdtype]
+    if qdtype == "bfloat16" and np.isfinite(l64).all():  # no NaN in e: round its fp32 bits in place
+        bf16_bits_inplace(e.view(np.uint32), p_mode, scratch("faithful_p_bits", e.shape, np.uint32))
+        np.copyto(p, e)
+    else:
+        np.copyto(p, round_q16(e, qdtype, p_mode))
     e = None  # free before the second matmul
     o = _dot_f32(p, v, (p_sum, p_lq), v_facts)  # RN32(P @ V)
     if probability_rounding != "normalised":
@@ -752,7 +770,6 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     rope = int(rope_head_dim)
     kvd = key.shape[-1]
     key2d = key.reshape(-1, kvd).view(np.uint8)
-    scale_off = NOPE_DIM + 2 * rope
     fmt = key_dtype
     n_heads = query.shape[-2]
     dqk = NOPE_DIM + ROPE_DIM
@@ -764,58 +781,16 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         q[..., :query.shape[-1]] = qr
         return q, (None if exact else row_facts(q, qr.view(np.uint16), qdt))
 
-    def nope_scaled(codes, scales, out):
-        """``out[...] = decode(codes) * scales`` (tile-wise; out [n, 4, 128] of the scales' dtype): one multiply,
-        in which int8 / FP8 codes decode exactly."""
-        if fmt == "hifloat8":
-            decode_nope_into(out.reshape(-1, NOPE_DIM), codes, fmt)
-            np.multiply(out, scales[:, :, None], out=out)
-        else:
-            np.multiply(_code_view(codes, fmt).reshape(out.shape), scales[:, :, None], out=out)
-
-    def dequant(packed):
-        """Packed rows [n, kvd] (uint8) -> (K [n, 576] float64, facts): NoPE decoded and scaled (faithful: one
-        fp32 multiply rounded to the query dtype; exact: the exact float64 product); RoPE as stored. Faithful
-        facts, from the tile scales and the RoPE bits (see :func:`_dot_f32`): per row a 2-norm bound and lq, per
-        row and NoPE tile the largest |entry| and lq; None in exact mode."""
-        n = packed.shape[0]
-        scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4")
-        k = scratch("qsfa_k", (n, dqk), np.float64)
-        kn = k[:, :NOPE_DIM]  # written in place
-        if exact:
-            nope_scaled(packed[:, :NOPE_DIM], scales.astype(np.float64), kn.reshape(n, NOPE_DIM // TILE, TILE))
-        else:  # fp32 product, query-dtype rounding, widened (exactly) into K; in blocks to bound the temporaries
-            blk = min(n, _DEQUANT_BLOCK)
-            tmp = np.empty((blk, NOPE_DIM // TILE, TILE), np.float32)
-            t16 = np.empty((blk, NOPE_DIM), _QDT[qdt])
-            for a in range(0, n, _DEQUANT_BLOCK):
-                b = min(n, a + _DEQUANT_BLOCK)
-                t = tmp[:b - a]
-                nope_scaled(packed[a:b, :NOPE_DIM], scales[a:b], t)
-                t2 = t.reshape(b - a, NOPE_DIM)
-                if k_mode == "rint":
-                    with np.errstate(over="ignore"):
-                        np.copyto(t16[:b - a], t2, casting="unsafe")  # RINT (NumPy / ml_dtypes: half to even)
-                    np.copyto(kn[a:b], t16[:b - a])
-                else:
-                    np.copyto(kn[a:b], round_q16(t2, qdt, k_mode))
-        if rope:
-            rope32 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float32)  # exact widening
-            np.copyto(k[:, NOPE_DIM:], rope32)
-        else:
-            k[:, NOPE_DIM:] = 0
-        if exact:
-            return k, None
-        return k, qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt,
-                                 packed[:, NOPE_DIM:scale_off].view(np.uint16) if rope else None,
-                                 rope32 if rope else None)
+    def dequant(packed):  # -> (K [n, 576] float64, facts or None): qsfa.reference._decode_blocks
+        return qsfa_keys(packed, fmt=fmt, qdt=qdt, k_mode=k_mode, rope=rope, exact=exact)
 
     def load_kv(storage, valid):
         c, w = storage.shape
         flat = storage.reshape(-1)
         bad = ~valid.reshape(-1)
-        uniq, inv = np.unique(flat, return_inverse=True)
-        if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
+        srt = np.sort(flat)
+        if 2 * (1 + np.count_nonzero(srt[1:] != srt[:-1])) <= flat.size:  # rows shared by the chunk (prefill):
+            uniq, inv = np.unique(flat, return_inverse=True)  # dequantise each distinct row once, then gather
             k, facts = dequant(key2d[uniq])
             inv = inv.reshape(-1)
             k = np.take(k, inv, axis=0, mode="clip",  # mode="raise" would buffer out (a copy)
@@ -826,7 +801,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 for f, empty in zip(facts, (0.0, _NO_LQ, 0.0, _NO_LQ)):
                     f[bad] = empty
         else:  # decode: gather the selected packed rows once, dequantise them
-            packed = key2d[flat]
+            packed = np.take(key2d, flat, axis=0)
             packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows), facts of zeros
             k, facts = dequant(packed)
         k = k.reshape(c, w, dqk)
