@@ -83,3 +83,119 @@ def test_bad_buffers_are_rejected_before_anything_is_written():
     query[...] = q
     with pytest.raises(qsfa.InvalidArgument, match="shares memory with query"):
         qsfa.kv_quant_sparse_flash_attention(**{**args, "query": query}, attention_out=whole[:want.size].reshape(want.shape))
+
+
+# ---- softmax_max_out= / softmax_sum_out= -------------------------------------------------------------------------
+
+def _lse_buffers(want, fill=9.0):
+    return [np.full(w.shape, fill, w.dtype) for w in want[1:]]
+
+
+@pytest.mark.parametrize("layout_query", ["BSND", "TND"])
+@pytest.mark.parametrize("precision", ["faithful", "exact"])
+def test_lse_memmaps_get_the_returned_bytes(tmp_path, layout_query, precision):
+    args = {**qsfa_case(layout_query=layout_query, layout_kv="PA_BSND", n_heads=4, sparse=3),
+            "precision": precision, "return_softmax_lse": True}
+    idx = args["sparse_indices"].copy()
+    idx.reshape(-1, idx.shape[-1])[0] = -1  # the first row selects nothing: its statistics must be zeroed
+    args["sparse_indices"] = idx
+    want = qsfa.kv_quant_sparse_flash_attention(**args)
+    assert not np.asarray(want[1]).reshape(-1, 4)[0].any()
+    mms = [np.memmap(tmp_path / f"{k}.bin", dtype=w.dtype, mode="w+", shape=w.shape)
+           for k, w in zip(("out", "max", "sum"), want)]
+    for m in mms:
+        m[...] = 7  # garbage: every element must be overwritten
+    got = qsfa.kv_quant_sparse_flash_attention(**args, attention_out=mms[0], softmax_max_out=mms[1],
+                                               softmax_sum_out=mms[2])
+    for g, m, w in zip(got, mms, want):
+        assert g is m
+        assert _same(np.asarray(m), w)
+    # one buffer alone: the others are allocated as usual
+    buf = np.full(want[2].shape, 7, want[2].dtype)
+    got = qsfa.kv_quant_sparse_flash_attention(**args, softmax_sum_out=buf)
+    assert got[2] is buf and _same(buf, want[2]) and _same(got[0], want[0]) and _same(got[1], want[1])
+
+
+def test_lse_buffers_on_sfa_and_the_front_door():
+    args = {**sfa_case(layout_query="TND", layout_kv="TND", n_heads=2), "return_softmax_lse": True,
+            "sinks": np.array([0.5, -1], np.float32), "lse_includes_sink": True}
+    want = qsfa.sparse_flash_attention(**args)
+    mx, sm = _lse_buffers(want)
+    got = qsfa.sparse_flash_attention(**args, softmax_max_out=mx, softmax_sum_out=sm)
+    assert got[1] is mx and got[2] is sm and _same(mx, want[1]) and _same(sm, want[2]) and _same(got[0], want[0])
+    q = qsfa_case()
+    kw = dict(sparse_indices=q["sparse_indices"], scale_value=q["scale_value"], return_softmax_lse=True,
+              actual_seq_lengths_kv=q.get("actual_seq_lengths_kv"))
+    want = qsfa.attention(q["query"], q["key"], **kw)
+    mx, sm = _lse_buffers(want)
+    got = qsfa.attention(q["query"], q["key"], **kw, softmax_max_out=mx, softmax_sum_out=sm)
+    assert got[1] is mx and got[2] is sm and _same(mx, want[1]) and _same(sm, want[2])
+
+
+def _bad_lse_cases(want):
+    """(keyword arguments, constraint id suffix, what the message names) for invalid LSE buffers."""
+    shape, dt = want[1].shape, want[1].dtype
+    ro = np.zeros(shape, dt)
+    ro.flags.writeable = False
+    shared = np.zeros(2 * want[1].size, dt)
+    return [
+        ({"softmax_max_out": [0.0]}, "softmax_max_out_is_array", "must be a NumPy array"),
+        ({"softmax_sum_out": np.zeros(shape[:-1] + (shape[-1] + 1,), dt)}, "softmax_sum_out_shape", "shape"),
+        ({"softmax_max_out": np.zeros(shape, np.float64)}, "softmax_max_out_dtype", "float32"),
+        ({"softmax_sum_out": np.zeros(shape[:-1] + (2 * shape[-1],), dt)[..., ::2]}, "softmax_sum_out_contiguous",
+         "C-contiguous"),
+        ({"softmax_max_out": ro}, "softmax_max_out_writable", "writable"),
+        ({"softmax_max_out": shared[:want[1].size].reshape(shape),
+          "softmax_sum_out": shared[1:want[1].size + 1].reshape(shape)},
+         "softmax_max_out_aliasing", "shares memory with softmax_sum_out"),
+    ]
+
+
+def test_bad_lse_buffers_are_rejected_and_nothing_is_written():
+    args = {**qsfa_case(n_heads=2), "return_softmax_lse": True}
+    want = qsfa.kv_quant_sparse_flash_attention(**args)
+    for kw, cid, words in _bad_lse_cases(want):
+        # every other buffer valid: a rejected call writes none of them (all or nothing)
+        full = {"attention_out": np.full(want[0].shape, 5, want[0].dtype),
+                "softmax_max_out": np.full(want[1].shape, 5, want[1].dtype),
+                "softmax_sum_out": np.full(want[2].shape, 5, want[2].dtype), **kw}
+        before = {k: bytes(np.asarray(v).tobytes()) for k, v in full.items() if isinstance(v, np.ndarray)}
+        with pytest.raises((qsfa.InvalidArgument, qsfa.InvalidDtype)) as e:
+            qsfa.kv_quant_sparse_flash_attention(**args, **full)
+        assert e.value.constraint_id.endswith(cid), (cid, str(e.value))
+        assert words in str(e.value) and f"for {e.value.param}, actual:" in str(e.value)
+        for k, v in full.items():
+            if isinstance(v, np.ndarray):
+                assert np.asarray(v).tobytes() == before[k], (cid, k)
+    # a buffer without return_softmax_lse: rejected, not silently left unwritten
+    buf = np.full(want[1].shape, 5, want[1].dtype)
+    with pytest.raises(qsfa.InvalidArgument, match="return_softmax_lse=True") as e:
+        qsfa.kv_quant_sparse_flash_attention(**{**args, "return_softmax_lse": False}, softmax_max_out=buf)
+    assert e.value.param == "softmax_max_out" and not (buf != 5).any()
+    # the LSE buffer sharing memory with the output buffer
+    whole = np.zeros(want[0].nbytes + want[1].nbytes, np.uint8)
+    out = whole[:want[0].nbytes].view(want[0].dtype).reshape(want[0].shape)
+    sm = whole[:want[1].nbytes].view(want[1].dtype).reshape(want[1].shape)
+    with pytest.raises(qsfa.InvalidArgument, match="for attention_out, actual: shares memory with softmax_sum_out"):
+        qsfa.kv_quant_sparse_flash_attention(**args, attention_out=out, softmax_sum_out=sm)
+    # exact precision: the statistics are float64, a float32 buffer is rejected
+    with pytest.raises(qsfa.InvalidDtype, match="float64 with precision='exact'"):
+        qsfa.kv_quant_sparse_flash_attention(**{**args, "precision": "exact"},
+                                             softmax_max_out=np.zeros(want[1].shape, np.float32))
+
+
+def test_output_buffers_are_rejected_on_a_device_backend():
+    class Elsewhere(qsfa.Backend):
+        name = "test-out-buffers-elsewhere"
+        description = "a backend that is not the reference"
+
+    qsfa.register_backend(Elsewhere(), replace=True)
+    try:
+        args = {**qsfa_case(), "return_softmax_lse": True}
+        want = qsfa.kv_quant_sparse_flash_attention(**args)
+        for k, w in zip(("attention_out", "softmax_max_out", "softmax_sum_out"), want):
+            with pytest.raises(qsfa.InvalidArgument, match="reference backend only") as e:
+                qsfa.kv_quant_sparse_flash_attention(**args, backend=Elsewhere.name, **{k: np.zeros_like(w)})
+            assert e.value.param == k
+    finally:
+        qsfa.unregister_backend(Elsewhere.name)

@@ -117,6 +117,8 @@ IGNORED = {
     "precision": "reference precision mode; backend_limits accepts only 'faithful' on the device",
     "attention_out": "a NumPy output buffer of the reference; a device backend allocates its own output, and the front "
                      "door rejects a buffer there before any mapping (qsfa/ops/_out_buffers.py)",
+    "softmax_max_out": "a NumPy output buffer of the reference (as attention_out)",
+    "softmax_sum_out": "a NumPy output buffer of the reference (as attention_out)",
 }
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).

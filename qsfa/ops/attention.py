@@ -25,7 +25,7 @@ from .._arrays import dtype_name, is_torch, to_numpy
 from .._checks import dtype_in, is_array
 from .._contract import Contract, one_of, params
 from .. import chips as _chips
-from ._out_buffers import attention_out_rules, reject_on_device
+from ._out_buffers import add_buffers, attention_out_rules, lse_out_rules, reject_on_device
 from .._dispatch import define_operator, run
 from .._errors import InvalidArgument
 from ..reference import attention as _ref
@@ -251,16 +251,19 @@ def _qsfa_rules():
                   lambda a: None if not a.return_softmax_lse else a.return_softmax_lse,
                   edit(n, setting(return_softmax_lse=True)), chips=("950",)))
     r += attention_out_rules(n, lambda a: 512)
+    r += lse_out_rules(n)
     return r
 
 
-QSFA_CONTRACT = Contract(op=QSFA, constraints=_qsfa_rules(), example=lambda rng: {**qsfa_case(), "attention_out": None},
+QSFA_CONTRACT = Contract(op=QSFA, constraints=_qsfa_rules(), example=lambda rng: {**qsfa_case(), "attention_out": None,
+                                                       "softmax_max_out": None, "softmax_sum_out": None},
                          params=params(
     "query:array key:array value:array sparse_indices:array scale_value:float key_quant_mode:int value_quant_mode:int"
     " key_dequant_scale:array? value_dequant_scale:array? block_table:array? actual_seq_lengths_query:array?"
     " actual_seq_lengths_kv:array? sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int"
     " pre_tokens:int next_tokens:int attention_mode:int quant_scale_repo_mode:int tile_size:int rope_head_dim:int"
-    " return_softmax_lse:bool key_dtype:str precision:str probability_rounding:str attention_out:array?"))
+    " return_softmax_lse:bool key_dtype:str precision:str probability_rounding:str attention_out:array?"
+    " softmax_max_out:array? softmax_sum_out:array?"))
 
 
 def _qsfa_reference(**args):
@@ -279,7 +282,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
                                     quant_scale_repo_mode=1, tile_size=128, rope_head_dim=64,
                                     return_softmax_lse=False, key_dtype="int8", chip=None, backend="reference",
-                                    precision="faithful", probability_rounding="unnormalised", attention_out=None):
+                                    precision="faithful", probability_rounding="unnormalised", attention_out=None,
+                                    softmax_max_out=None, softmax_sum_out=None):
     """Sparse flash attention over a packed quantised KV cache (vllm-ascend ``npu_kv_quant_sparse_flash_attention``).
 
     Computes per query row and head ``softmax(scale_value * q . K_sel^T) @ V_sel`` over the tokens the
@@ -318,6 +322,9 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
       attention_out: optional NumPy buffer (an ``np.memmap`` for a long prefill) of the output's shape and dtype,
               C-contiguous, writable, sharing no memory with the inputs; the reference writes the output into it
               chunk by chunk and returns it (reference backend only).
+      softmax_max_out, softmax_sum_out: optional NumPy buffers for the LSE outputs, with return_softmax_lse=True:
+              float32 (float64 for exact) of their shape, C-contiguous, writable, sharing no memory with another
+              argument; written chunk by chunk and returned (reference backend only; qsfa/ops/_out_buffers.py).
     Returns ``(attention_out, softmax_max, softmax_sum)``: attention_out in the query dtype (float64 for
     exact) ``[B, Q_S, Q_N, 512]`` / ``[Q_T, Q_N, 512]``; softmax_max / softmax_sum float32 ``[B, 1, Q_S, Q_N]``
     (BSND) / ``[1, Q_T, Q_N]`` (TND) when return_softmax_lse, else empty ``[0]``.
@@ -331,9 +338,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 attention_mode=attention_mode, quant_scale_repo_mode=quant_scale_repo_mode, tile_size=tile_size,
                 rope_head_dim=rope_head_dim, return_softmax_lse=return_softmax_lse, key_dtype=key_dtype,
                 precision=precision, probability_rounding=probability_rounding)
-    reject_on_device(backend, attention_out)
-    if attention_out is not None:
-        args["attention_out"] = attention_out
+    reject_on_device(backend, attention_out, softmax_max_out, softmax_sum_out)
+    add_buffers(args, attention_out, softmax_max_out, softmax_sum_out)
     return run(QSFA, args, backend, chip=chip)
 
 
@@ -436,16 +442,19 @@ def _sfa_rules():
                   lambda a: None if a.get("sinks") is None else "a tensor",
                   edit(n, setting(sinks=np.zeros((1,), np.float32))), chips=("A2", "A3")))
     r += attention_out_rules(n, lambda a: (a["key"] if a.get("value") is None else a["value"]).shape[-1])
+    r += lse_out_rules(n)
     return r
 
 
-SFA_CONTRACT = Contract(op=SFA, constraints=_sfa_rules(), example=lambda rng: {**sfa_case(), "attention_out": None},
+SFA_CONTRACT = Contract(op=SFA, constraints=_sfa_rules(), example=lambda rng: {**sfa_case(), "attention_out": None,
+                                                       "softmax_max_out": None, "softmax_sum_out": None},
                         params=params(
     "query:array key:array value:array? sparse_indices:array scale_value:float block_table:array?"
     " actual_seq_lengths_query:array? actual_seq_lengths_kv:array? query_rope:array? key_rope:array?"
     " sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int pre_tokens:int next_tokens:int"
     " attention_mode:int return_softmax_lse:bool sinks:array? lse_includes_sink:bool precision:str"
-    " probability_rounding:str attention_out:array?"))
+    " probability_rounding:str attention_out:array?"
+    " softmax_max_out:array? softmax_sum_out:array?"))
 
 
 def _sfa_reference(**args):
@@ -462,7 +471,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                            pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
                            return_softmax_lse=False, sinks=None, lse_includes_sink=False, chip=None,
                            backend="reference", precision="faithful", probability_rounding="unnormalised",
-                           attention_out=None):
+                           attention_out=None, softmax_max_out=None, softmax_sum_out=None):
     """Sparse flash attention over a float KV (torch_npu ``npu_sparse_flash_attention``).
 
     Computes per query row and head ``softmax(scale_value * [q, q_rope] . [k, k_rope]^T) @ v`` over the
@@ -487,7 +496,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
               softmax_sum includes ``exp(sink - softmax_max)``.
       chip, backend, precision, probability_rounding: as :func:`kv_quant_sparse_flash_attention` (the chip
               selects the P and output roundings).
-    attention_out: optional output buffer, as :func:`kv_quant_sparse_flash_attention`.
+    attention_out, softmax_max_out, softmax_sum_out: optional output buffers, as
+    :func:`kv_quant_sparse_flash_attention`.
     Returns ``(attention_out like query, softmax_max, softmax_sum)`` (LSE shapes as QSFA; empty ``[0]``
     when not requested).
     """
@@ -499,9 +509,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                 attention_mode=attention_mode, return_softmax_lse=return_softmax_lse, sinks=sinks,
                 lse_includes_sink=lse_includes_sink, precision=precision,
                 probability_rounding=probability_rounding)
-    reject_on_device(backend, attention_out)
-    if attention_out is not None:
-        args["attention_out"] = attention_out
+    reject_on_device(backend, attention_out, softmax_max_out, softmax_sum_out)
+    add_buffers(args, attention_out, softmax_max_out, softmax_sum_out)
     return run(SFA, args, backend, chip=chip)
 
 
@@ -513,7 +522,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
               key_dtype=None, rope_head_dim=None, chip=None, backend="reference", precision="faithful",
-              probability_rounding="unnormalised", attention_out=None):
+              probability_rounding="unnormalised", attention_out=None, softmax_max_out=None,
+              softmax_sum_out=None):
     """Sparse attention, routed by the key's dtype exactly as vLLM-Ascend does.
 
     vllm_ascend/device/device_op.py (``execute_sparse_flash_attention_process``) sends a KV cache of dtype
@@ -533,7 +543,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
       rope_head_dim: QSFA; default from the packed width (656 -> 64, 528 -> 0).
       block_table, actual_seq_lengths_query / _kv, sparse_block_size, layout_query, layout_kv, sparse_mode,
       return_softmax_lse, chip, backend, precision, probability_rounding: as the operators.
-    attention_out: optional output buffer (an ``np.memmap``), as :func:`kv_quant_sparse_flash_attention`.
+    attention_out, softmax_max_out, softmax_sum_out: optional output buffers (``np.memmap``), as
+    :func:`kv_quant_sparse_flash_attention`.
     Returns ``(attention_out, softmax_max, softmax_sum)`` of the operator it routes to.
     """
     from ..reference.attention import is_quant_key
@@ -545,7 +556,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
                   actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                   layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
                   return_softmax_lse=return_softmax_lse, chip=chip, backend=backend, precision=precision,
-                  probability_rounding=probability_rounding, attention_out=attention_out)
+                  probability_rounding=probability_rounding, attention_out=attention_out,
+                  softmax_max_out=softmax_max_out, softmax_sum_out=softmax_sum_out)
     if is_quant_key(key):
         if key_rope is not None:
             raise InvalidArgument("value", "key_rope", "a tensor",

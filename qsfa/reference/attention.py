@@ -98,6 +98,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from ._decode_blocks import bf16_bits_inplace, qsfa_keys
 from ._workspace import scratch
 from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
 from .parallel import run_chunks
@@ -117,7 +118,6 @@ __all__ = [
 NOPE_DIM = 512
 TILE = 128
 ROPE_DIM = 64
-_DEQUANT_BLOCK = 512  # packed rows per fp32 dequantisation block (its temporaries stay in cache)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 #: rounding of fp32 values to the query dtype at the K and output rounding points of the A2/A3 kernels
@@ -226,11 +226,6 @@ def decode_nope_into(out: np.ndarray, codes: np.ndarray, fmt: str) -> None:
         out[...] = decode_nope(codes, fmt, out.dtype)
 
 
-def _code_view(codes: np.ndarray, fmt: str) -> np.ndarray:
-    """A uint8 code array viewed as the NumPy dtype whose values are the decoded codes (int8, FP8)."""
-    return codes.view(np.int8 if fmt == "int8" else ml_dtypes.float8_e4m3fn)
-
-
 def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str, mode: str | None = None) -> None:
     """``x[...] = round_to_query_dtype(x, qdtype, mode)`` (fp32 ``x``, any strides)."""
     x[...] = round_q16(x, qdtype, mode)
@@ -244,6 +239,7 @@ def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str, mode: str | None = 
 _U64 = 2.0 ** -53  # float64 unit roundoff
 #: relative margin around NumPy's float64 exp / log (glibc and NumPy's AVX512F kernels stay below 1 ulp = 2^-52)
 _TRANSCENDENTAL_MARGIN = 2.0 ** -48
+_EXP_BLOCK = 1 << 16  # elements of one block of exp_f32 (its float64 values and fp32 bounds stay in L2)
 
 
 def sum_error_bound(n_terms: int, abs_total):
@@ -254,7 +250,7 @@ def sum_error_bound(n_terms: int, abs_total):
     return (4.0 * max(int(n_terms), 1) * _U64) * abs_total
 
 
-def certified_f32(approx, bound, exact, *, relative=False):
+def certified_f32(approx, bound, exact, *, relative=False, out=None):
     """fp32 round-to-nearest-even ``RN32(x)`` of real values ``x`` known through float64 ``approx``.
 
     ``|approx - x| <= bound`` (an array broadcastable to approx, or with ``relative=True`` a float: the bound is
@@ -262,9 +258,10 @@ def certified_f32(approx, bound, exact, *, relative=False):
     means approx is x. Where ``fp32(approx - bound)`` and ``fp32(approx + bound)`` have the same bits, rounding is
     monotonic so RN32(x) is those bits, whatever the approximation was. Elsewhere (x closer than ``bound`` to an
     fp32 rounding boundary or to zero: a fraction of about ``bound / ulp32`` of the elements)
-    ``exact(flat_indices) -> float32`` supplies the values. Returns a new float32 array of approx's shape.
+    ``exact(flat_indices) -> float32`` supplies the values. Returns a new float32 array of approx's shape (or
+    ``out``, a C-contiguous one given).
     """
-    lo = np.empty(approx.shape, np.float32)
+    lo = np.empty(approx.shape, np.float32) if out is None else out
     hi = np.empty(approx.shape, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         if relative:
@@ -353,10 +350,23 @@ def exp_f32(x: np.ndarray, out64: np.ndarray | None = None) -> np.ndarray:
     """RN32(e^x) of float32 ``x``: float64 exp rounded once, certified with a 2^-48 relative margin (NumPy's
     float32 exp has CPU-dependent SIMD variants; its float64 exp differs by up to an ulp between them); the rare
     arguments whose e^x lies closer than that to an fp32 rounding boundary go through :mod:`decimal`.
-    ``out64``: optional float64 scratch of x's shape."""
-    y = np.exp(x, out=out64, dtype=np.float64)
-    return certified_f32(y, _TRANSCENDENTAL_MARGIN, lambda idx: _decimal_f32(x.reshape(-1)[idx], "exp"),
-                         relative=True)
+    ``out64``: optional float64 scratch of x's shape. Large arrays go in blocks of rows whose float64 values stay
+    in cache."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(1, -1)
+    step = max(1, _EXP_BLOCK // max(x2.shape[1], 1))
+    if x2.shape[0] <= step:
+        y = np.exp(x, out=out64, dtype=np.float64)
+        return certified_f32(y, _TRANSCENDENTAL_MARGIN, lambda idx: _decimal_f32(x.reshape(-1)[idx], "exp"),
+                             relative=True)
+    res = np.empty(x.shape, np.float32)
+    r2 = res.reshape(x2.shape)
+    blk = scratch("exp_block", (step, x2.shape[1]), np.float64)
+    for a in range(0, x2.shape[0], step):
+        xb = x2[a:a + step]
+        y = np.exp(xb, out=blk[:xb.shape[0]], dtype=np.float64)
+        certified_f32(y, _TRANSCENDENTAL_MARGIN, lambda idx, xb=xb: _decimal_f32(xb.reshape(-1)[idx], "exp"),
+                      relative=True, out=r2[a:a + step])
+    return res
 
 
 def log_f32(x: np.ndarray) -> np.ndarray:
@@ -435,13 +445,14 @@ def row_facts(x64: np.ndarray, bits: np.ndarray, dtype_name: str):
     return norm, min_lq(bits, dtype_name)
 
 
-def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None):
+def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None, rope_facts=None):
     """Facts (see :func:`_dot_f32`) of faithful dequantised QSFA rows, from the tile scales and the RoPE bits:
     ``(k_norm [n], k_lq [n], v_max [n, 4], v_lq [n, 4])`` - a 2-norm bound and lq of each K row (NoPE + RoPE), and
     per NoPE tile the largest |entry| and lq of V.
 
     codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its values,
-    float32 or float64: squares are summed in float64) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
+    float32 or float64: squares are summed in float64) or None; or rope_facts, those two already reduced per row
+    (``(sum of squares [n] float64, min_lq(rope_bits) [n])``). A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
     ``|v| <= c_max s (1 + 2^-7) + tiny_q`` (the absolute term covers subnormal results), and a non-zero one has
     ``|c| >= c_min`` (the tile's smallest non-zero |code|; 1 for int8), so it is a multiple of ``2^(e - p)`` for the
     exponent e of ``c_min s (1 - 2^-7)`` and p the significand bits of the query dtype (a normal v is at least that
@@ -459,8 +470,10 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     k_sq = TILE * np.einsum("nt,nt->n", vmax, vmax)
     k_lq = vlq.min(axis=-1)
     if rope64 is not None:
-        k_sq += np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64)
-        k_lq = np.minimum(k_lq, min_lq(rope_bits, qdtype))
+        rope_facts = np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64), min_lq(rope_bits, qdtype)
+    if rope_facts is not None:
+        k_sq += rope_facts[0]
+        k_lq = np.minimum(k_lq, rope_facts[1])
     return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
 
 
@@ -552,7 +565,12 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
         p_low, p_sum = e_min * (1 - 2.0 ** -6), l * (1 + 2.0 ** -6) + slack
     p_lq = np.where(np.isfinite(p_low) & (p_low > 0), np.frexp(p_low)[1] - _PRECISION[qdtype], _NO_LQ)
     p = e64  # P rounded to the query dtype (p_rounding), held in float64 for the exact-product matmul
-    np.copyto(p, round_q16(e, qdtype, p_rounding or DEFAULT_ROUNDING["p"][qdtype]))
+    p_mode = p_rounding or DEFAULT_ROUNDING["p"][qdtype]
+    if qdtype == "bfloat16" and np.isfinite(l64).all():  # no NaN in e: round its fp32 bits in place
+        bf16_bits_inplace(e.view(np.uint32), p_mode, scratch("faithful_p_bits", e.shape, np.uint32))
+        np.copyto(p, e)
+    else:
+        np.copyto(p, round_q16(e, qdtype, p_mode))
     e = None  # free before the second matmul
     o = _dot_f32(p, v, (p_sum, p_lq), v_facts)  # RN32(P @ V)
     if probability_rounding != "normalised":
@@ -587,11 +605,15 @@ def _exact_chunk(q, k, v, valid, scale, sink, lse_includes_sink):
 
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
           scale_value, qdtype, precision, probability_rounding, chunk_size, sinks=None,
-          lse_includes_sink=False, p_rounding=None, out_rounding=None, out_buffer=None):
+          lse_includes_sink=False, p_rounding=None, out_rounding=None, out_buffer=None, lse=True,
+          lse_buffers=(None, None)):
     """Attention over selected tokens for every query row.
 
     out_buffer: an optional C-contiguous array of the output's size and dtype (``attention_out=``, e.g. an
     ``np.memmap``): the rows are written into it chunk by chunk, so the output never exists in memory as a whole.
+    lse: whether softmax_max / softmax_sum are wanted (if not, no per-row array of them is allocated: empty
+    arrays are returned); lse_buffers: optional C-contiguous buffers of their size and dtype (``softmax_max_out=``,
+    ``softmax_sum_out=``), written chunk by chunk like out_buffer.
 
     load_q(row_ids) -> (q [c, N, Dqk] float64, facts (2-norm bound, lq) [c, N] or None in exact mode).
     load_kv(storage [c, W] int64, valid [c, W]) -> (K [c, W, Dqk], V [c, W, dv], k_facts [c, W], v_facts
@@ -611,8 +633,15 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     else:
         out = out_buffer.reshape(n_rows, n_heads, dv)  # a view (C-contiguous, checked by the contract)
         assert np.shares_memory(out, out_buffer[..., :1]) and out.dtype == (np.float64 if exact else _QDT[qdtype])
-    mx = np.zeros((n_rows, n_heads), fdt)
-    sm = np.zeros((n_rows, n_heads), fdt)
+    lse_arrays = []
+    for buf in lse_buffers if lse else ():
+        if buf is None:
+            lse_arrays.append(np.zeros((n_rows, n_heads), fdt))
+        else:  # a view of the caller's buffer (C-contiguous, checked by the contract)
+            v = buf.reshape(n_rows, n_heads)
+            assert np.shares_memory(v, buf.reshape(-1)[:1]) and v.dtype == fdt
+            lse_arrays.append(v)
+    mx, sm = lse_arrays if lse else (np.zeros((0,), fdt), np.zeros((0,), fdt))
     active = np.nonzero(limit > 0)[0]
     row_range = _ROW_RANGE.get()
     if row_range is not None:
@@ -654,21 +683,27 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         m[empty] = 0
         l[empty] = 0
         out[r] = o if exact else round_q16(o, qdtype, out_rounding or DEFAULT_ROUNDING["out"][qdtype])
-        mx[r] = m
-        sm[r] = l
+        if lse:
+            mx[r] = m
+            sm[r] = l
 
-    if out_buffer is not None:  # rows no chunk writes (no selected token, or outside only_rows) are zero
+    # rows no chunk writes (no selected token, or outside only_rows) are zero in the caller's buffers
+    zeroed = [b for b, given in ((out, out_buffer), (mx, lse_buffers[0]), (sm, lse_buffers[1]))
+              if given is not None and (lse or b is out)]
+    if zeroed:
         idle = np.ones(n_rows, bool)
         idle[active] = False
         for a in range(0, n_rows, 4096):
             sel = np.flatnonzero(idle[a:a + 4096]) + a
             if sel.size:
-                out[sel] = 0
+                for b in zeroed:
+                    b[sel] = 0
     run_chunks(chunk, range(0, active.size, step))
     return out, mx, sm
 
 
-def _shape_outputs(out, mx, sm, layout_query, query_shape, return_softmax_lse, exact, attention_out=None):
+def _shape_outputs(out, mx, sm, layout_query, query_shape, return_softmax_lse, exact, attention_out=None,
+                   softmax_max_out=None, softmax_sum_out=None):
     n_heads = query_shape[-2]
     if layout_query == "BSND":
         b, s = query_shape[:2]
@@ -682,7 +717,8 @@ def _shape_outputs(out, mx, sm, layout_query, query_shape, return_softmax_lse, e
     if not return_softmax_lse:
         e = np.zeros((0,), np.float64 if exact else np.float32)
         return out, e, e.copy()
-    return out, mx.reshape(lse_shape), sm.reshape(lse_shape)
+    return (out, mx.reshape(lse_shape) if softmax_max_out is None else softmax_max_out,
+            sm.reshape(lse_shape) if softmax_sum_out is None else softmax_sum_out)
 
 
 def _rows_and_kv(query, key, layout_query, layout_kv, actual_seq_lengths_query, actual_seq_lengths_kv,
@@ -711,7 +747,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                                     tile_size=128, rope_head_dim=64, return_softmax_lse=False,
                                     key_dtype="int8", precision="faithful",
                                     probability_rounding="unnormalised", chunk_size=2048, k_rounding=None,
-                                    p_rounding=None, out_rounding=None, attention_out=None):
+                                    p_rounding=None, out_rounding=None, attention_out=None,
+                                    softmax_max_out=None, softmax_sum_out=None):
     """QSFA over a packed quantised KV cache (the oracle of ``qsfa.kv_quant_sparse_flash_attention``).
 
     query:  float16/bfloat16 ``[B, Q_S, Q_N, 512 + rope]`` (BSND) or ``[Q_T, Q_N, 512 + rope]`` (TND).
@@ -733,7 +770,6 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     rope = int(rope_head_dim)
     kvd = key.shape[-1]
     key2d = key.reshape(-1, kvd).view(np.uint8)
-    scale_off = NOPE_DIM + 2 * rope
     fmt = key_dtype
     n_heads = query.shape[-2]
     dqk = NOPE_DIM + ROPE_DIM
@@ -745,58 +781,16 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         q[..., :query.shape[-1]] = qr
         return q, (None if exact else row_facts(q, qr.view(np.uint16), qdt))
 
-    def nope_scaled(codes, scales, out):
-        """``out[...] = decode(codes) * scales`` (tile-wise; out [n, 4, 128] of the scales' dtype): one multiply,
-        in which int8 / FP8 codes decode exactly."""
-        if fmt == "hifloat8":
-            decode_nope_into(out.reshape(-1, NOPE_DIM), codes, fmt)
-            np.multiply(out, scales[:, :, None], out=out)
-        else:
-            np.multiply(_code_view(codes, fmt).reshape(out.shape), scales[:, :, None], out=out)
-
-    def dequant(packed):
-        """Packed rows [n, kvd] (uint8) -> (K [n, 576] float64, facts): NoPE decoded and scaled (faithful: one
-        fp32 multiply rounded to the query dtype; exact: the exact float64 product); RoPE as stored. Faithful
-        facts, from the tile scales and the RoPE bits (see :func:`_dot_f32`): per row a 2-norm bound and lq, per
-        row and NoPE tile the largest |entry| and lq; None in exact mode."""
-        n = packed.shape[0]
-        scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4")
-        k = scratch("qsfa_k", (n, dqk), np.float64)
-        kn = k[:, :NOPE_DIM]  # written in place
-        if exact:
-            nope_scaled(packed[:, :NOPE_DIM], scales.astype(np.float64), kn.reshape(n, NOPE_DIM // TILE, TILE))
-        else:  # fp32 product, query-dtype rounding, widened (exactly) into K; in blocks to bound the temporaries
-            blk = min(n, _DEQUANT_BLOCK)
-            tmp = np.empty((blk, NOPE_DIM // TILE, TILE), np.float32)
-            t16 = np.empty((blk, NOPE_DIM), _QDT[qdt])
-            for a in range(0, n, _DEQUANT_BLOCK):
-                b = min(n, a + _DEQUANT_BLOCK)
-                t = tmp[:b - a]
-                nope_scaled(packed[a:b, :NOPE_DIM], scales[a:b], t)
-                t2 = t.reshape(b - a, NOPE_DIM)
-                if k_mode == "rint":
-                    with np.errstate(over="ignore"):
-                        np.copyto(t16[:b - a], t2, casting="unsafe")  # RINT (NumPy / ml_dtypes: half to even)
-                    np.copyto(kn[a:b], t16[:b - a])
-                else:
-                    np.copyto(kn[a:b], round_q16(t2, qdt, k_mode))
-        if rope:
-            rope32 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float32)  # exact widening
-            np.copyto(k[:, NOPE_DIM:], rope32)
-        else:
-            k[:, NOPE_DIM:] = 0
-        if exact:
-            return k, None
-        return k, qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt,
-                                 packed[:, NOPE_DIM:scale_off].view(np.uint16) if rope else None,
-                                 rope32 if rope else None)
+    def dequant(packed):  # -> (K [n, 576] float64, facts or None): qsfa.reference._decode_blocks
+        return qsfa_keys(packed, fmt=fmt, qdt=qdt, k_mode=k_mode, rope=rope, exact=exact)
 
     def load_kv(storage, valid):
         c, w = storage.shape
         flat = storage.reshape(-1)
         bad = ~valid.reshape(-1)
-        uniq, inv = np.unique(flat, return_inverse=True)
-        if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
+        srt = np.sort(flat)
+        if 2 * (1 + np.count_nonzero(srt[1:] != srt[:-1])) <= flat.size:  # rows shared by the chunk (prefill):
+            uniq, inv = np.unique(flat, return_inverse=True)  # dequantise each distinct row once, then gather
             k, facts = dequant(key2d[uniq])
             inv = inv.reshape(-1)
             k = np.take(k, inv, axis=0, mode="clip",  # mode="raise" would buffer out (a copy)
@@ -807,7 +801,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 for f, empty in zip(facts, (0.0, _NO_LQ, 0.0, _NO_LQ)):
                     f[bad] = empty
         else:  # decode: gather the selected packed rows once, dequantise them
-            packed = key2d[flat]
+            packed = np.take(key2d, flat, axis=0)
             packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows), facts of zeros
             k, facts = dequant(packed)
         k = k.reshape(c, w, dqk)
@@ -823,8 +817,10 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                         sparse_mode=sparse_mode, n_heads=n_heads, dv=NOPE_DIM, load_q=load_q, load_kv=load_kv,
                         scale_value=scale_value, qdtype=qdt, precision=precision,
                         probability_rounding=probability_rounding, chunk_size=chunk_size, p_rounding=p_rounding,
-                        out_rounding=out_rounding, out_buffer=attention_out)
-    return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out)
+                        out_rounding=out_rounding, out_buffer=attention_out, lse=bool(return_softmax_lse),
+                        lse_buffers=(softmax_max_out, softmax_sum_out))
+    return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out,
+                          softmax_max_out, softmax_sum_out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -837,7 +833,8 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                            sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
                            return_softmax_lse=False, sinks=None, lse_includes_sink=False,
                            precision="faithful", probability_rounding="unnormalised", chunk_size=2048,
-                           p_rounding=None, out_rounding=None, attention_out=None):
+                           p_rounding=None, out_rounding=None, attention_out=None, softmax_max_out=None,
+                           softmax_sum_out=None):
     """SFA over a float (fp16/bf16) KV (the oracle of ``qsfa.sparse_flash_attention``).
 
     query ``[..., Q_N, D]``, key ``[..., 1, D]``, value ``[..., 1, D]`` or ``None`` (then V = key),
@@ -913,8 +910,10 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                         scale_value=scale_value, qdtype=qdt, precision=precision,
                         probability_rounding=probability_rounding, chunk_size=chunk_size, sinks=sinks,
                         lse_includes_sink=lse_includes_sink, p_rounding=p_rounding, out_rounding=out_rounding,
-                        out_buffer=attention_out)
-    return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out)
+                        out_buffer=attention_out, lse=bool(return_softmax_lse),
+                        lse_buffers=(softmax_max_out, softmax_sum_out))
+    return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out,
+                          softmax_max_out, softmax_sum_out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -935,7 +934,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
               block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, sparse_block_size=1,
               layout_query="BSND", layout_kv="BSND", sparse_mode=3, return_softmax_lse=False, sinks=None,
               key_dtype=None, rope_head_dim=None, precision="faithful", probability_rounding="unnormalised",
-              chunk_size=2048, k_rounding=None, p_rounding=None, out_rounding=None, attention_out=None):
+              chunk_size=2048, k_rounding=None, p_rounding=None, out_rounding=None, attention_out=None,
+              softmax_max_out=None, softmax_sum_out=None):
     """Route like vLLM-Ascend: a one-byte (packed quantised) key -> QSFA, a float key -> SFA.
 
     For QSFA, ``query`` is the NoPE part and ``query_rope`` (if given) is concatenated to it;
@@ -948,7 +948,8 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=1.0, *, q
                   layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
                   return_softmax_lse=return_softmax_lse, precision=precision,
                   probability_rounding=probability_rounding, chunk_size=chunk_size, p_rounding=p_rounding,
-                  out_rounding=out_rounding, attention_out=attention_out)
+                  out_rounding=out_rounding, attention_out=attention_out, softmax_max_out=softmax_max_out,
+                  softmax_sum_out=softmax_sum_out)
     if is_quant_key(key):
         from .._arrays import dtype_name
 
