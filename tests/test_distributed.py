@@ -1,7 +1,8 @@
 """Golden sets and conformance runs on Dask (qsfa.distributed): the same bytes and verdicts as a serial run.
 
-One 2-process LocalCluster is shared by the module; one test runs a real ``dask scheduler`` and ``dask worker``
-as subprocesses on 127.0.0.1 (ports chosen by the scheduler, processes killed in teardown). Worker code that
+One 2-process local cluster is shared by the module - the CLI's (qsfa.distributed.connect: workers forked from a
+fork server); one test runs a real ``dask scheduler`` and ``dask worker`` as subprocesses on 127.0.0.1 (ports
+chosen by the scheduler, processes killed in teardown). Worker code that
 the tests add (a generator that kills its own worker on its first attempt, a deliberately wrong backend)
 reaches the workers through WorkerPlugins, which are re-applied to the worker the nanny restarts.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import filecmp
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -21,13 +21,14 @@ import time
 import cloudpickle
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from qsfa._dispatch import Backend, register_backend, register_impl, unregister_backend
 from qsfa.cli import main
 from qsfa.conformance import run_conformance, select
-from qsfa.distributed import ClusterUsageError, GoldenExecutor, run_sharded
+from qsfa.distributed import ClusterUsageError, GoldenExecutor, connect, run_sharded
+from qsfa.distributed._options import CONFORMANCE_PRELOAD, GOLDEN_PRELOAD
 from qsfa.distributed._cluster import check_same_code
 from qsfa.distributed.golden import assemble, case_task, rows_task
 from qsfa.golden import Case, generate, get_set, register_generator
@@ -46,8 +47,8 @@ TINY = Bounds(max_batch=2, max_q_tokens=3, max_kv_tokens=16, max_sparse=6, max_h
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                      silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as c:
+    """The local cluster the CLI starts: workers forked from a fork server (qsfa.distributed.prestart)."""
+    with connect(workers=2, preload=GOLDEN_PRELOAD + CONFORMANCE_PRELOAD) as c:
         yield c
 
 
@@ -199,7 +200,9 @@ def test_ctrl_c_stops_the_cluster_it_started(tmp_path):
         deadline = time.monotonic() + 120
         kids = []
         while time.monotonic() < deadline and p.poll() is None:
-            kids = [k for k in proc.children(recursive=True) if "spawn_main" in " ".join(k.cmdline())]
+            # workers: forked by the fork server (qsfa.distributed.prestart), or spawned where it is not used
+            kids = [k for k in proc.children(recursive=True)
+                    if any(w in " ".join(k.cmdline()) for w in ("spawn_main", "multiprocessing.forkserver"))]
             if len(kids) >= 2 and out.exists():  # workers up, tasks submitted
                 break
             time.sleep(0.2)
@@ -477,3 +480,84 @@ def test_workers_start_no_dashboard_and_print_nothing_to_stderr_when_8787_is_tak
                            capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert p.stderr == "", p.stderr
+
+
+def test_one_definition_of_the_cluster_options_without_importing_dask():
+    """``--workers/--scheduler`` come from qsfa.distributed._options for both commands; defining them (and
+    running without them) imports neither dask nor tqdm."""
+    code = ("import argparse, sys\n"
+            "from qsfa.distributed._options import add_cluster_options, cluster_target\n"
+            "import qsfa.golden.cli, qsfa.conformance.cli\n"
+            "p = argparse.ArgumentParser(); add_cluster_options(p, verb='go', same='same')\n"
+            "assert cluster_target(p.parse_args([])) is None\n"
+            "print(sorted(m for m in ('dask', 'distributed', 'tqdm') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    import argparse
+
+    from qsfa.distributed._options import add_cluster_options, cluster_target
+
+    p = argparse.ArgumentParser()
+    add_cluster_options(p, verb="compute", same="byte-identical")
+    assert cluster_target(p.parse_args(["--workers", "3"])) == {"workers": 3}
+    assert cluster_target(p.parse_args(["--scheduler", "tcp://h:1"])) == {"scheduler": "tcp://h:1"}
+    with pytest.raises(ClusterUsageError, match="Invalid value for --workers, actual: 0"):
+        cluster_target(p.parse_args(["--workers", "0"]))
+    with pytest.raises(SystemExit):  # exclusive
+        p.parse_args(["--workers", "2", "--scheduler", "tcp://h:1"])
+    helps = {}
+    for cmd in (["golden", "generate"], ["conformance"]):
+        out = subprocess.run([sys.executable, "-m", "qsfa.cli", *cmd, "--help"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT).stdout
+        helps[cmd[0]] = " ".join(out.split())
+    for h in helps.values():
+        assert "new local Dask cluster of N processes (pip install 'qsfa[distributed]')" in h
+        assert "on a running Dask cluster, e.g. tcp://host:8786 (workers need qsfa)" in h
+
+
+_START = """
+import json, os, sys
+from qsfa.distributed import connect
+
+def info():
+    import os, sys
+    from threadpoolctl import threadpool_info
+    return {"ppid": os.getppid(), "preloaded": "json.tool" in sys.modules,
+            "blas": sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})}
+
+if __name__ == "__main__":
+    with connect(workers=2, preload=("json.tool",)) as c:
+        got = list(c.run(info).values())
+    parent = got[0]["ppid"]
+    with open(f"/proc/{parent}/cmdline") as f:
+        cmd = f.read()
+    print(json.dumps({"client": os.getpid(), "workers": got, "parent_cmd": cmd,
+                      "parent_threads": len(os.listdir(f"/proc/{parent}/task")) if parent != os.getpid() else None}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("method", [None, "spawn"])
+def test_local_workers_fork_from_a_single_threaded_server_that_imported_the_preload(tmp_path, method):
+    """The local cluster forks its workers from one fork server (started with one BLAS thread, as Dask spawns
+    them) that imported qsfa and the caller's modules once; a start method set in Dask's configuration wins."""
+    script = tmp_path / "start.py"
+    script.write_text(_START)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", None)
+    if method:
+        env["DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"] = method
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(got["workers"]) == 2
+    assert all(w["blas"] == [1] for w in got["workers"])
+    if method is None:
+        assert "multiprocessing.forkserver" in got["parent_cmd"]
+        assert got["parent_threads"] == 1  # forking it copies no other thread's state
+        assert {w["ppid"] for w in got["workers"]} != {got["client"]}
+        assert all(w["preloaded"] for w in got["workers"])
+    else:  # spawned by the nannies in the client: fresh interpreters without the preload
+        assert {w["ppid"] for w in got["workers"]} == {got["client"]}
+        assert not any(w["preloaded"] for w in got["workers"])

@@ -15,22 +15,15 @@ comparisons (argument dicts use the public parameter names).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-    pytest.skip("torch and triton are needed (pip install qsfa[triton])", allow_module_level=True)
-import torch  # noqa: E402
+from _triton_env import prepare
 
-if not torch.cuda.is_available():  # see test_triton_kernels.py: must precede the first triton import
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; rerun with "
-                    "TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_, DEV_IS_CPU = prepare(__name__)  # before triton is imported: tests/_triton_env.py
+import torch  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 from hypothesis import given, strategies as st  # noqa: E402
@@ -46,7 +39,6 @@ from qsfa.ops.attention import qsfa_case  # noqa: E402
 from test_triton_kernels import LAYOUTS, c8_cases, make_attention_case, naive_qsfa  # noqa: E402
 
 pytestmark = pytest.mark.triton
-DEV_IS_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 C8 = "c8_cache_write"
 QSFA = "kv_quant_sparse_flash_attention"

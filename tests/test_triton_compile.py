@@ -11,7 +11,6 @@ Skipped where triton has no NVIDIA backend or tools.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,8 +18,9 @@ import sys
 
 import pytest
 
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-    pytest.skip("torch and triton are needed (pip install qsfa[triton])", allow_module_level=True)
+from _triton_env import require_triton
+
+require_triton()
 
 pytestmark = pytest.mark.triton
 

@@ -11,24 +11,15 @@ The operator-level checks against the library's reference are in tests/test_trit
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-    pytest.skip("torch and triton are needed (pip install qsfa[triton])", allow_module_level=True)
-import torch  # noqa: E402
+from _triton_env import prepare
 
 # triton.jit reads TRITON_INTERPRET when a kernel is defined, including triton's own tl.max & co.,
-# so it must be set before triton is first imported.
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; rerun with "
-                    "TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# so it is set (without a CUDA device) before triton is first imported: tests/_triton_env.py
+DEV, _ = prepare(__name__)
+import torch  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 import triton  # noqa: E402
@@ -41,7 +32,6 @@ from qsfa.kernels.c8_cache_writer import launch_c8_cache_write  # noqa: E402
 from qsfa.kernels.qsfa_attention import KernelConfig, _decode_hif8, hif8_table, launch_qsfa_attention  # noqa: E402
 
 pytestmark = pytest.mark.triton
-DEV = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NP_DT = {"bfloat16": BF16, "float16": np.dtype(np.float16)}
 TORCH_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}

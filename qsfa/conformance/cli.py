@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from ..distributed._options import CONFORMANCE_PRELOAD, add_cluster_options, cluster_target, start_early
+
 __all__ = ["register", "main"]
 
 
@@ -63,12 +65,7 @@ def register(subparsers):
                    help="start no property after this many seconds (the rest are reported as skipped, 'not run'); "
                         "--report files are rewritten after every property, so a timeout keeps them")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--workers", type=int, metavar="N",
-                       help="run the properties on a new local Dask cluster of N processes "
-                            "(pip install 'qsfa[distributed]'); same verdicts, reports and cases as a serial run")
-    where.add_argument("--scheduler", metavar="ADDRESS",
-                       help="run the properties on a running Dask cluster, e.g. tcp://host:8786 (workers need qsfa)")
+    add_cluster_options(p, verb="run the properties", same="same verdicts, reports and cases as a serial run")
     p.add_argument("--seed-shards", type=int, default=1, metavar="K",
                    help="with --seed: split each property's examples into K runs with seeds derived from it (tasks "
                         "for --workers/--scheduler; a serial run with the same K gives the same results)")
@@ -85,6 +82,8 @@ def _usage(msg):
 def main(args) -> int:
     if args.triton_interpret:
         os.environ["TRITON_INTERPRET"] = "1"
+    if not args.replay and not args.list:
+        start_early(args, CONFORMANCE_PRELOAD)  # the workers' imports overlap selecting the properties here
     from .._dispatch import get_backend, operators
     from ..strategies import Bounds, bounds as profile_bounds
     from . import reports as R
@@ -238,9 +237,8 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
 
             report, summary = run_sharded(selected, args.backend or "reference", progress=progress, **kw)
         else:
-            D.require("--workers/--scheduler")
-            where = {"workers": D.check_workers(args.workers)} if args.workers is not None else {"scheduler": args.scheduler}
-            with D.connect(**where, env=env, same_code=("hypothesis", "numpy")) as client:
+            where = cluster_target(args)
+            with D.connect(**where, env=env, same_code=("hypothesis", "numpy"), preload=CONFORMANCE_PRELOAD) as client:
                 report, summary = run_sharded(selected, args.backend or "reference", progress=not args.quiet,
                                               client=client, env=env, **kw)
     except (D.ClusterUsageError, D.DistributedUnavailable) as e:

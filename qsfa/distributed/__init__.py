@@ -17,7 +17,7 @@ and Kubernetes. This module imports ``distributed`` and ``tqdm`` lazily: :func:`
 """
 
 from ._cluster import (INSTALL_HINT, RETRIES, ClusterUsageError, DistributedUnavailable, RunSummary, Tasks,
-                       check_workers, connect, require)
+                       check_workers, connect, prestart, require)
 
 __all__ = [
     "INSTALL_HINT",
@@ -29,6 +29,7 @@ __all__ = [
     "Tasks",
     "check_workers",
     "connect",
+    "prestart",
     "require",
     "run_sharded",
 ]

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 __all__ = ["INSTALL_HINT", "DistributedUnavailable", "ClusterUsageError", "check_workers", "check_same_code",
-           "code_fingerprint", "require", "connect", "Tasks", "RunSummary", "RETRIES"]
+           "code_fingerprint", "require", "connect", "prestart", "Tasks", "RunSummary", "RETRIES", "WORKER_PRELOAD"]
 
 INSTALL_HINT = "pip install 'qsfa[distributed]'"
 
@@ -29,6 +29,10 @@ RETRIES = 2
 
 #: event topic of the per-attempt records
 ATTEMPT_TOPIC = "qsfa-attempt"
+
+#: what the fork server of a local cluster imports once, before it forks the worker processes (callers add the
+#: modules of their tasks); see :func:`prestart`
+WORKER_PRELOAD = ("numpy", "distributed", "qsfa", "qsfa.reference")
 
 
 class DistributedUnavailable(ImportError):
@@ -61,43 +65,104 @@ def check_workers(n) -> int:
     return v
 
 
+def _start_method() -> str:
+    """How a local cluster starts its worker processes: Dask's ``distributed.worker.multiprocessing-method`` where
+    it is set (a Dask configuration file, ``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD``, or
+    ``dask.config.set``), else ``forkserver`` where the platform has it (Dask's own default is ``spawn``)."""
+    import multiprocessing
+
+    import dask.config
+
+    key = "distributed.worker.multiprocessing-method"
+    method = dask.config.get(key, "spawn")
+    if method != "spawn":
+        return method
+    try:
+        explicit = dask.config.get(key, None, config=dask.config.collect()) is not None  # files and environment
+    except Exception:  # noqa: BLE001 - an unreadable configuration file: Dask reports it itself
+        explicit = False
+    if not explicit and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return method
+
+
+def prestart(preload: tuple = ()) -> bool:
+    """Start the fork server of a local cluster now (True), so that it imports :data:`WORKER_PRELOAD` and
+    ``preload`` while this process still prepares its tasks; :func:`connect` then forks the workers from it.
+
+    A spawned worker is a fresh interpreter that imports distributed, NumPy and qsfa itself (about a second of
+    CPU each, before its first task); forked from the server, every worker starts with them imported, once for
+    all workers. The server is a single-threaded process (multiprocessing's ``forkserver`` start method, not a
+    fork of this process and its threads), started with the environment Dask sets for its workers before
+    spawning them (``distributed.nanny.pre-spawn-environ``: one BLAS thread, the malloc trim threshold), so the
+    workers' NumPy reads it at import as a spawned one would. It lives until this process exits.
+
+    Best effort, never raises: False (nothing started) without the extra, where the start method is not the
+    fork server (:func:`_start_method`), or when the server cannot start - :func:`connect` then spawns."""
+    try:
+        require()  # imports distributed: its configuration defaults (the two read here) come with it
+        if _start_method() != "forkserver":
+            return False
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        import dask.config
+
+        pre_spawn = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
+        # what Dask's nanny does in this process before it spawns a worker (distributed.nanny.WorkerProcess.start)
+        os.environ.update({str(k): str(v) for k, v in pre_spawn.items()})
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(dict.fromkeys([*WORKER_PRELOAD, *preload])))
+        forkserver.ensure_running()
+        return True
+    except Exception:  # noqa: BLE001 - an optimisation: connect() falls back to spawning
+        return False
+
+
 @contextlib.contextmanager
 def connect(workers: int | None = None, scheduler: str | None = None, *, env: dict | None = None,
-            timeout: float = 30.0, same_code: tuple = ()):
+            timeout: float = 30.0, same_code: tuple = (), preload: tuple = ()):
     """A ``distributed.Client``: of a new local cluster of ``workers`` processes with one thread each (closed
     on exit, Ctrl-C included), or of the running cluster at ``scheduler`` (e.g. ``tcp://host:8786``; left
     running), whose workers must run the same qsfa sources and versions of the modules ``same_code``
-    (:func:`check_same_code`). ``env``: environment variables for the new workers (e.g. ``TRITON_INTERPRET``)."""
+    (:func:`check_same_code`). ``env``: environment variables for the new workers (e.g. ``TRITON_INTERPRET``).
+    ``preload``: modules the local cluster's workers import before their first task (:func:`prestart`)."""
     require()
+    import dask
     from distributed import Client, LocalCluster
 
     if (workers is None) == (scheduler is None):
         raise ClusterUsageError("Invalid value for --workers/--scheduler, actual: "
                                 f"{workers!r}/{scheduler!r}, reason: give exactly one of them.")
+    n = check_workers(workers) if scheduler is None else None
     cluster = client = None
-    try:
-        if scheduler is not None:
-            try:
-                client = Client(scheduler, timeout=timeout, set_as_default=False)
-            except (OSError, TimeoutError, ValueError, TypeError) as e:
-                raise ClusterUsageError(f"Invalid value for --scheduler, actual: {scheduler!r}, reason: cannot connect "
-                                        f"({type(e).__name__}: {e}).") from None
-            check_same_code(client, same_code)
-        else:
-            cluster = LocalCluster(n_workers=check_workers(workers), threads_per_worker=1, processes=True,
-                                   dashboard_address=None, silence_logs=logging.ERROR, env=dict(env or {}),
-                                   # no dashboard, and the scheduler's remaining HTTP routes on a free port: the
-                                   # default 8787 warns on stderr (even with -q) when another cluster holds it
-                                   scheduler_kwargs={"dashboard": False, "dashboard_address": ":0"})
-            client = Client(cluster, set_as_default=False)
-        yield client
-    finally:
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.close()
-        if cluster is not None:
-            with contextlib.suppress(Exception):
-                cluster.close()
+    with contextlib.ExitStack() as stack:
+        if n is not None and prestart(preload):
+            # for the whole run: a worker that dies is restarted by its nanny from the same server
+            stack.enter_context(dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}))
+        try:
+            if scheduler is not None:
+                try:
+                    client = Client(scheduler, timeout=timeout, set_as_default=False)
+                except (OSError, TimeoutError, ValueError, TypeError) as e:
+                    raise ClusterUsageError(f"Invalid value for --scheduler, actual: {scheduler!r}, reason: cannot "
+                                            f"connect ({type(e).__name__}: {e}).") from None
+                check_same_code(client, same_code)
+            else:
+                cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, silence_logs=logging.ERROR, env=dict(env or {}),
+                                       # no dashboard, and the scheduler's remaining HTTP routes on a free port: the
+                                       # default 8787 warns on stderr (even with -q) when another cluster holds it
+                                       scheduler_kwargs={"dashboard": False, "dashboard_address": ":0"})
+                client = Client(cluster, set_as_default=False)
+            yield client
+        finally:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.close()
+            if cluster is not None:
+                with contextlib.suppress(Exception):
+                    cluster.close()
 
 
 def code_fingerprint(modules: tuple = ()) -> dict:

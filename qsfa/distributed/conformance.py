@@ -16,12 +16,14 @@ bytes of any falsifying case it saved; the client writes them into ``--cases-dir
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, replace
 
 from ._cluster import ClusterUsageError, Tasks
@@ -30,6 +32,32 @@ __all__ = ["PropertyTask", "check_seed_shards", "plan", "shard_seed", "run_task"
 
 #: hypothesis is not thread-safe: a worker with several threads runs one property at a time
 _HYPOTHESIS_LOCK = threading.Lock()
+
+#: hypothesis warns when the global ``random`` state changes while it draws an example. On a Dask worker the
+#: event-loop thread changes it meanwhile: ``dask.sizeof`` samples large collections with ``random.sample`` when
+#: it sizes task arguments and results. The drawn examples come from hypothesis's own generator (qsfa's strategies
+#: and properties never use the global ``random``), so that warning is noise there; elsewhere it is left alone.
+_FOREIGN_RANDOM = r"Do not use the `random` module inside strategies"
+
+
+def _on_worker() -> bool:
+    try:
+        from distributed import get_worker
+
+        get_worker()
+        return True
+    except (ImportError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _other_threads_use_random():
+    if not _on_worker():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_FOREIGN_RANDOM)
+        yield
 
 
 @dataclass(frozen=True)
@@ -87,7 +115,7 @@ def run_task(task: PropertyTask, backend: str, profile: str, max_examples, bound
 
     tmp = tempfile.mkdtemp(prefix="qsfa-conformance-")
     try:
-        with _HYPOTHESIS_LOCK:
+        with _HYPOTHESIS_LOCK, _other_threads_use_random():
             prop = None
             try:
                 prop = get(task.name)

@@ -10,6 +10,7 @@ import fnmatch
 import sys
 
 from ..distributed import ClusterUsageError, DistributedUnavailable
+from ..distributed._options import GOLDEN_PRELOAD, add_cluster_options, cluster_target, start_early
 from .io import GoldenInputError
 
 HELP = "golden tensor case sets: generate, verify, compare, list"
@@ -32,6 +33,8 @@ def _cmd_generate(args) -> int:
     from .manifest import generate, parse_shard, select_shard
 
     try:
+        cluster = _cluster_options(args)
+        start_early(args, GOLDEN_PRELOAD)  # the workers' imports overlap reading the cases here
         shard = parse_shard(args.shard)
         if args.set:
             cases = get_set(args.set).cases()
@@ -45,7 +48,6 @@ def _cmd_generate(args) -> int:
                 raise GoldenInputError(f"no case of {label or args.case} matches --only {' '.join(args.only)}")
         cases = [c.for_chip(args.chip) for c in cases]
         selected = select_shard(cases, *shard)
-        cluster = _cluster_options(args)
         summary = None
         if cluster is None:
             man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
@@ -53,7 +55,7 @@ def _cmd_generate(args) -> int:
         else:
             from ..distributed import GoldenExecutor, connect
 
-            with connect(**cluster) as client:
+            with connect(**cluster, preload=GOLDEN_PRELOAD) as client:
                 ex = GoldenExecutor(client, chunk_rows=args.chunk_rows, progress=not args.quiet)
                 man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
                                executor=ex)
@@ -81,14 +83,9 @@ def _cluster_options(args) -> dict | None:
         if args.chunk_rows is not None:
             raise GoldenInputError("--chunk-rows needs --workers or --scheduler")
         return None
-    from ..distributed import check_workers, require
-
     if args.chunk_rows is not None and args.chunk_rows < 0:
         raise ClusterUsageError(f"Invalid value for --chunk-rows, actual: {args.chunk_rows}, reason: must be >= 0.")
-    require("--workers/--scheduler")
-    if args.workers is not None:
-        return {"workers": check_workers(args.workers)}
-    return {"scheduler": args.scheduler}
+    return cluster_target(args)
 
 
 def _cmd_verify(args) -> int:
@@ -181,12 +178,7 @@ def register(subparsers):
                    help="with --case: let the case file name input files outside its own folder (absolute "
                         "paths, '..', symbolic links out); refused by default")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--workers", type=int, metavar="N",
-                       help="compute on a new local Dask cluster of N processes (pip install 'qsfa[distributed]'); "
-                            "the written set is byte-identical to a serial run's")
-    where.add_argument("--scheduler", metavar="ADDRESS",
-                       help="compute on a running Dask cluster, e.g. tcp://host:8786 (workers need qsfa)")
+    add_cluster_options(p, verb="compute", same="the written set is byte-identical to a serial run's")
     p.add_argument("--chunk-rows", type=int, metavar="N",
                    help="with --workers/--scheduler: query rows per task of a long attention case (default: about "
                         "8M row x head x token units per task; 0: one task per case)")

@@ -98,6 +98,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from ._decode_blocks import qsfa_keys, softmax_rows
 from ._workspace import scratch
 from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
 from .parallel import get_num_threads, run_chunks, workset_bytes_per_thread
@@ -117,7 +118,6 @@ __all__ = [
 NOPE_DIM = 512
 TILE = 128
 ROPE_DIM = 64
-_DEQUANT_BLOCK = 512  # packed rows per fp32 dequantisation block (its temporaries stay in cache)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 #: rounding of fp32 values to the query dtype at the K and output rounding points of the A2/A3 kernels
@@ -224,11 +224,6 @@ def decode_nope_into(out: np.ndarray, codes: np.ndarray, fmt: str) -> None:
         np.copyto(out, codes.view(ml_dtypes.float8_e4m3fn), casting="unsafe")
     else:
         out[...] = decode_nope(codes, fmt, out.dtype)
-
-
-def _code_view(codes: np.ndarray, fmt: str) -> np.ndarray:
-    """A uint8 code array viewed as the NumPy dtype whose values are the decoded codes (int8, FP8)."""
-    return codes.view(np.int8 if fmt == "int8" else ml_dtypes.float8_e4m3fn)
 
 
 def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str, mode: str | None = None) -> None:
@@ -435,13 +430,14 @@ def row_facts(x64: np.ndarray, bits: np.ndarray, dtype_name: str):
     return norm, min_lq(bits, dtype_name)
 
 
-def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None):
+def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None, rope_facts=None):
     """Facts (see :func:`_dot_f32`) of faithful dequantised QSFA rows, from the tile scales and the RoPE bits:
     ``(k_norm [n], k_lq [n], v_max [n, 4], v_lq [n, 4])`` - a 2-norm bound and lq of each K row (NoPE + RoPE), and
     per NoPE tile the largest |entry| and lq of V.
 
     codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its values,
-    float32 or float64: squares are summed in float64) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
+    float32 or float64: squares are summed in float64) or None; or rope_facts, those two already reduced per row
+    (``(sum of squares [n] float64, min_lq(rope_bits) [n])``). A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
     ``|v| <= c_max s (1 + 2^-7) + tiny_q`` (the absolute term covers subnormal results), and a non-zero one has
     ``|c| >= c_min`` (the tile's smallest non-zero |code|; 1 for int8), so it is a multiple of ``2^(e - p)`` for the
     exponent e of ``c_min s (1 - 2^-7)`` and p the significand bits of the query dtype (a normal v is at least that
@@ -457,10 +453,12 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     ok = np.isfinite(low) & (low > 0)
     vlq = np.where(ok, np.frexp(np.where(ok, low, 1.0))[1] - _PRECISION[qdtype], _NO_LQ)
     k_sq = TILE * np.einsum("nt,nt->n", vmax, vmax)
-    k_lq = vlq.min(axis=-1)
+    k_lq = np.minimum.reduce([vlq[:, t] for t in range(vlq.shape[1])])  # (a short axis: column by column)
     if rope64 is not None:
-        k_sq += np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64)
-        k_lq = np.minimum(k_lq, min_lq(rope_bits, qdtype))
+        rope_facts = np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64), min_lq(rope_bits, qdtype)
+    if rope_facts is not None:
+        k_sq += rope_facts[0]
+        k_lq = np.minimum(k_lq, rope_facts[1])
     return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
 
 
@@ -546,31 +544,18 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
     """
     w = k.shape[1]
     s = _dot_f32(q, k.transpose(0, 2, 1), q_facts, k_facts)  # RN32(q . k)  [c, N, W]
-    s *= scale  # fp32 multiply
-    if not valid.all():
-        np.copyto(s, MASK_VALUE, where=~valid[:, None, :])  # -2e38, not -inf (the kernel's value)
-    m = s.max(axis=-1)  # [c, N]
-    s -= m[..., None]  # fp32 subtract (exact IEEE operation)
-    e64 = scratch("faithful_e64", s.shape, np.float64)
-    e = exp_f32(s, out64=e64)  # RN32(exp(s - m))
+    p = scratch("faithful_e64", s.shape, np.float64)  # P rounded to the query dtype, float64 for the exact products
+    p_mode = p_rounding or DEFAULT_ROUNDING["p"][qdtype]
+    m, l, e_min = softmax_rows(s, valid, scale, qdtype=qdtype, probability_rounding=probability_rounding,
+                               p_mode=p_mode, p_out=p)  # in blocks of rows (qsfa.reference._decode_blocks)
     s = None
-    l64 = np.add.reduce(e, axis=-1, dtype=np.float64)
-    l = certified_f32(l64, sum_error_bound(w, l64),  # all terms >= 0: sum |e| = l
-                      lambda idx: exact_sum_f32(e.reshape(-1, w)[idx].astype(np.float64)))
     # facts of P's rows (Hoelder: 1-norm): every non-zero P_j >= e_min (1 - 2^-7) [/ l], sum P <= (1 + 2^-6) sum e
-    e_min = e.min(axis=-1).astype(np.float64)
-    if not e_min.all():  # unselected tokens (or underflow) give P = 0: the smallest non-zero one matters
-        e_min = np.min(e, axis=-1, where=e > 0, initial=np.inf).astype(np.float64)
     slack = w * _TINY[qdtype]
     if probability_rounding == "normalised":
-        e /= l[..., None]  # fp32 divide
         p_low, p_sum = e_min / l * (1 - 2.0 ** -6), np.full(l.shape, 1 + 2.0 ** -5 + slack)
     else:
         p_low, p_sum = e_min * (1 - 2.0 ** -6), l * (1 + 2.0 ** -6) + slack
     p_lq = np.where(np.isfinite(p_low) & (p_low > 0), np.frexp(p_low)[1] - _PRECISION[qdtype], _NO_LQ)
-    p = e64  # P rounded to the query dtype (p_rounding), held in float64 for the exact-product matmul
-    np.copyto(p, round_q16(e, qdtype, p_rounding or DEFAULT_ROUNDING["p"][qdtype]))
-    e = None  # free before the second matmul
     o = _dot_f32(p, v, (p_sum, p_lq), v_facts)  # RN32(P @ V)
     if probability_rounding != "normalised":
         o /= l[..., None]  # fp32 divide
@@ -657,9 +642,9 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         q, q_facts = load_q(r)
         if exact:
             return _exact_chunk(q, k, v, valid, np.float64(scale_value), sink, lse_includes_sink)
-        vmax, vlq = v_facts  # per column of V: the largest entry and the smallest quantum over the tokens
-        g = dv // vmax.shape[-1]
-        v_cols = (np.repeat(vmax.max(axis=1), g, axis=-1), np.repeat(vlq.min(axis=1), g, axis=-1))
+        g = dv // v_facts[0].shape[-1]  # per column of V: the largest entry and the smallest quantum over the tokens
+        vmax, vlq = (np.ascontiguousarray(f.transpose(0, 2, 1)) for f in v_facts)  # (reduced along a contiguous axis)
+        v_cols = (np.repeat(vmax.max(axis=-1), g, axis=-1), np.repeat(vlq.min(axis=-1), g, axis=-1))
         return _faithful_chunk(q, q_facts, k, k_facts, v, v_cols, valid, np.float32(scale_value), qdtype,
                                probability_rounding, sink, lse_includes_sink, p_rounding)
 
@@ -772,7 +757,6 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     rope = int(rope_head_dim)
     kvd = key.shape[-1]
     key2d = key.reshape(-1, kvd).view(np.uint8)
-    scale_off = NOPE_DIM + 2 * rope
     fmt = key_dtype
     n_heads = query.shape[-2]
     dqk = NOPE_DIM + ROPE_DIM
@@ -784,58 +768,16 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         q[..., :query.shape[-1]] = qr
         return q, (None if exact else row_facts(q, qr.view(np.uint16), qdt))
 
-    def nope_scaled(codes, scales, out):
-        """``out[...] = decode(codes) * scales`` (tile-wise; out [n, 4, 128] of the scales' dtype): one multiply,
-        in which int8 / FP8 codes decode exactly."""
-        if fmt == "hifloat8":
-            decode_nope_into(out.reshape(-1, NOPE_DIM), codes, fmt)
-            np.multiply(out, scales[:, :, None], out=out)
-        else:
-            np.multiply(_code_view(codes, fmt).reshape(out.shape), scales[:, :, None], out=out)
-
-    def dequant(packed):
-        """Packed rows [n, kvd] (uint8) -> (K [n, 576] float64, facts): NoPE decoded and scaled (faithful: one
-        fp32 multiply rounded to the query dtype; exact: the exact float64 product); RoPE as stored. Faithful
-        facts, from the tile scales and the RoPE bits (see :func:`_dot_f32`): per row a 2-norm bound and lq, per
-        row and NoPE tile the largest |entry| and lq; None in exact mode."""
-        n = packed.shape[0]
-        scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4")
-        k = scratch("qsfa_k", (n, dqk), np.float64)
-        kn = k[:, :NOPE_DIM]  # written in place
-        if exact:
-            nope_scaled(packed[:, :NOPE_DIM], scales.astype(np.float64), kn.reshape(n, NOPE_DIM // TILE, TILE))
-        else:  # fp32 product, query-dtype rounding, widened (exactly) into K; in blocks to bound the temporaries
-            blk = min(n, _DEQUANT_BLOCK)
-            tmp = np.empty((blk, NOPE_DIM // TILE, TILE), np.float32)
-            t16 = np.empty((blk, NOPE_DIM), _QDT[qdt])
-            for a in range(0, n, _DEQUANT_BLOCK):
-                b = min(n, a + _DEQUANT_BLOCK)
-                t = tmp[:b - a]
-                nope_scaled(packed[a:b, :NOPE_DIM], scales[a:b], t)
-                t2 = t.reshape(b - a, NOPE_DIM)
-                if k_mode == "rint":
-                    with np.errstate(over="ignore"):
-                        np.copyto(t16[:b - a], t2, casting="unsafe")  # RINT (NumPy / ml_dtypes: half to even)
-                    np.copyto(kn[a:b], t16[:b - a])
-                else:
-                    np.copyto(kn[a:b], round_q16(t2, qdt, k_mode))
-        if rope:
-            rope32 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float32)  # exact widening
-            np.copyto(k[:, NOPE_DIM:], rope32)
-        else:
-            k[:, NOPE_DIM:] = 0
-        if exact:
-            return k, None
-        return k, qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt,
-                                 packed[:, NOPE_DIM:scale_off].view(np.uint16) if rope else None,
-                                 rope32 if rope else None)
+    def dequant(packed):  # -> (K [n, 576] float64, facts or None): qsfa.reference._decode_blocks
+        return qsfa_keys(packed, fmt=fmt, qdt=qdt, k_mode=k_mode, rope=rope, exact=exact)
 
     def load_kv(storage, valid):
         c, w = storage.shape
         flat = storage.reshape(-1)
         bad = ~valid.reshape(-1)
-        uniq, inv = np.unique(flat, return_inverse=True)
-        if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
+        srt = np.sort(flat)
+        if 2 * (1 + np.count_nonzero(srt[1:] != srt[:-1])) <= flat.size:  # rows shared by the chunk (prefill):
+            uniq, inv = np.unique(flat, return_inverse=True)  # dequantise each distinct row once, then gather
             k, facts = dequant(key2d[uniq])
             inv = inv.reshape(-1)
             k = np.take(k, inv, axis=0, mode="clip",  # mode="raise" would buffer out (a copy)
@@ -846,7 +788,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 for f, empty in zip(facts, (0.0, _NO_LQ, 0.0, _NO_LQ)):
                     f[bad] = empty
         else:  # decode: gather the selected packed rows once, dequantise them
-            packed = key2d[flat]
+            packed = np.take(key2d, flat, axis=0)
             packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows), facts of zeros
             k, facts = dequant(packed)
         k = k.reshape(c, w, dqk)
