@@ -101,7 +101,7 @@ import numpy as np
 from ._decode_blocks import qsfa_keys, softmax_rows
 from ._workspace import scratch
 from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
-from .parallel import run_chunks
+from .parallel import get_num_threads, run_chunks, workset_bytes_per_thread
 
 __all__ = [
     "kv_quant_sparse_flash_attention",
@@ -509,11 +509,28 @@ def only_rows(start: int, stop: int):
         _ROW_RANGE.reset(token)
 
 
-def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False) -> int:
+def row_workset_bytes(n_heads: int, width: int, dv: int = NOPE_DIM, kv_rows: int = 2) -> int:
+    """The modelled working set of one query row in a chunk (either precision), in bytes: per selected token
+    ``kv_rows`` float64 rows ``dv + 64`` wide (QSFA 2: the dequantised and the gathered K may both be alive; SFA
+    4: K, V and the temporaries of their facts) and up to 1 KiB of packed / 16-bit source rows and indices; per
+    token and head 32 bytes (the float64 scores and probabilities, their fp32 copies and the exp / certification
+    temporaries); per head the float64 query row and the output in fp32 and float64. Measured chunk peaks stay
+    below it (tests/test_workset.py)."""
+    dqk = int(dv) + ROPE_DIM
+    w, n = max(int(width), 1), max(int(n_heads), 1)
+    return w * (int(kv_rows) * 8 * dqk + 1024) + 32 * n * w + n * (8 * dqk + 16 * int(dv))
+
+
+def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False, *, budget: int | None = None,
+                    dv: int = NOPE_DIM, kv_rows: int = 2) -> int:
     """Query rows per chunk: at most ``chunk_size / 2`` row x head pairs and ``8 * chunk_size`` gathered tokens
-    (both modes hold K, V and the scores in float64). ``exact`` is accepted for compatibility; it no longer
-    changes the answer."""
-    return max(1, min(int(chunk_size) // max(2 * n_heads, 1), (8 * int(chunk_size)) // max(width, 1)))
+    (both modes hold K, V and the scores in float64) and, given a ``budget`` in bytes (one thread's share of
+    the working set, qsfa.reference.parallel), at most as many rows as :func:`row_workset_bytes` fits in it;
+    never fewer than one. ``exact`` is accepted for compatibility; it no longer changes the answer."""
+    rows = min(int(chunk_size) // max(2 * n_heads, 1), (8 * int(chunk_size)) // max(width, 1))
+    if budget is not None:
+        rows = min(rows, int(budget) // row_workset_bytes(n_heads, width, dv, kv_rows))
+    return max(1, rows)
 
 
 def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, probability_rounding, sink,
@@ -575,14 +592,15 @@ def _exact_chunk(q, k, v, valid, scale, sink, lse_includes_sink):
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
           scale_value, qdtype, precision, probability_rounding, chunk_size, sinks=None,
           lse_includes_sink=False, p_rounding=None, out_rounding=None, out_buffer=None, lse=True,
-          lse_buffers=(None, None)):
+          lse_buffers=(None, None), kv_rows=2):
     """Attention over selected tokens for every query row.
 
     out_buffer: an optional C-contiguous array of the output's size and dtype (``attention_out=``, e.g. an
     ``np.memmap``): the rows are written into it chunk by chunk, so the output never exists in memory as a whole.
     lse: whether softmax_max / softmax_sum are wanted (if not, no per-row array of them is allocated: empty
     arrays are returned); lse_buffers: optional C-contiguous buffers of their size and dtype (``softmax_max_out=``,
-    ``softmax_sum_out=``), written chunk by chunk like out_buffer.
+    ``softmax_sum_out=``), written chunk by chunk like out_buffer. kv_rows: float64 K / V rows per selected token
+    that load_kv keeps alive (:func:`row_workset_bytes`; the chunks are sized from it and the working-set budget).
 
     load_q(row_ids) -> (q [c, N, Dqk] float64, facts (2-norm bound, lq) [c, N] or None in exact mode).
     load_kv(storage [c, W] int64, valid [c, W]) -> (K [c, W, Dqk], V [c, W, dv], k_facts [c, W], v_facts
@@ -615,7 +633,9 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     row_range = _ROW_RANGE.get()
     if row_range is not None:
         active = active[(active >= row_range[0]) & (active < row_range[1])]
-    step = _rows_per_chunk(chunk_size, n_heads, width)
+    n_threads = get_num_threads()
+    step = _rows_per_chunk(chunk_size, n_heads, width, budget=workset_bytes_per_thread(n_threads), dv=dv,
+                           kv_rows=kv_rows)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
 
     def compute(r, tok, valid):
@@ -667,7 +687,7 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
             if sel.size:
                 for b in zeroed:
                     b[sel] = 0
-    run_chunks(chunk, range(0, active.size, step))
+    run_chunks(chunk, range(0, active.size, step), n_threads)
     return out, mx, sm
 
 
@@ -882,7 +902,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                         probability_rounding=probability_rounding, chunk_size=chunk_size, sinks=sinks,
                         lse_includes_sink=lse_includes_sink, p_rounding=p_rounding, out_rounding=out_rounding,
                         out_buffer=attention_out, lse=bool(return_softmax_lse),
-                        lse_buffers=(softmax_max_out, softmax_sum_out))
+                        lse_buffers=(softmax_max_out, softmax_sum_out), kv_rows=4)
     return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out,
                           softmax_max_out, softmax_sum_out)
 
