@@ -462,16 +462,17 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
 
 
-def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts) -> np.ndarray:
+def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts, out=None) -> np.ndarray:
     """RN32 of the exact batched dot products ``a @ b`` (float64 ``[c, M, K] @ [c, K, N]`` holding 16-bit floats or
     one-byte codes, so every product is exact), the same bits whatever BLAS kernel computed the float64 matmul.
 
     a_facts = (norm, lq) ``[c, M]`` per row of a, b_facts = (norm, lq) ``[c, N]`` per column of b (see above).
     Pairs proven exact are rounded once from the matmul; the others (rows or columns with a wide exponent span)
     are certified with the error bound ``4 K 2^-53 norm_m norm_n`` and, where undecided, summed exactly.
+    ``out``: an optional float32 array of the result's shape to write (default: a new one).
     """
     approx = np.matmul(a, b, out=scratch("dot_approx", a.shape[:-1] + b.shape[-1:], np.float64))
-    out = np.empty(approx.shape, np.float32)
+    out = np.empty(approx.shape, np.float32) if out is None else out
     np.add(approx, 0.0, out=out, casting="same_kind")  # one rounding; an exact zero sum is +0
     (an, aq), (bn, bq) = a_facts, b_facts
     with np.errstate(divide="ignore"):
@@ -543,7 +544,8 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
     rounding), m, l [c, N] fp32.
     """
     w = k.shape[1]
-    s = _dot_f32(q, k.transpose(0, 2, 1), q_facts, k_facts)  # RN32(q . k)  [c, N, W]
+    s = _dot_f32(q, k.transpose(0, 2, 1), q_facts, k_facts,  # RN32(q . k)  [c, N, W]
+                 out=scratch("faithful_s", q.shape[:2] + (w,), np.float32))
     p = scratch("faithful_e64", s.shape, np.float64)  # P rounded to the query dtype, float64 for the exact products
     p_mode = p_rounding or DEFAULT_ROUNDING["p"][qdtype]
     m, l, e_min = softmax_rows(s, valid, scale, qdtype=qdtype, probability_rounding=probability_rounding,
@@ -763,9 +765,10 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     q2d = query.reshape(-1, n_heads, query.shape[-1])
 
     def load_q(r):
-        q = np.zeros((r.size, n_heads, dqk), np.float64)
+        q = scratch("qsfa_q", (r.size, n_heads, dqk), np.float64)
         qr = q2d[r]
         q[..., :query.shape[-1]] = qr
+        q[..., query.shape[-1]:] = 0
         return q, (None if exact else row_facts(q, qr.view(np.uint16), qdt))
 
     def dequant(packed):  # -> (K [n, 576] float64, facts or None): qsfa.reference._decode_blocks
@@ -788,7 +791,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 for f, empty in zip(facts, (0.0, _NO_LQ, 0.0, _NO_LQ)):
                     f[bad] = empty
         else:  # decode: gather the selected packed rows once, dequantise them
-            packed = np.take(key2d, flat, axis=0)
+            packed = np.take(key2d, flat, axis=0, mode="clip",  # (rows in range; "raise" would buffer out)
+                             out=scratch("qsfa_packed", (flat.size, kvd), np.uint8))
             packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows), facts of zeros
             k, facts = dequant(packed)
         k = k.reshape(c, w, dqk)
