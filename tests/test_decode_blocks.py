@@ -98,3 +98,34 @@ def test_blocked_dequantisation_equals_the_whole_array(fmt, qdt, k_mode, rope, s
     with np.errstate(invalid="ignore"):
         exact = A.decode_nope(packed[:, :512], fmt, np.float64).reshape(n, 4, 128) * sc.astype(np.float64)[:, :, None]
     np.testing.assert_array_equal(k_exact[:, :512], exact.reshape(n, 512))
+
+
+@pytest.mark.parametrize("qdt,rounding,p_mode", [("bfloat16", "unnormalised", "round"),
+                                                  ("bfloat16", "normalised", "rint"),
+                                                  ("float16", "unnormalised", "round")])
+def test_softmax_blocks_do_not_change_the_bytes(qdt, rounding, p_mode, monkeypatch):
+    """Blocks of rows (several, the last partial) give the bytes of one block over the whole chunk, with masked
+    tokens, a row whose scores are all masked, exp values that underflow to 0 and a NaN score."""
+    rng = np.random.default_rng(3)
+    c, nh, w = 3, 5, 40
+    s = (rng.standard_normal((c, nh, w)) * np.exp(rng.uniform(-2, 5, (c, nh, w)))).astype(np.float32)
+    s[1, 2, :5] = np.nan
+    valid = rng.random((c, w)) < 0.8
+    valid[2] = False
+    outs = []
+    for elems in (3 * w + 7, 1 << 30):  # 3 rows and a bit per block / one block
+        monkeypatch.setattr(D, "SOFTMAX_ELEMS", elems)
+        p = np.empty((c, nh, w))
+        with np.errstate(invalid="ignore"):
+            m, l, e_min = D.softmax_rows(s.copy(), valid, np.float32(0.7), qdtype=qdt, probability_rounding=rounding,
+                                         p_mode=p_mode, p_out=p)
+        outs.append((p, m, l, e_min))
+    for a, b in zip(*outs):
+        assert a.tobytes() == b.tobytes()
+    p, m, l, e_min = outs[0]
+    assert np.isnan(p[1, 2]).all() and not np.isnan(p[0]).any()
+    if rounding == "unnormalised":  # the all-masked row: every e = exp(0) = 1
+        assert np.all(p[2] == 1.0) and np.all(l[2] == w)
+    assert np.isinf(e_min[1, 2]) and np.isfinite(np.delete(e_min.reshape(-1), nh + 2)).all()
+    assert (e_min[0] < 1e-30).any()  # underflowing exp: the smallest non-zero e is tiny
+    assert (p[0][:, ~valid[0]] == 0).all()

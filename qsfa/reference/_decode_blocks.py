@@ -74,8 +74,10 @@ def qsfa_keys(packed: np.ndarray, *, fmt: str, qdt: str, k_mode: str, rope: int,
     rows = max(min(n, DEQUANT_ROWS), 1)
     tmp = scratch("qsfa_k_block", (rows, NOPE_DIM), np.float32)
     aux = scratch("qsfa_k_bits", (rows, NOPE_DIM), np.uint32) if bits and k_mode == "rint" else None
-    rope_sq = np.empty(n, np.float64)  # RoPE facts (attention.qsfa_row_facts): sum of squares, lq
-    rope_lq = np.empty(n, np.int32)
+    if rope:  # the RoPE values (float64, contiguous: copied into K block by block) and their facts
+        r64 = scratch("qsfa_k_rope", (n, ROPE_DIM), np.float64)
+        np.copyto(r64, rope16)
+        rope_facts = np.einsum("nd,nd->n", r64, r64), min_lq(rope16.view(np.uint16), qdt)
     for a in range(0, n, rows):
         b = min(n, a + rows)
         t = tmp[:b - a]
@@ -88,10 +90,57 @@ def qsfa_keys(packed: np.ndarray, *, fmt: str, qdt: str, k_mode: str, rope: int,
                 np.copyto(kn[a:b], t)  # exact widening
             else:
                 np.copyto(kn[a:b], round_q16(t, qdt, k_mode))
-        if rope:  # while the block's rows are in cache: RoPE into K, and its facts
-            kr = k[a:b, NOPE_DIM:]
-            np.copyto(kr, rope16[a:b])
-            np.einsum("nd,nd->n", kr, kr, out=rope_sq[a:b])
-            rope_lq[a:b] = min_lq(rope16[a:b].view(np.uint16), qdt)
-    facts = qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt, rope_facts=(rope_sq, rope_lq) if rope else None)
+        if rope:  # while the block's rows of K are in cache
+            np.copyto(k[a:b, NOPE_DIM:], r64[a:b])
+    facts = qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt, rope_facts=rope_facts if rope else None)
     return k, facts
+
+
+#: scores per block of :func:`softmax_rows` (fp32 128 KiB; their float64 exp 256 KiB)
+SOFTMAX_ELEMS = 1 << 15
+
+
+def softmax_rows(s: np.ndarray, valid: np.ndarray, scale, *, qdtype: str, probability_rounding: str, p_mode: str,
+                 p_out: np.ndarray):
+    """The faithful softmax of ``attention._faithful_chunk``, a block of whole rows at a time (its fp32 scores, their
+    float64 exp and the probabilities stay in cache between the steps).
+
+    s: ``RN32(q . k)`` fp32 ``[c, N, W]`` (overwritten); valid ``[c, W]``; scale fp32. Per row: ``s * scale`` (fp32),
+    ``MASK_VALUE`` where not valid, ``m = max``, ``e = RN32(exp(s - m))``, ``l = RN32(sum e)``, the smallest non-zero
+    e; P = e (``"normalised"``: ``e / l``, fp32) rounded to ``qdtype`` with ``p_mode``, written into ``p_out``
+    (float64 ``[c, N, W]``). Returns ``(m, l)`` fp32 and ``e_min`` float64 (``inf`` where every e is 0), ``[c, N]``.
+    """
+    from .attention import MASK_VALUE, certified_f32, exact_sum_f32, exp_f32, round_q16, sum_error_bound
+
+    c, nh, w = s.shape
+    s2, p2 = s.reshape(-1, w), p_out.reshape(-1, w)
+    n = s2.shape[0]
+    masked = None if valid.all() else ~valid
+    m, l, e_min = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float64)
+    step = max(1, SOFTMAX_ELEMS // max(w, 1))
+    e64 = scratch("softmax_e64", (min(step, n), w), np.float64)
+    bits = scratch("softmax_bits", (min(step, n), w), np.uint32) if qdtype == "bfloat16" else None
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        x = s2[a:b]
+        x *= scale  # fp32 multiply
+        if masked is not None:
+            np.copyto(x, MASK_VALUE, where=masked[np.arange(a, b) // nh])  # -2e38, not -inf (the kernel's value)
+        mb = x.max(axis=-1)
+        x -= mb[:, None]  # fp32 subtract (exact IEEE operation)
+        e = exp_f32(x, out64=e64[:b - a])  # RN32(exp(s - m))
+        l64 = np.add.reduce(e, axis=-1, dtype=np.float64)
+        lb = certified_f32(l64, sum_error_bound(w, l64),  # all terms >= 0: sum |e| = l
+                           lambda idx, e=e: exact_sum_f32(e[idx].astype(np.float64)))
+        em = e.min(axis=-1)
+        if not em.all():  # unselected tokens (or underflow) give P = 0: the smallest non-zero one matters
+            em = np.min(e, axis=-1, where=e > 0, initial=np.inf)
+        if probability_rounding == "normalised":
+            e /= lb[:, None]  # fp32 divide
+        if bits is not None and np.isfinite(l64).all():  # no NaN in e: round its fp32 bits in place
+            bf16_bits_inplace(e.view(np.uint32), p_mode, bits[:b - a])
+            np.copyto(p2[a:b], e)
+        else:
+            np.copyto(p2[a:b], round_q16(e, qdtype, p_mode))
+        m[a:b], l[a:b], e_min[a:b] = mb, lb, em
+    return m.reshape(c, nh), l.reshape(c, nh), e_min.reshape(c, nh)
