@@ -18,7 +18,7 @@ from qsfa.reference import parallel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MIB = 1 << 20
-#: allocations of a call besides its chunks: the fp32 dequantisation blocks (512 rows, 1.5 MiB), lookup tables
+#: allocations of a call besides its chunks (block scratch of the dequantisation and softmax, lookup tables)
 SLACK = 2 * MIB
 
 

@@ -113,6 +113,12 @@ def _blas():
     return _controller or None
 
 
+def _blas_threads() -> int:
+    """The BLAS thread limit now (1 without threadpoolctl / a BLAS: nothing to pin)."""
+    blas = _blas()
+    return 1 if blas is None else min(lib.num_threads for lib in blas.lib_controllers)
+
+
 def get_num_threads() -> int:
     """The number of threads the oracle uses now (see the module docstring)."""
     env = _env_int("QSFA_NUM_THREADS")
@@ -138,13 +144,14 @@ def run_chunks(fn, starts, n_threads: int | None = None) -> None:
     if n <= 1:
         # one thread allowed: BLAS too (its default pool on small GEMMs costs 20x on a machine whose cores are
         # busy); one chunk with more threads allowed: BLAS keeps them for that chunk
-        if allowed <= 1:
+        pin = allowed <= 1 and _blas_threads() > 1  # (already one: nothing to set, nothing to restore)
+        if pin:
             _enter_one_blas_thread()
         try:
             for s in starts:
                 fn(s)
         finally:
-            if allowed <= 1:
+            if pin:
                 _leave_one_blas_thread()
         return
     _enter_one_blas_thread()
