@@ -15,8 +15,10 @@ arguments the example drew; the mean over the run's calls) and two ratios:
 
 BLAS runs on one thread (threadpoolctl; the oracle's thread pool follows that limit), so the figures do not
 depend on how many cores a loaded machine leaves free; each property runs ``--repeat`` times, medians reported.
+``--clock cpu`` times the main thread's CPU time instead of wall time (at one thread everything runs on it):
+steadier on a shared machine.
 
-    python -m benchmarks.conformance_cost [--quick] [--repeat N]
+    python -m benchmarks.conformance_cost [--quick] [--repeat N] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -39,22 +41,23 @@ def _timing(xs: list) -> Timing:
     return Timing(float(np.median(a)), float(a.min()), float(a.max()), float(q3 - q1), len(xs))
 
 
-def run(quick: bool = False, repeat: int | None = None) -> list[dict]:
+def run(quick: bool = False, repeat: int | None = None, clock: str = "wall") -> list[dict]:
     from threadpoolctl import threadpool_limits
 
     import qsfa.reference.attention as ref
     from qsfa.conformance import run_conformance
     from qsfa.conformance.properties import select
 
+    now = {"wall": time.perf_counter, "cpu": time.thread_time}[clock]
     orig = ref.kv_quant_sparse_flash_attention
     calls: list[float] = []
 
     def timed(*a, **k):
-        t0 = time.perf_counter()
+        t0 = now()
         try:
             return orig(*a, **k)
         finally:
-            calls.append(time.perf_counter() - t0)
+            calls.append(now() - t0)
 
     repeat = max(1, repeat or (1 if quick else 3))
     props = [p for p in select(ops=[OP]) if p.ops == (OP,) or list(p.ops) == [OP]]
@@ -68,10 +71,10 @@ def run(quick: bool = False, repeat: int | None = None) -> list[dict]:
                 per_ex, per_call, n_calls, n_exs = [], [], [], []
                 for _ in range(repeat):
                     calls.clear()
-                    t0 = time.perf_counter()
+                    t0 = now()
                     rep = run_conformance("reference", props=[p], profile="ci", max_examples=2 if quick else None,
                                           cases_dir=None)
-                    total = time.perf_counter() - t0
+                    total = now() - t0
                     (res,) = rep.results
                     if res.status != "passed":
                         raise RuntimeError(f"{p.name}: {res.status}: {res.message}")
@@ -97,7 +100,7 @@ def run(quick: bool = False, repeat: int | None = None) -> list[dict]:
                                 goal="ratio <= 2",
                                 notes=f"{n_ex} examples, {cpe:.1f} reference calls each (ratio >= {cpe:.1f} by "
                                       f"design), {vs_calls:.2f}x the calls it makes, overhead "
-                                      f"{overhead * 1e3:.2f} ms/example; 1 thread; median of {repeat}; "
+                                      f"{overhead * 1e3:.2f} ms/example; 1 thread, {clock} clock; median of {repeat}; "
                                       f"load {load0:.2f}->{os.getloadavg()[0]:.2f}"))
     finally:
         ref.kv_quant_sparse_flash_attention = orig
@@ -108,8 +111,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeat", type=int, default=None, help="runs of each property (median; default 3, quick 1)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: perf_counter; cpu: the main thread's CPU time (everything runs on it at 1 thread), "
+                        "steadier on a loaded machine")
     a = p.parse_args(argv)
-    for r in run(quick=a.quick, repeat=a.repeat):
+    for r in run(quick=a.quick, repeat=a.repeat, clock=a.clock):
         base = (f"per call {r['baseline_s'] * 1e3:7.2f} ms  ratio {r['ratio']:.2f}  vs calls {r['ratio_vs_calls']:.2f}"
                 if "ratio" in r else "")
         print(f"{r['case']:58s} per example {r['ours_s'] * 1e3:8.2f} ms  {base}  ({r['notes']})")

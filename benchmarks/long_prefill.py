@@ -2,8 +2,11 @@
 
 Case: one sequence of ``--tokens`` query tokens (default 32768) with Q_N = 128, sparse_size 2048 over 2048 cached
 + the new tokens, int8 PA cache, bf16 query. The query, the indices and the output live in ``np.memmap`` files
-(written chunk by chunk, never whole in memory); the key cache (``(2048 + T) x 656`` bytes) is in memory. One call
-of ``qsfa.kv_quant_sparse_flash_attention(..., attention_out=memmap)`` is timed; meanwhile a thread samples the
+(written chunk by chunk, never whole in memory); with ``--lse`` the softmax statistics too (``return_softmax_lse``
+into ``softmax_max_out=`` / ``softmax_sum_out=`` memmaps); the key cache (``(2048 + T) x 656`` bytes) is in
+memory. ``--workset MIB`` sets the oracle's working-set budget (``qsfa.set_workset_mib``; default 256 MiB shared
+by the threads). One call of ``qsfa.kv_quant_sparse_flash_attention(..., attention_out=memmap)`` is timed;
+meanwhile a thread samples the
 process's anonymous resident memory (``RssAnon``: what the oracle allocates; file pages of the memmaps are the
 page cache's) and the kernel's peak RSS (``VmHWM``, reset before the call, file pages included) is read after it.
 The last 64 rows are recomputed in memory as a sequence of their own and compared byte for byte.
@@ -12,7 +15,7 @@ Baseline (the ratio): the in-memory output array the call would otherwise alloca
 a 128K-token prefill's working set under 512 MiB - the oracle's peak does not grow with T (chunks of rows), so the
 32K figure stands for it.
 
-    python -m benchmarks.long_prefill [--quick] [--tokens N] [--threads N] [--dir DIR]
+    python -m benchmarks.long_prefill [--quick] [--tokens N] [--threads N] [--workset MIB] [--lse] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import ml_dtypes
 import numpy as np
 
 import qsfa
+from qsfa.reference.attention import _rows_per_chunk
+from qsfa.reference.parallel import workset_bytes_per_thread
 
 from ._harness import Timing, row
 
@@ -82,7 +87,7 @@ def build(folder, tokens, heads=128, sparse=2048, cached=2048, seed=0, block=128
 
 
 def run(quick: bool = False, tokens: int | None = None, threads: int | None = None, folder: str | None = None,
-        heads: int | None = None) -> list[dict]:
+        heads: int | None = None, workset: int | None = None, lse: bool = False) -> list[dict]:
     tokens = tokens or (256 if quick else 32768)
     heads = heads or (16 if quick else 128)
     sparse = 256 if quick else 2048
@@ -90,8 +95,15 @@ def run(quick: bool = False, tokens: int | None = None, threads: int | None = No
         args = build(d, tokens, heads=heads, sparse=sparse, cached=sparse)
         args["value"] = args["key"]
         out = np.memmap(os.path.join(d, "out.bin"), dtype=BF16, mode="w+", shape=(tokens, heads, 512))
+        bufs = {}
+        if lse:
+            args["return_softmax_lse"] = True
+            bufs = {k: np.memmap(os.path.join(d, f"{k}.bin"), dtype=np.float32, mode="w+", shape=(1, tokens, heads))
+                    for k in ("softmax_max_out", "softmax_sum_out")}
         if threads:
             qsfa.set_num_threads(threads)
+        if workset:
+            qsfa.set_workset_mib(workset)
         peak_anon = [_status("RssAnon")]
         base_anon = peak_anon[0]
         done = threading.Event()
@@ -106,13 +118,16 @@ def run(quick: bool = False, tokens: int | None = None, threads: int | None = No
         sampler.start()
         t0 = time.perf_counter()
         try:
-            got = qsfa.kv_quant_sparse_flash_attention(**args, attention_out=out)
+            got = qsfa.kv_quant_sparse_flash_attention(**args, attention_out=out, **bufs)
         finally:
             elapsed = time.perf_counter() - t0
             done.set()
             sampler.join()
             n_threads = qsfa.get_num_threads()
+            budget = qsfa.get_workset_mib()
+            rows = _rows_per_chunk(2048, heads, sparse, budget=workset_bytes_per_thread(n_threads))
             qsfa.set_num_threads(None)
+            qsfa.set_workset_mib(None)
         hwm = _status("VmHWM")
         assert got[0] is out
         out.flush()
@@ -120,13 +135,19 @@ def run(quick: bool = False, tokens: int | None = None, threads: int | None = No
         r = min(64, tokens)
         sub = dict(args, query=np.asarray(args["query"][-r:]), sparse_indices=np.asarray(args["sparse_indices"][-r:]),
                    actual_seq_lengths_query=np.array([r], np.int32))
-        want = qsfa.kv_quant_sparse_flash_attention(**sub)[0]
-        if want.tobytes() != np.asarray(out[-r:]).tobytes():
+        want = qsfa.kv_quant_sparse_flash_attention(**sub)
+        if want[0].tobytes() != np.asarray(out[-r:]).tobytes():
             raise AssertionError("the streamed output differs from the in-memory one: not reported")
+        for w, k in zip(want[1:], ("softmax_max_out", "softmax_sum_out")):
+            if k in bufs and w.tobytes() != np.asarray(bufs[k][:, -r:]).tobytes():
+                raise AssertionError(f"the streamed {k} differs from the in-memory one: not reported")
+        got = None
+        bufs.clear()
         out_bytes = out.nbytes
         del out, got
     mib = peak_anon[0] / 2**20
-    note = (f"{elapsed:.1f} s; TND {tokens} tokens, Q_N={heads}, sparse={sparse}; {n_threads} thread(s); load "
+    note = (f"{elapsed:.1f} s; TND {tokens} tokens, Q_N={heads}, sparse={sparse}; {n_threads} thread(s); "
+            f"workset {budget} MiB ({rows} row(s) a chunk){'; LSE to memmaps' if lse else ''}; load "
             f"{load0:.2f}->{os.getloadavg()[0]:.2f}; peak RssAnon {mib:.0f} MiB ({(peak_anon[0] - base_anon) / 2**20:.0f}"
             f" MiB above the {base_anon / 2**20:.0f} MiB before the call); peak RSS incl. memmap pages "
             f"{hwm / 2**20:.0f} MiB{'' if reset else ' (VmHWM not reset: includes input generation)'}; output "
@@ -135,7 +156,7 @@ def run(quick: bool = False, tokens: int | None = None, threads: int | None = No
     return [row("long_prefill", f"prefill {tokens} tokens to a memmap: peak MiB vs budget",
                 Timing(mib, mib, mib, 0.0, 1), baseline_name="512 MiB working-set budget (MiB, not s)",
                 baseline=Timing(512.0, 512.0, 512.0, 0.0, 0), seconds=elapsed, peak_mib=mib, vmhwm_mib=hwm / 2**20,
-                output_mib=out_bytes / 2**20, notes=note, goal="ratio < 1")]
+                output_mib=out_bytes / 2**20, workset_mib=budget, rows_per_chunk=rows, notes=note, goal="ratio < 1")]
 
 
 def main(argv=None):
@@ -144,9 +165,12 @@ def main(argv=None):
     p.add_argument("--tokens", type=int)
     p.add_argument("--heads", type=int)
     p.add_argument("--threads", type=int)
+    p.add_argument("--workset", type=int, help="working-set budget in MiB (qsfa.set_workset_mib; default 256)")
+    p.add_argument("--lse", action="store_true", help="also stream softmax_max / softmax_sum to memmaps")
     p.add_argument("--dir", help="folder for the memmap files (default: the system temp folder)")
     a = p.parse_args(argv)
-    for r in run(quick=a.quick, tokens=a.tokens, threads=a.threads, folder=a.dir, heads=a.heads):
+    for r in run(quick=a.quick, tokens=a.tokens, threads=a.threads, folder=a.dir, heads=a.heads, workset=a.workset,
+                 lse=a.lse):
         print(f"{r['case']}: {r['notes']}", flush=True)
 
 

@@ -37,6 +37,8 @@ _LAZY = {
     # threads of the reference oracle
     "set_num_threads": "qsfa.reference.parallel",
     "get_num_threads": "qsfa.reference.parallel",
+    "set_workset_mib": "qsfa.reference.parallel",
+    "get_workset_mib": "qsfa.reference.parallel",
     # quantisation
     "dynamic_block_quant": "qsfa.ops.quant",
     # cache writers

@@ -86,6 +86,9 @@ def define_operator(name: str, contract: Contract, outputs: tuple[str, ...], ref
 
 
 def operator(name: str) -> Operator:
+    op = _OPERATORS.get(name)
+    if op is not None:  # registered already: skip re-importing the eleven operator modules (every dispatch)
+        return op
     _load_all_operators()
     try:
         return _OPERATORS[name]

@@ -1,7 +1,16 @@
+import pytest
 from hypothesis import settings
 
+import _triton_env
 from qsfa._profiles import register_profiles
 
 pytest_plugins = ["qsfa.conformance.pytest_plugin"]  # --qsfa-backend / --qsfa-backend-module
 
 settings.load_profile(register_profiles())
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpret_only_in_triton_modules(request):
+    """TRITON_INTERPRET=1, which the Triton test modules set at import (tests/_triton_env.py), is removed
+    for the tests of every other module, so no test depends on which modules were collected before it."""
+    _triton_env.scope(request)

@@ -49,3 +49,20 @@ def test_identical_outputs_pass_and_differences_still_fail():
     assert compare_outputs({"attention_out": z}, {"attention_out": x}, f) == []  # -0 == +0 under the criterion
     assert compare_outputs({"attention_out": z}, {"attention_out": x})  # ... but not byte for byte
     assert compare_outputs({"o": x.astype(np.float64)}, {"o": x})  # same values, another dtype: not identical
+
+
+def test_cached_integer_strategies_draw_what_they_say():
+    from qsfa.strategies._common import int_lists, ints
+
+    assert ints(0, 9) is ints(0, 9) and ints(0, 9) is not ints(0, 8)
+    assert int_lists(2, 5, 3) is int_lists(2, 5, 3)
+    seen = []
+
+    @settings(max_examples=30, database=None, derandomize=True)
+    @given(ints(-3, 4), int_lists(2, 5, 3))
+    def draw(i, xs):
+        seen.append((i, xs))
+
+    draw()
+    assert seen and all(-3 <= i <= 4 and len(xs) == 3 and all(2 <= x <= 5 for x in xs) for i, xs in seen)
+    assert {i for i, _ in seen} >= {-3, 4} or len({i for i, _ in seen}) > 2  # not stuck on one value

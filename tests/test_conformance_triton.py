@@ -3,29 +3,18 @@ implement (c8_cache_write, kv_quant_sparse_flash_attention): backend-vs-referenc
 attention within the docs/numerics/comparison.md#float-criterion criterion) plus the metamorphic properties, all through the same
 definitions ``qsfa conformance --backend triton`` runs.
 
-Without a CUDA device the kernels run in the Triton CPU interpreter (TRITON_INTERPRET=1, set here before
-triton is first imported): tiny shapes and a few examples per property keep that inside CI's budget. On a
+Without a CUDA device the kernels run in the Triton CPU interpreter (TRITON_INTERPRET=1, set by
+tests/_triton_env.py before triton is first imported): tiny shapes and a few examples per property keep that inside CI's budget. On a
 GPU the active profile's bounds and example counts apply. Skips with the reason when the backend is unusable.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-    pytest.skip("torch and triton are needed (pip install qsfa[triton])", allow_module_level=True)
+from _triton_env import prepare
 
-import torch  # noqa: E402
-
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; rerun with TRITON_INTERPRET=1",
-                    allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_, INTERPRETED = prepare(__name__)  # before triton is imported: tests/_triton_env.py
 
 from qsfa import strategies as qst  # noqa: E402
 from qsfa._dispatch import backends  # noqa: E402
@@ -36,7 +25,6 @@ _STATUS = backends()["triton"]
 if not _STATUS.usable:
     pytest.skip(f"backend 'triton' is not usable here: {_STATUS.reason}", allow_module_level=True)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 IMPLEMENTED = set(_STATUS.operators)
 PROPS = [p for p in catalogue() if set(p.ops) <= IMPLEMENTED]
 

@@ -138,3 +138,22 @@ def test_concurrent_calls_restore_the_blas_limit(threads):
             t.join()
         assert len(inside) == 32
         assert [lib.num_threads for lib in blas.lib_controllers] == before
+
+
+def test_one_thread_means_one_blas_thread_too(threads):
+    """set_num_threads(1): the chunks run on the caller's thread with BLAS at one thread (its pool would spin on
+    the small per-chunk GEMMs), and the caller's BLAS limit is back afterwards."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    seen = []
+
+    def fn(_):
+        seen.append(min(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"))
+
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        qsfa.set_num_threads(1)
+        parallel.run_chunks(fn, range(3))
+        assert seen == [1, 1, 1]
+        assert min(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas") == 2
+        qsfa.set_num_threads(2)
+        parallel.run_chunks(fn, range(1))  # one chunk, two threads allowed: BLAS keeps them
+        assert seen[-1] == 2

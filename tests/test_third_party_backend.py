@@ -140,8 +140,8 @@ def test_reports_print_a_replay_command_that_loads_the_backend_module(tmp_path, 
     import shlex
     import sys
 
-    # the triton test modules set TRITON_INTERPRET=1 for the whole pytest process, and the replay command then
-    # (rightly) starts with it: this test is about the command itself, so it runs without that variable
+    # with TRITON_INTERPRET=1 (which tests/conftest.py already removes here unless the user set it) the replay
+    # command (rightly) starts with it: this test is about the command itself, so it runs without that variable
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _write(tmp_path, "qsfa_test_kernel_rp", "test-kernel-rp", buggy=True)
     clean.append("test-kernel-rp")

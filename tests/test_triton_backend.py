@@ -15,22 +15,15 @@ comparisons (argument dicts use the public parameter names).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-    pytest.skip("torch and triton are needed (pip install qsfa[triton])", allow_module_level=True)
-import torch  # noqa: E402
+from _triton_env import prepare
 
-if not torch.cuda.is_available():  # see test_triton_kernels.py: must precede the first triton import
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; rerun with "
-                    "TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_, DEV_IS_CPU = prepare(__name__)  # before triton is imported: tests/_triton_env.py
+import torch  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 from hypothesis import given, strategies as st  # noqa: E402
@@ -46,7 +39,6 @@ from qsfa.ops.attention import qsfa_case  # noqa: E402
 from test_triton_kernels import LAYOUTS, c8_cases, make_attention_case, naive_qsfa  # noqa: E402
 
 pytestmark = pytest.mark.triton
-DEV_IS_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 C8 = "c8_cache_write"
 QSFA = "kv_quant_sparse_flash_attention"
@@ -135,9 +127,28 @@ def test_c8_contract_example():
 
 
 @given(case=c8_cases(), key_dtype=st.sampled_from(["int8", "float8_e4m3fn"]),
-       scale_order=st.sampled_from(["divide", "multiply"]))
+       scale_order=st.sampled_from(["divide", "multiply", "reciprocal", "reciprocal_multiply", None]))
 def test_c8_matches_reference(case, key_dtype, scale_order):
     check_c8_cache_write(dict(case, key_dtype=key_dtype, scale_order=scale_order))
+
+
+def test_c8_scale_order_tie_per_chip():
+    """docs/numerics/chips.md#c8-cache-writers through the kernel: the hand-built ties of tests/test_chips.py (A2/A3
+    reciprocal vs 950 divide, int8 and FP8) give the bytes written out there."""
+    from test_chips import C8_FP8_950, C8_FP8_RECIPROCAL, C8_INT8_950, C8_INT8_A2
+
+    def write(key_dtype, first_two, **kw):
+        k_nope = np.zeros((1, 512), BF16)
+        k_nope[0, :2] = first_two
+        cache = np.full((1, 1, 1, 528), 0x11, np.uint8)
+        out = qsfa.c8_cache_write(k_nope, None, np.array([0]), cache, key_dtype=key_dtype, backend="triton", **kw)
+        return np.asarray(out)[0, 0, 0].tolist()
+
+    for chip, want in ((None, C8_INT8_A2), ("A3", C8_INT8_A2), ("950", C8_INT8_950)):
+        assert write("int8", [7.46875, 3.734375], chip=chip) == want.tolist(), chip
+    assert write("int8", [7.46875, 3.734375], chip="A2", scale_order="divide") == C8_INT8_950.tolist()
+    assert write("float8_e4m3fn", [1.5, 1.125]) == C8_FP8_950.tolist()
+    assert write("float8_e4m3fn", [1.5, 1.125], scale_order="reciprocal") == C8_FP8_RECIPROCAL.tolist()
 
 
 def test_c8_torch_caller_in_place_fp8_cache():

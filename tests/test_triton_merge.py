@@ -7,22 +7,13 @@ docs/numerics/comparison.md#float-criterion when its bytes differ (the documente
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-    pytest.skip("torch and triton are needed (pip install qsfa[triton])", allow_module_level=True)
-import torch  # noqa: E402
+from _triton_env import prepare
 
-if not torch.cuda.is_available():  # see test_triton_kernels.py: must precede the first triton import
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; rerun with "
-                    "TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_, INTERPRETED = prepare(__name__)  # before triton is imported: tests/_triton_env.py
+import torch  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
@@ -36,7 +27,6 @@ from qsfa.compare import assert_bytes_equal, compare_float  # noqa: E402
 from qsfa.reference.lse import merge_attention_lse as ref_merge  # noqa: E402
 
 pytestmark = pytest.mark.triton
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 OUT_DTYPES = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
               "float64": np.dtype(np.float64)}

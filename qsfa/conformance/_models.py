@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import formats
 from .._arrays import dtype_name
-from ._support import gather_tokens
+from ._support import gather_tokens, round_to
 
 __all__ = ["uniform_scores_model", "half_ulp"]
 
@@ -83,8 +82,8 @@ def uniform_scores_model(op: str, args: dict, w, batch, act_kv, storage):
     qd = dtype_name(args["query"])
     gamma = c * _U / (1 - c * _U)
     if args.get("probability_rounding", "unnormalised") == "normalised":
-        p = np.asarray(formats.round_to(np.float32(1) / np.maximum(cnt, 1).astype(np.float32), qd,
-                                        rounding=modes["p_rounding"]), np.float64)[:, None]
+        p = np.asarray(round_to(np.float32(1) / np.maximum(cnt, 1).astype(np.float32), qd,
+                                rounding=modes["p_rounding"]), np.float64)[:, None]
         x = p * tot
         err = gamma * p * mag
     else:

@@ -248,35 +248,47 @@ def gather_tokens(rows_of: np.ndarray, storage, batch_id: int, s_max: int, act_k
     return out
 
 
+def decode(codes: np.ndarray, fmt: str) -> np.ndarray:
+    """``qsfa.formats.decode(codes, fmt)`` on the reference, without the argument checks of a public call: the
+    models decode arrays they cut from arguments the operator's contract accepted, and a checked call cost about a
+    tenth of a millisecond each, several times per example (issue 15). Same function, same bytes."""
+    from ..reference import formats as F
+
+    return F.decode(codes, fmt)
+
+
+def round_to(x: np.ndarray, fmt: str, *, rounding: str | None = None) -> np.ndarray:
+    """``qsfa.formats.round_to(x, fmt, rounding=rounding)`` on the reference, unchecked (see :func:`decode`)."""
+    from ..reference import formats as F
+
+    return F.decode(F.encode(x, fmt, saturate=False, rounding=rounding), fmt)
+
+
 def round_query_dtype(x: np.ndarray, qdtype: str) -> np.ndarray:
     """float32 ``x`` rounded to the query dtype at the kernel's rounding point (bf16 RINT, fp16 ROUND;
     docs/numerics/attention.md#kv_quant_sparse_flash_attention) and returned as float64."""
-    from .. import formats
-
     rounding = "rint" if qdtype == "bfloat16" else "round"
-    return np.asarray(formats.round_to(x.astype(np.float32), qdtype, rounding=rounding), np.float64)
+    return np.asarray(round_to(x.astype(np.float32), qdtype, rounding=rounding), np.float64)
 
 
 def packed_kv(args: dict, *, faithful: bool, k_rounding: str | None = None):
     """QSFA packed rows as float64 ``(K [n, 512 + 64], V [n, 512])``: NoPE ``decode(code) * tile scale``
     (one fp32 multiply), rounded to the query dtype when ``faithful`` (``k_rounding`` "rint" / "round"; None: the
     A2/A3 rule of :func:`round_query_dtype`); RoPE as stored (zeros at rope 0)."""
-    from .. import formats
-
     key = args["key"]
     rope = int(args["rope_head_dim"])
     qd = dtype_name(args["query"])
     rows = np.ascontiguousarray(key).reshape(-1, key.shape[-1]).view(np.uint8)
     n = rows.shape[0]
     codes = np.ascontiguousarray(rows[:, :512])
-    vals = np.asarray(formats.decode(codes, args.get("key_dtype", "int8")), np.float32)
+    vals = np.asarray(decode(codes, args.get("key_dtype", "int8")), np.float32)
     off = 512 + 2 * rope
     scales = np.ascontiguousarray(rows[:, off:off + 16]).view("<f4").astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         if faithful:  # one fp32 multiply, then the query-dtype rounding
             nope = (vals.reshape(n, 4, 128) * scales[:, :, None]).reshape(n, 512)
             nope64 = (round_query_dtype(nope, qd) if k_rounding is None else
-                      np.asarray(formats.round_to(nope, qd, rounding=k_rounding), np.float64))
+                      np.asarray(round_to(nope, qd, rounding=k_rounding), np.float64))
         else:  # exact: the product of two fp32 values is exact in float64
             nope64 = (vals.reshape(n, 4, 128).astype(np.float64) * scales[:, :, None]).reshape(n, 512)
     k = np.zeros((n, 576), np.float64)

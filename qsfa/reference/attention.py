@@ -98,9 +98,10 @@ import math
 import ml_dtypes
 import numpy as np
 
+from ._decode_blocks import qsfa_keys, softmax_rows
 from ._workspace import scratch
 from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
-from .parallel import run_chunks
+from .parallel import get_num_threads, run_chunks, workset_bytes_per_thread
 
 __all__ = [
     "kv_quant_sparse_flash_attention",
@@ -117,7 +118,6 @@ __all__ = [
 NOPE_DIM = 512
 TILE = 128
 ROPE_DIM = 64
-_DEQUANT_BLOCK = 512  # packed rows per fp32 dequantisation block (its temporaries stay in cache)
 MASK_VALUE = np.float32(-2e38)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 #: rounding of fp32 values to the query dtype at the K and output rounding points of the A2/A3 kernels
@@ -224,11 +224,6 @@ def decode_nope_into(out: np.ndarray, codes: np.ndarray, fmt: str) -> None:
         np.copyto(out, codes.view(ml_dtypes.float8_e4m3fn), casting="unsafe")
     else:
         out[...] = decode_nope(codes, fmt, out.dtype)
-
-
-def _code_view(codes: np.ndarray, fmt: str) -> np.ndarray:
-    """A uint8 code array viewed as the NumPy dtype whose values are the decoded codes (int8, FP8)."""
-    return codes.view(np.int8 if fmt == "int8" else ml_dtypes.float8_e4m3fn)
 
 
 def round_to_query_dtype_inplace(x: np.ndarray, qdtype: str, mode: str | None = None) -> None:
@@ -435,13 +430,14 @@ def row_facts(x64: np.ndarray, bits: np.ndarray, dtype_name: str):
     return norm, min_lq(bits, dtype_name)
 
 
-def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None):
+def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=None, rope_facts=None):
     """Facts (see :func:`_dot_f32`) of faithful dequantised QSFA rows, from the tile scales and the RoPE bits:
     ``(k_norm [n], k_lq [n], v_max [n, 4], v_lq [n, 4])`` - a 2-norm bound and lq of each K row (NoPE + RoPE), and
     per NoPE tile the largest |entry| and lq of V.
 
     codes uint8 ``[n, 512]`` of ``fmt``, scales fp32 ``[n, 4]``; rope_bits uint16 ``[n, 64]`` and rope64 (its values,
-    float32 or float64: squares are summed in float64) or None. A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
+    float32 or float64: squares are summed in float64) or None; or rope_facts, those two already reduced per row
+    (``(sum of squares [n] float64, min_lq(rope_bits) [n])``). A NoPE entry is ``round_q(fp32(c * s))`` with ``|c| <= c_max``, so
     ``|v| <= c_max s (1 + 2^-7) + tiny_q`` (the absolute term covers subnormal results), and a non-zero one has
     ``|c| >= c_min`` (the tile's smallest non-zero |code|; 1 for int8), so it is a multiple of ``2^(e - p)`` for the
     exponent e of ``c_min s (1 - 2^-7)`` and p the significand bits of the query dtype (a normal v is at least that
@@ -457,23 +453,26 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     ok = np.isfinite(low) & (low > 0)
     vlq = np.where(ok, np.frexp(np.where(ok, low, 1.0))[1] - _PRECISION[qdtype], _NO_LQ)
     k_sq = TILE * np.einsum("nt,nt->n", vmax, vmax)
-    k_lq = vlq.min(axis=-1)
+    k_lq = np.minimum.reduce([vlq[:, t] for t in range(vlq.shape[1])])  # (a short axis: column by column)
     if rope64 is not None:
-        k_sq += np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64)
-        k_lq = np.minimum(k_lq, min_lq(rope_bits, qdtype))
+        rope_facts = np.einsum("nd,nd->n", rope64, rope64, dtype=np.float64), min_lq(rope_bits, qdtype)
+    if rope_facts is not None:
+        k_sq += rope_facts[0]
+        k_lq = np.minimum(k_lq, rope_facts[1])
     return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
 
 
-def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts) -> np.ndarray:
+def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts, out=None) -> np.ndarray:
     """RN32 of the exact batched dot products ``a @ b`` (float64 ``[c, M, K] @ [c, K, N]`` holding 16-bit floats or
     one-byte codes, so every product is exact), the same bits whatever BLAS kernel computed the float64 matmul.
 
     a_facts = (norm, lq) ``[c, M]`` per row of a, b_facts = (norm, lq) ``[c, N]`` per column of b (see above).
     Pairs proven exact are rounded once from the matmul; the others (rows or columns with a wide exponent span)
     are certified with the error bound ``4 K 2^-53 norm_m norm_n`` and, where undecided, summed exactly.
+    ``out``: an optional float32 array of the result's shape to write (default: a new one).
     """
     approx = np.matmul(a, b, out=scratch("dot_approx", a.shape[:-1] + b.shape[-1:], np.float64))
-    out = np.empty(approx.shape, np.float32)
+    out = np.empty(approx.shape, np.float32) if out is None else out
     np.add(approx, 0.0, out=out, casting="same_kind")  # one rounding; an exact zero sum is +0
     (an, aq), (bn, bq) = a_facts, b_facts
     with np.errstate(divide="ignore"):
@@ -510,11 +509,28 @@ def only_rows(start: int, stop: int):
         _ROW_RANGE.reset(token)
 
 
-def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False) -> int:
+def row_workset_bytes(n_heads: int, width: int, dv: int = NOPE_DIM, kv_rows: int = 2) -> int:
+    """The modelled working set of one query row in a chunk (either precision), in bytes: per selected token
+    ``kv_rows`` float64 rows ``dv + 64`` wide (QSFA 2: the dequantised and the gathered K may both be alive; SFA
+    4: K, V and the temporaries of their facts) and up to 1 KiB of packed / 16-bit source rows and indices; per
+    token and head 32 bytes (the float64 scores and probabilities, their fp32 copies and the exp / certification
+    temporaries); per head the float64 query row and the output in fp32 and float64. Measured chunk peaks stay
+    below it (tests/test_workset.py)."""
+    dqk = int(dv) + ROPE_DIM
+    w, n = max(int(width), 1), max(int(n_heads), 1)
+    return w * (int(kv_rows) * 8 * dqk + 1024) + 32 * n * w + n * (8 * dqk + 16 * int(dv))
+
+
+def _rows_per_chunk(chunk_size: int, n_heads: int, width: int, exact: bool = False, *, budget: int | None = None,
+                    dv: int = NOPE_DIM, kv_rows: int = 2) -> int:
     """Query rows per chunk: at most ``chunk_size / 2`` row x head pairs and ``8 * chunk_size`` gathered tokens
-    (both modes hold K, V and the scores in float64). ``exact`` is accepted for compatibility; it no longer
-    changes the answer."""
-    return max(1, min(int(chunk_size) // max(2 * n_heads, 1), (8 * int(chunk_size)) // max(width, 1)))
+    (both modes hold K, V and the scores in float64) and, given a ``budget`` in bytes (one thread's share of
+    the working set, qsfa.reference.parallel), at most as many rows as :func:`row_workset_bytes` fits in it;
+    never fewer than one. ``exact`` is accepted for compatibility; it no longer changes the answer."""
+    rows = min(int(chunk_size) // max(2 * n_heads, 1), (8 * int(chunk_size)) // max(width, 1))
+    if budget is not None:
+        rows = min(rows, int(budget) // row_workset_bytes(n_heads, width, dv, kv_rows))
+    return max(1, rows)
 
 
 def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, probability_rounding, sink,
@@ -528,32 +544,20 @@ def _faithful_chunk(q, q_facts, k, k_facts, v, v_facts, valid, scale, qdtype, pr
     rounding), m, l [c, N] fp32.
     """
     w = k.shape[1]
-    s = _dot_f32(q, k.transpose(0, 2, 1), q_facts, k_facts)  # RN32(q . k)  [c, N, W]
-    s *= scale  # fp32 multiply
-    if not valid.all():
-        np.copyto(s, MASK_VALUE, where=~valid[:, None, :])  # -2e38, not -inf (the kernel's value)
-    m = s.max(axis=-1)  # [c, N]
-    s -= m[..., None]  # fp32 subtract (exact IEEE operation)
-    e64 = scratch("faithful_e64", s.shape, np.float64)
-    e = exp_f32(s, out64=e64)  # RN32(exp(s - m))
+    s = _dot_f32(q, k.transpose(0, 2, 1), q_facts, k_facts,  # RN32(q . k)  [c, N, W]
+                 out=scratch("faithful_s", q.shape[:2] + (w,), np.float32))
+    p = scratch("faithful_e64", s.shape, np.float64)  # P rounded to the query dtype, float64 for the exact products
+    p_mode = p_rounding or DEFAULT_ROUNDING["p"][qdtype]
+    m, l, e_min = softmax_rows(s, valid, scale, qdtype=qdtype, probability_rounding=probability_rounding,
+                               p_mode=p_mode, p_out=p)  # in blocks of rows (qsfa.reference._decode_blocks)
     s = None
-    l64 = np.add.reduce(e, axis=-1, dtype=np.float64)
-    l = certified_f32(l64, sum_error_bound(w, l64),  # all terms >= 0: sum |e| = l
-                      lambda idx: exact_sum_f32(e.reshape(-1, w)[idx].astype(np.float64)))
     # facts of P's rows (Hoelder: 1-norm): every non-zero P_j >= e_min (1 - 2^-7) [/ l], sum P <= (1 + 2^-6) sum e
-    e_min = e.min(axis=-1).astype(np.float64)
-    if not e_min.all():  # unselected tokens (or underflow) give P = 0: the smallest non-zero one matters
-        e_min = np.min(e, axis=-1, where=e > 0, initial=np.inf).astype(np.float64)
     slack = w * _TINY[qdtype]
     if probability_rounding == "normalised":
-        e /= l[..., None]  # fp32 divide
         p_low, p_sum = e_min / l * (1 - 2.0 ** -6), np.full(l.shape, 1 + 2.0 ** -5 + slack)
     else:
         p_low, p_sum = e_min * (1 - 2.0 ** -6), l * (1 + 2.0 ** -6) + slack
     p_lq = np.where(np.isfinite(p_low) & (p_low > 0), np.frexp(p_low)[1] - _PRECISION[qdtype], _NO_LQ)
-    p = e64  # P rounded to the query dtype (p_rounding), held in float64 for the exact-product matmul
-    np.copyto(p, round_q16(e, qdtype, p_rounding or DEFAULT_ROUNDING["p"][qdtype]))
-    e = None  # free before the second matmul
     o = _dot_f32(p, v, (p_sum, p_lq), v_facts)  # RN32(P @ V)
     if probability_rounding != "normalised":
         o /= l[..., None]  # fp32 divide
@@ -588,14 +592,15 @@ def _exact_chunk(q, k, v, valid, scale, sink, lse_includes_sink):
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
           scale_value, qdtype, precision, probability_rounding, chunk_size, sinks=None,
           lse_includes_sink=False, p_rounding=None, out_rounding=None, out_buffer=None, lse=True,
-          lse_buffers=(None, None)):
+          lse_buffers=(None, None), kv_rows=2):
     """Attention over selected tokens for every query row.
 
     out_buffer: an optional C-contiguous array of the output's size and dtype (``attention_out=``, e.g. an
     ``np.memmap``): the rows are written into it chunk by chunk, so the output never exists in memory as a whole.
     lse: whether softmax_max / softmax_sum are wanted (if not, no per-row array of them is allocated: empty
     arrays are returned); lse_buffers: optional C-contiguous buffers of their size and dtype (``softmax_max_out=``,
-    ``softmax_sum_out=``), written chunk by chunk like out_buffer.
+    ``softmax_sum_out=``), written chunk by chunk like out_buffer. kv_rows: float64 K / V rows per selected token
+    that load_kv keeps alive (:func:`row_workset_bytes`; the chunks are sized from it and the working-set budget).
 
     load_q(row_ids) -> (q [c, N, Dqk] float64, facts (2-norm bound, lq) [c, N] or None in exact mode).
     load_kv(storage [c, W] int64, valid [c, W]) -> (K [c, W, Dqk], V [c, W, dv], k_facts [c, W], v_facts
@@ -628,7 +633,9 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
     row_range = _ROW_RANGE.get()
     if row_range is not None:
         active = active[(active >= row_range[0]) & (active < row_range[1])]
-    step = _rows_per_chunk(chunk_size, n_heads, width)
+    n_threads = get_num_threads()
+    step = _rows_per_chunk(chunk_size, n_heads, width, budget=workset_bytes_per_thread(n_threads), dv=dv,
+                           kv_rows=kv_rows)
     sink = None if sinks is None else np.asarray(sinks, np.float32).astype(fdt)
 
     def compute(r, tok, valid):
@@ -637,9 +644,9 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         q, q_facts = load_q(r)
         if exact:
             return _exact_chunk(q, k, v, valid, np.float64(scale_value), sink, lse_includes_sink)
-        vmax, vlq = v_facts  # per column of V: the largest entry and the smallest quantum over the tokens
-        g = dv // vmax.shape[-1]
-        v_cols = (np.repeat(vmax.max(axis=1), g, axis=-1), np.repeat(vlq.min(axis=1), g, axis=-1))
+        g = dv // v_facts[0].shape[-1]  # per column of V: the largest entry and the smallest quantum over the tokens
+        vmax, vlq = (np.ascontiguousarray(f.transpose(0, 2, 1)) for f in v_facts)  # (reduced along a contiguous axis)
+        v_cols = (np.repeat(vmax.max(axis=-1), g, axis=-1), np.repeat(vlq.min(axis=-1), g, axis=-1))
         return _faithful_chunk(q, q_facts, k, k_facts, v, v_cols, valid, np.float32(scale_value), qdtype,
                                probability_rounding, sink, lse_includes_sink, p_rounding)
 
@@ -680,7 +687,7 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
             if sel.size:
                 for b in zeroed:
                     b[sel] = 0
-    run_chunks(chunk, range(0, active.size, step))
+    run_chunks(chunk, range(0, active.size, step), n_threads)
     return out, mx, sm
 
 
@@ -752,70 +759,28 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     rope = int(rope_head_dim)
     kvd = key.shape[-1]
     key2d = key.reshape(-1, kvd).view(np.uint8)
-    scale_off = NOPE_DIM + 2 * rope
     fmt = key_dtype
     n_heads = query.shape[-2]
     dqk = NOPE_DIM + ROPE_DIM
     q2d = query.reshape(-1, n_heads, query.shape[-1])
 
     def load_q(r):
-        q = np.zeros((r.size, n_heads, dqk), np.float64)
+        q = scratch("qsfa_q", (r.size, n_heads, dqk), np.float64)
         qr = q2d[r]
         q[..., :query.shape[-1]] = qr
+        q[..., query.shape[-1]:] = 0
         return q, (None if exact else row_facts(q, qr.view(np.uint16), qdt))
 
-    def nope_scaled(codes, scales, out):
-        """``out[...] = decode(codes) * scales`` (tile-wise; out [n, 4, 128] of the scales' dtype): one multiply,
-        in which int8 / FP8 codes decode exactly."""
-        if fmt == "hifloat8":
-            decode_nope_into(out.reshape(-1, NOPE_DIM), codes, fmt)
-            np.multiply(out, scales[:, :, None], out=out)
-        else:
-            np.multiply(_code_view(codes, fmt).reshape(out.shape), scales[:, :, None], out=out)
-
-    def dequant(packed):
-        """Packed rows [n, kvd] (uint8) -> (K [n, 576] float64, facts): NoPE decoded and scaled (faithful: one
-        fp32 multiply rounded to the query dtype; exact: the exact float64 product); RoPE as stored. Faithful
-        facts, from the tile scales and the RoPE bits (see :func:`_dot_f32`): per row a 2-norm bound and lq, per
-        row and NoPE tile the largest |entry| and lq; None in exact mode."""
-        n = packed.shape[0]
-        scales = np.ascontiguousarray(packed[:, scale_off:scale_off + 16]).view("<f4")
-        k = scratch("qsfa_k", (n, dqk), np.float64)
-        kn = k[:, :NOPE_DIM]  # written in place
-        if exact:
-            nope_scaled(packed[:, :NOPE_DIM], scales.astype(np.float64), kn.reshape(n, NOPE_DIM // TILE, TILE))
-        else:  # fp32 product, query-dtype rounding, widened (exactly) into K; in blocks to bound the temporaries
-            blk = min(n, _DEQUANT_BLOCK)
-            tmp = np.empty((blk, NOPE_DIM // TILE, TILE), np.float32)
-            t16 = np.empty((blk, NOPE_DIM), _QDT[qdt])
-            for a in range(0, n, _DEQUANT_BLOCK):
-                b = min(n, a + _DEQUANT_BLOCK)
-                t = tmp[:b - a]
-                nope_scaled(packed[a:b, :NOPE_DIM], scales[a:b], t)
-                t2 = t.reshape(b - a, NOPE_DIM)
-                if k_mode == "rint":
-                    with np.errstate(over="ignore"):
-                        np.copyto(t16[:b - a], t2, casting="unsafe")  # RINT (NumPy / ml_dtypes: half to even)
-                    np.copyto(kn[a:b], t16[:b - a])
-                else:
-                    np.copyto(kn[a:b], round_q16(t2, qdt, k_mode))
-        if rope:
-            rope32 = packed[:, NOPE_DIM:scale_off].view(_QDT[qdt]).astype(np.float32)  # exact widening
-            np.copyto(k[:, NOPE_DIM:], rope32)
-        else:
-            k[:, NOPE_DIM:] = 0
-        if exact:
-            return k, None
-        return k, qsfa_row_facts(packed[:, :NOPE_DIM], scales, fmt, qdt,
-                                 packed[:, NOPE_DIM:scale_off].view(np.uint16) if rope else None,
-                                 rope32 if rope else None)
+    def dequant(packed):  # -> (K [n, 576] float64, facts or None): qsfa.reference._decode_blocks
+        return qsfa_keys(packed, fmt=fmt, qdt=qdt, k_mode=k_mode, rope=rope, exact=exact)
 
     def load_kv(storage, valid):
         c, w = storage.shape
         flat = storage.reshape(-1)
         bad = ~valid.reshape(-1)
-        uniq, inv = np.unique(flat, return_inverse=True)
-        if 2 * uniq.size <= flat.size:  # rows shared by the chunk (prefill): dequantise each once, then gather
+        srt = np.sort(flat)
+        if 2 * (1 + np.count_nonzero(srt[1:] != srt[:-1])) <= flat.size:  # rows shared by the chunk (prefill):
+            uniq, inv = np.unique(flat, return_inverse=True)  # dequantise each distinct row once, then gather
             k, facts = dequant(key2d[uniq])
             inv = inv.reshape(-1)
             k = np.take(k, inv, axis=0, mode="clip",  # mode="raise" would buffer out (a copy)
@@ -826,7 +791,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 for f, empty in zip(facts, (0.0, _NO_LQ, 0.0, _NO_LQ)):
                     f[bad] = empty
         else:  # decode: gather the selected packed rows once, dequantise them
-            packed = key2d[flat]
+            packed = np.take(key2d, flat, axis=0, mode="clip",  # (rows in range; "raise" would buffer out)
+                             out=scratch("qsfa_packed", (flat.size, kvd), np.uint8))
             packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows), facts of zeros
             k, facts = dequant(packed)
         k = k.reshape(c, w, dqk)
@@ -936,7 +902,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
                         probability_rounding=probability_rounding, chunk_size=chunk_size, sinks=sinks,
                         lse_includes_sink=lse_includes_sink, p_rounding=p_rounding, out_rounding=out_rounding,
                         out_buffer=attention_out, lse=bool(return_softmax_lse),
-                        lse_buffers=(softmax_max_out, softmax_sum_out))
+                        lse_buffers=(softmax_max_out, softmax_sum_out), kv_rows=4)
     return _shape_outputs(out, mx, sm, layout_query, query.shape, return_softmax_lse, exact, attention_out,
                           softmax_max_out, softmax_sum_out)
 

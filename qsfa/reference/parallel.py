@@ -16,7 +16,15 @@ Thread count, the smaller of:
 
 While the pool runs, BLAS is limited to one thread per calling thread (process-wide, through threadpoolctl:
 another thread of the caller that calls BLAS meanwhile also gets one thread). Each worker holds its own chunk
-working set (see ``chunk_size``), so peak memory grows with the thread count.
+working set.
+
+Working-set budget: ``qsfa.set_workset_mib(n)`` if called (``None`` resets it), else the environment variable
+``QSFA_WORKSET_MIB``, else :data:`DEFAULT_WORKSET_MIB` (256) MiB for the chunks of one call, divided among its
+threads (:func:`workset_bytes_per_thread`). The oracle sizes its chunks of query rows from the share
+(``qsfa.reference.attention._rows_per_chunk``: a model of the float64 K / V and score arrays one row needs), so
+the peak does not grow with the number of query tokens, nor the total with the thread count - down to one row
+per chunk, whose working set (about 20 KiB per selected token for 576-wide K, plus 32 bytes per selected token
+and head) is the floor. Results do not depend on the budget (nor on the chunking).
 """
 
 from __future__ import annotations
@@ -25,11 +33,15 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["set_num_threads", "get_num_threads", "run_chunks"]
+__all__ = ["set_num_threads", "get_num_threads", "run_chunks", "set_workset_mib", "get_workset_mib",
+           "workset_bytes_per_thread", "DEFAULT_WORKSET_MIB"]
 
 _ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 _requested: int | None = None
 _controller = None
+#: working-set budget of one oracle call in MiB (all its threads together) when nothing else is set
+DEFAULT_WORKSET_MIB = 256
+_workset: int | None = None
 
 
 def set_num_threads(n: int | None) -> None:
@@ -43,6 +55,32 @@ def set_num_threads(n: int | None) -> None:
 
             raise InvalidArgument("value", "n", n, "must be a positive integer or None")
     _requested = n
+
+
+def set_workset_mib(mib: int | None) -> None:
+    """Bound the attention oracle's working set to about ``mib`` MiB per call, shared by its threads (``None``:
+    back to ``QSFA_WORKSET_MIB`` / :data:`DEFAULT_WORKSET_MIB`); see the module docstring."""
+    global _workset
+    if mib is not None:
+        if isinstance(mib, bool) or not isinstance(mib, int) or mib < 1:
+            from .._errors import InvalidArgument
+
+            raise InvalidArgument("value", "mib", mib, "must be a positive integer (MiB) or None")
+    _workset = mib
+
+
+def get_workset_mib() -> int:
+    """The working-set budget in MiB now: :func:`set_workset_mib`, else ``QSFA_WORKSET_MIB``, else the default
+    (an unparsable or non-positive environment value is ignored, as ``QSFA_NUM_THREADS``)."""
+    if _workset is not None:
+        return _workset
+    env = _env_int("QSFA_WORKSET_MIB")
+    return env if env is not None else DEFAULT_WORKSET_MIB
+
+
+def workset_bytes_per_thread(n_threads: int) -> int:
+    """One thread's share of the budget in bytes when ``n_threads`` threads run the chunks."""
+    return (get_workset_mib() << 20) // max(int(n_threads), 1)
 
 
 def _env_int(name: str) -> int | None:
@@ -75,6 +113,12 @@ def _blas():
     return _controller or None
 
 
+def _blas_threads() -> int:
+    """The BLAS thread limit now (1 without threadpoolctl / a BLAS: nothing to pin)."""
+    blas = _blas()
+    return 1 if blas is None else min(lib.num_threads for lib in blas.lib_controllers)
+
+
 def get_num_threads() -> int:
     """The number of threads the oracle uses now (see the module docstring)."""
     env = _env_int("QSFA_NUM_THREADS")
@@ -92,12 +136,23 @@ def get_num_threads() -> int:
 
 def run_chunks(fn, starts, n_threads: int | None = None) -> None:
     """``fn(s)`` for every ``s`` of ``starts``: in order on this thread, or on a pool of ``n_threads`` threads
-    (default :func:`get_num_threads`) with BLAS at one thread each. Exceptions propagate."""
+    (default :func:`get_num_threads`) with BLAS at one thread each; with ``n_threads`` 1, BLAS at one thread
+    too. Exceptions propagate."""
     starts = list(starts)
-    n = min(get_num_threads() if n_threads is None else n_threads, len(starts))
+    allowed = get_num_threads() if n_threads is None else n_threads
+    n = min(allowed, len(starts))
     if n <= 1:
-        for s in starts:
-            fn(s)
+        # one thread allowed: BLAS too (its default pool on small GEMMs costs 20x on a machine whose cores are
+        # busy); one chunk with more threads allowed: BLAS keeps them for that chunk
+        pin = allowed <= 1 and _blas_threads() > 1  # (already one: nothing to set, nothing to restore)
+        if pin:
+            _enter_one_blas_thread()
+        try:
+            for s in starts:
+                fn(s)
+        finally:
+            if pin:
+                _leave_one_blas_thread()
         return
     _enter_one_blas_thread()
     try:

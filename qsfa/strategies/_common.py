@@ -3,7 +3,6 @@ used by several operator families (see :mod:`qsfa.strategies`)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -100,26 +99,55 @@ def _choose(draw, pins: dict, name: str, options):
     return draw(sampled(tuple(options)))
 
 
-_SCALARS = (bool, int, float, str, type(None))
-
-
-@functools.lru_cache(maxsize=4096)
-def _sampled_cached(key: tuple, opts: tuple) -> st.SearchStrategy:
-    return st.sampled_from(opts)
+_SCALARS = frozenset((bool, int, float, str, type(None)))
+_SAMPLED: dict = {}
 
 
 def sampled(opts: tuple) -> st.SearchStrategy:
     """``st.sampled_from(opts)``, one strategy object per distinct tuple of plain scalars: a fresh
     ``sampled_from`` is validated and labelled again on every draw, which was ~30% of drawing an attention
-    example (issue 15). Draws are the same as with a fresh strategy. The cache key holds each option's type and
-    repr, so ``(False, True)`` and ``(0, 1)``, or ``0.0`` and ``-0.0``, stay distinct."""
-    if all(type(o) in _SCALARS for o in opts):
-        return _sampled_cached(tuple((type(o), repr(o)) for o in opts), opts)
-    return st.sampled_from(opts)
+    example (issue 15). Draws are the same as with a fresh strategy. The cache key holds each option's type (and a
+    float's repr), so ``(False, True)`` and ``(0, 1)``, or ``0.0`` and ``-0.0``, stay distinct."""
+    types = tuple(map(type, opts))
+    key = (types, tuple(map(repr, opts)) if float in types else opts)
+    try:
+        return _SAMPLED[key]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable options
+        return st.sampled_from(opts)
+    s = st.sampled_from(opts)
+    if _SCALARS.issuperset(types):
+        _SAMPLED[key] = s
+    return s
+
+
+_STRATS: dict = {}
+
+
+def ints(lo: int, hi: int) -> st.SearchStrategy:
+    """``st.integers(lo, hi)``, built once per bounds (hypothesis' own strategy cache costs ~20 us a lookup)."""
+    key = ("i", int(lo), int(hi))
+    s = _STRATS.get(key)
+    if s is None:
+        s = _STRATS[key] = st.integers(int(lo), int(hi))
+    return s
+
+
+def int_lists(lo: int, hi: int, n: int) -> st.SearchStrategy:
+    """``st.lists(st.integers(lo, hi), min_size=n, max_size=n)``, built once per arguments (see :func:`ints`)."""
+    key = ("l", int(lo), int(hi), int(n))
+    s = _STRATS.get(key)
+    if s is None:
+        s = _STRATS[key] = st.lists(ints(lo, hi), min_size=int(n), max_size=int(n))
+    return s
+
+
+BOOLEANS = st.booleans()
 
 
 def _rng(draw) -> np.random.Generator:
-    return np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return np.random.default_rng(draw(ints(0, 2**32 - 1)))
 
 
 def _bits16(a: np.ndarray) -> np.ndarray:
