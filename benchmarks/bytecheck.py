@@ -135,7 +135,7 @@ def writer_cases():
     """The C8 writers (finite inputs, zero tiles) and dynamic_block_quant (with +-inf and nan)."""
     out = {}
     for fmt in ("int8", "float8_e4m3fn"):
-        for order in ("divide", "multiply"):
+        for order in ("divide", "multiply", "reciprocal"):
             def c8(fmt=fmt, order=order):
                 _, x, slots = _writer_inputs(10, specials=False)
                 cache = np.full(((1024 + 256) // 128, 128, 1, 656), 17, np.uint8)

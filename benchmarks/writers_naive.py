@@ -97,18 +97,20 @@ def run(quick: bool = False, rounds: int | None = None) -> list[dict]:
             if q.tobytes() != nq.tobytes() or s.tobytes() != ns.tobytes():
                 raise AssertionError(f"dynamic_block_quant ({fmt}) and the naive version disagree: not reported")
             caches = [np.full((nblk, 128, 1, 656), 17, np.uint8) for _ in range(4)]
-            qsfa.c8_cache_write(x, kv[:, 512:], slots, caches[0], key_dtype=fmt)
+            qsfa.c8_cache_write(x, kv[:, 512:], slots, caches[0], key_dtype=fmt, scale_order="divide")
             naive_c8_write(x, kv[:, 512:], slots, caches[1], fmt)
-            qsfa.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slots, caches[2], key_dtype=fmt)
+            qsfa.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slots, caches[2], key_dtype=fmt, scale_order="divide")
             naive_c8_rmsnorm_rope(kv, gamma, cos, sin, slots, caches[3], key_dtype=fmt)
             if caches[0].tobytes() != caches[1].tobytes() or caches[2].tobytes() != caches[3].tobytes():
                 raise AssertionError(f"a C8 writer ({fmt}) and its naive version disagree: not reported")
             fns = {
                 "dbq": lambda: qsfa.dynamic_block_quant(x, dst_type=fmt, scale_order="divide"),
                 "dbq naive": lambda: naive_block_quant(x, fmt),
-                "c8": lambda: qsfa.c8_cache_write(x, kv[:, 512:], slots, caches[0], key_dtype=fmt),
+                "c8": lambda: qsfa.c8_cache_write(x, kv[:, 512:], slots, caches[0], key_dtype=fmt,
+                                                  scale_order="divide"),
                 "c8 naive": lambda: naive_c8_write(x, kv[:, 512:], slots, caches[1], fmt),
-                "c8r": lambda: qsfa.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slots, caches[2], key_dtype=fmt),
+                "c8r": lambda: qsfa.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slots, caches[2], key_dtype=fmt,
+                                                          scale_order="divide"),
                 "c8r naive": lambda: naive_c8_rmsnorm_rope(kv, gamma, cos, sin, slots, caches[3], key_dtype=fmt),
             }
             load0 = os.getloadavg()[0]

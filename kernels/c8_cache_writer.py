@@ -18,8 +18,10 @@ interpreter-vs-GPU notes.
 ``key_dtype="float8_e4m3fn"`` (Ascend 950): ``s = amax / 448``, ``q = E4M3FN_RNE(clamp(x / s, +-448))``,
 encoded by bit arithmetic (the interpreter's fp8 conversion does not round to nearest even).
 
-``scale_order`` (docs/numerics/open-facts.md#scale_order, OPEN): ``"divide"`` (default, aclnn doc) quantises ``x / s``;
-``"multiply"`` quantises ``x * fp32(TYPE_MAX / amax)`` (the op-plugin test golden's order).
+``scale_order`` (qsfa.reference.quant; per chip, docs/numerics/chips.md#c8-cache-writers): ``"divide"`` (950;
+the default here) quantises ``x / s``; ``"reciprocal"`` (A2/A3) quantises ``x * fp32(fp32(1 / amax) * TYPE_MAX)`` and
+stores ``s = amax * fp32(1 / TYPE_MAX)``; ``"reciprocal_multiply"`` that multiplier with ``s = amax / TYPE_MAX``;
+``"multiply"`` quantises ``x * fp32(TYPE_MAX / amax)``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ._common import rint_small, to_f32
 
 __all__ = ["c8_cache_write_kernel", "launch_c8_cache_write", "SCALE_ORDERS", "KEY_DTYPES"]
 
-SCALE_ORDERS = ("divide", "multiply")
+SCALE_ORDERS = ("divide", "multiply", "reciprocal", "reciprocal_multiply")  # index = the ORDER constexpr
 KEY_DTYPES = ("int8", "float8_e4m3fn")
 
 NOPE = 512
@@ -67,7 +69,7 @@ def c8_cache_write_kernel(
     stride_cc,                               # byte stride of the last (column) dim
     block_size,
     HAS_ROPE: tl.constexpr,
-    MULTIPLY_ORDER: tl.constexpr,
+    ORDER: tl.constexpr,                     # index into SCALE_ORDERS
     IS_BF16: tl.constexpr,
     FP8: tl.constexpr,                       # key_dtype float8_e4m3fn (else int8)
 ):
@@ -89,11 +91,17 @@ def c8_cache_write_kernel(
         else:
             type_max = 127.0
         s = tl.math.div_rn(amax, tl.full(amax.shape, type_max, tl.float32))
-        if MULTIPLY_ORDER:
-            inv = tl.math.div_rn(tl.full(amax.shape, type_max, tl.float32), tl.where(zero, 1.0, amax))
-            y = x * tl.broadcast_to(inv[:, None], x.shape)
-        else:
+        if ORDER == 0:  # divide
             y = tl.math.div_rn(x, tl.broadcast_to(tl.where(zero, 1.0, s)[:, None], x.shape))
+        else:
+            if ORDER == 1:  # multiply: one correctly rounded quotient
+                inv = tl.math.div_rn(tl.full(amax.shape, type_max, tl.float32), tl.where(zero, 1.0, amax))
+            else:  # reciprocal, reciprocal_multiply: fp32(1 / amax), then times TYPE_MAX (two roundings)
+                inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.where(zero, 1.0, amax)) * type_max
+            y = x * tl.broadcast_to(inv[:, None], x.shape)
+            if ORDER == 2:  # reciprocal: the stored scale is amax * fp32(1 / TYPE_MAX)
+                s = amax * tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32),
+                                          tl.full(amax.shape, type_max, tl.float32))
         y = tl.minimum(tl.maximum(y, -type_max), type_max)
         y = tl.where(zero[:, None], 0.0, y)
         if FP8:
@@ -129,8 +137,7 @@ def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype: 
                     written in place.
       key_dtype:    "int8" (``s = amax / 127``, RINT, clamp +-127) or "float8_e4m3fn" (``s = amax / 448``,
                     clamp +-448, E4M3FN RNE).
-      scale_order:  ``"divide"`` (``x / s``, default) or ``"multiply"`` (``x * fp32(TYPE_MAX / amax)``);
-                    docs/numerics/open-facts.md#scale_order (OPEN).
+      scale_order:  one of :data:`SCALE_ORDERS` (module docstring; default ``"divide"``).
     Returns ``kv_cache``.
     """
     import torch
@@ -161,7 +168,7 @@ def launch_c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype: 
         cache_u8, cache_u8.stride(0), cache_u8.stride(1), cache_u8.stride(3),
         block_size,
         HAS_ROPE=k_rope is not None,
-        MULTIPLY_ORDER=scale_order == "multiply",
+        ORDER=SCALE_ORDERS.index(scale_order),
         IS_BF16=k_nope.dtype == torch.bfloat16,
         FP8=key_dtype == "float8_e4m3fn",
         enable_fp_fusion=False,  # no fma contraction: every fp32 operation rounds as in the reference

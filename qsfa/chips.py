@@ -42,6 +42,8 @@ __all__ = [
     "krr_numerics",
     "dbq_numerics",
     "DYNAMIC_BLOCK_QUANT_ORDER",
+    "C8_SCALE_ORDER",
+    "c8_numerics",
     "check_chip",
     "chip_for_args",
     "resolve_chip",
@@ -77,6 +79,10 @@ KRR_HIFLOAT8_OVERFLOW = {"A2": "saturate", "A3": "saturate", "950": "inf"}
 #: multiply by fp32(fp32(1/amax) * TYPE_MAX) and output amax * fp32(1/TYPE_MAX); the 950 divides. Sources:
 #: docs/numerics/chips.md#dynamic_block_quant.
 DYNAMIC_BLOCK_QUANT_ORDER = {"A2": "reciprocal", "A3": "reciprocal", "950": "divide"}
+
+#: c8_cache_write / c8_rmsnorm_rope_cache: vllm-ascend's C8 writer quantises the NoPE with the chip's
+#: npu_dynamic_block_quant, so the writers take its order. Sources: docs/numerics/chips.md#c8-cache-writers.
+C8_SCALE_ORDER = DYNAMIC_BLOCK_QUANT_ORDER
 
 #: the chip whose numerics the bare reference functions use when no mode is passed
 DEFAULT_CHIP = "A2"
@@ -122,6 +128,11 @@ def krr_numerics(chip: str, args: Mapping) -> dict:
 def dbq_numerics(chip: str, args: Mapping) -> dict:
     """``Operator.numerics`` of dynamic_block_quant: the chip's scale order where the caller left it None."""
     return {} if args.get("scale_order") is not None else {"scale_order": DYNAMIC_BLOCK_QUANT_ORDER[chip]}
+
+
+def c8_numerics(chip: str, args: Mapping) -> dict:
+    """``Operator.numerics`` of the C8 writers: the chip's scale order where the caller left it None."""
+    return {} if args.get("scale_order") is not None else {"scale_order": C8_SCALE_ORDER[chip]}
 
 
 def chip_for_args(contract, args: Mapping) -> str:

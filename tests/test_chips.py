@@ -454,3 +454,75 @@ def test_attention_front_door_passes_the_chip():
         out = qsfa.attention(a["query"][..., :512], a["key"], None, a["sparse_indices"], 1.0,
                              query_rope=a["query"][..., 512:], chip=chip)[0]
         assert float(np.asarray(out, np.float32)[0, 0, 0, 7]) == want
+
+
+# ------------------------------------------------------------------------------------------------------------
+# C8 writers: the chip's npu_dynamic_block_quant order (docs/numerics/chips.md#c8-cache-writers)
+
+def _c8_row(codes, scale_bytes):
+    """A 528-byte packed row (rope 0): NoPE codes (tile 0 starts with ``codes``, everything else 0), then the
+    four little-endian fp32 scales (tile 0 ``scale_bytes``, the all-zero tiles 1-3 scale 0)."""
+    row = np.zeros(528, np.uint8)
+    row[:len(codes)] = codes
+    row[512:516] = scale_bytes
+    return row
+
+
+def _c8_write(key_dtype, first_two, **kw):
+    k_nope = np.zeros((1, 512), BF16)
+    k_nope[0, :2] = first_two
+    cache = np.full((1, 1, 1, 528), 0x11, np.uint8)
+    return qsfa.c8_cache_write(k_nope, None, np.array([0]), cache, key_dtype=key_dtype, **kw)[0, 0, 0]
+
+
+# int8, amax = 7.46875 (tile 0 = 7.46875, 3.734375, zeros): x * 127 / amax = 63.5 exactly, a tie.
+#   A2/A3 ("reciprocal"): multiplier fp32(fp32(1 / 7.46875) * 127) = 17.004183 < 127 / 7.46875 = 17.004184..., so
+#   3.734375 * m = 63.499996 -> 63; amax * m = 126.99999 -> 127; scale amax * fp32(1/127) = 0x3D70E1C3.
+#   950 ("divide"): s = fp32(7.46875 / 127) = 0x3D70E1C4; 3.734375 / s = 63.5 exactly -> RINT to even 64.
+C8_INT8_A2 = _c8_row([127, 63], [0xC3, 0xE1, 0x70, 0x3D])
+C8_INT8_950 = _c8_row([127, 64], [0xC4, 0xE1, 0x70, 0x3D])
+# FP8 E4M3FN, amax = 1.5 (tile 0 = 1.5, 1.125): x * 448 / amax = 336 exactly, halfway between the codes 0x7A (320)
+# and 0x7B (352).
+#   950 ("divide"): s = fp32(1.5 / 448) = 0x3B5B6DB7; 1.125 / s = 336.0 -> RNE to the even mantissa 0x7A;
+#   1.5 / s = 448 -> 0x7E.
+#   "reciprocal": m = fp32(fp32(1 / 1.5) * 448) = 298.66669 > 448 / 1.5, so 1.125 * m = 336.00003 -> 0x7B;
+#   1.5 * m = 448.00003, clamped to 448 -> 0x7E; scale 1.5 * fp32(1/448) = 0x3B5B6DB8.
+C8_FP8_950 = _c8_row([0x7E, 0x7A], [0xB7, 0x6D, 0x5B, 0x3B])
+C8_FP8_RECIPROCAL = _c8_row([0x7E, 0x7B], [0xB8, 0x6D, 0x5B, 0x3B])
+
+
+def test_c8_cache_write_scale_order_tie_per_chip():
+    for chip, want in ((None, C8_INT8_A2), ("A2", C8_INT8_A2), ("A3", C8_INT8_A2), ("950", C8_INT8_950)):
+        got = _c8_write("int8", [7.46875, 3.734375], chip=chip)
+        assert got.tolist() == want.tolist(), chip
+    assert qsfa.resolve_chip("c8_cache_write", np.zeros((1, 512), BF16), None, np.array([0]),
+                             np.zeros((1, 1, 1, 528), np.uint8)) == "A2"
+    # an explicit order overrides the chip's
+    assert _c8_write("int8", [7.46875, 3.734375], chip="A2", scale_order="divide").tolist() == C8_INT8_950.tolist()
+    assert _c8_write("int8", [7.46875, 3.734375], chip="950", scale_order="reciprocal").tolist() == C8_INT8_A2.tolist()
+    # FP8 is a 950 cache: without chip= the call models the 950 and divides
+    for chip in (None, "950"):
+        assert _c8_write("float8_e4m3fn", [1.5, 1.125], chip=chip).tolist() == C8_FP8_950.tolist(), chip
+    got = _c8_write("float8_e4m3fn", [1.5, 1.125], chip="950", scale_order="reciprocal")
+    assert got.tolist() == C8_FP8_RECIPROCAL.tolist()
+    with pytest.raises(InvalidArgument, match="Atlas A2/A3 packed caches are int8 only"):
+        _c8_write("float8_e4m3fn", [1.5, 1.125], chip="A2")
+
+
+def test_c8_rmsnorm_rope_cache_takes_the_chips_order():
+    """The whole writer passes the chip's order to its quantiser: its default equals the explicit order of the
+    chip, on an input where the two orders give different bytes (so the comparison is not vacuous)."""
+    rng = np.random.default_rng(3)
+    t = 64
+    kv = (rng.standard_normal((t, 512)) * 3).astype(BF16)
+    gamma = np.ones(512, BF16)
+
+    def write(**kw):
+        cache = np.full((1, t, 1, 528), 0x11, np.uint8)
+        return qsfa.c8_rmsnorm_rope_cache(kv, gamma, None, None, np.arange(t), cache, rope_head_dim=0, **kw)
+
+    divide, reciprocal = write(scale_order="divide"), write(scale_order="reciprocal")
+    assert divide.tobytes() != reciprocal.tobytes()
+    for chip in (None, "A2", "A3"):
+        assert write(chip=chip).tobytes() == reciprocal.tobytes(), chip
+    assert write(chip="950").tobytes() == divide.tobytes()

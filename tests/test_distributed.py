@@ -522,7 +522,7 @@ from qsfa.distributed import connect
 def info():
     import os, sys
     from threadpoolctl import threadpool_info
-    return {"ppid": os.getppid(), "preloaded": "json.tool" in sys.modules,
+    return {"ppid": os.getppid(), "preloaded": "json.tool" in sys.modules, "trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
             "blas": sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})}
 
 if __name__ == "__main__":
@@ -553,6 +553,7 @@ def test_local_workers_fork_from_a_single_threaded_server_that_imported_the_prel
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(got["workers"]) == 2
     assert all(w["blas"] == [1] for w in got["workers"])
+    assert all(w["trim"] is None for w in got["workers"])  # glibc's adaptive threshold, as in a serial run
     if method is None:
         assert "multiprocessing.forkserver" in got["parent_cmd"]
         assert got["parent_threads"] == 1  # forking it copies no other thread's state
@@ -561,3 +562,26 @@ def test_local_workers_fork_from_a_single_threaded_server_that_imported_the_prel
     else:  # spawned by the nannies in the client: fresh interpreters without the preload
         assert {w["ppid"] for w in got["workers"]} == {got["client"]}
         assert not any(w["preloaded"] for w in got["workers"])
+
+
+def test_the_malloc_trim_threshold_is_left_to_the_user(monkeypatch):
+    """Dask's workers default to MALLOC_TRIM_THRESHOLD_=65536; qsfa's local cluster leaves it unset unless the
+    environment or Dask's configuration sets it."""
+    import dask
+
+    from qsfa.distributed._cluster import _local_settings, _pre_spawn_environ
+
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    # Dask's default (the module's cluster, still open, holds qsfa's setting)
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": 65536}):
+        before = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+        assert _local_settings() == {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+        env = _pre_spawn_environ()
+        assert "MALLOC_TRIM_THRESHOLD_" not in env
+        assert env["OPENBLAS_NUM_THREADS"] == os.environ.get("OPENBLAS_NUM_THREADS", "1")
+        assert dask.config.get("distributed.nanny.pre-spawn-environ") == before  # Dask's setting left as it was
+        monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4096")
+        assert _local_settings() == {} and _pre_spawn_environ()["MALLOC_TRIM_THRESHOLD_"] == "4096"
+        monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+        monkeypatch.setenv("DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON", "{'MALLOC_TRIM_THRESHOLD_': 8192}")
+        assert _local_settings() == {}

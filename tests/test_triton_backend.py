@@ -127,9 +127,28 @@ def test_c8_contract_example():
 
 
 @given(case=c8_cases(), key_dtype=st.sampled_from(["int8", "float8_e4m3fn"]),
-       scale_order=st.sampled_from(["divide", "multiply"]))
+       scale_order=st.sampled_from(["divide", "multiply", "reciprocal", "reciprocal_multiply", None]))
 def test_c8_matches_reference(case, key_dtype, scale_order):
     check_c8_cache_write(dict(case, key_dtype=key_dtype, scale_order=scale_order))
+
+
+def test_c8_scale_order_tie_per_chip():
+    """docs/numerics/chips.md#c8-cache-writers through the kernel: the hand-built ties of tests/test_chips.py (A2/A3
+    reciprocal vs 950 divide, int8 and FP8) give the bytes written out there."""
+    from test_chips import C8_FP8_950, C8_FP8_RECIPROCAL, C8_INT8_950, C8_INT8_A2
+
+    def write(key_dtype, first_two, **kw):
+        k_nope = np.zeros((1, 512), BF16)
+        k_nope[0, :2] = first_two
+        cache = np.full((1, 1, 1, 528), 0x11, np.uint8)
+        out = qsfa.c8_cache_write(k_nope, None, np.array([0]), cache, key_dtype=key_dtype, backend="triton", **kw)
+        return np.asarray(out)[0, 0, 0].tolist()
+
+    for chip, want in ((None, C8_INT8_A2), ("A3", C8_INT8_A2), ("950", C8_INT8_950)):
+        assert write("int8", [7.46875, 3.734375], chip=chip) == want.tolist(), chip
+    assert write("int8", [7.46875, 3.734375], chip="A2", scale_order="divide") == C8_INT8_950.tolist()
+    assert write("float8_e4m3fn", [1.5, 1.125]) == C8_FP8_950.tolist()
+    assert write("float8_e4m3fn", [1.5, 1.125], scale_order="reciprocal") == C8_FP8_RECIPROCAL.tolist()
 
 
 def test_c8_torch_caller_in_place_fp8_cache():

@@ -69,17 +69,17 @@ def compile_attn(cfg, is_bf16=True, rope=True, pa=True, fmt=0, sbs=1, lse=True, 
     return triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                                            enable_fp_fusion=False))
 
-def compile_c8(bf16, rope, mult, fp8):
+def compile_c8(bf16, rope, order, fp8):
     sig = dict(nope_ptr="*bf16" if bf16 else "*fp16", stride_nt="i32", stride_nd="i32", rope_ptr="*u8",
                stride_rt="i32", slot_ptr="*i64", cache_ptr="*u8", stride_cb="i64", stride_cr="i32",
                stride_cc="i32", block_size="i32")
-    const = dict(HAS_ROPE=rope, MULTIPLY_ORDER=mult, IS_BF16=bf16, FP8=fp8)
+    const = dict(HAS_ROPE=rope, ORDER=order, IS_BF16=bf16, FP8=fp8)
     sig.update({k: "constexpr" for k in const})
     return triton.compile(ASTSource(fn=W.c8_cache_write_kernel, signature=sig, constexprs=const), target=target,
                           options=dict(num_warps=4, enable_fp_fusion=False))
 
 res = {}
-for args in [(True, True, False, False), (False, False, True, True)]:
+for args in [(True, True, 0, False), (False, False, 1, True), (True, True, 2, False), (False, True, 3, True)]:
     res["c8 %s" % (args,)] = usage(compile_c8(*args))
 res["attn default"] = usage(compile_attn(A.default_config(128)))
 res["attn fp16 fp8 rope0 BSND sbs16 normalised q_n 8"] = usage(compile_attn(

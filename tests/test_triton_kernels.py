@@ -235,7 +235,8 @@ def c8_expected(k_nope, k_rope, slots, cache, scale_order="divide", key_dtype="i
 
     int8: ``s = amax / 127``, ``clamp(RINT(y), +-127)``; float8_e4m3fn: ``s = amax / 448``, y clamped to
     +-448 and cast with ml_dtypes (round half to even; no saturation needed inside +-448).
-    ``y = x / s`` ("divide") or ``x * fp32(TYPE_MAX / amax)`` ("multiply")."""
+    ``y = x / s`` ("divide"), ``x * fp32(TYPE_MAX / amax)`` ("multiply") or ``x * fp32(fp32(1 / amax) * TYPE_MAX)``
+    ("reciprocal", stored scale ``amax * fp32(1 / TYPE_MAX)``; "reciprocal_multiply", stored scale ``amax / TYPE_MAX``)."""
     T = k_nope.shape[0]
     tmax = np.float32(127 if key_dtype == "int8" else 448)
     x = k_nope.astype(np.float32).reshape(T, 4, 128)
@@ -244,8 +245,12 @@ def c8_expected(k_nope, k_rope, slots, cache, scale_order="divide", key_dtype="i
     with np.errstate(divide="ignore", invalid="ignore"):
         if scale_order == "divide":
             y = x / s[..., None]
-        else:
+        elif scale_order == "multiply":
             y = x * (tmax / amax).astype(np.float32)[..., None]
+        else:
+            y = x * ((np.float32(1) / amax).astype(np.float32) * tmax).astype(np.float32)[..., None]
+    if scale_order == "reciprocal":
+        s = (amax * (np.float32(1) / tmax)).astype(np.float32)
     y = np.clip(np.where(s[..., None] == 0, np.float32(0), y), -tmax, tmax).astype(np.float32)
     if key_dtype == "int8":
         q = np.rint(y).astype(np.int8).view(np.uint8)
@@ -297,7 +302,8 @@ def c8_cases(draw):
 
 
 @given(case=c8_cases(), cache_dtype=st.sampled_from(["uint8", "int8"]),
-       key_dtype=st.sampled_from(["int8", "float8_e4m3fn"]), order=st.sampled_from(["divide", "multiply"]))
+       key_dtype=st.sampled_from(["int8", "float8_e4m3fn"]),
+       order=st.sampled_from(["divide", "multiply", "reciprocal", "reciprocal_multiply"]))
 def test_c8_kernel_bit_exact(case, cache_dtype, key_dtype, order):
     want = c8_expected(case["k_nope"], case["k_rope"], case["slot_mapping"], case["kv_cache"], order, key_dtype)
     cache = _t(case["kv_cache"])

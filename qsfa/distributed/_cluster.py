@@ -86,6 +86,55 @@ def _start_method() -> str:
     return method
 
 
+#: Dask's default for its workers, ``MALLOC_TRIM_THRESHOLD_=65536`` (``distributed.nanny.pre-spawn-environ``), turns
+#: off glibc's adaptive mmap threshold: every NumPy temporary above 128 KiB is then mapped and unmapped afresh. The
+#: ci conformance work took 8x the page faults and about 17% more CPU with it (docs/scaling.md); qsfa's local
+#: cluster leaves it unset, as a serial run does, unless it is set in the environment or Dask's configuration.
+TRIM = "MALLOC_TRIM_THRESHOLD_"
+_PRE_SPAWN = "distributed.nanny.pre-spawn-environ"
+
+
+def _local_settings() -> dict:
+    """The Dask settings of qsfa's local cluster (``dask.config.set`` keywords): the above, unless set by the user
+    (a Dask configuration file, ``DASK_*`` variables, or ``MALLOC_TRIM_THRESHOLD_`` in the environment)."""
+    import dask.config
+
+    try:
+        user = dask.config.get(_PRE_SPAWN, {}, config=dask.config.collect()) or {}
+    except Exception:  # noqa: BLE001 - an unreadable configuration file: Dask reports it itself
+        user = {}
+    if TRIM in user or TRIM in os.environ:
+        return {}
+    return {f"{_PRE_SPAWN}.{TRIM}": None}
+
+
+def _pre_spawn_environ() -> dict:
+    """What Dask's nanny puts in the environment before it spawns a worker (``distributed.nanny._get_env_variables``:
+    the setting ``distributed.nanny.pre-spawn-environ``, a variable already in the environment winning, None
+    unsetting), with :func:`_local_settings`. Read without importing distributed where it is not imported yet
+    (distributed adds its defaults, ``distributed.yaml``, to Dask's configuration when imported)."""
+    import dask.config
+
+    with dask.config.set(_local_settings()):
+        cfg = None
+        if "distributed" not in sys.modules:
+            try:
+                import importlib.util
+
+                import yaml
+
+                spec = importlib.util.find_spec("distributed")
+                with open(os.path.join(list(spec.submodule_search_locations)[0], "distributed.yaml")) as f:
+                    defaults = yaml.safe_load(f)
+                cfg = dask.config.get(_PRE_SPAWN, {}, config=dask.config.merge(defaults, dask.config.config))
+            except Exception:  # noqa: BLE001 - another layout: import it
+                import distributed  # noqa: F401
+        if cfg is None:
+            cfg = dask.config.get(_PRE_SPAWN, {})
+        # (inside: ``cfg`` is Dask's own dictionary, which the end of the ``with`` restores)
+        return {str(k): os.environ.get(str(k), str(v)) for k, v in (cfg or {}).items() if v is not None}
+
+
 def prestart(preload: tuple = ()) -> bool:
     """Start the fork server of a local cluster now (True), so that it imports :data:`WORKER_PRELOAD` and
     ``preload`` while this process still prepares its tasks; :func:`connect` then forks the workers from it.
@@ -100,19 +149,20 @@ def prestart(preload: tuple = ()) -> bool:
     Best effort, never raises: False (nothing started) without the extra, where the start method is not the
     fork server (:func:`_start_method`), or when the server cannot start - :func:`connect` then spawns."""
     try:
-        require()  # imports distributed: its configuration defaults (the two read here) come with it
+        import importlib.util
+
+        if any(importlib.util.find_spec(m) is None for m in ("distributed", "tqdm")):
+            return False  # connect() says what to install
         if _start_method() != "forkserver":
             return False
         import multiprocessing
         from multiprocessing import forkserver
 
-        import dask.config
-
-        pre_spawn = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
         # what Dask's nanny does in this process before it spawns a worker (distributed.nanny.WorkerProcess.start)
-        os.environ.update({str(k): str(v) for k, v in pre_spawn.items()})
+        os.environ.update({str(k): str(v) for k, v in _pre_spawn_environ().items()})
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(dict.fromkeys([*WORKER_PRELOAD, *preload])))
+        # before this process imports distributed (about 0.3 s of CPU), which it then does while the server does
         forkserver.ensure_running()
         return True
     except Exception:  # noqa: BLE001 - an optimisation: connect() falls back to spawning
@@ -137,6 +187,8 @@ def connect(workers: int | None = None, scheduler: str | None = None, *, env: di
     n = check_workers(workers) if scheduler is None else None
     cluster = client = None
     with contextlib.ExitStack() as stack:
+        if n is not None:
+            stack.enter_context(dask.config.set(_local_settings()))
         if n is not None and prestart(preload):
             # for the whole run: a worker that dies is restarted by its nanny from the same server
             stack.enter_context(dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}))

@@ -33,8 +33,8 @@ def _cmd_generate(args) -> int:
     from .manifest import generate, parse_shard, select_shard
 
     try:
+        start_early(args, GOLDEN_PRELOAD)  # the workers' imports overlap the rest of the preparation here
         cluster = _cluster_options(args)
-        start_early(args, GOLDEN_PRELOAD)  # the workers' imports overlap reading the cases here
         shard = parse_shard(args.shard)
         if args.set:
             cases = get_set(args.set).cases()

@@ -106,8 +106,8 @@ class NpuCall:
 #: Parameters of our operators that no torch_npu call takes, and why dropping them is right.
 IGNORED = {
     "chunk_size": "memory bound of the NumPy reference only",
-    "scale_order": "OPEN fact of the reference model (docs/numerics/open-facts.md#scale_order); the device does what it does - run both "
-                   "reference variants against backend='npu' to settle it",
+    "scale_order": "the reference's model of the chip's quantisation order (docs/numerics/chips.md#dynamic_block_quant, "
+                   "#c8-cache-writers); the device does what it does - compare the orders against backend='npu' to confirm it",
     "pad_to": "OPEN fact of the reference model (docs/numerics/open-facts.md#pad_to); the device does what it does",
     "fp4_nibble_order": "OPEN fact of the reference model (docs/numerics/open-facts.md#nibble_order); the device does what it does",
     "lse_includes_sink": "OPEN fact of the reference model (docs/numerics/open-facts.md#lse_includes_sink); the device does what it does",

@@ -11,11 +11,13 @@ import math
 
 import numpy as np
 
+from .. import chips as _chips
 from .._arrays import dtype_name
 from .._checks import all_finite, dtype_in, is_array, ndim_in, set_param
 from .._contract import Contract, one_of, params
 from .._dispatch import define_operator, run
 from ..reference import c8_cache as _c8
+from ..reference.quant import SCALE_ORDERS
 from ._cache_rules import _edit, _is_int, _is_num, _rule, _same_dtype, _slot_rules, BF16, FLOAT16_NAMES, SLOT_DTYPES
 
 __all__ = [
@@ -29,7 +31,6 @@ __all__ = [
 C8 = "c8_cache_write"
 C8R = "c8_rmsnorm_rope_cache"
 C8_SRC = "docs/numerics/cache-writers.md#c8_cache_write; vllm-ascend vllm_ascend/attention/sfa_v1.py (custom_kv_rmsnorm_rope, _store_parallel_kv)"
-SCALE_ORDERS = ("divide", "multiply")
 
 
 def _c8_width(rope_present: bool) -> int:
@@ -78,9 +79,9 @@ def _c8_key_rules(op):
               _c8_dst_type_max, set_param("dst_type_max", 15.0),
               source="docs/numerics/open-facts.md#hifloat8-c8-nope"),
         _rule(op, "scale_order_value", "scale_order", "value",
-              f"must be {one_of(SCALE_ORDERS)} (docs/numerics/open-facts.md#scale_order OPEN: x / s or x * 127 / amax)",
-              lambda a: None if a.scale_order in SCALE_ORDERS else a.scale_order, set_param("scale_order", "bogus"),
-              source="docs/numerics/open-facts.md#scale_order"),
+              f"must be None (the chip's order) or {one_of(SCALE_ORDERS)}",
+              lambda a: None if a.scale_order is None or a.scale_order in SCALE_ORDERS else a.scale_order,
+              set_param("scale_order", "bogus"), source="docs/numerics/chips.md#c8-cache-writers"),
         _rule(op, "a2a3_key_dtype", "key_dtype", "value", "Atlas A2/A3 packed caches are int8 only",
               lambda a: None if a.key_dtype == "int8" else a.key_dtype, set_param("key_dtype", "float8_e4m3fn"),
               chips=("A2", "A3"), source=C8_SRC),
@@ -93,7 +94,7 @@ def _c8_example(rng):
     k_rope = rng.standard_normal((t, 64)).astype(BF16)
     cache = np.full((3, 4, 1, 656), 17, np.uint8)
     return dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=np.array([0, 5, -1, 11, 3], np.int64),
-                kv_cache=cache, key_dtype="int8", scale_order="divide", dst_type_max=0.0)
+                kv_cache=cache, key_dtype="int8", scale_order=None, dst_type_max=0.0)
 
 
 def _t(a, name="k_nope"):
@@ -128,21 +129,21 @@ C8_CONTRACT = Contract(
     ],
     example=_c8_example,
     inplace=("kv_cache",),
-    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str"
+    params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str?"
                   " dst_type_max:float?"),
 )
 
 
 def _c8_reference(k_nope, k_rope, slot_mapping, kv_cache, key_dtype, scale_order, dst_type_max=None):
-    return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype, scale_order=scale_order,
-                              dst_type_max=dst_type_max or 0.0)
+    return _c8.c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, key_dtype=key_dtype,
+                              scale_order=scale_order or "divide", dst_type_max=dst_type_max or 0.0)
 
 
-define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference,
+define_operator(C8, C8_CONTRACT, outputs=("kv_cache",), reference=_c8_reference, numerics=_chips.c8_numerics,
                 doc="QSFA C8 writer stage 2: per-tile dynamic quant of the NoPE, pack 656/528-byte rows, scatter.")
 
 
-def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", scale_order="divide",
+def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", scale_order=None,
                    dst_type_max=0.0, chip=None, backend="reference"):
     """Quantise, pack and scatter one packed QSFA row per token (the kernel-checkable C8 writer stage).
 
@@ -151,7 +152,8 @@ def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", 
     (rope 64 only), then the 4 tile scales as little-endian fp32 (docs/numerics/layouts.md#packed-qsfa-row). Bytes of other rows are
     untouched.
 
-    key_dtype "int8" (A2/A3): ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)``; an all-zero
+    key_dtype "int8" (A2/A3): ``s = amax / 127`` (fp32), ``q = clamp(RINT(x / s), -127, 127)`` (in the chip's
+    order of that arithmetic, ``scale_order`` below); an all-zero
     tile gives ``s = 0, q = 0`` (docs/numerics/open-facts.md#zero-tile, OPEN on hardware). "float8_e4m3fn" (950, vllm-ascend's A5 branch
     calls ``npu_dynamic_block_quant(dst_type=float8_e4m3fn)``): ``s = amax / 448``, ``q = E4M3FN(x / s)``
     RINT + saturation. "hifloat8" (950; **OPEN**, docs/numerics/open-facts.md#hifloat8-c8-nope - no public
@@ -166,7 +168,11 @@ def c8_cache_write(k_nope, k_rope, slot_mapping, kv_cache, *, key_dtype="int8", 
       key_dtype:    "int8" (default), "float8_e4m3fn" or "hifloat8".
       dst_type_max: HiFloat8 only (**OPEN**): the TYPE_MAX of its scale, 0 (default: 32768) or any value up to 32768
                     (torch_npu documents 15, 56, 224, 32768).
-      scale_order:  **OPEN** (docs/numerics/open-facts.md#scale_order): "divide" (default, ``x / s``) or "multiply" (``x * fp32(127 / amax)``).
+      scale_order:  None (default): the chip's ``npu_dynamic_block_quant`` order (docs/numerics/chips.md#c8-cache-writers),
+                    A2/A3 "reciprocal" (``q = x * fp32(fp32(1 / amax) * TYPE_MAX)``, ``s = amax * fp32(1 / TYPE_MAX)``),
+                    950 "divide" (``q = x / s``, ``s = amax / TYPE_MAX``); or an explicit "divide", "reciprocal",
+                    "reciprocal_multiply", "multiply" (qsfa.reference.quant).
+      chip:         None (A2 for an int8 cache, 950 for FP8 / HiFloat8: qsfa.resolve_chip), "A2", "A3" or "950".
     Returns ``kv_cache``.
     """
     args = dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slot_mapping, kv_cache=kv_cache, key_dtype=key_dtype,
@@ -183,7 +189,7 @@ def _c8r_example(rng):
     sin = np.concatenate([np.sin(ang), np.sin(ang)], axis=-1).astype(BF16)
     cache = np.full((3, 4, 1, 656), 17, np.uint8)
     return dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=np.array([0, 5, -1, 11, 3], np.int64),
-                kv_cache=cache, epsilon=1e-6, rope_head_dim=64, key_dtype="int8", scale_order="divide",
+                kv_cache=cache, epsilon=1e-6, rope_head_dim=64, key_dtype="int8", scale_order=None,
                 dst_type_max=0.0)
 
 
@@ -250,23 +256,23 @@ C8R_CONTRACT = Contract(
     example=_c8r_example,
     inplace=("kv_cache",),
     params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
-                  " rope_head_dim:int key_dtype:str scale_order:str dst_type_max:float?"),
+                  " rope_head_dim:int key_dtype:str scale_order:str? dst_type_max:float?"),
 )
 
 
 def _c8r_reference(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon, rope_head_dim, key_dtype, scale_order,
                    dst_type_max=None):
     return _c8.c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, epsilon=epsilon,
-                                     rope_head_dim=rope_head_dim, key_dtype=key_dtype, scale_order=scale_order,
-                                     dst_type_max=dst_type_max or 0.0)
+                                     rope_head_dim=rope_head_dim, key_dtype=key_dtype,
+                                     scale_order=scale_order or "divide", dst_type_max=dst_type_max or 0.0)
 
 
-define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_reference,
+define_operator(C8R, C8R_CONTRACT, outputs=("kv_cache",), reference=_c8r_reference, numerics=_chips.c8_numerics,
                 doc="QSFA C8 writer: RMSNorm + interleave RoPE + c8_cache_write (vllm-ascend custom_kv_rmsnorm_rope).")
 
 
 def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilon=1e-6, rope_head_dim=64,
-                          key_dtype="int8", scale_order="divide", dst_type_max=0.0, chip=None,
+                          key_dtype="int8", scale_order=None, dst_type_max=0.0, chip=None,
                           backend="reference"):
     """The QSFA C8 cache writer from a latent KV: RMSNorm + interleave RoPE + :func:`c8_cache_write`.
 
@@ -289,7 +295,7 @@ def c8_rmsnorm_rope_cache(kv, gamma, cos, sin, slot_mapping, kv_cache, *, epsilo
       epsilon:       RMSNorm eps; default 1e-6 = DeepSeek-V3.2's rms_norm_eps, which vllm-ascend passes
                      (kv_a_layernorm.variance_epsilon; custom_kv_rmsnorm_rope's own default is 1e-5).
       rope_head_dim: 64 (656-byte rows) or 0 (528-byte rows, RoPE skipped).
-      key_dtype, scale_order, dst_type_max: as :func:`c8_cache_write`.
+      key_dtype, scale_order, dst_type_max, chip: as :func:`c8_cache_write` (scale_order None: the chip's order).
     Returns ``kv_cache``.
     """
     args = dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slot_mapping, kv_cache=kv_cache,

@@ -1,14 +1,19 @@
-"""Packed QSFA rows to the faithful oracle's K, in cache-sized blocks (issue 15: the decode close to the GEMM floor).
+"""The faithful attention oracle's dequantisation and softmax in cache-sized blocks (issue 15: the decode close to
+the GEMM floor). Rules: docs/numerics/attention.md#kv_quant_sparse_flash_attention.
 
-:func:`qsfa_keys` is the dequantisation of :mod:`qsfa.reference.attention`'s QSFA oracle: NoPE ``decode(code) *
-tile_scale`` (one fp32 multiply) rounded to the query dtype, RoPE as stored, widened exactly into the float64 K the
-GEMMs read; plus the per-row facts the certification uses (``attention.qsfa_row_facts``). Rules:
-docs/numerics/attention.md#kv_quant_sparse_flash_attention.
+* :func:`qsfa_keys` - the QSFA dequantisation of :mod:`qsfa.reference.attention`: NoPE ``decode(code) *
+  tile_scale`` (one fp32 multiply) rounded to the query dtype, RoPE as stored, widened exactly into the float64 K
+  the GEMMs read; plus the per-row facts the certification uses (``attention.qsfa_row_facts``). Blocks of rows, one
+  NumPy pass per step: decode (a cast, exact in fp32), the fp32 multiply in place, the rounding, the widening into
+  K, the RoPE copy while the rows are in cache. For int8 codes with finite tile scales and a bf16 query (the decode
+  case; no NaN can arise) the bf16 rounding is done on the fp32 bits in place (:func:`bf16_bits_inplace`) instead
+  of a cast to bf16 and back.
+* :func:`softmax_rows` - the fp32 softmax between the two GEMMs, a block of whole rows at a time (scale, mask, max,
+  certified exp and sum, the rounded probabilities), so each block's scores, float64 exp values and probabilities
+  stay in cache between the steps.
 
-It works on blocks of rows whose fp32 temporaries stay in a core's L2, with one NumPy pass per step: decode (a
-cast, exact in fp32), the fp32 multiply in place, the rounding to the query dtype, the widening into K. For int8
-codes with finite tile scales and a bf16 query (the decode case; no NaN can arise) the bf16 rounding is done on the
-fp32 bits in place (:func:`bf16_bits_inplace`) instead of a cast to bf16 and back.
+Both compute the same values as the whole-array code they replace (tests/test_decode_blocks.py,
+benchmarks/bytecheck.py); block sizes only change the speed.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ import numpy as np
 
 from ._workspace import scratch
 
-__all__ = ["qsfa_keys", "bf16_bits_inplace", "DEQUANT_ROWS"]
+__all__ = ["qsfa_keys", "softmax_rows", "bf16_bits_inplace", "DEQUANT_ROWS", "SOFTMAX_ELEMS"]
 
-#: packed rows per block (the fp32 block and its bit scratch: 2 x 512 KiB)
-DEQUANT_ROWS = 256
+#: packed rows per block (the fp32 block and its bit scratch: 2 x 1 MiB; fewer, larger blocks measured faster)
+DEQUANT_ROWS = 512
 
 
 def bf16_bits_inplace(u: np.ndarray, mode: str, tmp: np.ndarray | None = None) -> None:
@@ -96,8 +101,9 @@ def qsfa_keys(packed: np.ndarray, *, fmt: str, qdt: str, k_mode: str, rope: int,
     return k, facts
 
 
-#: scores per block of :func:`softmax_rows` (fp32 128 KiB; their float64 exp 256 KiB)
-SOFTMAX_ELEMS = 1 << 15
+#: scores per block of :func:`softmax_rows` (fp32 256 KiB; their float64 exp 512 KiB). Each block costs ~30 NumPy
+#: calls (~25 us): 2^15 - 2^17 measured best, 2^13 or one block for the whole chunk ~1 ms slower per decode
+SOFTMAX_ELEMS = 1 << 16
 
 
 def softmax_rows(s: np.ndarray, valid: np.ndarray, scale, *, qdtype: str, probability_rounding: str, p_mode: str,

@@ -16,6 +16,10 @@ are copied as stored, and the packed 656-byte (rope 64) or 528-byte (rope 0) row
   32768, the torch_npu default; 15 / 56 / 224 are the other values torch_npu documents). Attention dequantises
   such rows as ``decode(q) * s`` like the others.
 
+``scale_order`` is the order of that arithmetic, passed to :func:`qsfa.reference.quant.dynamic_block_quant`
+("divide" here by default; the public operators' None takes the chip's order, A2/A3 "reciprocal" and 950 "divide":
+docs/numerics/chips.md#c8-cache-writers).
+
 Stage 1+2, :func:`c8_rmsnorm_rope_cache`, mirrors vllm-ascend's ``custom_kv_rmsnorm_rope`` +
 ``_store_parallel_kv``: ``npu_rms_norm`` of the NoPE part and ``npu_interleave_rope`` of the RoPE part,
 each returning the model dtype, then the quantiser on those rounded values. Rounding points:
