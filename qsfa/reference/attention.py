@@ -473,7 +473,8 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts, out=None) -> np.nda
     """
     approx = np.matmul(a, b, out=scratch("dot_approx", a.shape[:-1] + b.shape[-1:], np.float64))
     out = np.empty(approx.shape, np.float32) if out is None else out
-    np.add(approx, 0.0, out=out, casting="same_kind")  # one rounding; an exact zero sum is +0
+    np.add(approx, 0.0, out=approx)  # an exact zero sum is +0 (a float64 pass: faster than a casting add)
+    np.copyto(out, approx, casting="same_kind")  # one rounding
     (an, aq), (bn, bq) = a_facts, b_facts
     with np.errstate(divide="ignore"):
         room = aq + 53 - np.log2(an) - 2.0 ** -20  # [c, M]: a column n is exact with row m if its span fits
@@ -481,8 +482,17 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts, out=None) -> np.nda
     cand_c, cand_n = np.nonzero(span > room.min(axis=1)[:, None])  # columns some row cannot pair exactly with
     if cand_c.size == 0:
         return out
-    pi, mi = np.nonzero(span[cand_c, cand_n][:, None] > room[cand_c])
+    # the pairs (m, n) with span_n > room_m: per candidate column, a prefix of the rows in increasing room order
+    order = np.argsort(room, axis=1, kind="stable")
+    room_sorted = np.take_along_axis(room, order, axis=1)
+    sp = span[cand_c, cand_n]
+    cnt = np.empty(cand_c.size, np.int64)
+    seg = np.searchsorted(cand_c, np.arange(room.shape[0] + 1))  # cand_c is sorted (np.nonzero)
+    for c in range(room.shape[0]):
+        cnt[seg[c]:seg[c + 1]] = np.searchsorted(room_sorted[c], sp[seg[c]:seg[c + 1]], side="left")
+    pi = np.repeat(np.arange(cand_c.size), cnt)
     ci, ni = cand_c[pi], cand_n[pi]
+    mi = order[ci, np.arange(pi.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)]
     bound = sum_error_bound(a.shape[-1], an[ci, mi] * bn[ci, ni])
     out[ci, mi, ni] = certified_f32(approx[ci, mi, ni], bound,
                                     lambda j: exact_sum_f32(a[ci[j], mi[j], :] * b[ci[j], :, ni[j]]))
