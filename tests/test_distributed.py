@@ -519,10 +519,11 @@ _START = """
 import json, os, sys
 from qsfa.distributed import connect
 
-def info():
+def info(dask_worker):
     import os, sys
     from threadpoolctl import threadpool_info
     return {"ppid": os.getppid(), "preloaded": "json.tool" in sys.modules, "trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+            "profiler": "profile" in dask_worker.periodic_callbacks,
             "blas": sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})}
 
 if __name__ == "__main__":
@@ -554,6 +555,7 @@ def test_local_workers_fork_from_a_single_threaded_server_that_imported_the_prel
     assert len(got["workers"]) == 2
     assert all(w["blas"] == [1] for w in got["workers"])
     assert all(w["trim"] is None for w in got["workers"])  # glibc's adaptive threshold, as in a serial run
+    assert not any(w["profiler"] for w in got["workers"])  # no statistical profiler sampling the task's thread
     if method is None:
         assert "multiprocessing.forkserver" in got["parent_cmd"]
         assert got["parent_threads"] == 1  # forking it copies no other thread's state
@@ -575,13 +577,26 @@ def test_the_malloc_trim_threshold_is_left_to_the_user(monkeypatch):
     # Dask's default (the module's cluster, still open, holds qsfa's setting)
     with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": 65536}):
         before = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
-        assert _local_settings() == {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+        assert _local_settings()["distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"] is None
         env = _pre_spawn_environ()
         assert "MALLOC_TRIM_THRESHOLD_" not in env
         assert env["OPENBLAS_NUM_THREADS"] == os.environ.get("OPENBLAS_NUM_THREADS", "1")
         assert dask.config.get("distributed.nanny.pre-spawn-environ") == before  # Dask's setting left as it was
         monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4096")
-        assert _local_settings() == {} and _pre_spawn_environ()["MALLOC_TRIM_THRESHOLD_"] == "4096"
+        assert "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_" not in _local_settings()
+        assert _pre_spawn_environ()["MALLOC_TRIM_THRESHOLD_"] == "4096"
         monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
         monkeypatch.setenv("DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON", "{'MALLOC_TRIM_THRESHOLD_': 8192}")
-        assert _local_settings() == {}
+        assert "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_" not in _local_settings()
+
+
+def test_the_worker_profiler_is_off_unless_the_user_turns_it_on(monkeypatch):
+    """Dask's workers sample every thread's stack every 10 ms (distributed.worker.profile.enabled); qsfa's local
+    cluster, which has no dashboard, turns that off unless Dask's configuration files or environment set it."""
+    from qsfa.distributed._cluster import _local_settings
+
+    monkeypatch.delenv("DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED", raising=False)
+    assert _local_settings()["distributed.worker.profile.enabled"] is False
+    for value in ("True", "False"):
+        monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED", value)
+        assert "distributed.worker.profile.enabled" not in _local_settings()

@@ -94,18 +94,29 @@ TRIM = "MALLOC_TRIM_THRESHOLD_"
 _PRE_SPAWN = "distributed.nanny.pre-spawn-environ"
 
 
+#: Dask's workers sample every thread's stack every 10 ms for the dashboard's profile
+#: (``distributed.worker.profile.enabled``): for qsfa's Python-heavy tasks that took 12-20% more CPU per task than the
+#: same tasks in a plain process (docs/scaling.md). qsfa's local cluster has no dashboard, so it turns it off unless
+#: a Dask configuration file or ``DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED`` sets it.
+PROFILE = "distributed.worker.profile.enabled"
+
+
 def _local_settings() -> dict:
-    """The Dask settings of qsfa's local cluster (``dask.config.set`` keywords): the above, unless set by the user
-    (a Dask configuration file, ``DASK_*`` variables, or ``MALLOC_TRIM_THRESHOLD_`` in the environment)."""
+    """The Dask settings of qsfa's local cluster (``dask.config.set`` keywords): the above, each unless set by the
+    user (a Dask configuration file, ``DASK_*`` variables, or ``MALLOC_TRIM_THRESHOLD_`` in the environment)."""
     import dask.config
 
     try:
-        user = dask.config.get(_PRE_SPAWN, {}, config=dask.config.collect()) or {}
+        collected = dask.config.collect()
     except Exception:  # noqa: BLE001 - an unreadable configuration file: Dask reports it itself
-        user = {}
-    if TRIM in user or TRIM in os.environ:
-        return {}
-    return {f"{_PRE_SPAWN}.{TRIM}": None}
+        collected = {}
+    out = {}
+    user = dask.config.get(_PRE_SPAWN, {}, config=collected) or {}
+    if TRIM not in user and TRIM not in os.environ:
+        out[f"{_PRE_SPAWN}.{TRIM}"] = None
+    if dask.config.get(PROFILE, None, config=collected) is None:
+        out[PROFILE] = False
+    return out
 
 
 def _pre_spawn_environ() -> dict:
