@@ -14,10 +14,12 @@ one core busy (NumPy's BLAS threads, the attention oracle's row threads) leaves 
 ``--single-core`` adds a serial variant held to one core (``OPENBLAS_NUM_THREADS=1 QSFA_NUM_THREADS=1``,
 i.e. the work as one worker does it): half of its wall time is what two perfectly balanced workers with no
 start-up at all would take. ``--spawn`` adds ``--workers`` with Dask's default start method (every worker a
-fresh interpreter that imports distributed, NumPy and qsfa itself) instead of qsfa's fork server.
+fresh interpreter that imports distributed, NumPy and qsfa itself) instead of qsfa's fork server;
+``--dask-defaults`` adds ``--workers`` as Dask sets a local cluster up by default (spawned workers and
+``MALLOC_TRIM_THRESHOLD_=65536``: qsfa's local cluster before 2026-12-01).
 
     python -m benchmarks.distributed [--rounds 5] [--only "golden seed-rope0" ...] [--workers 2]
-                                     [--single-core] [--spawn]
+                                     [--single-core] [--spawn] [--dask-defaults]
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ VARIANTS = {
     "serial-1core": ({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "QSFA_NUM_THREADS": "1"}, False),
     "parallel-spawn": ({"DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD": "spawn"}, True),
+    # the local cluster as Dask sets it up by default (qsfa's before 2026-12-01): spawned workers, malloc trimming
+    "parallel-dask-defaults": ({"DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD": "spawn",
+                                "MALLOC_TRIM_THRESHOLD_": "65536"}, True),
 }
 
 
@@ -137,9 +142,10 @@ def _timing(ts) -> Timing:
 
 
 def measure(name: str, rounds: int, workers: int, quick: bool, *, single_core: bool = False,
-            spawn: bool = False) -> dict:
+            spawn: bool = False, dask_defaults: bool = False) -> dict:
     cmd = COMMANDS[name][1 if quick else 0]
-    names = ["serial", "parallel"] + (["serial-1core"] if single_core else []) + (["parallel-spawn"] if spawn else [])
+    names = (["serial", "parallel"] + (["serial-1core"] if single_core else []) + (["parallel-spawn"] if spawn else [])
+             + (["parallel-dask-defaults"] if dask_defaults else []))
     wall: dict = {v: [] for v in names}
     cpu: dict = {v: [] for v in names}
     load_before = os.getloadavg()
@@ -202,10 +208,14 @@ def main(argv=None) -> int:
     p.add_argument("--single-core", action="store_true",
                    help="also a serial run held to one core (the ceiling: half its time)")
     p.add_argument("--spawn", action="store_true", help="also --workers with Dask's spawn start method")
+    p.add_argument("--dask-defaults", action="store_true",
+                   help="also --workers as Dask sets a local cluster up by default (spawn, "
+                        "MALLOC_TRIM_THRESHOLD_=65536)")
     args = p.parse_args(argv)
     names = [n for n in COMMANDS if args.only is None or n in args.only]
     for n in names:
-        r = measure(n, args.rounds, args.workers, args.quick, single_core=args.single_core, spawn=args.spawn)
+        r = measure(n, args.rounds, args.workers, args.quick, single_core=args.single_core, spawn=args.spawn,
+                    dask_defaults=args.dask_defaults)
         v = r["variants"]
         extra = "".join(f", {k} {v[k]['median_s']:.2f} s" for k in v if k not in ("serial", "parallel"))
         ceiling = f", ceiling {r['ceiling_speedup']:.2f}x" if "ceiling_speedup" in r else ""

@@ -4,8 +4,9 @@
     qsfa golden generate --set seed-rope0 --out golden/ --scheduler tcp://head:8786
     qsfa conformance --profile nightly --seed 7 --seed-shards 16 --scheduler tcp://head:8786 --report r.json
 
-* :func:`connect` - a ``distributed.Client`` of a new ``LocalCluster`` (N processes, one thread each; closed on
-  exit, Ctrl-C included) or of a running scheduler.
+* :func:`connect` - a ``distributed.Client`` of a new ``LocalCluster`` (N processes, one thread each, forked from
+  a fork server that imported qsfa once - :func:`prestart`; closed on exit, Ctrl-C included) or of a running
+  scheduler.
 * :class:`GoldenExecutor` - the ``executor`` of :func:`qsfa.golden.generate`: tasks are cases and row ranges of
   long attention cases; the client writes a directory byte-identical to a serial run's.
 * :func:`run_sharded` - conformance tasks are (property x seed shard); verdicts, reports and falsifying cases
