@@ -61,10 +61,20 @@ def uniform_scores_model(op: str, args: dict, w, batch, act_kv, storage):
 
     modes = attention_modes(op, args)
     exact = args.get("precision", "faithful") == "exact"
+    s_max = w.shape[1]
     if op == "kv_quant_sparse_flash_attention":  # V = the dequantised NoPE as K rounds it
-        _, v = packed_kv(args, faithful=not exact, k_rounding=modes["k_rounding"])
+        # decode only the cache rows some batch can address (the dequantisation is per row, so the same bytes;
+        # the rest of the cache is never read): slot i of ``v`` holds flat cache row ``used[i]``
+        j = np.arange(s_max)
+        flat = [storage(np.full(s_max, b), np.where(j < act_kv[b], j, 0)) for b in np.unique(batch)]
+        used = np.unique(np.concatenate(flat)) if flat else np.zeros(0, np.int64)
+        key = args["key"]
+        sub = dict(args, key=np.ascontiguousarray(key).reshape(-1, key.shape[-1])[used])
+        _, v = packed_kv(sub, faithful=not exact, k_rounding=modes["k_rounding"])
+        slot = lambda b, t: np.searchsorted(used, storage(b, t))  # noqa: E731
     else:
         _, v = float_kv(args)
+        slot = storage
     rows = batch.size
     cnt = w.sum(axis=1).astype(np.float64)
     tot = np.zeros((rows, v.shape[1]))
@@ -72,7 +82,7 @@ def uniform_scores_model(op: str, args: dict, w, batch, act_kv, storage):
     for b in range(act_kv.size):  # batches: a handful
         rb = np.flatnonzero(batch == b)
         if rb.size:
-            vb = gather_tokens(v, storage, b, w.shape[1], act_kv)
+            vb = gather_tokens(v, slot, b, s_max, act_kv)
             tot[rb] = w[rb].astype(np.float64) @ vb
             mag[rb] = w[rb].astype(np.float64) @ np.abs(vb)
     c = np.maximum(cnt, 1)[:, None]
