@@ -192,7 +192,16 @@ def test_ctrl_c_stops_the_cluster_it_started(tmp_path):
     psutil = pytest.importorskip("psutil")
     out = tmp_path / "g"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, "-m", "qsfa.cli", "golden", "generate", "--set", "seed-rope0", "--out",
+    # a case far longer than the time to interrupt it (about a minute of one core, 1024 row tasks): a whole small
+    # set (seed-rope0) now finishes within two seconds of the cluster's start, before the signal could land
+    from qsfa.golden import Case
+
+    params = dict(q_lens=[1024], kv_lens=[2048], heads=64, layout_query="TND", layout_kv="PA_BSND", block_size=128,
+                  width=2048, rope_head_dim=64, dtype="bfloat16", data="realistic", scale_value=576 ** -0.5,
+                  sparse_mode=3, return_softmax_lse=True)
+    case_file = Case(name="long-prefill", op="kv_quant_sparse_flash_attention", generator="qsfa_attention", seed=7,
+                     params=params).save(str(tmp_path / "long.json"))
+    p = subprocess.Popen([sys.executable, "-m", "qsfa.cli", "golden", "generate", "--case", case_file, "--out",
                           str(out), "--workers", "2", "--chunk-rows", "1"], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
