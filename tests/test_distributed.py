@@ -552,13 +552,17 @@ def info(dask_worker):
             "profiler": "profile" in dask_worker.periodic_callbacks,
             "blas": sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})}
 
+KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_")
+
 if __name__ == "__main__":
+    before = {k: os.environ.get(k) for k in KEYS}
     with connect(workers=2, preload=("json.tool",)) as c:
         got = list(c.run(info).values())
+    after = {k: os.environ.get(k) for k in KEYS}
     parent = got[0]["ppid"]
     with open(f"/proc/{parent}/cmdline") as f:
         cmd = f.read()
-    print(json.dumps({"client": os.getpid(), "workers": got, "parent_cmd": cmd,
+    print(json.dumps({"client": os.getpid(), "workers": got, "parent_cmd": cmd, "env": [before, after],
                       "parent_threads": len(os.listdir(f"/proc/{parent}/task")) if parent != os.getpid() else None}))
 """
 
@@ -572,6 +576,9 @@ def test_local_workers_fork_from_a_single_threaded_server_that_imported_the_prel
     script.write_text(_START)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", None)
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_"):
+        env.pop(k, None)  # unset, as in a plain shell: Dask's pre-spawn values then decide the workers' and
+        # must not stay in the caller's environment
     if method:
         env["DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"] = method
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
@@ -582,6 +589,8 @@ def test_local_workers_fork_from_a_single_threaded_server_that_imported_the_prel
     assert all(w["blas"] == [1] for w in got["workers"])
     assert all(w["trim"] is None for w in got["workers"])  # glibc's adaptive threshold, as in a serial run
     assert not any(w["profiler"] for w in got["workers"])  # no statistical profiler sampling the task's thread
+    before, after = got["env"]
+    assert after == before  # the workers' one BLAS thread is not left in the caller's environment
     if method is None:
         assert "multiprocessing.forkserver" in got["parent_cmd"]
         assert got["parent_threads"] == 1  # forking it copies no other thread's state

@@ -146,6 +146,24 @@ def _pre_spawn_environ() -> dict:
         return {str(k): os.environ.get(str(k), str(v)) for k, v in (cfg or {}).items() if v is not None}
 
 
+@contextlib.contextmanager
+def _environ_restored(keys):
+    """On exit, the variables ``keys`` of this process's environment are as they were on entry (set to their old
+    value, or unset). Dask's nanny puts its pre-spawn environment (``OMP_NUM_THREADS=1`` and the like) into the
+    process that starts a local cluster and leaves it there; qsfa's local cluster takes it out again, so that
+    what the caller runs or starts afterwards (torch's thread pool, a subprocess) sees the caller's environment."""
+    keys = [str(k) for k in keys]
+    before = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def prestart(preload: tuple = ()) -> bool:
     """Start the fork server of a local cluster now (True), so that it imports :data:`WORKER_PRELOAD` and
     ``preload`` while this process still prepares its tasks; :func:`connect` then forks the workers from it.
@@ -169,12 +187,14 @@ def prestart(preload: tuple = ()) -> bool:
         import multiprocessing
         from multiprocessing import forkserver
 
-        # what Dask's nanny does in this process before it spawns a worker (distributed.nanny.WorkerProcess.start)
-        os.environ.update({str(k): str(v) for k, v in _pre_spawn_environ().items()})
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(dict.fromkeys([*WORKER_PRELOAD, *preload])))
-        # before this process imports distributed (about 0.3 s of CPU), which it then does while the server does
-        forkserver.ensure_running()
+        pre = _pre_spawn_environ()
+        with _environ_restored(pre):  # the server starts with it; this process keeps its own environment
+            # what Dask's nanny does in this process before it spawns a worker (distributed.nanny.WorkerProcess.start)
+            os.environ.update(pre)
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(list(dict.fromkeys([*WORKER_PRELOAD, *preload])))
+            # before this process imports distributed (about 0.3 s of CPU), which it then does while the server does
+            forkserver.ensure_running()
         return True
     except Exception:  # noqa: BLE001 - an optimisation: connect() falls back to spawning
         return False
@@ -199,6 +219,8 @@ def connect(workers: int | None = None, scheduler: str | None = None, *, env: di
     cluster = client = None
     with contextlib.ExitStack() as stack:
         if n is not None:
+            # the nannies set the pre-spawn environment in this process (see _environ_restored)
+            stack.enter_context(_environ_restored({*_pre_spawn_environ(), *(dask.config.get(_PRE_SPAWN, {}) or {})}))
             stack.enter_context(dask.config.set(_local_settings()))
         if n is not None and prestart(preload):
             # for the whole run: a worker that dies is restarted by its nanny from the same server
