@@ -26,6 +26,12 @@ __all__ = [
 ]
 
 
+#: the C8 writers' scale orders a strategy draws: None (the chip's ``npu_dynamic_block_quant`` order, "reciprocal"
+#: on A2/A3 and "divide" on the 950: docs/numerics/chips.md#c8-cache-writers) first, so that a failing example
+#: shrinks to the default, then every explicit order of qsfa.reference.quant.SCALE_ORDERS
+C8_SCALE_ORDER_CHOICES = (None, "divide", "reciprocal", "reciprocal_multiply", "multiply")
+
+
 # ---------------------------------------------------------------------------------------------------
 # cache writers
 
@@ -66,7 +72,7 @@ def _c8_cache(draw, rng, pins, b: Bounds, t: int, rope: bool, edge=None):
 def c8_cache_write_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     """``c8_cache_write``: ``k_nope [T, 512]`` (per-tile magnitudes over five decades, all-zero tiles),
     ``k_rope [T, 64]`` or None (rope 0), a random-byte packed cache (uint8 / int8 / float8_e4m3fn), slots
-    with ``-1``, ``key_dtype`` int8 / float8_e4m3fn and both ``scale_order`` values (OPEN)."""
+    with ``-1``, ``key_dtype`` int8 / float8_e4m3fn and every ``scale_order`` (None: the chip's order)."""
     b = _b(bounds)
     pins, edge = _E.take(draw, "c8_cache_write", pins)
     qdt = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
@@ -83,13 +89,14 @@ def c8_cache_write_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     k_rope = rng.standard_normal((t, 64)).astype(_QDT[qdt]) if rope else None
     cache, slots = _c8_cache(draw, rng, pins, b, t, rope, edge)
     return dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slots, kv_cache=cache, key_dtype=key_dtype,
-                scale_order=_choose(draw, pins, "scale_order", ("divide", "multiply")))
+                scale_order=_choose(draw, pins, "scale_order", C8_SCALE_ORDER_CHOICES))
 
 
 @st.composite
 def c8_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     """``c8_rmsnorm_rope_cache``: ``kv [T, 512 + rope]``, ``gamma [512]``, half-split cos/sin ``[T, 64]``
-    (None at rope 0), epsilon, a random-byte packed cache and slots with ``-1``."""
+    (None at rope 0), epsilon, a random-byte packed cache, slots with ``-1`` and every ``scale_order`` (None: the
+    chip's order)."""
     b = _b(bounds)
     pins, edge = _E.take(draw, "c8_rmsnorm_rope_cache", pins)
     qdt = _QDT[_choose(draw, pins, "dtype", ("bfloat16", "float16"))]
@@ -112,7 +119,7 @@ def c8_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
     cache, slots = _c8_cache(draw, rng, pins, b, t, bool(rope), edge)
     return dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slots, kv_cache=cache,
                 epsilon=_choose(draw, pins, "epsilon", (1e-6, 1e-5)), rope_head_dim=rope, key_dtype=key_dtype,
-                scale_order=_choose(draw, pins, "scale_order", ("divide", "multiply")))
+                scale_order=_choose(draw, pins, "scale_order", C8_SCALE_ORDER_CHOICES))
 
 
 def strided_like(a: np.ndarray, strides) -> np.ndarray:
