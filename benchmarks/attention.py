@@ -41,6 +41,7 @@ import ml_dtypes
 import numpy as np
 
 import qsfa
+from qsfa._values import as_dtype
 from qsfa.reference.attention import _rows_per_chunk
 from ._harness import Timing, fmt_s, peak_memory, row, timeit
 
@@ -60,7 +61,7 @@ def _cache(rng, n_tokens):
     nblk = -(-n_tokens // BLOCK)
     rows = np.empty((nblk * BLOCK, 656), np.uint8)
     rows[:, :512] = rng.integers(-127, 128, size=(rows.shape[0], 512), dtype=np.int8).view(np.uint8)
-    rows[:, 512:640] = (rng.standard_normal((rows.shape[0], 64)) * 0.5).astype(BF16).view(np.uint8)
+    rows[:, 512:640] = as_dtype(rng.standard_normal((rows.shape[0], 64)) * 0.5, BF16).view(np.uint8)
     rows[:, 640:656] = rng.uniform(0.005, 0.02, size=(rows.shape[0], 4)).astype("<f4").view(np.uint8)
     return rows.reshape(nblk, BLOCK, 1, 656).view(np.int8), nblk
 
@@ -69,7 +70,7 @@ def decode_case(rng, batch=4, kv_len=8192, sparse=2048, heads=128):
     cache, nblk = _cache(rng, batch * kv_len)
     per = -(-kv_len // BLOCK)
     table = rng.permutation(nblk)[: batch * per].reshape(batch, per).astype(np.int32)
-    q = (rng.standard_normal((batch, 1, heads, 576)) * 0.5).astype(BF16)
+    q = as_dtype(rng.standard_normal((batch, 1, heads, 576)) * 0.5, BF16)
     idx = np.stack([rng.permutation(kv_len)[:sparse] for _ in range(batch)]).astype(np.int32)
     return dict(query=q, key=cache, value=cache, sparse_indices=idx.reshape(batch, 1, 1, sparse), scale_value=SCALE,
                 block_table=table, actual_seq_lengths_query=np.ones(batch, np.int32),
@@ -82,7 +83,7 @@ def prefill_case(rng, q_tokens=4096, sparse=2048, heads=128, cached=None):
     kv_len = (sparse if cached is None else cached) + q_tokens
     cache, nblk = _cache(rng, kv_len)
     table = np.arange(nblk, dtype=np.int32)[None, :]
-    q = (rng.standard_normal((q_tokens, heads, 576)) * 0.5).astype(BF16)
+    q = as_dtype(rng.standard_normal((q_tokens, heads, 576)) * 0.5, BF16)
     thr = kv_len - q_tokens + np.arange(q_tokens) + 1
     # distinct tokens below each row's causal threshold: sparse draws from [0, thr) without repeats
     idx = np.empty((q_tokens, sparse), np.int32)

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 import qsfa
+from qsfa._values import as_dtype
 
 from .attention import decode_case, prefill_case
 
@@ -43,14 +44,14 @@ def _variant(args, *, qdt=None, fmt=None, wide=False, rope0=False, seed=0):
     a["query"] = q.astype(qdt or a["query"].dtype)
     cache = a["key"].view(np.uint8).copy()
     if fmt == "float8_e4m3fn":
-        cache[..., :512] = (rng.standard_normal(cache[..., :512].shape) * 60).astype(ml_dtypes.float8_e4m3fn).view(
+        cache[..., :512] = as_dtype(rng.standard_normal(cache[..., :512].shape) * 60, ml_dtypes.float8_e4m3fn).view(
             np.uint8)
     elif fmt == "hifloat8":
         codes = rng.integers(0, 256, cache[..., :512].shape, dtype=np.uint8)
         codes[(codes == 0x80) | (codes == 0x6F) | (codes == 0xEF)] = 0  # keep clear of NaN / inf encodings
         cache[..., :512] = codes
     if qdt is not None and np.dtype(qdt) != BF16:
-        cache[..., 512:640] = (rng.standard_normal(cache.shape[:-1] + (64,)) * 0.5).astype(qdt).view(np.uint8)
+        cache[..., 512:640] = as_dtype(rng.standard_normal(cache.shape[:-1] + (64,)) * 0.5, qdt).view(np.uint8)
     if rope0:
         cache = np.concatenate([cache[..., :512], cache[..., 640:656]], axis=-1)
         a["query"] = a["query"][..., :512]
@@ -83,10 +84,10 @@ def _padded(args, huge=False):
 
 def _sfa_case(seed=3, batch=2, heads=16, kv=2048, sparse=512):
     rng = np.random.default_rng(seed)
-    k = (rng.standard_normal((batch, kv, 1, 512)) * 0.5).astype(BF16)
-    kr = (rng.standard_normal((batch, kv, 1, 64)) * 0.5).astype(BF16)
-    q = (rng.standard_normal((batch, 1, heads, 512)) * np.exp(rng.uniform(-3, 2, (batch, 1, heads, 512)))).astype(BF16)
-    qr = (rng.standard_normal((batch, 1, heads, 64)) * 0.5).astype(BF16)
+    k = as_dtype(rng.standard_normal((batch, kv, 1, 512)) * 0.5, BF16)
+    kr = as_dtype(rng.standard_normal((batch, kv, 1, 64)) * 0.5, BF16)
+    q = as_dtype(rng.standard_normal((batch, 1, heads, 512)) * np.exp(rng.uniform(-3, 2, (batch, 1, heads, 512))), BF16)
+    qr = as_dtype(rng.standard_normal((batch, 1, heads, 64)) * 0.5, BF16)
     idx = np.stack([rng.permutation(kv)[:sparse] for _ in range(batch)]).astype(np.int32).reshape(batch, 1, 1, sparse)
     return dict(query=q, key=k, value=None, sparse_indices=idx, scale_value=576 ** -0.5, query_rope=qr, key_rope=kr,
                 sinks=rng.standard_normal(heads).astype(np.float32), actual_seq_lengths_kv=np.full(batch, kv, np.int32),
@@ -122,7 +123,7 @@ def cases():
 
 def _writer_inputs(seed, t=1024, dtype=BF16, specials=True):
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((t, 576)) * np.exp(rng.uniform(-4, 4, (t, 1)))).astype(dtype)
+    x = as_dtype(rng.standard_normal((t, 576)) * np.exp(rng.uniform(-4, 4, (t, 1))), dtype)
     x[5, :128] = 0  # an all-zero tile
     if specials:
         x[7, 3], x[9, 130], x[11, 300] = np.inf, -np.inf, np.nan  # specials: excluded from amax, saturated / zeroed
@@ -145,9 +146,9 @@ def writer_cases():
         for dt in (BF16, np.dtype(np.float16)):
             def c8r(rope=rope, dt=dt):
                 rng, x, slots = _writer_inputs(11, dtype=dt, specials=False)
-                gamma = (1 + 0.1 * rng.standard_normal(512)).astype(dt)
+                gamma = as_dtype(1 + 0.1 * rng.standard_normal(512), dt)
                 ang = rng.uniform(0, 6.3, (x.shape[0], 64))
-                cos, sin = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
+                cos, sin = as_dtype(np.cos(ang), dt), as_dtype(np.sin(ang), dt)
                 cache = np.full(((1024 + 256) // 128, 128, 1, 528 + 2 * rope), 17, np.uint8)
                 return (qsfa.c8_rmsnorm_rope_cache(x[:, :512 + rope], gamma, cos if rope else None,
                                                    sin if rope else None, slots, cache, rope_head_dim=rope),)

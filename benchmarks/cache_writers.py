@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 
 import qsfa
+from qsfa._values import as_dtype
 from ._harness import row, timeit
 
 _F32_1_OVER_448 = np.float32(1.0) / np.float32(448.0)
@@ -84,8 +85,8 @@ def run(quick: bool = False) -> list[dict]:
     t_tokens = 256 if quick else 8192
     bs = 128
     nblk = t_tokens // bs + 2
-    k_nope = (rng.standard_normal((t_tokens, 512)) * 3).astype(ml_dtypes.bfloat16)
-    k_rope = rng.standard_normal((t_tokens, 64)).astype(ml_dtypes.bfloat16)
+    k_nope = as_dtype(rng.standard_normal((t_tokens, 512)) * 3, ml_dtypes.bfloat16)
+    k_rope = as_dtype(rng.standard_normal((t_tokens, 64)), ml_dtypes.bfloat16)
     slots = _slots(rng, t_tokens, nblk * bs)
     c_ours = np.full((nblk, bs, 1, 656), 17, np.uint8)
     c_loop = c_ours.copy()
@@ -102,7 +103,7 @@ def run(quick: bool = False) -> list[dict]:
 
     # --- KvCompressEpilog mode 1 ---------------------------------------------------------------------
     d = 576
-    x = (rng.standard_normal((t_tokens, d)) * 2).astype(ml_dtypes.bfloat16)
+    x = as_dtype(rng.standard_normal((t_tokens, d)) * 2, ml_dtypes.bfloat16)
     col = 128 + 512 + 8
     e_ours = np.full((nblk, bs, 1, col), 17, np.uint8)
     e_loop = e_ours.copy()

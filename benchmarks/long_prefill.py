@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 import qsfa
+from qsfa._values import as_dtype
 from qsfa.reference.attention import _rows_per_chunk
 from qsfa.reference.parallel import workset_bytes_per_thread
 
@@ -66,14 +67,14 @@ def build(folder, tokens, heads=128, sparse=2048, cached=2048, seed=0, block=128
     nblk = -(-kv_len // block)
     rows = np.empty((nblk * block, 656), np.uint8)
     rows[:, :512] = rng.integers(-127, 128, (rows.shape[0], 512), dtype=np.int8).view(np.uint8)
-    rows[:, 512:640] = (rng.standard_normal((rows.shape[0], 64)) * 0.5).astype(BF16).view(np.uint8)
+    rows[:, 512:640] = as_dtype(rng.standard_normal((rows.shape[0], 64)) * 0.5, BF16).view(np.uint8)
     rows[:, 640:] = rng.uniform(0.005, 0.02, (rows.shape[0], 4)).astype("<f4").view(np.uint8)
     q = np.memmap(os.path.join(folder, "query.bin"), dtype=BF16, mode="w+", shape=(tokens, heads, 576))
     idx = np.memmap(os.path.join(folder, "indices.bin"), dtype=np.int32, mode="w+", shape=(tokens, 1, sparse))
     step = 128
     for a in range(0, tokens, step):
         b = min(tokens, a + step)
-        q[a:b] = (rng.standard_normal((b - a, heads, 576)) * 0.5).astype(BF16)
+        q[a:b] = as_dtype(rng.standard_normal((b - a, heads, 576)) * 0.5, BF16)
         thr = cached + np.arange(a, b) + 1
         keys = rng.random((b - a, kv_len))
         keys[np.arange(kv_len)[None, :] >= thr[:, None]] = 2.0

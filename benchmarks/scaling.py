@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 import qsfa
+from qsfa._values import as_dtype
 from ._harness import Timing, peak_memory, row, timeit
 
 
@@ -33,7 +34,7 @@ def _cache(rng, n_tokens):
     nblk = -(-n_tokens // BLOCK)
     rows = np.empty((nblk * BLOCK, 656), np.uint8)
     rows[:, :512] = rng.integers(-127, 128, size=(rows.shape[0], 512), dtype=np.int8).view(np.uint8)
-    rows[:, 512:640] = (rng.standard_normal((rows.shape[0], 64)) * 0.5).astype(ml_dtypes.bfloat16).view(np.uint8)
+    rows[:, 512:640] = as_dtype(rng.standard_normal((rows.shape[0], 64)) * 0.5, ml_dtypes.bfloat16).view(np.uint8)
     rows[:, 640:656] = rng.uniform(0.005, 0.02, size=(rows.shape[0], 4)).astype("<f4").view(np.uint8)
     return rows.reshape(nblk, BLOCK, 1, 656), nblk
 
@@ -41,7 +42,7 @@ def _cache(rng, n_tokens):
 def _decode_case(rng, batch, kv_len, sparse):
     cache, nblk = _cache(rng, batch * kv_len)
     table = rng.permutation(nblk)[: batch * (-(-kv_len // BLOCK))].reshape(batch, -1).astype(np.int32)
-    q = (rng.standard_normal((batch, 1, Q_N, 576)) * 0.5).astype(ml_dtypes.bfloat16)
+    q = as_dtype(rng.standard_normal((batch, 1, Q_N, 576)) * 0.5, ml_dtypes.bfloat16)
     idx = np.sort(rng.permuted(np.tile(np.arange(kv_len, dtype=np.int32), (batch, 1)), axis=1)[:, :sparse], axis=1)
     return dict(query=q, key=cache, value=cache, sparse_indices=idx.reshape(batch, 1, 1, sparse),
                 scale_value=576 ** -0.5, block_table=table,

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import qsfa
+from qsfa._values import as_dtype
 
 from ._harness import row
 from .decode_floor import measure
@@ -72,14 +73,14 @@ def naive_c8_rmsnorm_rope(kv, gamma, cos, sin, slots, cache, eps=1e-6, key_dtype
 
 def _inputs(t, seed=0):
     rng = np.random.default_rng(seed)
-    kv = (rng.standard_normal((t, 576)) * 3).astype(BF16)
+    kv = as_dtype(rng.standard_normal((t, 576)) * 3, BF16)
     kv[3, :128] = 0  # one all-zero tile
-    gamma = (1 + 0.1 * rng.standard_normal(512)).astype(BF16)
+    gamma = as_dtype(1 + 0.1 * rng.standard_normal(512), BF16)
     ang = rng.uniform(0, 6.3, (t, 64))
     nblk = t // 128 + 2
     slots = rng.permutation(nblk * 128)[:t].astype(np.int64)
     slots[::17] = -1
-    return kv, gamma, np.cos(ang).astype(BF16), np.sin(ang).astype(BF16), slots, nblk
+    return kv, gamma, as_dtype(np.cos(ang), BF16), as_dtype(np.sin(ang), BF16), slots, nblk
 
 
 def run(quick: bool = False, rounds: int | None = None) -> list[dict]:

@@ -8,6 +8,19 @@ import math
 
 import numpy as np
 
+def as_dtype(x, dtype) -> np.ndarray:
+    """Random float64 values ``x`` as ``dtype``, the same bytes with every ml_dtypes version: ml_dtypes 0.7 casts
+    float64 to its types (bfloat16, the FP8s) with one rounding, older versions rounded to float32 first (two
+    roundings), so a direct cast gives other inputs, and other hashes and examples, depending on the installed
+    version. float64 goes to float32 first for ml_dtypes' types; NumPy's own float16 cast (always one rounding)
+    is left as it is."""
+    x = np.asarray(x)
+    dt = np.dtype(dtype)
+    if x.dtype == np.float64 and dt.kind == "V":  # ml_dtypes' float types have kind "V"
+        x = x.astype(np.float32)
+    return x.astype(dt)
+
+
 def _format_values(rng, fmt: str, n: int, *, specials: bool) -> np.ndarray:
     """float64 values that stress ``fmt``'s rounding: representable values, midpoints (ties), their float32
     neighbours, random values over the whole range (sub-normal to beyond max), zeros and (optionally)

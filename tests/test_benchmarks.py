@@ -30,3 +30,20 @@ def test_quick_benchmarks_run_and_write_their_outputs(tmp_path, capsys):
         assert any("ratio" in r and r["baseline_s"] > 0 for r in rows), name
     md = (tmp_path / "results.md").read_text()
     assert "| benchmark | case |" in md
+
+
+def test_the_oracle_bytes_pinned_by_bytecheck_hold_here():
+    """Every output of benchmarks/bytecheck.py (the decode and prefill cases, FP8 / HiFloat8 / fp16 variants, wide
+    ranges, SFA with sinks, the C8 writers and dynamic_block_quant) hashes to the value pinned in
+    benchmarks/bytecheck_hashes.json, on this machine's CPU, BLAS and ml_dtypes: the bytes must not depend on
+    them (docs/golden.md). Computed on an AVX-512 Intel machine (OpenBLAS SkylakeX kernel); reproduced on an AVX2
+    AMD EPYC (OpenBLAS Haswell kernel) with ml_dtypes 0.5.1 and 0.7.0."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.bytecheck import check
+    finally:
+        sys.path.remove(str(ROOT))
+    res = check()
+    assert len(res) == 76
+    bad = sorted(name for name, (want, got) in res.items() if want != got)
+    assert not bad, f"{len(bad)} of {len(res)} cases give other bytes here: {bad}"
