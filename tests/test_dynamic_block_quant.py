@@ -190,3 +190,34 @@ def test_random_blocks_match_slow_loop_and_error_bound(case):
         se = se[:, : shape[-2], : shape[-1]].reshape(shape)
         err = np.abs(y.astype(np.float64) * se - x.astype(np.float64))
         assert np.all(err <= se * (0.5 + 2.0**-16))  # half a step, + fp32 rounding of x / s
+
+
+@pytest.mark.parametrize("dst, order, rb, shape", [
+    ("int8", "divide", 1, (1, 700, 512)),
+    ("int8", "reciprocal", 2, (3, 300, 512)),
+    ("float8_e4m3fn", "multiply", 1, (2, 333, 512)),
+    ("float8_e5m2", "reciprocal_multiply", 4, (1, 1100, 256)),
+    ("hifloat8", "divide", 1, (1, 260, 1024)),
+])
+@pytest.mark.parametrize("special", [None, "first", "last"])
+def test_chunked_tiled_path_equals_the_general_path(monkeypatch, dst, order, rb, shape, special):
+    """The tiled path quantises ``_CHUNK_ELEMS`` float32 elements at a time (whole row groups per chunk): several
+    chunks and a partial last one give the bytes of the general whole-array path; an inf / nan in the first or
+    the last chunk sends the whole call to the general path (nothing of the chunks done so far is kept)."""
+    from qsfa.reference import quant as Q
+
+    rng = np.random.default_rng(sum(shape) + rb)
+    x = rng.standard_normal(shape).astype(np.float32) * np.exp2(rng.integers(-6, 6, shape[:-1] + (1,)))
+    x[0, 0, :128] = 0  # an all-zero block in the first chunk
+    x[-1, -1, -128:] = -0.0
+    x = x.astype(ml_dtypes.bfloat16)
+    if special:
+        x[(0, 1, 5) if special == "first" else (-1, -2, 7)] = np.inf if dst != "hifloat8" else np.nan
+    assert x.size > 2 * Q._CHUNK_ELEMS  # several chunks
+    kw = dict(dst_type=dst, scale_order=order, row_block_size=rb, round_mode="round" if dst == "hifloat8" else "rint")
+    got = Q.dynamic_block_quant(x, **kw)
+    monkeypatch.setattr(Q, "_quant_tiled", lambda *a, **k: (None, None))
+    want = Q.dynamic_block_quant(x, **kw)
+    assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    assert _codes(got[0]).tobytes() == _codes(want[0]).tobytes()
+    assert got[1].tobytes() == want[1].tobytes()

@@ -105,29 +105,29 @@ def dynamic_block_quant(x: np.ndarray, *, min_scale: float = 0.0, round_mode: st
     Returns ``(y, scale)``: ``y`` has x's shape and is int8, ml_dtypes float8_e4m3fn / float8_e5m2, or
     uint8 HiFloat8 codes; ``scale`` is float32 ``[(B,) ceil(M/rb), ceil(N/cb)]``.
 
-    Speed (issue 15): blocks that tile x exactly are views of one float32 copy of x, divided in place (no
-    per-element expansion of the scales); the inf / nan handling runs only when x holds inf or nan (then the
-    general path below, which also serves partial edge blocks).
+    Speed (issue 15): blocks that tile x exactly are quantised a few hundred KiB of rows at a time (each
+    chunk widened to float32 in one reused buffer and worked on in place while it is in cache; no per-element
+    expansion of the scales); the inf / nan handling runs only when x holds inf or nan (then the general path
+    below, which also serves partial edge blocks).
     """
     x = np.asarray(x)
     two_d = x.ndim == 2
     if scale_order not in SCALE_ORDERS:
         raise ValueError(f"unknown scale_order {scale_order!r}")
     assert scale_order != "multiply" or not min_scale, "scale_order='multiply' needs min_scale == 0"
-    xf = x.astype(np.float32)  # a fresh copy: worked on in place below
-    if two_d:
-        xf = xf[None]
-    b, m, n = xf.shape
+    x3 = x[None] if two_d else x
+    b, m, n = x3.shape
     # a block at least as large as the matrix is the whole matrix: clamping gives the same blocks and keeps
     # a huge declared block size (2**40) from padding to its size
     rb, cb = min(int(row_block_size), max(m, 1)), min(int(col_block_size), max(n, 1))
     type_max = np.float32(dst_type_max if dst_type_max else TYPE_MAX[dst_type])
     finite_max = np.float32(FINITE_MAX[dst_type])
     q = scale = None
-    if m % rb == 0 and n % cb == 0 and xf.size:
-        q, scale = _quant_tiled(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order)
+    if m % rb == 0 and n % cb == 0 and x3.size:
+        q, scale = _quant_tiled(x3, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order)
     if q is None:
-        q, scale = _quant_general(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order)
+        q, scale = _quant_general(x3.astype(np.float32), rb, cb, type_max, finite_max, min_scale, dst_type,
+                                  round_mode, scale_order)
     if two_d:
         q, scale = q[0], scale[0]
     return q, scale
@@ -153,39 +153,59 @@ def _scale_and_multiplier(amax, type_max, min_scale, scale_order):
         return scale, mult
 
 
-def _quant_tiled(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order):
-    """Blocks that tile ``xf [B, M, N]`` exactly, finite values: ``(q, scale)``; ``(None, None)`` when xf holds
-    inf / nan (the caller then takes the general path). xf is overwritten."""
-    b, m, n = xf.shape
-    blocks = xf.reshape(b, m // rb, rb, n // cb, cb)
-    amax = np.abs(blocks).max(axis=4)  # one reduction (faster than max and -min); nan propagates; +0 for zeros
-    amax = amax.max(axis=2) if rb > 1 else amax[:, :, 0]
-    if not np.isfinite(amax).all():
-        return None, None
-    scale, mult = _scale_and_multiplier(amax, type_max, min_scale, scale_order)
-    zero = amax == 0  # all-zero blocks: 0 / 0 (0 * inf) -> code 0 (the only nan a finite x can produce here)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if mult is None:
-            np.divide(blocks, scale[:, :, None, :, None], out=blocks)
-        else:
-            np.multiply(blocks, mult[:, :, None, :, None], out=blocks)
-    if zero.any():
-        np.copyto(blocks, np.float32(0), where=zero[:, :, None, :, None])
-    return _cast_inplace(xf, dst_type, round_mode, finite_max), scale
+#: float32 elements quantised per chunk on the tiled path (two such buffers: 1 MiB, within a core's L2 cache)
+_CHUNK_ELEMS = 1 << 17
 
 
-def _cast_inplace(y, dst_type, round_mode, finite_max):
-    """``_cast(clip(y, +-finite_max))`` for nan-free fp32 ``y`` (overwritten). For int8 one clip after the rounding
-    (rint and round-half-away are monotonic and fix the integer bounds, so clip-round-clip equals round-clip)."""
+def _quant_tiled(x, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order):
+    """Blocks that tile ``x [B, M, N]`` (any float dtype, not modified) exactly, finite values: ``(q, scale)``;
+    ``(None, None)`` when x holds inf / nan (the caller then takes the general path). Works on chunks of whole
+    row groups (``rb`` rows each); every block lies in one chunk, so the bytes are those of one whole-array pass."""
+    b, m, n = x.shape
+    g, nb = b * (m // rb), n // cb
+    xg = x.reshape(g, rb, n)
+    q = np.empty((g, rb, n), _OUT_DTYPES[dst_type])
+    scale = np.empty((g, nb), np.float32)
+    step = max(1, _CHUNK_ELEMS // (rb * n))
+    buf = np.empty((min(step, g), rb, nb, cb), np.float32)
+    absb = np.empty_like(buf)
+    for s0 in range(0, g, step):
+        c = min(step, g - s0)
+        blocks, a = buf[:c], absb[:c]
+        np.copyto(blocks.reshape(c, rb, n), xg[s0:s0 + c])  # widened to float32 (exact)
+        np.abs(blocks, out=a)
+        amax = a.max(axis=3)  # [c, rb, nb]; nan propagates; +0 for zeros
+        amax = amax.max(axis=1) if rb > 1 else amax[:, 0]
+        if not np.isfinite(amax).all():
+            return None, None
+        sc, mult = _scale_and_multiplier(amax, type_max, min_scale, scale_order)
+        scale[s0:s0 + c] = sc
+        zero = amax == 0  # all-zero blocks: 0 / 0 (0 * inf) -> code 0 (the only nan a finite x can produce here)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            if mult is None:
+                np.divide(blocks, sc[:, None, :, None], out=blocks)
+            else:
+                np.multiply(blocks, mult[:, None, :, None], out=blocks)
+        if zero.any():
+            np.copyto(blocks, np.float32(0), where=zero[:, None, :, None])
+        _cast_into(q[s0:s0 + c], blocks.reshape(c, rb, n), dst_type, round_mode, finite_max)
+    return q.reshape(b, m, n), scale.reshape(b, m // rb, nb)
+
+
+def _cast_into(out, y, dst_type, round_mode, finite_max):
+    """``out[...] = _cast(clip(y, +-finite_max))`` for nan-free fp32 ``y`` (overwritten). For int8 one clip after
+    the rounding (rint and round-half-away are monotonic and fix the integer bounds, so clip-round-clip equals
+    round-clip), then the float32 -> int8 conversion of ``astype``."""
     if dst_type == "int8":
         if round_mode == "rint":
             np.rint(y, out=y)
         else:
             y = np.sign(y) * np.floor(np.abs(y) + np.float32(0.5))
         np.clip(y, np.float32(-127), np.float32(127), out=y)
-        return y.astype(np.int8)
+        np.copyto(out, y, casting="unsafe")
+        return
     np.clip(y, -finite_max, finite_max, out=y)
-    return _cast(y, dst_type, round_mode)
+    out[...] = _cast(y, dst_type, round_mode)
 
 
 def _quant_general(xf, rb, cb, type_max, finite_max, min_scale, dst_type, round_mode, scale_order):
