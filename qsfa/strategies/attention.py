@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from .. import _edges as _E
-from .._values import _exact_codes, _nope_codes
+from .._values import _exact_codes, _nope_codes, as_dtype
 from ._common import _b, _choose, _NAN16, _NAN_CODE, _QDT, _rng, Bounds, bounds, INT64_MAX, sparse_index_rows
 from ._common import BOOLEANS, int_lists, ints, sampled
 from .formats import _NP_IN
@@ -284,18 +284,18 @@ def sfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     rope = _choose(draw, pins, "rope", (True, False))
     has_value = _choose(draw, pins, "has_value", (True, False))
     nan_row = lambda w: np.full(w, np.nan, np.float32).astype(qdt)  # noqa: E731
-    key = _place_rows(kv, rng.uniform(-1, 1, (bsz, mk, 512)).astype(qdt), nan_row(512))
-    value = _place_rows(kv, rng.uniform(-1, 1, (bsz, mk, 512)).astype(qdt), nan_row(512)) if has_value else None
+    key = _place_rows(kv, as_dtype(rng.uniform(-1, 1, (bsz, mk, 512)), qdt), nan_row(512))
+    value = _place_rows(kv, as_dtype(rng.uniform(-1, 1, (bsz, mk, 512)), qdt), nan_row(512)) if has_value else None
     rows = q.batch.size
     qr = kr = None
     if rope:
-        qr = _store_q(rng.uniform(-1, 1, (rows, n_heads, 64)).astype(qdt), q)
-        kr = _place_rows(kv, rng.uniform(-1, 1, (bsz, mk, 64)).astype(qdt), nan_row(64))
+        qr = _store_q(as_dtype(rng.uniform(-1, 1, (rows, n_heads, 64)), qdt), q)
+        kr = _place_rows(kv, as_dtype(rng.uniform(-1, 1, (bsz, mk, 64)), qdt), nan_row(64))
     sinks = None
     if _choose(draw, pins, "sinks", (False, False, True)):
         sinks = rng.uniform(-2, 2, n_heads).astype(np.float32)
     lse = False if kv.layout_kv == "PA_BSND" else _choose(draw, pins, "return_softmax_lse", (False, True))
-    query = _store_q(rng.uniform(-1, 1, (rows, n_heads, 512)).astype(qdt), q)
+    query = _store_q(as_dtype(rng.uniform(-1, 1, (rows, n_heads, 512)), qdt), q)
     return dict(query=query, key=key, value=value, sparse_indices=idx,
                 scale_value=float(_choose(draw, pins, "scale_value", ((512 + 64) ** -0.5, 0.1))),
                 block_table=kv.block_table, actual_seq_lengths_query=q.lens_q, actual_seq_lengths_kv=kv.lens_kv,
@@ -406,8 +406,8 @@ def merge_attention_lse_args(draw, bounds: Bounds | None = None, **pins) -> dict
         t = draw(st.integers(1, b.max_batch * b.max_q_tokens))
         lead, stat = (parts, t, n), (parts, 1, t, n)
     out = rng.uniform(-2, 2, lead + (d,)).astype(_NP_IN.get(odt, np.float64))
-    m = rng.uniform(-20, 20, stat).astype(sdt)
-    s = rng.uniform(1, 300, stat).astype(sdt)
+    m = as_dtype(rng.uniform(-20, 20, stat), sdt)
+    s = as_dtype(rng.uniform(1, 300, stat), sdt)
     empty = rng.random(stat) < 0.15
     m[empty] = 0
     s[empty] = 0

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from .. import _edges as _E
 from .._contract import Args
-from .._values import _group_values
+from .._values import _group_values, as_dtype
 from ._common import _b, _BF16, _choose, _QDT, _rng, Bounds, bounds, poison_bytes, slot_mapping
 
 __all__ = [
@@ -86,7 +86,7 @@ def c8_cache_write_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     elif edge == "zero_tiles":
         k_nope = _E.zero_tiles(k_nope, 128)
     k_nope = np.clip(k_nope, -6e4, 6e4).astype(_QDT[qdt])
-    k_rope = rng.standard_normal((t, 64)).astype(_QDT[qdt]) if rope else None
+    k_rope = as_dtype(rng.standard_normal((t, 64)), _QDT[qdt]) if rope else None
     cache, slots = _c8_cache(draw, rng, pins, b, t, rope, edge)
     return dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slots, kv_cache=cache, key_dtype=key_dtype,
                 scale_order=_choose(draw, pins, "scale_order", C8_SCALE_ORDER_CHOICES))
@@ -103,19 +103,19 @@ def c8_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
     rope = _choose(draw, pins, "rope_head_dim", (64, 0))
     t = _E.tokens(draw(st.integers(1, b.max_tokens)), edge)
     rng = _rng(draw)
-    kv = (rng.standard_normal((t, 512 + rope)) * 10.0 ** rng.uniform(-2, 1, (t, 1))).astype(qdt)
-    gamma = (1 + 0.25 * rng.standard_normal(512)).astype(qdt)
+    kv = as_dtype(rng.standard_normal((t, 512 + rope)) * 10.0 ** rng.uniform(-2, 1, (t, 1)), qdt)
+    gamma = as_dtype(1 + 0.25 * rng.standard_normal(512), qdt)
     key_dtype = _choose(draw, pins, "key_dtype", ("int8", "float8_e4m3fn"))
     if edge is not None and edge.startswith("ties:"):
         nope, g = _E.c8r_ties(rng, t, key_dtype)
-        kv[:, :512], gamma = nope.astype(qdt), g.astype(qdt)
+        kv[:, :512], gamma = as_dtype(nope, qdt), as_dtype(g, qdt)
     elif pins.get("small_norm"):  # mean square ~1e-6: the epsilon is not negligible
         kv = (kv.astype(np.float32) * 1e-3).astype(qdt)
     cos = sin = None
     if rope:
         ang = rng.uniform(0, 2 * np.pi, (t, 32))
-        cos = np.concatenate([np.cos(ang)] * 2, axis=-1).astype(qdt)
-        sin = np.concatenate([np.sin(ang)] * 2, axis=-1).astype(qdt)
+        cos = as_dtype(np.concatenate([np.cos(ang)] * 2, axis=-1), qdt)
+        sin = as_dtype(np.concatenate([np.sin(ang)] * 2, axis=-1), qdt)
     cache, slots = _c8_cache(draw, rng, pins, b, t, bool(rope), edge)
     return dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slots, kv_cache=cache,
                 epsilon=_choose(draw, pins, "epsilon", (1e-6, 1e-5)), rope_head_dim=rope, key_dtype=key_dtype,

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from .. import _edges as _E
-from .._values import _format_values
+from .._values import _format_values, as_dtype
 from ._common import _b, _BF16, _choose, _F16, _rng, Bounds, bounds
 
 __all__ = [
@@ -43,9 +43,9 @@ def encode_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     rng = _rng(draw)
     no_specials = fmt in ("int8", "float4_e2m1")
     with np.errstate(over="ignore"):
-        x = _format_values(rng, fmt, n, specials=not no_specials or saturate).astype(_NP_IN[in_dt])
+        x = as_dtype(_format_values(rng, fmt, n, specials=not no_specials or saturate), _NP_IN[in_dt])
         if edge is not None:  # every boundary value in the edge phase; a shrinkable prefix otherwise
-            x = _E.encode_values(rng, fmt, saturate).astype(_NP_IN[in_dt])
+            x = as_dtype(_E.encode_values(rng, fmt, saturate), _NP_IN[in_dt])
             x = x if pins.get("edge_full") else x[:draw(st.integers(1, x.size))]
             shape = x.shape
     if no_specials:

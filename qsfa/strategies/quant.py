@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from .. import _edges as _E
-from .._values import _group_values
+from .._values import _group_values, as_dtype
 from ._common import _b, _choose, _rng, Bounds, bounds
 from .formats import _NP_IN
 
@@ -50,6 +50,6 @@ def dynamic_block_quant_args(draw, bounds: Bounds | None = None, **pins) -> dict
     if specials:
         sp = rng.random(shape) < 0.03
         x[sp] = rng.choice(np.array([np.inf, -np.inf, np.nan], np.float32), int(sp.sum()))
-    x = x.astype(np.float32 if xdt == "float32" else _NP_IN[xdt])
+    x = as_dtype(x, np.float32 if xdt == "float32" else _NP_IN[xdt])
     return dict(x=x, min_scale=min_scale, round_mode="round" if dst == "hifloat8" else "rint", dst_type=dst_arg,
                 row_block_size=rb, col_block_size=cb, dst_type_max=dmax, scale_order=scale_order)
