@@ -563,6 +563,153 @@ def key_rows_finite_rule(n: Names, param=None):
                 f"the {param} rows within the KV lengths must not contain inf or nan", check, edit(n, change))
 
 
+_F32_EXP = np.uint32(0x7F800000)
+#: per one-byte NoPE format: a 256-entry table, True for the codes that decode to inf / nan (None: every code finite)
+_BAD_CODES: dict = {}
+
+
+def _nonfinite_codes(fmt: str):
+    if fmt not in _BAD_CODES:
+        from ..reference.attention import decode_nope
+
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = ~np.isfinite(decode_nope(np.arange(256, dtype=np.uint8), fmt, np.float64))
+        _BAD_CODES[fmt] = bad if bad.any() else None
+    return _BAD_CODES[fmt]
+
+
+#: SWAR constants: in each 16-bit (32-bit) lane of a uint64, ``(w & EXP) + ONE`` sets the lane's top bit exactly
+#: when the lane's exponent field is all ones (inf / nan), and never carries into the next lane
+_SWAR16 = {0x7F80: (np.uint64(0x7F807F807F807F80), np.uint64(0x0080008000800080)),
+           0x7C00: (np.uint64(0x7C007C007C007C00), np.uint64(0x0400040004000400))}
+_SWAR16_TOP = np.uint64(0x8000800080008000)
+_SWAR32 = (np.uint64(0x7F8000007F800000), np.uint64(0x0080000000800000), np.uint64(0x8000000080000000))
+
+
+def _any_exp_all_ones(words: np.ndarray, exp: np.uint64, one: np.uint64, top: np.uint64) -> bool:
+    """Whether any lane of the uint64 ``words`` (any shape / strides) has an all-ones exponent (three passes)."""
+    w = np.bitwise_and(words, exp)
+    w += one
+    return bool(np.bitwise_or.reduce(w, axis=None) & top)
+
+
+def _packed_faults(rows: np.ndarray, rope: int, bad_codes, qmask, lo: int = 0) -> np.ndarray | None:
+    """Per packed QSFA row (uint8 ``[m, kvd - lo]``: the row's bytes from ``lo`` on, any row stride): whether a tile
+    scale, a RoPE value or (where the format has any; ``lo`` 0) a NoPE code is not finite; None when no row has
+    one (tested first, on 64-bit words)."""
+    off = 512 + 2 * rope - lo
+    sc, rb = rows[:, off:off + 16], rows[:, 512 - lo:off]
+    clean = not _any_exp_all_ones(sc.view("<u8"), *_SWAR32)
+    if clean and rope:
+        clean = not _any_exp_all_ones(rb.view("<u8"), *_SWAR16[int(qmask)], _SWAR16_TOP)
+    if clean and bad_codes is not None:
+        clean = not bad_codes[rows[:, :512]].any()
+    if clean:
+        return None
+    bad = ((sc.view("<u4") & _F32_EXP) == _F32_EXP).any(axis=1)
+    if rope:
+        bad |= ((rb.view("<u2") & qmask) == qmask).any(axis=1)
+    if bad_codes is not None:
+        bad |= bad_codes[rows[:, :512]].any(axis=1)
+    return bad
+
+
+def _describe_packed_fault(row: np.ndarray, rope: int, bad_codes, qmask, q_dtype, fmt: str) -> str:
+    off = 512 + 2 * rope
+    sc = row[off:off + 16].view("<u4")
+    t = np.flatnonzero((sc & _F32_EXP) == _F32_EXP)
+    if t.size:
+        return f"{float(sc[t[0]:t[0] + 1].view('<f4')[0])} (the scale of NoPE tile {int(t[0])})"
+    if rope:
+        rb = row[512:off].view("<u2")
+        d = np.flatnonzero((rb & qmask) == qmask)
+        if d.size:
+            return f"{float(rb[d[0]:d[0] + 1].view(q_dtype)[0])} (RoPE element {int(d[0])})"
+    d = int(np.flatnonzero(bad_codes[row[:512]])[0])
+    return f"code 0x{int(row[d]):02X} (NoPE element {d}: not a finite {fmt} value)"
+
+
+def _selected_storage_rows(a, n: Names, entries: int = 1 << 19):
+    """Per chunk of query rows: ``(storage [c, W], valid [c, W], batch [c], token [c, W])`` - the flat row of
+    ``key.reshape(-1, D)`` of every token the rows' sparse indices select (qsfa.reference.attn_layout: causal
+    threshold, -1 padding, sparse_block_size, KV lengths), at most ``entries`` tokens a chunk."""
+    from ..reference.attn_layout import kv_map, query_rows, row_limits, selected_tokens
+
+    q, key = a.query, a[n.key]
+    lead = q.shape[:2] if a.layout_query == "BSND" else q.shape[:1]
+    rows = query_rows(a.layout_query, lead, a.get("actual_seq_lengths_query"))
+    kvm = kv_map(a[n.layout_kv], key.shape, a.get(n.lens_kv), rows.n_batch, a.get("block_table"))
+    thr, limit = row_limits(rows, kvm.act_kv, a.sparse_mode)
+    idx = np.asarray(a.sparse_indices).reshape(rows.batch.size, -1)
+    sbs = int(a.sparse_block_size)
+    step = max(1, entries // max(idx.shape[1] * sbs, 1))
+    for s in range(0, rows.batch.size, step):
+        tok, valid = selected_tokens(idx[s:s + step], thr[s:s + step], limit[s:s + step], sbs)
+        b = rows.batch[s:s + step]
+        yield kvm.storage_rows(b[:, None], tok), valid, b, tok
+
+
+#: packed rows per piece of the finiteness check (bounded temporaries)
+_SCAN_ROWS = 1 << 16
+
+
+def packed_rows_finite_rule(n: Names):
+    """QSFA: every packed key row the call reads - the tokens its sparse indices select - holds finite tile
+    scales, finite RoPE values and NoPE codes that decode to finite values (a NaN or inf there turns attention rows
+    into NaN, as it would on the chip). Rows nothing selects may hold anything. Only the distinct rows read, and
+    only their checked columns, are gathered (any strides)."""
+
+    def check(a):
+        key, rope, fmt = a.get(n.key), a.get("rope_head_dim"), a.get("key_dtype")
+        if key is None or rope not in (0, 64) or key.shape[-1] != 512 + 2 * rope + 16:
+            return None
+        bad_codes = _nonfinite_codes(fmt)
+        q_name = dtype_name(a.query)
+        qmask = np.uint16(_EXP_MASK16.get(q_name, 0x7F80))
+        lo = 0 if bad_codes is not None else 512  # int8 codes are always finite: the scales and RoPE only
+        lead = key.shape[:-1]
+        n_store = int(np.prod(lead, dtype=np.int64))
+        bytes_ = key.view(np.uint8) if key.dtype.itemsize == 1 else key
+        if key.flags.c_contiguous and n_store <= max(4096, 2 * a.sparse_indices.size * int(a.sparse_block_size)):
+            store = bytes_.reshape(n_store, -1)[:, lo:]  # a small cache, or one the call reads most of: all rows
+            if all(_packed_faults(store[i:i + _SCAN_ROWS], rope, bad_codes, qmask, lo) is None  # in place first
+                   for i in range(0, n_store, _SCAN_ROWS)):
+                return None
+        read = np.zeros(n_store, bool)
+        for st, valid, _, _ in _selected_storage_rows(a, n):
+            read[st[valid]] = True
+        ids = np.flatnonzero(read)
+        bad_ids = []
+        for i in range(0, ids.size, _SCAN_ROWS):
+            part = ids[i:i + _SCAN_ROWS]
+            rows = bytes_[np.unravel_index(part, lead) + (slice(lo, None),)]  # [m, kvd - lo], a copy
+            faults = _packed_faults(rows, rope, bad_codes, qmask, lo)
+            if faults is not None:
+                bad_ids.append(part[faults])
+        if not bad_ids:
+            return None
+        bad = np.zeros(n_store, bool)
+        bad[np.concatenate(bad_ids)] = True
+        for st, valid, b, tok in _selected_storage_rows(a, n):  # the first selected token in a bad row
+            hit = valid & bad[st]
+            if hit.any():
+                r, j = np.unravel_index(int(hit.argmax()), hit.shape)
+                row = np.ascontiguousarray(bytes_[np.unravel_index(int(st[r, j]), lead)])
+                what = _describe_packed_fault(row, rope, bad_codes, qmask, _Q_DTYPES.get(q_name, _BF16), fmt)
+                return Raw(f"{what} in batch {int(b[r])}, token {int(tok[r, j])}")
+        return None
+
+    def change(a):
+        k = a[n.key].copy()
+        k.reshape(-1, k.shape[-1]).view(np.uint8)[:, -16:-12] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+        a[n.key] = k
+        a["value"] = k
+
+    return rule(n, "key_rows_finite", n.key, "value",
+                "the packed key rows its sparse indices select must hold finite tile scales, finite RoPE values and "
+                "NoPE codes that decode to finite values", check, edit(n, change))
+
+
 def scale_value_rule(n: Names):
     return rule(n, "scale_value_value", "scale_value", "value", "must be a finite real number",
                 lambda a: None if is_real(a.scale_value) and math.isfinite(a.scale_value) else a.scale_value,

@@ -34,8 +34,8 @@ from ..reference.attention import PRECISIONS, PROBABILITY_ROUNDINGS
 from ._attention_rules import (
     _BF16, _head_dim_and_kv_head_rules, _kv_storage, _lengths, _ndim_rule, _nope_codes, _Q_DTYPES, _query_store,
     bool_rule, choice_rule, edit, finite_rule, fixed_value, INT64_MAX, is_int, key_rows_finite_rule, layout_rules,
-    length_rules, mode_rules, Names, nonempty_rules, rank_rules, rule, sbs_divides_block_size, scale_value_rule,
-    setting, sparse_indices_rules,
+    length_rules, mode_rules, Names, nonempty_rules, packed_rows_finite_rule, rank_rules, rule, sbs_divides_block_size,
+    scale_value_rule, setting, sparse_indices_rules,
 )
 
 __all__ = [
@@ -233,6 +233,7 @@ def _qsfa_rules():
     r.append(scale_value_rule(n))
     r.append(bool_rule(n, "return_softmax_lse"))
     r.append(finite_rule(n, "query"))
+    r.append(packed_rows_finite_rule(n))
     r.append(choice_rule(n, "precision", PRECISIONS, source="docs/numerics/attention.md#rounding-points (qsfa's parameter, not torch_npu's)"))
     r.append(choice_rule(n, "probability_rounding", PROBABILITY_ROUNDINGS,
                          source="docs/numerics/open-facts.md#probability_rounding"))
