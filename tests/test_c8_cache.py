@@ -264,3 +264,29 @@ def test_rmsnorm_writer_rejects_cos_at_rope0():
         qsfa.c8_rmsnorm_rope_cache(np.ones((1, 512), BF16), np.ones(512, BF16), np.ones((1, 64), BF16),
                                    None, np.array([0]), _cache(1, 1, 528), rope_head_dim=0)
     assert ei.value.constraint_id == "c8_rmsnorm_rope_cache.cos_shape"
+
+
+@pytest.mark.parametrize("op", ["c8_cache_write", "c8_rmsnorm_rope_cache"])
+def test_a_float8_cache_array_takes_fp8_codes_only(op):
+    """A float8_e4m3fn cache array is read as FP8 codes by attention (its key_dtype rule): writing int8 codes into
+    one is refused before anything is written, naming key_dtype; FP8 codes are written, and read back finite."""
+    rng = np.random.default_rng(4)
+    kv = rng.standard_normal((6, 576)).astype(BF16)
+    cache = np.full((2, 4, 1, 656), 0x11, np.uint8).view(ml_dtypes.float8_e4m3fn)
+    before = cache.tobytes()
+    ang = rng.uniform(0, 2 * np.pi, (6, 32))
+    cos = np.concatenate([np.cos(ang)] * 2, axis=1).astype(BF16)
+    sin = np.concatenate([np.sin(ang)] * 2, axis=1).astype(BF16)
+
+    def write(**kw):
+        if op == "c8_cache_write":
+            return qsfa.c8_cache_write(kv[:, :512], kv[:, 512:], np.arange(6), cache, **kw)
+        return qsfa.c8_rmsnorm_rope_cache(kv, np.ones(512, BF16), cos, sin, np.arange(6), cache, **kw)
+
+    with pytest.raises(qsfa.InvalidArgument) as ei:
+        write()  # key_dtype defaults to int8
+    assert ei.value.constraint_id == f"{op}.key_dtype_matches_kv_cache" and "'int8'" in str(ei.value)
+    assert cache.tobytes() == before
+    write(key_dtype="float8_e4m3fn")
+    codes = cache.reshape(-1, 656)[:6, :512].astype(np.float32)
+    assert np.isfinite(codes).all() and cache.tobytes() != before

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from .. import chips as _chips
@@ -82,6 +83,13 @@ def _c8_key_rules(op):
               f"must be None (the chip's order) or {one_of(SCALE_ORDERS)}",
               lambda a: None if a.scale_order is None or a.scale_order in SCALE_ORDERS else a.scale_order,
               set_param("scale_order", "bogus"), source="docs/numerics/chips.md#c8-cache-writers"),
+        _rule(op, "key_dtype_matches_kv_cache", "key_dtype", "value",
+              "a float8_e4m3fn kv_cache holds FP8 codes: key_dtype must be 'float8_e4m3fn' (attention reads such an "
+              "array as FP8 whatever was written into it)",
+              lambda a: None if dtype_name(a.kv_cache) != "float8_e4m3fn" or a.key_dtype == "float8_e4m3fn"
+              else a.key_dtype,
+              _edit(lambda o: o.update(kv_cache=o["kv_cache"].view(ml_dtypes.float8_e4m3fn), key_dtype="int8")),
+              source="docs/numerics/attention.md#kv_quant_sparse_flash_attention"),
         _rule(op, "a2a3_key_dtype", "key_dtype", "value", "Atlas A2/A3 packed caches are int8 only",
               lambda a: None if a.key_dtype == "int8" else a.key_dtype, set_param("key_dtype", "float8_e4m3fn"),
               chips=("A2", "A3"), source=C8_SRC),

@@ -56,10 +56,13 @@ def scatter_by_slot_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     return dict(cache=cache, rows=rows, slot_mapping=_E.slots_edge(slots, edge, bn * bs, bs))
 
 
-def _c8_cache(draw, rng, pins, b: Bounds, t: int, rope: bool, edge=None):
+def _c8_cache(draw, rng, pins, b: Bounds, t: int, rope: bool, edge=None, key_dtype="int8"):
+    """A random-byte packed cache: uint8 / int8, or float8_e4m3fn for FP8 codes (a float8 array holds FP8 codes
+    only: the writers' key_dtype_matches_kv_cache rule), and its slots."""
     bn = draw(st.integers(1, 4))
     bs = _E.block_size(draw, pins, max(1, min(b.max_block_size, 16)), edge)
-    cdt = _choose(draw, pins, "cache_dtype", ("uint8", "int8", "float8_e4m3fn"))
+    cdt = _choose(draw, pins, "cache_dtype",
+                  ("uint8", "int8", "float8_e4m3fn") if key_dtype == "float8_e4m3fn" else ("uint8", "int8"))
     npdt = {"uint8": np.dtype(np.uint8), "int8": np.dtype(np.int8),
             "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}[cdt]
     cache = poison_bytes(rng, (bn, bs, 1, 656 if rope else 528), npdt)
@@ -87,7 +90,7 @@ def c8_cache_write_args(draw, bounds: Bounds | None = None, **pins) -> dict:
         k_nope = _E.zero_tiles(k_nope, 128)
     k_nope = np.clip(k_nope, -6e4, 6e4).astype(_QDT[qdt])
     k_rope = as_dtype(rng.standard_normal((t, 64)), _QDT[qdt]) if rope else None
-    cache, slots = _c8_cache(draw, rng, pins, b, t, rope, edge)
+    cache, slots = _c8_cache(draw, rng, pins, b, t, rope, edge, key_dtype)
     return dict(k_nope=k_nope, k_rope=k_rope, slot_mapping=slots, kv_cache=cache, key_dtype=key_dtype,
                 scale_order=_choose(draw, pins, "scale_order", C8_SCALE_ORDER_CHOICES))
 
@@ -116,7 +119,7 @@ def c8_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
         ang = rng.uniform(0, 2 * np.pi, (t, 32))
         cos = as_dtype(np.concatenate([np.cos(ang)] * 2, axis=-1), qdt)
         sin = as_dtype(np.concatenate([np.sin(ang)] * 2, axis=-1), qdt)
-    cache, slots = _c8_cache(draw, rng, pins, b, t, bool(rope), edge)
+    cache, slots = _c8_cache(draw, rng, pins, b, t, bool(rope), edge, key_dtype)
     return dict(kv=kv, gamma=gamma, cos=cos, sin=sin, slot_mapping=slots, kv_cache=cache,
                 epsilon=_choose(draw, pins, "epsilon", (1e-6, 1e-5)), rope_head_dim=rope, key_dtype=key_dtype,
                 scale_order=_choose(draw, pins, "scale_order", C8_SCALE_ORDER_CHOICES))
