@@ -196,3 +196,57 @@ def test_nz_view_writes_in_place():
 def test_nd_to_nz_rejects_misaligned():
     with pytest.raises(qsfa.InvalidArgument):
         layouts.nd_to_nz(np.zeros((1, 16, 1, 40), np.float16))
+
+
+def _valid_rows():
+    rng = np.random.default_rng(5)
+    codes = rng.integers(-128, 128, (3, 512)).astype(np.int8)
+    rope = rng.standard_normal((3, 64)).astype(ml_dtypes.bfloat16)
+    scales = rng.random((3, 4)).astype(np.float32)
+    return codes, rope, scales
+
+
+_NAN_SCALE_ROWS = "nan-scale rows"
+
+
+@pytest.mark.parametrize("call,param", [
+    (lambda c, r, s: layouts.pack_rows(c.astype(np.int16), r, s), "nope_codes"),
+    (lambda c, r, s: layouts.pack_rows(c > 0, r, s), "nope_codes"),
+    (lambda c, r, s: layouts.pack_rows(None, r, s), "nope_codes"),
+    (lambda c, r, s: layouts.pack_rows(c[:, :500], r, s), "nope_codes"),
+    (lambda c, r, s: layouts.pack_rows(c, r, s[:, :3]), "scales"),
+    (lambda c, r, s: layouts.pack_rows(c, r, s.astype(np.float64)), "scales"),
+    (lambda c, r, s: layouts.pack_rows(c, r[:2], s), "rope"),
+    (lambda c, r, s: layouts.pack_rows(c, r.astype(np.float32), s), "rope"),
+    (lambda c, r, s: layouts.pack_rows(c, r, s, tile_size=0), "tile_size"),
+    (lambda c, r, s: layouts.unpack_rows(layouts.pack_rows(c, r, s).astype(np.float32)), "rows"),
+    (lambda c, r, s: layouts.unpack_rows(layouts.pack_rows(c, r, s)[:, :-1]), "rows"),
+    (lambda c, r, s: layouts.unpack_rows(layouts.pack_rows(c, r, s), rope_dtype="fp8"), "rope_dtype"),
+    (lambda c, r, s: layouts.dequant_rows(layouts.pack_rows(c, r, s), nope_format="int4"), "nope_format"),
+    (_NAN_SCALE_ROWS, "rows"),
+    (lambda c, r, s: layouts.slot_positions(np.arange(4), 0), "block_size"),
+    (lambda c, r, s: layouts.slot_positions(None, 16), "slot_mapping"),
+    (lambda c, r, s: layouts.slot_positions(np.array([0.5]), 16), "slot_mapping"),
+    (lambda c, r, s: layouts.slot_positions(np.array([3, -2]), 16), "slot_mapping"),
+])
+def test_layout_helpers_refuse_bad_input_by_name(call, param):
+    """The byte-layout helpers check their inputs (no assert, no raw NumPy error, no garbage out)."""
+    c, r, s = _valid_rows()
+    if call is _NAN_SCALE_ROWS:
+        rows = layouts.pack_rows(c, r, s)
+        rows[1, 644:648] = 0xFF
+        call = lambda c, r, s: layouts.dequant_rows(rows)  # noqa: E731
+    with pytest.raises(qsfa.InvalidArgument) as e:
+        call(c, r, s)
+    assert e.value.param == param, str(e.value)
+
+
+def test_dequant_rows_nonfinite_only_on_request():
+    c, r, s = _valid_rows()
+    rows = layouts.pack_rows(c, r, s)
+    rows[1, 644:648] = 0xFF  # NaN scale of tile 1, token 1
+    with pytest.raises(qsfa.InvalidArgument, match=r"nan in the scales at \(1, 1\)"):
+        layouts.dequant_rows(rows)
+    nope, rope = layouts.dequant_rows(rows, allow_nonfinite=True)
+    assert np.isnan(nope[1, 128:256]).all() and np.isfinite(np.delete(nope, 1, axis=0)).all()
+    assert np.isfinite(rope).all()

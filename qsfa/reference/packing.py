@@ -33,7 +33,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .._errors import InvalidArgument
+from .._errors import InvalidArgument, Raw
 
 __all__ = [
     "SCALE_BYTES",
@@ -90,34 +90,75 @@ def _bytes(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint8).reshape(*a.shape[:-1], a.shape[-1] * a.dtype.itemsize)
 
 
-def pack_rows(nope_codes: np.ndarray, rope: np.ndarray | None, scales: np.ndarray) -> np.ndarray:
+def _array(x, name: str) -> np.ndarray:
+    if x is None or isinstance(x, (str, bytes)):
+        raise InvalidArgument("type", name, x, "must be an array")
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument("type", name, type(x).__name__, f"must be an array ({e})") from None
+
+
+_CODE_KINDS = ("i", "u", "V")  # int8 / uint8 codes, or the ml_dtypes one-byte floats (kind 'V')
+_NOPE_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
+
+
+def _one_byte_codes(x, name: str) -> np.ndarray:
+    a = _array(x, name)
+    if a.dtype.itemsize != 1 or a.dtype.kind not in _CODE_KINDS or a.ndim == 0:
+        raise InvalidArgument("dtype", name, str(a.dtype) if a.ndim else tuple(a.shape),
+                              "must be an array of one-byte codes (int8, uint8 or float8_e4m3fn; HiFloat8 as uint8)")
+    return a
+
+
+def pack_rows(nope_codes: np.ndarray, rope: np.ndarray | None, scales: np.ndarray, *,
+              tile_size: int = 128) -> np.ndarray:
     """Concatenate NoPE codes, RoPE bits and fp32 scales into packed QSFA rows.
 
-    nope_codes: ``[..., r]`` one-byte codes (int8, uint8, float8_e4m3fn; HiFloat8 as uint8).
+    nope_codes: ``[..., r]`` one-byte codes (int8, uint8, float8_e4m3fn; HiFloat8 as uint8), ``r`` a multiple of
+                ``tile_size``.
     rope:       ``[..., R]`` float16/bfloat16 (copied bit for bit) or ``None`` (rope_head_dim 0).
-    scales:     ``[..., r / tile]`` float32, stored little-endian.
-    Returns uint8 ``[..., r + 2R + 4 * r / tile]``.
+    scales:     ``[..., r / tile_size]`` float32, stored little-endian.
+    Leading dimensions must agree. Returns uint8 ``[..., r + 2R + 4 * r / tile_size]``; anything else is refused
+    with :class:`qsfa.InvalidArgument` naming the parameter.
     """
-    nope_codes = np.asarray(nope_codes)
-    assert nope_codes.dtype.itemsize == 1, "NoPE codes must be one byte each"
-    scales = np.asarray(scales)
-    assert scales.dtype == np.float32, "scales must be float32"
+    nope_codes = _one_byte_codes(nope_codes, "nope_codes")
+    if not isinstance(tile_size, (int, np.integer)) or isinstance(tile_size, bool) or tile_size < 1:
+        raise InvalidArgument("value", "tile_size", tile_size, "must be a positive integer")
+    if nope_codes.shape[-1] % tile_size:
+        raise InvalidArgument("shape", "nope_codes", tuple(nope_codes.shape),
+                              f"the last dimension must be a whole number of {tile_size}-code tiles (tile_size)")
+    lead, n_tiles = nope_codes.shape[:-1], nope_codes.shape[-1] // tile_size
+    scales = _array(scales, "scales")
+    if scales.dtype != np.float32:
+        raise InvalidArgument("dtype", "scales", str(scales.dtype), "must be float32")
+    if scales.shape != lead + (n_tiles,):
+        raise InvalidArgument("shape", "scales", tuple(scales.shape),
+                              f"must be {lead + (n_tiles,)}: nope_codes' leading dimensions and one scale per "
+                              f"{tile_size}-code tile")
     parts = [_bytes(nope_codes)]
-    if rope is not None and np.asarray(rope).shape[-1]:
-        rope = np.asarray(rope)
-        assert rope.dtype.itemsize == 2, "RoPE must be a 16-bit float"
-        parts.append(_bytes(rope))
+    if rope is not None:
+        rope = _array(rope, "rope")
+        if rope.dtype not in _ROPE_DTYPES.values():
+            raise InvalidArgument("dtype", "rope", str(rope.dtype), "must be float16 or bfloat16 (or None)")
+        if rope.ndim != nope_codes.ndim or rope.shape[:-1] != lead:
+            raise InvalidArgument("shape", "rope", tuple(rope.shape),
+                                  f"the leading dimensions must be nope_codes' {lead}")
+        if rope.shape[-1]:
+            parts.append(_bytes(rope))
     parts.append(_bytes(scales.astype("<f4")))
     return np.concatenate(parts, axis=-1)
 
 
 def unpack_rows(rows: np.ndarray, *, kv_lora_rank: int = 512, rope_head_dim: int = 64, tile_size: int = 128,
                 rope_dtype: str = "bfloat16"):
-    """Split packed QSFA rows ``[..., W]`` (uint8 or int8) into ``(nope uint8 [..., r],
-    rope [..., R] of rope_dtype or None when R = 0, scales float32 [..., r / tile])``. Exact inverse of
+    """Split packed QSFA rows ``[..., W]`` (one-byte elements: uint8, int8 or float8_e4m3fn) into ``(nope uint8
+    [..., r], rope [..., R] of rope_dtype or None when R = 0, scales float32 [..., r / tile])``. Exact inverse of
     :func:`pack_rows` on the bytes.
     """
-    rows = np.asarray(rows)
+    rows = _one_byte_codes(rows, "rows")
+    if rope_dtype not in _ROPE_DTYPES:
+        raise InvalidArgument("value", "rope_dtype", rope_dtype, "must be 'bfloat16' or 'float16'")
     off = row_offsets(kv_lora_rank, rope_head_dim, tile_size, 2)
     if rows.shape[-1] != off["width"]:
         raise InvalidArgument("shape", "rows", tuple(rows.shape),
@@ -133,24 +174,37 @@ def unpack_rows(rows: np.ndarray, *, kv_lora_rank: int = 512, rope_head_dim: int
 
 
 def dequant_rows(rows: np.ndarray, *, nope_format: str = "int8", kv_lora_rank: int = 512,
-                 rope_head_dim: int = 64, tile_size: int = 128, rope_dtype: str = "bfloat16"):
+                 rope_head_dim: int = 64, tile_size: int = 128, rope_dtype: str = "bfloat16",
+                 allow_nonfinite: bool = False):
     """Dequantise packed QSFA rows to float32.
 
     Returns ``(k_nope float32 [..., r], k_rope float32 [..., R] or None)`` with
     ``k_nope[j] = decode(code[j], nope_format) * scale[j // tile_size]`` (one fp32 multiply) and the RoPE
     widened exactly from its 16-bit dtype. ``nope_format``: "int8", "float8_e4m3fn" or "hifloat8".
+    A non-finite scale, RoPE value or code (a corrupt or poisoned row) is refused with its position, unless
+    ``allow_nonfinite=True`` (then it dequantises to inf / NaN, as the bytes say).
     """
     from . import formats
 
+    if nope_format not in _NOPE_FORMATS:
+        raise InvalidArgument("value", "nope_format", nope_format, f"must be one of {list(_NOPE_FORMATS)}")
     nope, rope, scales = unpack_rows(rows, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
                                      tile_size=tile_size, rope_dtype=rope_dtype)
     if nope_format == "int8":
         vals = nope.view(np.int8).astype(np.float32)
     else:
         vals = np.asarray(formats.decode(nope, nope_format), dtype=np.float32)
-    tiles = kv_lora_rank // tile_size
-    k_nope = (vals.reshape(*vals.shape[:-1], tiles, tile_size) * scales[..., :, None]).reshape(vals.shape)
     k_rope = None if rope is None else rope.astype(np.float32)
+    if not allow_nonfinite:
+        for what, arr in (("scales", scales), ("NoPE codes", vals), ("RoPE", k_rope)):
+            if arr is not None and not np.isfinite(arr).all():
+                pos = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+                raise InvalidArgument("value", "rows", Raw(f"{float(arr[pos])} in the {what} at {pos}"),
+                                      "packed rows must hold finite scales, codes and RoPE values "
+                                      "(allow_nonfinite=True dequantises them as they are)")
+    tiles = kv_lora_rank // tile_size
+    with np.errstate(invalid="ignore", over="ignore"):
+        k_nope = (vals.reshape(*vals.shape[:-1], tiles, tile_size) * scales[..., :, None]).reshape(vals.shape)
     return k_nope.astype(np.float32, copy=False), k_rope
 
 

@@ -24,10 +24,21 @@ def slot_positions(slot_mapping, block_size: int):
     ``valid`` is the boolean mask of slots that are not ``-1``; ``blocks`` and ``rows`` hold
     ``s // block_size`` and ``s % block_size`` of the valid slots only (int64, in token order).
     """
-    s = np.asarray(slot_mapping).reshape(-1).astype(np.int64)
+    from .._errors import InvalidArgument
+
+    if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
+        raise InvalidArgument("value", "block_size", block_size, "must be a positive integer")
+    s = np.asarray(slot_mapping) if slot_mapping is not None else None
+    if s is None or s.dtype.kind not in "iu":
+        raise InvalidArgument("dtype", "slot_mapping", None if s is None else str(s.dtype),
+                              "must be an integer array of slots (-1 skips a token)")
+    s = s.reshape(-1).astype(np.int64)
+    if (s < -1).any():
+        i = int(np.argmax(s < -1))
+        raise InvalidArgument("value", "slot_mapping", int(s[i]), f"slots must be >= -1 (position {i})")
     valid = s != -1
     sv = s[valid]
-    return valid, sv // block_size, sv % block_size
+    return valid, sv // int(block_size), sv % int(block_size)
 
 
 def check_slots(slot_mapping, num_slots: int) -> str | None:
