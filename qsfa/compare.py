@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from ._arrays import dtype_name, is_torch, to_numpy
+from ._errors import InvalidArgument
 
 __all__ = [
     "Tolerance",
@@ -50,6 +51,10 @@ TOLERANCES = {
     "float16": Tolerance(atol=2.5e-5, rtol=5e-3, cos_tol=1e-5),
     "float32": Tolerance(atol=1e-5, rtol=1e-5, cos_tol=1e-7),
 }
+
+
+#: dtypes whose float criterion compare_float knows (float64 uses float32's tolerances)
+_CRITERION_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 @dataclass
@@ -182,12 +187,19 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
                   name: str = "", max_report: int = 10) -> CompareResult:
     """The docs/numerics/comparison.md#float-criterion criterion for float outputs (see module docstring)."""
     a_in, g_in = _host(actual), _host(golden)
+    if dtype is not None and dtype not in _CRITERION_DTYPES:
+        raise InvalidArgument("value", "dtype", dtype, f"must be None (the golden's dtype) or one of "
+                                                       f"{list(_CRITERION_DTYPES)}")
     dt = dtype or dtype_name(g_in)
     tol = tol or TOLERANCES.get(dt, TOLERANCES["float32"])
     res = CompareResult(name, "float", False, tuple(g_in.shape), dt, int(g_in.size), int(g_in.size),
                         tolerance=asdict(tol))
     if a_in.shape != g_in.shape:
         res.message = f"FAIL: shape mismatch: actual {a_in.shape}, golden {g_in.shape}"
+        return res
+    if dtype is None and dtype_name(a_in) != dtype_name(g_in):
+        res.message = (f"FAIL: dtype mismatch: actual {dtype_name(a_in)}, golden {dtype_name(g_in)} (pass dtype= "
+                       f"to judge values of other dtypes by one dtype's criterion)")
         return res
     with np.errstate(invalid="ignore"):  # signalling NaNs become quiet NaNs, which is what is compared
         a = a_in.astype(np.float64)
@@ -240,8 +252,8 @@ def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tole
     """Bytes for integer/8-bit outputs, the float criterion for 16/32/64-bit floats."""
     g = _host(golden)
     dt = dtype_name(g)
-    if dt in ("float16", "bfloat16", "float32", "float64"):
-        return compare_float(actual, golden, dtype=dt, tol=tol, name=name)
+    if dt in _CRITERION_DTYPES:
+        return compare_float(actual, golden, tol=tol, name=name)  # (dtype=None: the actual must have the golden's)
     return compare_bytes(actual, golden, name=name, fmt=fmt)
 
 

@@ -92,3 +92,27 @@ def test_signalling_nans_compare_without_a_cast_warning():
         rb = compare_bytes(a, g)
     assert not rf.passed and not rb.passed
     assert np.isnan(rf.worst[0]["actual"]) and np.isnan(rb.worst[0]["actual"])
+
+
+def test_a_float_of_another_dtype_fails_unless_a_criterion_is_named():
+    """An fp16 actual against a bf16 golden is not judged by bf16 tolerances silently (hostile review M6)."""
+    from qsfa import compare as C
+
+    g = np.linspace(-2, 2, 64).astype(ml_dtypes.bfloat16)
+    a16 = g.astype(np.float32).astype(np.float16)
+    for res in (compare_float(a16, g), C.compare(a16, g)):
+        assert not res.passed and "dtype mismatch: actual float16, golden bfloat16" in res.message
+    assert compare_float(g.copy(), g).passed and C.compare(g.copy(), g).passed
+    # naming the criterion compares values of any float dtype under it (what the benchmarks do in float32)
+    assert compare_float(a16, g, dtype="bfloat16").passed
+    assert compare_float(g.astype(np.float32), g, dtype="bfloat16").passed
+
+
+@pytest.mark.parametrize("bad", ["foo", "int8", "bf16"])
+def test_an_unknown_criterion_dtype_is_refused(bad):
+    from qsfa._errors import InvalidArgument
+
+    g = np.zeros(4, np.float32)
+    with pytest.raises(InvalidArgument) as e:
+        compare_float(g, g, dtype=bad)
+    assert e.value.param == "dtype"
