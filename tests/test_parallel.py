@@ -157,3 +157,20 @@ def test_one_thread_means_one_blas_thread_too(threads):
         qsfa.set_num_threads(2)
         parallel.run_chunks(fn, range(1))  # one chunk, two threads allowed: BLAS keeps them
         assert seen[-1] == 2
+
+
+@pytest.mark.parametrize("var", ["QSFA_NUM_THREADS", "QSFA_WORKSET_MIB"])
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+def test_a_bad_qsfa_environment_variable_is_refused_by_name(monkeypatch, var, value):
+    """A typo in qsfa's own variables is an error naming it, not a silent default (other libraries' variables, such
+    as OMP_NUM_THREADS, are only read as limits and ignored when unparsable)."""
+    from qsfa.reference import parallel
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(qsfa.InvalidArgument) as e:
+        parallel.get_num_threads() if var == "QSFA_NUM_THREADS" else parallel.get_workset_mib()
+    assert e.value.param == var and repr(value) in str(e.value)
+    monkeypatch.setenv(var, " ")  # empty: unset
+    assert (parallel.get_num_threads() if var == "QSFA_NUM_THREADS" else parallel.get_workset_mib()) >= 1
+    monkeypatch.setenv(var, "3")
+    assert parallel.get_workset_mib() == 3 if var == "QSFA_WORKSET_MIB" else parallel.get_num_threads() >= 1

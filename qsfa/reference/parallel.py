@@ -18,6 +18,9 @@ While the pool runs, BLAS is limited to one thread per calling thread (process-w
 another thread of the caller that calls BLAS meanwhile also gets one thread). Each worker holds its own chunk
 working set.
 
+``QSFA_NUM_THREADS`` and ``QSFA_WORKSET_MIB`` must be positive integers when set (anything else is refused with
+:class:`qsfa.InvalidArgument` naming the variable at the next call, instead of silently meaning the default).
+
 Working-set budget: ``qsfa.set_workset_mib(n)`` if called (``None`` resets it), else the environment variable
 ``QSFA_WORKSET_MIB``, else :data:`DEFAULT_WORKSET_MIB` (256) MiB for the chunks of one call, divided among its
 threads (:func:`workset_bytes_per_thread`). The oracle sizes its chunks of query rows from the share
@@ -71,10 +74,10 @@ def set_workset_mib(mib: int | None) -> None:
 
 def get_workset_mib() -> int:
     """The working-set budget in MiB now: :func:`set_workset_mib`, else ``QSFA_WORKSET_MIB``, else the default
-    (an unparsable or non-positive environment value is ignored, as ``QSFA_NUM_THREADS``)."""
+    (a value that is not a positive integer is refused, as for ``QSFA_NUM_THREADS``)."""
     if _workset is not None:
         return _workset
-    env = _env_int("QSFA_WORKSET_MIB")
+    env = _qsfa_env_int("QSFA_WORKSET_MIB")
     return env if env is not None else DEFAULT_WORKSET_MIB
 
 
@@ -84,12 +87,30 @@ def workset_bytes_per_thread(n_threads: int) -> int:
 
 
 def _env_int(name: str) -> int | None:
+    """A positive integer from another library's environment variable (OMP_NUM_THREADS, ...), else None."""
     v = os.environ.get(name, "").strip()
     try:
         n = int(v)
     except ValueError:
         return None
     return n if n >= 1 else None
+
+
+def _qsfa_env_int(name: str) -> int | None:
+    """qsfa's own variable ``name`` (QSFA_NUM_THREADS, QSFA_WORKSET_MIB): None when unset or empty, else a positive
+    integer; any other value is refused (a typo must not silently give the default)."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        from .._errors import InvalidArgument
+
+        raise InvalidArgument("value", name, v, "the environment variable must be a positive integer (or unset)")
+    return n
 
 
 def _cpus() -> int:
@@ -121,7 +142,7 @@ def _blas_threads() -> int:
 
 def get_num_threads() -> int:
     """The number of threads the oracle uses now (see the module docstring)."""
-    env = _env_int("QSFA_NUM_THREADS")
+    env = _qsfa_env_int("QSFA_NUM_THREADS")
     want = _requested if _requested is not None else env
     blas = _blas()
     if blas is None:
