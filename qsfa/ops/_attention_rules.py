@@ -675,10 +675,16 @@ def packed_rows_finite_rule(n: Names):
             if all(_packed_faults(store[i:i + _SCAN_ROWS], rope, bad_codes, qmask, lo) is None  # in place first
                    for i in range(0, n_store, _SCAN_ROWS)):
                 return None
-        read = np.zeros(n_store, bool)
-        for st, valid, _, _ in _selected_storage_rows(a, n):
-            read[st[valid]] = True
-        ids = np.flatnonzero(read)
+        picked = [st[valid] for st, valid, _, _ in _selected_storage_rows(a, n)]
+        n_picked = sum(p.size for p in picked)
+        if n_store <= 8 * n_picked:  # distinct rows read: a mark per storage row, or a sort of the few picked
+            read = np.zeros(n_store, bool)
+            for p in picked:
+                read[p] = True
+            ids = np.flatnonzero(read)
+        else:
+            ids = np.unique(np.concatenate(picked)) if picked else np.zeros(0, np.int64)
+        picked = None
         bad_ids = []
         for i in range(0, ids.size, _SCAN_ROWS):
             part = ids[i:i + _SCAN_ROWS]
@@ -688,10 +694,9 @@ def packed_rows_finite_rule(n: Names):
                 bad_ids.append(part[faults])
         if not bad_ids:
             return None
-        bad = np.zeros(n_store, bool)
-        bad[np.concatenate(bad_ids)] = True
+        bad_ids = np.unique(np.concatenate(bad_ids))
         for st, valid, b, tok in _selected_storage_rows(a, n):  # the first selected token in a bad row
-            hit = valid & bad[st]
+            hit = valid & np.isin(st, bad_ids)
             if hit.any():
                 r, j = np.unravel_index(int(hit.argmax()), hit.shape)
                 row = np.ascontiguousarray(bytes_[np.unravel_index(int(st[r, j]), lead)])

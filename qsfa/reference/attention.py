@@ -100,7 +100,7 @@ import numpy as np
 
 from ._decode_blocks import qsfa_keys, softmax_rows
 from ._workspace import scratch
-from .attn_layout import kv_map, query_rows, row_limits, selected_tokens
+from .attn_layout import flat_rows, kv_map, query_rows, row_limits, selected_tokens
 from .parallel import get_num_threads, run_chunks, workset_bytes_per_thread
 
 __all__ = [
@@ -768,7 +768,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
     qdt = _qdt_name(query)
     rope = int(rope_head_dim)
     kvd = key.shape[-1]
-    key2d = key.reshape(-1, kvd).view(np.uint8)
+    key2d = flat_rows(key.view(np.uint8))  # (a view, or a gatherer for a view of a bigger cache)
     fmt = key_dtype
     n_heads = query.shape[-2]
     dqk = NOPE_DIM + ROPE_DIM
@@ -801,8 +801,11 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
                 for f, empty in zip(facts, (0.0, _NO_LQ, 0.0, _NO_LQ)):
                     f[bad] = empty
         else:  # decode: gather the selected packed rows once, dequantise them
-            packed = np.take(key2d, flat, axis=0, mode="clip",  # (rows in range; "raise" would buffer out)
-                             out=scratch("qsfa_packed", (flat.size, kvd), np.uint8))
+            packed = scratch("qsfa_packed", (flat.size, kvd), np.uint8)
+            if isinstance(key2d, np.ndarray):
+                np.take(key2d, flat, axis=0, mode="clip", out=packed)  # (rows in range; "raise" would buffer out)
+            else:
+                packed[...] = key2d[flat]
             packed[bad] = 0  # zero bytes -> K = V = 0 (no stray NaN from unselected rows), facts of zeros
             k, facts = dequant(packed)
         k = k.reshape(c, w, dqk)
@@ -856,9 +859,9 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, bl
     dr = query_rope.shape[-1] if has_rope else 0
     q2d = query.reshape(-1, n_heads, d)
     qr2d = query_rope.reshape(-1, n_heads, dr) if has_rope else None
-    k2d = key.reshape(-1, key.shape[-1])
-    kr2d = key_rope.reshape(-1, dr) if has_rope else None
-    v2d = None if value is None else value.reshape(-1, value.shape[-1])
+    k2d = flat_rows(key)
+    kr2d = flat_rows(key_rope) if has_rope else None
+    v2d = None if value is None else flat_rows(value)
     dv = key.shape[-1] if value is None else value.shape[-1]
 
     def load_q(r):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["QueryRows", "KvMap", "query_rows", "kv_map", "row_limits", "selected_tokens"]
+__all__ = ["QueryRows", "KvMap", "query_rows", "kv_map", "row_limits", "selected_tokens", "flat_rows"]
 
 
 @dataclass
@@ -143,3 +143,28 @@ def selected_tokens(indices: np.ndarray, threshold: np.ndarray, limit: np.ndarra
         ok = np.repeat(entry_ok, sbs, axis=1)
     valid = ok & (tok >= 0) & (tok < limit[:, None])
     return np.where(valid, tok, 0), valid
+
+
+class _RowGather:
+    """``a.reshape(-1, D)[ids]`` for an ``a`` whose strides allow no 2-D view (a view of a bigger cache, a
+    broadcast one): gathers only the rows asked for."""
+
+    def __init__(self, a: np.ndarray):
+        self.a, self.lead = a, a.shape[:-1]
+        self.shape = (int(np.prod(self.lead, dtype=np.int64)), a.shape[-1])
+        self.dtype = a.dtype
+
+    def __getitem__(self, ids):
+        ids = np.asarray(ids, np.int64)
+        rows = self.a[np.unravel_index(ids.reshape(-1), self.lead)]
+        return rows.reshape(ids.shape + self.a.shape[-1:])
+
+
+def flat_rows(a: np.ndarray):
+    """Row access ``[flat row id] -> row`` to the rows ``[..., D]`` of a KV array: a 2-D view of ``a`` when its
+    strides allow one (``a.reshape(-1, D)`` without a copy), else an indexer that gathers just the rows indexed, so a
+    cache that is a strided or broadcast view of a bigger tensor is never copied whole."""
+    lead = [(n, st) for n, st in zip(a.shape[:-1], a.strides[:-1]) if n != 1]  # (size-1 axes never matter)
+    if any(n == 0 for n, _ in lead) or all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1)):
+        return a.reshape(-1, a.shape[-1])  # the leading axes merge into one: a view (checked before: no copy)
+    return _RowGather(a)

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from .attention import _dot_f32, _qdt_name, certified_f32, decode_nope, exact_sum_f32, row_facts, sum_error_bound
-from .attn_layout import kv_map, query_rows, row_limits
+from .attn_layout import flat_rows, kv_map, query_rows, row_limits
 
 __all__ = ["lightning_indexer", "quant_lightning_indexer", "top_k_desc", "TIE_BREAKS"]
 
@@ -134,7 +134,7 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
     kvm = kv_map(layout_key, key.shape, actual_seq_lengths_key, rows.n_batch, block_table)
     n1, d = query.shape[-2], query.shape[-1]
     q2 = query.reshape(-1, n1, d)
-    k2 = key.reshape(-1, key.shape[-1])
+    k2 = flat_rows(key)
     w2 = weights.reshape(-1, n1)
     qname = _qdt_name(query)
     idx, val = _run(lambda r: _rows16(q2[r], qname), lambda f: _rows16(k2[f], qname),
@@ -168,7 +168,7 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
     kvm = kv_map(layout_key, key.shape, actual_seq_lengths_key, rows.n_batch, block_table)
     n1, d = query.shape[-2], query.shape[-1]
     q2 = np.ascontiguousarray(query).view(np.uint8).reshape(-1, n1, d)
-    k2 = np.ascontiguousarray(key).view(np.uint8).reshape(-1, key.shape[-1])
+    k2 = flat_rows(key.view(np.uint8))
     w2 = weights.reshape(-1, n1)
     qs2 = query_dequant_scale.reshape(-1, n1)
     ks1 = key_dequant_scale.reshape(-1)
