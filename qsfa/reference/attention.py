@@ -474,7 +474,8 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts, out=None) -> np.nda
     approx = np.matmul(a, b, out=scratch("dot_approx", a.shape[:-1] + b.shape[-1:], np.float64))
     out = np.empty(approx.shape, np.float32) if out is None else out
     np.add(approx, 0.0, out=approx)  # an exact zero sum is +0 (a float64 pass: faster than a casting add)
-    np.copyto(out, approx, casting="same_kind")  # one rounding
+    with np.errstate(over="ignore"):  # a sum beyond fp32's range rounds to +-inf, as the kernel's accumulator
+        np.copyto(out, approx, casting="same_kind")  # one rounding
     (an, aq), (bn, bq) = a_facts, b_facts
     with np.errstate(divide="ignore"):
         room = aq + 53 - np.log2(an) - 2.0 ** -20  # [c, M]: a column n is exact with row m if its span fits
