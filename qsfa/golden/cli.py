@@ -1,7 +1,9 @@
 """``qsfa golden generate | verify | compare | list`` (registered by ``qsfa.cli``).
 
-Exit status: 0 success / pass, 1 a check failed (verify found a problem, compare found a mismatch),
-2 bad usage or bad input (one line on stderr).
+Exit status: 0 success (generate wrote the set; verify: OK; compare: PASS), 1 a verdict of FAIL (values
+differ: compare found a mismatch, verify --recompute found an output that no longer holds), 2 the tool's
+input is unusable - bad usage, a missing, unreadable or changed file, a malformed or empty manifest, nothing
+to generate - reported as one line on stderr.
 """
 
 from __future__ import annotations
@@ -117,20 +119,44 @@ def _cluster_options(args) -> dict | None:
 
 
 def _cmd_verify(args) -> int:
+    from .manifest import plural
     from .verify import verify
 
     try:
         rep = verify(args.dir, recompute=args.recompute, progress=not args.quiet)
     except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
-    for p in rep.problems:
-        print(f"FAIL {p}")
-    what = f"{rep.cases} cases, {rep.files} files" + (f", {rep.recomputed} recomputed" if args.recompute else "")
+    for line in rep.lines():
+        print(line)
+    what = f"{plural(rep.cases, 'case')}, {plural(rep.files, 'file')}" + (
+        f", {rep.recomputed} recomputed" if args.recompute else "")
     if rep.ok:
         print(f"OK {args.dir}: {what}")
         return 0
-    print(f"verify {args.dir}: {len(rep.problems)} problem(s) in {what}; first: {rep.problems[0]}", file=sys.stderr)
+    if rep.errors:  # unusable: one line, the first error (the others are on stdout)
+        besides = f" (and {plural(len(rep.failures), 'failure')})" if rep.failures else ""
+        raise _usage_error(GoldenInputError(
+            f"{args.dir}: {plural(len(rep.errors), 'file problem')}{besides} in {what}; first: {rep.errors[0]}"))
+    print(f"verify {args.dir}: FAIL: {plural(len(rep.failures), 'failure')} in {what}; first: {rep.failures[0]}",
+          file=sys.stderr)
     return 1
+
+
+def _check_destination(option: str, path: str) -> None:
+    """An output file of compare (``--json``, ``--histogram``) must be writable before any work is done: its
+    folder exists and is writable, and the path is not a folder."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise GoldenInputError(f"Invalid value for {option}, actual: {path!r}, reason: it is a directory; name "
+                               "a file.")
+    if not os.path.isdir(folder):
+        raise GoldenInputError(f"Invalid value for {option}, actual: {path!r}, reason: its folder {folder} does "
+                               "not exist.")
+    if not os.access(folder, os.W_OK):
+        raise GoldenInputError(f"Invalid value for {option}, actual: {path!r}, reason: its folder {folder} is "
+                               "not writable.")
 
 
 def _cmd_compare(args) -> int:
@@ -140,15 +166,19 @@ def _cmd_compare(args) -> int:
         raise _usage_error(GoldenInputError(
             "--histogram needs matplotlib, which is not installed: pip install 'qsfa[plot]'"))
     try:
+        for option, path in (("--json", args.json), ("--histogram", args.histogram)):
+            if path:
+                _check_destination(option, path)
         rep = compare_dir(args.dir, args.actual, cases=args.case, outputs=args.output,
                           keep_errors=bool(args.histogram))
+        if args.json:
+            write_json(rep, args.json)
+        if args.histogram:
+            write_histogram(rep, args.histogram)
     except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
-    print(format_report(rep))
-    if args.json:
-        write_json(rep, args.json)
-    if args.histogram:
-        write_histogram(rep, args.histogram)
+    text = format_report(rep)
+    print(text.rsplit("\n", 1)[-1] if args.quiet else text)
     return 0 if rep.passed else 1
 
 
@@ -226,6 +256,8 @@ def register(subparsers):
     p.add_argument("--output", action="append", metavar="PATTERN", help="only outputs matching (glob; repeatable)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     p.add_argument("--histogram", metavar="OUT.png", help="also write an error histogram (needs matplotlib)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print only the verdict line, not the table and the worst elements")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("list", help="the case sets (or the cases of one set)")

@@ -31,7 +31,7 @@ import numpy as np
 from . import io as gio
 from .case import Case, available_ops
 from .._errors import InvalidArgument, InvalidDtype
-from .guard import check_component, create_new, is_inside, lexists_plain_dir, lexists_plain_file
+from .guard import check_component, create_new, describe_path, is_inside, lexists_plain_dir, lexists_plain_file
 from .io import GoldenInputError
 from .meta import describe
 from .schema import ARRAY_NAME, WRITTEN_NAME, check_manifest
@@ -555,10 +555,15 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
 def load_manifest(folder: str) -> dict:
     """The manifest of a golden directory, structurally checked (a clear error otherwise)."""
     if not os.path.isdir(folder):
+        if os.path.lexists(folder):
+            raise GoldenInputError(f"{folder} is {describe_path(folder)}, not a golden directory")
         raise GoldenInputError(f"golden directory not found: {folder}")
     path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise GoldenInputError(f"{folder} has no {MANIFEST}: not a golden directory")
+    if not os.path.isfile(path):
+        raise GoldenInputError(f"{path} is {describe_path(path)}, not a regular file: not a golden directory's "
+                               "manifest")
     return check_manifest(gio.load_json(path), path)
 
 
