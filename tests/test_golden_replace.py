@@ -170,6 +170,27 @@ def test_an_error_or_interrupt_during_the_swap_moves_everything_back(old, monkey
     assert_unchanged(g, before)
 
 
+def test_a_ctrl_c_during_the_swap_waits_for_it(old, tmp_path, monkeypatch, capsys):
+    """SIGINT while the files are being moved: the swap finishes (the new set is whole), then the command is
+    interrupted - never a half-swapped folder."""
+    g, _ = old
+    fresh = tmp_path / "fresh"
+    assert cli(capsys, "generate", "--set", "formats", "--only", "decode-*", "--out", fresh, "-q")[0] == 0
+    real_rename, count = os.rename, []
+
+    def rename(src, dst, *a, **k):
+        count.append(1)
+        if len(count) == 10:
+            signal.raise_signal(signal.SIGINT)  # as a Ctrl-C: the handler runs at once, in this thread
+        return real_rename(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
+    rc, out, err = cli(capsys, "generate", "--set", "formats", "--only", "decode-*", "--out", g, "-q")
+    monkeypatch.undo()
+    assert len(count) > 10 and rc == 130 and "interrupted" in err
+    assert {k: v for k, v in tree(g).items() if k != "notes.txt"} == tree(fresh) and not leftovers(g)
+
+
 def test_all_cases_skipped_for_the_chip_leaves_the_previous_set(old, capsys):
     g, before = old
     rc, out, err = cli(capsys, "generate", "--set", "smoke", "--chip", "A2", "--only", "kvce*", "--out", g, "-q")

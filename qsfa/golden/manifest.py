@@ -12,6 +12,9 @@ With ``--format npz`` the arrays of a case are the members ``in.<name>``, ``out.
 of one ``OUT/<case>/arrays.npz``. The same case gives the same bytes on every machine (see
 :mod:`qsfa.golden.io`); shapes, dtypes and layouts are in the manifest, so
 ``numpy.fromfile(OUT/<file>, dtype=entry["storage"]).reshape(entry["shape"])`` reads any ``bin`` file.
+
+A run writes into ``OUT/.qsfa-staging-*`` and swaps the new set in only when every case is written
+(:func:`generate`): a failed or interrupted run leaves the previous set in ``OUT`` as it was.
 """
 
 from __future__ import annotations
@@ -165,8 +168,8 @@ def _check_out(out: str, names=()) -> _OldSet:
     return old
 
 
-def _make_out(out: str) -> list:
-    """Create ``out`` (and missing parents) if needed; the folders created, deepest first."""
+def _missing_dirs(out: str) -> list:
+    """The folders ``os.makedirs(out)`` would create, deepest first."""
     made, p = [], os.path.abspath(out)
     while not os.path.lexists(p):
         made.append(p)
@@ -174,8 +177,6 @@ def _make_out(out: str) -> list:
         if parent == p:
             break
         p = parent
-    if made:
-        os.makedirs(out)
     return made
 
 
@@ -197,27 +198,31 @@ def _discard(folder: str | None) -> None:
 
 @contextlib.contextmanager
 def _interrupts_deferred():
-    """Ctrl-C (SIGINT) waits until the block is done (the swap: a few renames), then interrupts as usual.
-    Only in the main thread, where Python runs signal handlers; elsewhere the block's own roll-back is
-    what keeps the previous set."""
+    """Ctrl-C (SIGINT) and SIGTERM wait until the block is done (making the staging folder; the swap: a few
+    renames), then take effect as usual. Only in the main thread, where Python runs signal handlers, and only
+    for a signal whose handler is still Python's default; elsewhere the block's own roll-back is what keeps
+    the previous set."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    saved, caught = {}, []
     try:
-        previous = signal.getsignal(signal.SIGINT)
-    except (ValueError, OSError):
-        yield
-        return
-    if previous is not signal.default_int_handler:  # someone else's handler (or ignored): leave it
-        yield
-        return
-    caught = []
-    signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+        for s, default in defaults.items():
+            if signal.getsignal(s) is default:
+                saved[s] = signal.signal(s, lambda num, frame: caught.append(num))
+    except (ValueError, OSError):  # not settable here: restore what was changed and do without
+        for s, h in saved.items():
+            signal.signal(s, h)
+        saved = {}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    if signal.SIGTERM in caught:
+        signal.raise_signal(signal.SIGTERM)  # terminate as the signal would have
+    if signal.SIGINT in caught:
         raise KeyboardInterrupt
 
 
@@ -503,14 +508,17 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
     if not run_cases:
         raise _nothing_to_generate(cases, skipped, out)
     old = _check_out(out, [c.name for c in run_cases])  # every refusal comes before anything is written
-    created = _make_out(out)
-    root = os.path.realpath(out)
+    created = _missing_dirs(out)
     made: list = []
     staging = None
     bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1 and executor is None,
                    stream=stream)
     try:
-        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
+        with _interrupts_deferred():  # what is made here is known to the clean-up below before Ctrl-C can land
+            if created:
+                os.makedirs(out)
+            root = os.path.realpath(out)
+            staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
         if executor is not None:
             entries = list(executor(run_cases, staging, file_format, made=made, out=out))
         else:
