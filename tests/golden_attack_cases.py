@@ -6,9 +6,11 @@ runs every attack as a subprocess against any checkout and classifies what happe
     python tests/golden_attack_cases.py --root /path/to/a/qsfa/checkout [--python PY]
 
 Classes (as in the issue): **clear** - exit 1 or 2, no traceback, nothing outside the command's folders
-changed; **traceback** - an uncaught exception; **silent** - exit 0 where the input had to be refused,
-anything outside changed, a hang (30 s), or a peak RSS over 1.5 GiB (the run is killed there). "clear"
-runs are also counted as *naming* when their one line holds the file and the field the attack broke.
+changed, nothing of its own folder lost; **traceback** - an uncaught exception; **silent** - exit 0 where the
+input had to be refused, anything outside changed, a hang (30 s), a peak RSS over 1.5 GiB (the run is killed
+there), or *data loss*: a failed command that removed or changed a file of its own folder (``work/``: a
+previous golden set, a case file's inputs) or left a file or folder there (a staging folder). "clear" runs are
+also counted as *naming* when their one line holds the file and the field the attack broke.
 
 Every attack runs in a fresh folder ``base`` holding ``work/`` (what the command is pointed at) and
 ``outside/`` (a sentinel tree the command must never change: compared byte for byte, with mtimes).
@@ -203,8 +205,11 @@ class Attack:
     build: Callable[[Scene], tuple[list, tuple]]  # -> (argv after "golden", substrings naming file + field)
     must_fail: bool = True  # exit 0 is a silent wrong result
     memory: bool = False  # measure peak memory (the bomb)
-    rc: int = 2  # the exit status of a refusal (1: verify reports the problem as a FAIL line on stdout)
+    rc: int = 2  # the exit status of a refusal (1: a verdict of FAIL, reported on stdout)
     note: str = ""
+    #: the refusal comes once the run has started writing (into generate's staging folder inside --out): the
+    #: folder's files must be as they were and nothing left behind, but its folders' mtimes may move
+    touches_out: bool = False
 
 
 ATTACKS: list[Attack] = []
@@ -423,6 +428,34 @@ def case_named_manifest_json(s):
     return ["generate", "--case", str(p), "--out", str(s.out()), "-q"], ("manifest.json",)
 
 
+# -- data loss: a run that fails after it started must leave the set in --out as it was --------------------
+
+@attack("data-loss", touches_out=True)
+def gen_failing_case_over_a_set(s):
+    """a case whose input file is missing fails while computing; --out holds a set (the review: all deleted)"""
+    g = s.golden()
+    p = s.case_file()
+    (p.parent / "in.x.bin").unlink()
+    return (["generate", "--case", str(p), "--out", str(g), "-q"],
+            (f"case {CASE}: input file not found", str(p.parent / "in.x.bin")))
+
+
+@attack("data-loss")
+def gen_every_case_skipped_over_a_set(s):
+    """--chip A2 and only cases A2 cannot run, over a set: nothing to write (the review: an empty manifest)"""
+    g = s.golden()
+    return (["generate", "--set", "smoke", "--only", "kvce-mode1-rs", "--chip", "A2", "--out", str(g), "-q"],
+            ("nothing to generate", "kvce-mode1-rs", "chip A2", str(g)))
+
+
+@attack("data-loss")
+def gen_case_op_not_an_operator_over_a_set(s):
+    """a case file whose op is 'os.system', over a set (the review: exit 1 and an empty manifest)"""
+    g = s.golden()
+    p = s.case_file(lambda c: c.update(op="os.system"))
+    return ["generate", "--case", str(p), "--out", str(g), "-q"], (str(p), "for op", "os.system", "not an operator")
+
+
 # -- sizes before data --------------------------------------------------------------------------------
 
 @attack("bomb", memory=True)
@@ -462,9 +495,10 @@ def case_input_npz_bomb(s):
     return ["generate", "--case", str(p), "--out", str(s.out()), "-q"], (str(p.parent / "x.npz"), "shape")
 
 
-@attack("bomb", memory=True, rc=1)
+@attack("bomb", memory=True)
 def verify_npz_golden_member_bomb(s):
-    """a golden npz directory whose member is swapped for one declaring 2 GiB"""
+    """a golden npz directory whose member is swapped for one declaring 2 GiB (the file's sha256 listed: only
+    the member's header gives it away)"""
     g = s.golden()
     man = s.manifest(g)
     c = _case(man)
@@ -478,7 +512,10 @@ def verify_npz_golden_member_bomb(s):
     for f in ("in.x.bin", "out.y.bin", "out.scale.bin"):
         del c["files"][f"{CASE}/{f}"]
         (g / CASE / f).unlink()
-    c["files"][f"{CASE}/arrays.npz"] = {"sha256": "0" * 64, "bytes": (g / CASE / "arrays.npz").stat().st_size}
+    import hashlib
+
+    c["files"][f"{CASE}/arrays.npz"] = {"sha256": hashlib.sha256((g / CASE / "arrays.npz").read_bytes()).hexdigest(),
+                                        "bytes": (g / CASE / "arrays.npz").stat().st_size}
     s.write_manifest(g, man)
     return ["verify", str(g), "-q"], (str(g / CASE / "arrays.npz"), "Invalid shape")
 
@@ -682,6 +719,21 @@ def _run(py: str, root: Path, argv, timeout: float = 30.0, rss_cap: int = 3 * GI
     return p.returncode, out, err, peak, killed
 
 
+def damage(before: dict, after: dict) -> list[str]:
+    """What a failed command did to its own folder (two :func:`snapshot` s): files or links ``before`` held that
+    ``after`` lacks or holds with other bytes ("lost ..."), and entries ``after`` holds that were not there
+    ("left ..."). Folder mtimes are not compared."""
+    out = []
+    for rel, v in before.items():
+        w = after.get(rel)
+        if v[0] == "file" and (w is None or w[0] != "file" or w[3] != v[3]):
+            out.append(f"lost {rel}")
+        elif v[0] == "link" and w != v:
+            out.append(f"lost {rel}")
+    out += [f"left {rel}" for rel in after if rel not in before]
+    return sorted(out)
+
+
 def refusal_ok(a: Attack, rc, out, err, expect) -> bool:
     """The refusal the attack must get: its exit status, one line on stderr, file and field named."""
     if rc != a.rc or "Traceback" in err:
@@ -690,8 +742,8 @@ def refusal_ok(a: Attack, rc, out, err, expect) -> bool:
     return (err.count("\n") == 1 if rc == 2 else True) and all(x in text for x in expect)
 
 
-def classify(a: Attack, rc, out, err, changed, killed, expect) -> tuple[str, bool]:
-    if killed or changed:
+def classify(a: Attack, rc, out, err, changed, killed, expect, damaged=()) -> tuple[str, bool]:
+    if killed or changed or (rc != 0 and damaged):
         return "silent", False
     if "Traceback" in err or rc not in (0, 1, 2):
         return "traceback", False
@@ -713,11 +765,14 @@ def campaign(root: Path, py: str, workdir: Path) -> list[dict]:
         before_o, before_w = snapshot(s.outside), snapshot(s.work)
         rc, out, err, peak, killed = _run(py, root, argv)
         changed = snapshot(s.outside) != before_o
-        cls, names = classify(a, rc, out, err, changed, killed, expect)
+        after_w = snapshot(s.work)
+        damaged = damage(before_w, after_w)
+        cls, names = classify(a, rc, out, err, changed, killed, expect, damaged)
         first = (killed or (err.strip().splitlines() or [""])[-1])[:160]
         rows.append({"attack": a.name, "group": a.group, "class": cls, "names_file_and_field": names, "rc": rc,
                      "peak_rss_mib": peak >> 20, "outside_changed": changed,
-                     "work_changed": snapshot(s.work) != before_w, "last_line": first})
+                     "work_changed": after_w != before_w, "work_damage": damaged[:20],
+                     "work_lost": sum(d.startswith("lost ") for d in damaged), "last_line": first})
         shutil.rmtree(base, ignore_errors=True)
     return rows
 
@@ -740,8 +795,10 @@ def main(argv=None) -> int:
               f"rss={r['peak_rss_mib']:5d}M {r['attack']:45s} {r['last_line']}")
     counts = {c: sum(r["class"] == c for r in rows) for c in ("clear", "traceback", "silent")}
     naming = sum(r["names_file_and_field"] for r in rows)
+    lossy = [r for r in rows if r["rc"] != 0 and r["work_damage"]]
     print(f"\n{len(rows)} attacks: clear {counts['clear']} (naming file and field: {naming}) / "
-          f"traceback {counts['traceback']} / silent, hang or data loss {counts['silent']}")
+          f"traceback {counts['traceback']} / silent, hang or data loss {counts['silent']} "
+          f"(data loss: {len(lossy)} failed runs, {sum(r['work_lost'] for r in lossy)} files lost)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -146,6 +146,25 @@ def test_a_failing_case_is_reported_once_with_its_case_file(client, tmp_path):
     assert len(attempts) == 1
 
 
+def test_a_failing_case_leaves_the_previous_set_as_a_serial_run_does(client, tmp_path):
+    """The executor writes into generate's staging folder: a failure leaves the set already in --out byte for
+    byte (and no staging folder); the failed case is saved beside --out, not inside it."""
+    from qsfa.golden.manifest import STAGING_PREFIX
+
+    g = tmp_path / "g"
+    generate(get_set("smoke").cases()[:3], str(g), progress=False)
+    (g / "notes.txt").write_text("mine")
+    before = {p: open(os.path.join(g, p), "rb").read() for p in _tree(g)}
+    bad = Case(name="dbq-row-block-0", op="dynamic_block_quant", generator="dynamic_block_quant",
+               params={"M": 4, "N": 128, "row_block_size": 0}, seed=3)
+    ex = GoldenExecutor(client, progress=False)
+    with pytest.raises(GoldenInputError, match="case dbq-row-block-0: "):
+        generate(get_set("smoke").cases() + [bad], str(g), executor=ex)
+    assert {p: open(os.path.join(g, p), "rb").read() for p in _tree(g)} == before
+    assert not [n for n in os.listdir(g) if n.startswith(STAGING_PREFIX)]
+    assert ex.failed_case == os.path.join(str(g) + ".failed", "dbq-row-block-0.json")
+
+
 class _KillOnce(WorkerPlugin):
     """Registers a generator that SIGKILLs its own worker process on the first attempt (marker file)."""
 

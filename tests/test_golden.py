@@ -243,12 +243,13 @@ def test_edited_file_fails_verify_naming_it(smoke, capsys, tmp_path):
     b[3] ^= 0x40
     p.write_bytes(bytes(b))
     rc, out, err = cli(capsys, "verify", g, "-q")
-    assert rc == 1
-    assert f"FAIL {e['file']}: sha256" in out and e["file"] in err
+    assert rc == 2 and err.count("\n") == 1  # a changed file: the directory is unusable, not a FAIL verdict
+    assert f"ERROR {e['file']}: sha256" in out and e["file"] in err and "FAIL" not in out
     # a deleted file is named too
     os.remove(g / entry(man, "decode-hifloat8", "output", "values")["file"])
     rc, out, err = cli(capsys, "verify", g, "-q")
-    assert rc == 1 and "FAIL decode-hifloat8/out.values.bin: missing" in out
+    assert rc == 2 and "ERROR decode-hifloat8/out.values.bin: missing" in out
+    assert "2 file problems" in err and "first: decode-hifloat8/out.values.bin: missing" in err  # manifest order
 
 
 def test_recompute_catches_a_wrong_output_with_consistent_checksums(smoke, capsys, tmp_path):
@@ -500,8 +501,12 @@ def test_bad_input_is_one_clean_line(smoke, tmp_path, capsys):
     e2["nbytes"] += e2["shape"][1]  # consistent with the shape (an inconsistent manifest is bad input, exit 2)
     shutil.copytree(smoke, tmp_path / "g3")
     (tmp_path / "g3" / "manifest.json").write_text(json.dumps(man2))
-    rc, out, err = cli(capsys, "verify", tmp_path / "g3", "-q")
-    assert rc == 1 and "dbq-int8-1x128-bf16/out.y.bin" in out and "expected" in out
+    i = next(i for i, c in enumerate(man2["cases"]) if c["name"] == "dbq-int8-1x128-bf16")
+    j = next(j for j, a in enumerate(man2["cases"][i]["arrays"]) if a is e2)
+    for cmd in (("verify", tmp_path / "g3", "-q"), ("compare", tmp_path / "g3", "--actual", smoke)):
+        bad(*cmd, expect=f"Invalid manifest field for cases[{i}].arrays[{j}].shape, actual: {e2['shape']}, "
+                         f"reason: {e2['nbytes']} bytes of |i1, but its file dbq-int8-1x128-bf16/out.y.bin is "
+                         f"listed with {e['nbytes']} bytes.")
 
 
 def test_histogram(smoke, tmp_path, capsys):

@@ -4,7 +4,8 @@ absolute names in manifests and case files, absolute input paths, .npz/.npy bomb
 wrong JSON types for the manifest fields, int64-overflowing shapes - must end in the refusal: exit status
 2 with one line on stderr naming the file and the field (verify: exit 1 and a FAIL line), no traceback,
 and nothing changed outside the command's folder - nor inside it, since each refusal comes before any
-write. The bombs must be refused without inflating: peak traced memory stays far below their size.
+write (or, for a generate run that fails while computing, nothing of the set already in --out lost and no
+staging folder left). The bombs must be refused without inflating: peak traced memory stays far below their size.
 
 The CLI runs in process (``qsfa.cli.main``); ``python tests/golden_attack_cases.py --root CHECKOUT`` runs
 the same attacks as subprocesses against any checkout and counts the outcomes (the issue's campaign).
@@ -20,7 +21,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from golden_attack_cases import ATTACKS, CASE, GIB, TEMPLATE_ARGS, Scene, refusal_ok, snapshot
+from golden_attack_cases import ATTACKS, CASE, GIB, TEMPLATE_ARGS, Scene, damage, refusal_ok, snapshot
 from qsfa.cli import main
 from qsfa.golden import Case, GoldenInputError, load_manifest
 
@@ -58,14 +59,17 @@ def test_attack_is_refused_and_changes_nothing(attack, template, tmp_path, capsy
     rc, out, err, peak = run(capsys, argv, memory=attack.memory)
     assert refusal_ok(attack, rc, out, err, expect), (attack.note, rc, out, err, expect)
     assert snapshot(scene.outside) == outside, "a file outside the command's folder changed"
-    assert snapshot(scene.work) == work, "the refused command changed its own folder"
+    if attack.touches_out:  # refused while computing: nothing lost, nothing left (the folders' mtimes moved)
+        assert damage(work, snapshot(scene.work)) == [], "the failed command lost or left data in its folder"
+    else:
+        assert snapshot(scene.work) == work, "the refused command changed its own folder"
     if attack.memory:
         assert peak < BOMB_MEMORY, f"{peak >> 20} MiB traced while refusing {attack.name}"
 
 
 def test_the_campaign_covers_every_attack_kind_of_the_issue():
     groups = {a.group for a in ATTACKS}
-    assert {"symlink", "traversal", "absolute", "bomb", "deep-json", "json-type", "overflow"} <= groups
+    assert {"symlink", "traversal", "absolute", "bomb", "deep-json", "json-type", "overflow", "data-loss"} <= groups
     assert len({a.name for a in ATTACKS}) == len(ATTACKS)
 
 
@@ -360,3 +364,19 @@ def test_nesting_depth_scan(text, depth, chunk):
     from qsfa.golden.guard import _nesting_depth
 
     assert _nesting_depth(text, chunk=chunk) == depth
+
+
+def test_damage_counts_lost_changed_and_left_files(tmp_path):
+    """The data-loss accounting of the campaign: a removed, a changed file and a left-over folder are named;
+    a folder whose mtime moved is not."""
+    (tmp_path / "d").mkdir()
+    for n in ("a", "b", "c"):
+        (tmp_path / "d" / n).write_bytes(n.encode())
+    before = snapshot(tmp_path)
+    (tmp_path / "d" / "x").mkdir()
+    (tmp_path / "d" / "x").rmdir()  # only the folder's mtime moves
+    assert damage(before, snapshot(tmp_path)) == []
+    (tmp_path / "d" / "a").unlink()
+    (tmp_path / "d" / "b").write_bytes(b"B")
+    (tmp_path / "d" / ".qsfa-staging-1").mkdir()
+    assert damage(before, snapshot(tmp_path)) == ["left d/.qsfa-staging-1", "lost d/a", "lost d/b"]

@@ -5,12 +5,15 @@ Tasks are cases. A case runs in a worker's temporary directory exactly as a seri
 and the client writes them under ``--out``. Long attention cases (QSFA / SFA with more query rows than one
 task should hold) are split: the case task returns the generated inputs instead, one task per range of query
 rows computes those rows (:func:`qsfa.reference.attention.only_rows`; a row's bytes do not depend on the rows
-computed with it), and the client assembles the outputs and writes the case. The directory is byte-identical
+computed with it), and the client assembles the outputs and writes the case (into the staging folder of
+:func:`qsfa.golden.manifest.generate`, as a serial run does). The directory is byte-identical
 to a serial run's (same manifest, same files) - tests/test_distributed.py compares them.
 
 A case the operator cannot run fails the same way on every worker: its task returns the error instead of
-raising it, so it is reported once (not once per Dask retry), the run stops as a serial run does, and the
-case is saved as ``<out>.failed/<case>.json`` to replay with ``qsfa golden generate --case``.
+raising it, so it is reported once (not once per Dask retry), the run stops as a serial run does (the previous
+set in ``--out`` left as it was: the files are written into generate's staging folder, swapped in only when
+every case is written), and the case is saved as ``<out>.failed/<case>.json`` to replay with
+``qsfa golden generate --case``.
 """
 
 from __future__ import annotations
@@ -161,12 +164,15 @@ class GoldenExecutor:
             message += f" (could not save its case file: {type(e).__name__}: {e})"
         return GoldenInputError(message)
 
-    def __call__(self, cases, out: str, file_format: str, made: list | None = None) -> list:
-        """``made``: every file and folder written is appended (generate removes exactly those on failure)."""
+    def __call__(self, cases, staging: str, file_format: str, made: list | None = None, out: str | None = None) -> list:
+        """Write the cases' files into ``staging`` (generate's staging folder inside ``out``, swapped in when
+        every case is written, as a serial run's); ``out``: the destination, beside which a failed case's file
+        is saved (default: ``staging``). ``made``: every file and folder written is appended."""
         from ..golden.io import GoldenInputError
         from ..golden.manifest import _write_case, case_error
 
         made = [] if made is None else made
+        out = staging if out is None else out
         # a case file's explicit inputs are read here: the workers may not see this machine's files
         cases = [_with_loaded_inputs(c) for c in cases]
         entries: list = [None] * len(cases)
@@ -187,7 +193,7 @@ class GoldenExecutor:
                 if res["kind"] == "error":
                     raise self._fail(c, res["message"], out)
                 if res["kind"] == "files":
-                    entries[i] = self._write_files(out, res, made)
+                    entries[i] = self._write_files(staging, res, made)
                 elif res["kind"] == "split":
                     rows, per = res["rows"], res["per"]
                     starts = list(range(0, rows, per))
@@ -203,7 +209,7 @@ class GoldenExecutor:
                     if len(parts) == count:
                         del splits[i]
                         try:
-                            entries[i] = _write_case(c, out, file_format, inputs=split["inputs"],
+                            entries[i] = _write_case(c, staging, file_format, inputs=split["inputs"],
                                                      outputs=assemble(parts), made=made)
                         except (MemoryError, OSError):
                             raise

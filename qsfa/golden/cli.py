@@ -1,7 +1,9 @@
 """``qsfa golden generate | verify | compare | list`` (registered by ``qsfa.cli``).
 
-Exit status: 0 success / pass, 1 a check failed (verify found a problem, compare found a mismatch),
-2 bad usage or bad input (one line on stderr).
+Exit status: 0 success (generate wrote the set; verify: OK; compare: PASS), 1 a verdict of FAIL (values
+differ: compare found a mismatch, verify --recompute found an output that no longer holds), 2 the tool's
+input is unusable - bad usage, a missing, unreadable or changed file, a malformed or empty manifest, nothing
+to generate - reported as one line on stderr.
 """
 
 from __future__ import annotations
@@ -27,11 +29,36 @@ def _usage_error(e: Exception):
     return UsageError(text.replace("\r", "\\r").replace("\n", "\\n"))
 
 
+def _check_case_op(case, path: str) -> None:
+    """A case file names an operator of this build (a set may hold cases for operators another build has:
+    those are skipped; a single case file that cannot run is bad input)."""
+    from .case import available_ops
+    from .guard import field_error
+
+    if case.op not in available_ops():
+        raise field_error(path, "op", case.op, "not an operator of this build of qsfa (qsfa.operators() lists "
+                          "them)", kind="case field")
+
+
+def _warn_replaced(replaced: dict, out: str, stream) -> None:
+    """One line when the run removed cases of the set that was in ``--out`` (they are not in this run)."""
+    gone = replaced.get("cases") or []
+    if not gone:
+        return
+    from .manifest import plural
+
+    of = f" of set {replaced['set']}" if replaced.get("set") else ""
+    shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+    print(f"warning: {out} held {plural(len(gone), 'case')}{of} that this run does not write; they were "
+          f"removed with the previous manifest: {shown} (give each set its own --out to keep both)", file=stream)
+
+
 def _cmd_generate(args) -> int:
     from .case import Case
     from .catalogue import get_set
-    from .manifest import generate, parse_shard, select_shard
+    from .manifest import generate, parse_shard, plural, select_shard
 
+    replaced: dict = {}
     try:
         start_early(args, GOLDEN_PRELOAD)  # the workers' imports overlap the rest of the preparation here
         cluster = _cluster_options(args)
@@ -40,7 +67,9 @@ def _cmd_generate(args) -> int:
             cases = get_set(args.set).cases()
             label = args.set
         else:
-            cases = [Case.load(args.case, allow_outside_inputs=args.allow_outside_inputs)]
+            case = Case.load(args.case, allow_outside_inputs=args.allow_outside_inputs)
+            _check_case_op(case, args.case)
+            cases = [case]
             label = None
         if args.only:
             cases = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
@@ -48,32 +77,33 @@ def _cmd_generate(args) -> int:
                 raise GoldenInputError(f"no case of {label or args.case} matches --only {' '.join(args.only)}")
         cases = [c.for_chip(args.chip) for c in cases]
         selected = select_shard(cases, *shard)
+        if not selected:
+            raise GoldenInputError(f"--shard {args.shard}: no case of the {plural(len(cases), 'selected case')} "
+                                   "falls in this shard (case k goes to shard k % n)")
         summary = None
         if cluster is None:
             man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
-                           progress=not args.quiet)
+                           progress=not args.quiet, replaced=replaced)
         else:
             from ..distributed import GoldenExecutor, connect
 
             with connect(**cluster, preload=GOLDEN_PRELOAD) as client:
                 ex = GoldenExecutor(client, chunk_rows=args.chunk_rows, progress=not args.quiet)
                 man = generate(selected, args.out, file_format=args.format, set_name=label, shard=shard,
-                               executor=ex)
+                               executor=ex, replaced=replaced)
                 summary = ex.summary
     except (GoldenInputError, ClusterUsageError, DistributedUnavailable, OSError) as e:
         raise _usage_error(e) from None
     n = len(man["cases"])
     files = sum(len(c["files"]) for c in man["cases"])
     what = f"set {args.set}" if args.set else args.case
-    shard_txt = f" (shard {shard[0]}/{shard[1]} of {len(cases)} cases)" if shard[1] > 1 else ""
-    print(f"wrote {n} cases, {files} files and manifest.json to {args.out} from {what}{shard_txt}")
+    shard_txt = f" (shard {shard[0]}/{shard[1]} of {plural(len(cases), 'case')})" if shard[1] > 1 else ""
+    print(f"wrote {plural(n, 'case')}, {plural(files, 'file')} and manifest.json to {args.out} from {what}{shard_txt}")
     if summary is not None:
         print(summary.line())
     for s in man["skipped"]:
         print(f"skipped {s['name']}: {s['reason']}", file=sys.stderr)
-    if not n and man["skipped"]:
-        print("nothing generated: every case needs an operator missing from this build", file=sys.stderr)
-        return 1
+    _warn_replaced(replaced, args.out, sys.stderr)
     return 0
 
 
@@ -89,20 +119,44 @@ def _cluster_options(args) -> dict | None:
 
 
 def _cmd_verify(args) -> int:
+    from .manifest import plural
     from .verify import verify
 
     try:
         rep = verify(args.dir, recompute=args.recompute, progress=not args.quiet)
     except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
-    for p in rep.problems:
-        print(f"FAIL {p}")
-    what = f"{rep.cases} cases, {rep.files} files" + (f", {rep.recomputed} recomputed" if args.recompute else "")
+    for line in rep.lines():
+        print(line)
+    what = f"{plural(rep.cases, 'case')}, {plural(rep.files, 'file')}" + (
+        f", {rep.recomputed} recomputed" if args.recompute else "")
     if rep.ok:
         print(f"OK {args.dir}: {what}")
         return 0
-    print(f"verify {args.dir}: {len(rep.problems)} problem(s) in {what}; first: {rep.problems[0]}", file=sys.stderr)
+    if rep.errors:  # unusable: one line, the first error (the others are on stdout)
+        besides = f" (and {plural(len(rep.failures), 'failure')})" if rep.failures else ""
+        raise _usage_error(GoldenInputError(
+            f"{args.dir}: {plural(len(rep.errors), 'file problem')}{besides} in {what}; first: {rep.errors[0]}"))
+    print(f"verify {args.dir}: FAIL: {plural(len(rep.failures), 'failure')} in {what}; first: {rep.failures[0]}",
+          file=sys.stderr)
     return 1
+
+
+def _check_destination(option: str, path: str) -> None:
+    """An output file of compare (``--json``, ``--histogram``) must be writable before any work is done: its
+    folder exists and is writable, and the path is not a folder."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise GoldenInputError(f"Invalid value for {option}, actual: {path!r}, reason: it is a directory; name "
+                               "a file.")
+    if not os.path.isdir(folder):
+        raise GoldenInputError(f"Invalid value for {option}, actual: {path!r}, reason: its folder {folder} does "
+                               "not exist.")
+    if not os.access(folder, os.W_OK):
+        raise GoldenInputError(f"Invalid value for {option}, actual: {path!r}, reason: its folder {folder} is "
+                               "not writable.")
 
 
 def _cmd_compare(args) -> int:
@@ -112,15 +166,19 @@ def _cmd_compare(args) -> int:
         raise _usage_error(GoldenInputError(
             "--histogram needs matplotlib, which is not installed: pip install 'qsfa[plot]'"))
     try:
+        for option, path in (("--json", args.json), ("--histogram", args.histogram)):
+            if path:
+                _check_destination(option, path)
         rep = compare_dir(args.dir, args.actual, cases=args.case, outputs=args.output,
                           keep_errors=bool(args.histogram))
+        if args.json:
+            write_json(rep, args.json)
+        if args.histogram:
+            write_histogram(rep, args.histogram)
     except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
-    print(format_report(rep))
-    if args.json:
-        write_json(rep, args.json)
-    if args.histogram:
-        write_histogram(rep, args.histogram)
+    text = format_report(rep)
+    print(text.rsplit("\n", 1)[-1] if args.quiet else text)
     return 0 if rep.passed else 1
 
 
@@ -198,6 +256,8 @@ def register(subparsers):
     p.add_argument("--output", action="append", metavar="PATTERN", help="only outputs matching (glob; repeatable)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     p.add_argument("--histogram", metavar="OUT.png", help="also write an error histogram (needs matplotlib)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print only the verdict line, not the table and the worst elements")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("list", help="the case sets (or the cases of one set)")

@@ -34,9 +34,9 @@ import numpy as np
 
 from .. import compare as qcompare
 from . import io as gio
-from .guard import read_npy
+from .guard import check_npz_member, describe_path, read_npy
 from .io import GoldenInputError
-from .manifest import load_manifest, load_storage
+from .manifest import golden_path, load_manifest, load_storage
 
 __all__ = ["compare_dir", "CompareReport", "OutputResult", "format_report", "write_histogram"]
 
@@ -50,10 +50,14 @@ class OutputResult:
     actual_path: str
     masked: int = 0  # elements not compared (unspecified)
     log10_err: np.ndarray | None = field(default=None, repr=False)  # |actual - golden| > 0, for plots
+    nonfinite_actual: int = 0  # float outputs: NaN / Inf elements among those compared
+    nonfinite_golden: int = 0
 
     def to_dict(self) -> dict:
         d = {"case": self.case, "output": self.output, "criterion": self.criterion,
              "actual": self.actual_path, "unspecified_elements": self.masked}
+        if self.criterion == "float":
+            d.update(nonfinite_actual=self.nonfinite_actual, nonfinite_golden=self.nonfinite_golden)
         d.update(self.result.to_dict())
         return d
 
@@ -136,6 +140,17 @@ def _from_npz(path: str, keys: list[str], entry: dict) -> np.ndarray | None:
     return None
 
 
+def _found(path: str) -> bool:
+    """Whether an actual output is at ``path``: a regular file (a link to one counts); anything else there -
+    a folder, a device, a FIFO, a link to one or a dangling link - is refused, saying what it is."""
+    if not os.path.lexists(path):
+        return False
+    if not os.path.isfile(path):
+        raise GoldenInputError(f"{path} is {describe_path(path)}, not a regular file: refusing to read it as an "
+                               "actual output")
+    return True
+
+
 def _load_actual(actual: str, entry: dict, single_case: bool, single_output: bool) -> tuple[np.ndarray, str]:
     case, name = entry["case"], entry["name"]
     st = np.dtype(entry["storage"])
@@ -145,20 +160,22 @@ def _load_actual(actual: str, entry: dict, single_case: bool, single_output: boo
         if single_case:
             cands += [os.path.join(actual, f"out.{name}"), os.path.join(actual, name)]
         for base in cands:
-            if os.path.isfile(base + ".bin"):
+            if _found(base + ".bin"):
                 return gio.read_bin(base + ".bin", st, entry["shape"]), base + ".bin"
-            if os.path.isfile(base + ".npy"):
+            if _found(base + ".npy"):
                 return _read_npy(base + ".npy", entry), base + ".npy"
             looked += [base + ".bin", base + ".npy"]
         npz = os.path.join(actual, case, "arrays.npz")
-        if os.path.isfile(npz):
+        if _found(npz):
             a = _from_npz(npz, [f"out.{name}"], entry)
             if a is not None:
                 return a, f"{npz}:out.{name}"
         looked.append(f"{npz}:out.{name}")
         raise GoldenInputError(f"no actual output for {case}/out.{name}; looked for {', '.join(looked)}")
-    if not os.path.isfile(actual):
+    if not os.path.lexists(actual):
         raise GoldenInputError(f"--actual {actual}: no such file or directory")
+    if not os.path.isfile(actual):
+        raise GoldenInputError(f"--actual {actual} is {describe_path(actual)}, not a regular file or a directory")
     if actual.endswith(".npz"):
         keys = [f"{case}/out.{name}"] + ([f"out.{name}", name] if single_case else [])
         a = _from_npz(actual, keys, entry)
@@ -249,22 +266,26 @@ def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_repor
 
     ``keep_errors`` keeps log10|actual - golden| of the differing elements (for :func:`write_histogram`).
     """
+    from .verify import empty_set_error
+
     man = load_manifest(golden)
+    if not man["cases"]:
+        raise empty_set_error(golden, man, "compare against")
     sel = _select(man, cases, outputs)
     if not sel:
         what = f" matching --case {cases}" if cases else ""
         what += f" / --output {outputs}" if outputs else ""
         raise GoldenInputError(f"{golden} has no outputs{what}")
+    for c in {id(c): c for c, _, _ in sel}.values():  # every selected case's files, inputs included
+        _check_listed_files(golden, c)
     single_case = len({c["name"] for c, _, _ in sel}) == 1
     report = CompareReport(golden, actual)
     for c, e, m in sel:
-        g_st = load_storage(golden, e)
-        if gio.array_sha256(g_st) != e["sha256"]:
-            raise GoldenInputError(f"golden file {e['file']} does not match its manifest sha256; run qsfa golden verify {golden}")
+        g_st = _golden_storage(golden, e)
         a_st, where = _load_actual(actual, e, single_case, len(sel) == 1)
         n_masked = 0
         if m is not None:
-            mask = load_storage(golden, m).astype(bool)
+            mask = _golden_storage(golden, m).astype(bool)
             n_masked = int((~mask).sum())
             a_st = np.where(mask, a_st, g_st)
         g = gio.from_storage(g_st, e["dtype"])
@@ -277,6 +298,11 @@ def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_repor
             if not res.passed and res.worst:
                 _add_byte_detail(res, a_st, g_st, e)
         out = OutputResult(c["name"], e["name"], e.get("compare", "bytes"), res, where, n_masked)
+        if e.get("compare") == "float":
+            sel_mask = mask if m is not None else np.ones(g.shape, bool)
+            with np.errstate(invalid="ignore"):
+                out.nonfinite_actual = int((~np.isfinite(a.astype(np.float64)) & sel_mask).sum())
+                out.nonfinite_golden = int((~np.isfinite(g.astype(np.float64)) & sel_mask).sum())
         if keep_errors:
             with np.errstate(invalid="ignore", over="ignore"):
                 err = np.abs(a.astype(np.float64) - g.astype(np.float64)).reshape(-1)
@@ -284,6 +310,45 @@ def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_repor
             out.log10_err = np.log10(err)
         report.results.append(out)
     return report
+
+
+def _verify_hint(golden: str) -> str:
+    return f"run qsfa golden verify {golden}"
+
+
+def _check_listed_files(golden: str, c: dict) -> None:
+    """A selected case's files as its manifest lists them: inside the golden directory, regular, of the listed
+    size; each array's declared shape matching its file (a ``bin`` file's size is the shape's bytes, checked by
+    the manifest's own consistency; an ``npz`` member's zip entry and .npy header are read, not its data)."""
+    for rel, info in c["files"].items():
+        path = golden_path(golden, rel)
+        if not os.path.lexists(path):
+            raise GoldenInputError(f"golden file {rel}, listed in the manifest, is missing; {_verify_hint(golden)}")
+        if not os.path.isfile(path):
+            raise GoldenInputError(f"golden file {rel} is {describe_path(path)}, not a regular file; "
+                                   f"{_verify_hint(golden)}")
+        size = os.path.getsize(path)
+        if size != info["bytes"]:
+            raise GoldenInputError(f"golden file {rel} has {size} bytes, the manifest says {info['bytes']}; "
+                                   f"{_verify_hint(golden)}")
+    for e in c["arrays"]:
+        if e.get("key") is None:
+            continue
+        st = np.dtype(e["storage"])
+        _, dt = check_npz_member(golden_path(golden, e["file"]), e["key"], shape=e["shape"], itemsize=st.itemsize,
+                                 what=f"the manifest's {e['role']} {e['name']}")
+        if dt != st:
+            raise GoldenInputError(f"{e['file']}:{e['key']} is {dt.str}, the manifest says {st.str}; "
+                                   f"{_verify_hint(golden)}")
+
+
+def _golden_storage(golden: str, e: dict) -> np.ndarray:
+    """A golden output or mask, checked against its manifest sha256 (the verdict depends on its bytes)."""
+    st = load_storage(golden, e)
+    if gio.array_sha256(st) != e["sha256"]:
+        raise GoldenInputError(f"golden file {e['file']}{':' + e['key'] if e.get('key') else ''} does not match "
+                               f"its manifest sha256; {_verify_hint(golden)}")
+    return st
 
 
 def _fmt_value(v):
@@ -303,6 +368,10 @@ def format_report(report: CompareReport, max_worst: int = 5) -> str:
             detail = (f"cos_diff={res.cos_diff:.2e} max_abs={res.max_abs:.3g} max_rel={res.max_rel:.3g} "
                       f"rel>0.1%={100 * res.share_rel_gt_1e3:.3f}%"
                       + (f" max_ulp={res.max_ulp}" if res.max_ulp is not None else ""))
+            if r.nonfinite_actual or r.nonfinite_golden:
+                # the statistics are over the elements finite in both: say how many are not
+                detail = (f"non-finite: actual {r.nonfinite_actual}, golden {r.nonfinite_golden} of {res.n}; "
+                          f"finite pairs: {detail}")
         else:
             detail = res.message.removeprefix("PASS: ").removeprefix("FAIL: ")  # the verdict has its column
         if r.masked:

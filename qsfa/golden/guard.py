@@ -39,7 +39,7 @@ from .io import GoldenInputError
 __all__ = [
     "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_INFLATE_RATIO", "max_array_bytes", "field_error", "short",
     "load_json", "check_component", "is_inside", "resolve_inside", "create_new", "lexists_plain_file",
-    "lexists_plain_dir", "read_npy", "read_npz_member", "declared_nbytes",
+    "lexists_plain_dir", "describe_path", "read_npy", "read_npz_member", "check_npz_member", "declared_nbytes",
 ]
 
 #: largest JSON file (manifest, case file) read (a 1,000-case manifest is about 20 MB)
@@ -224,6 +224,34 @@ def lexists_plain_dir(path) -> bool:
         return False
 
 
+_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def describe_path(path) -> str:
+    """What is at ``path``, in words for an error message: "a directory", "a symbolic link to /dev/zero (a
+    character device)", "a symbolic link to x (which does not exist)", "missing"."""
+    try:
+        st = os.lstat(path)
+    except (OSError, ValueError):
+        return "missing"
+    if not stat.S_ISLNK(st.st_mode):
+        return _kind(st.st_mode)
+    try:
+        target = short(os.readlink(path))[1:-1]
+    except OSError:
+        target = "?"
+    try:
+        what = _kind(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        what = "which does not exist"
+    return f"a symbolic link to {target} ({what})"
+
+
 def create_new(path):
     """Open ``path`` for writing only if nothing (not even a dangling link) is there: a binary file object."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
@@ -316,6 +344,15 @@ def read_npy(path, *, shape=None, itemsize=None, where=None, what=None) -> np.nd
 def read_npz_member(path, key: str, *, shape=None, itemsize=None, what=None) -> np.ndarray:
     """Member ``key`` (``key.npy``) of an .npz, judged from the zip entry and its .npy header before
     anything is inflated beyond the header."""
+    return _npz_member(path, key, shape, itemsize, what, data=True)
+
+
+def check_npz_member(path, key: str, *, shape=None, itemsize=None, what=None) -> tuple:
+    """The checks of :func:`read_npz_member` without reading the data: ``(shape, dtype)`` of the member."""
+    return _npz_member(path, key, shape, itemsize, what, data=False)
+
+
+def _npz_member(path, key, shape, itemsize, what, data: bool):
     where = f"{os.fspath(path)}:{key}"
     try:
         with zipfile.ZipFile(path) as zf:
@@ -338,6 +375,8 @@ def read_npz_member(path, key: str, *, shape=None, itemsize=None, what=None) -> 
                 if info.file_size != head + nbytes:
                     raise GoldenInputError(f"{where}: the zip entry declares {info.file_size} bytes, its .npy "
                                            f"header {head} + {nbytes}")
+                if not data:
+                    return hshape, dtype
                 return _fill(fp, hshape, fortran, dtype, where)
     except (OSError, zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as e:
         # RuntimeError: an encrypted member; zlib.error: corrupt deflate data

@@ -12,12 +12,21 @@ With ``--format npz`` the arrays of a case are the members ``in.<name>``, ``out.
 of one ``OUT/<case>/arrays.npz``. The same case gives the same bytes on every machine (see
 :mod:`qsfa.golden.io`); shapes, dtypes and layouts are in the manifest, so
 ``numpy.fromfile(OUT/<file>, dtype=entry["storage"]).reshape(entry["shape"])`` reads any ``bin`` file.
+
+A run writes into ``OUT/.qsfa-staging-*`` and swaps the new set in only when every case is written
+(:func:`generate`): a failed or interrupted run leaves the previous set in ``OUT`` as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -25,14 +34,14 @@ import numpy as np
 from . import io as gio
 from .case import Case, available_ops
 from .._errors import InvalidArgument, InvalidDtype
-from .guard import check_component, create_new, is_inside, lexists_plain_dir, lexists_plain_file
+from .guard import check_component, create_new, describe_path, is_inside, lexists_plain_dir, lexists_plain_file
 from .io import GoldenInputError
 from .meta import describe
 from .schema import ARRAY_NAME, WRITTEN_NAME, check_manifest
 from ..chips import resolve_chip
 
-__all__ = ["MANIFEST", "GOLDEN_FORMAT", "generate", "load_manifest", "load_array", "case_from_entry",
-           "Progress", "select_shard", "parse_shard"]
+__all__ = ["MANIFEST", "GOLDEN_FORMAT", "STAGING_PREFIX", "generate", "load_manifest", "load_array",
+           "case_from_entry", "Progress", "select_shard", "parse_shard", "plural"]
 
 MANIFEST = "manifest.json"
 GOLDEN_FORMAT = "qsfa-golden/1"
@@ -82,20 +91,39 @@ def select_shard(cases: Sequence[Case], index: int, count: int) -> list[Case]:
     return [c for k, c in enumerate(cases) if k % count == index]
 
 
-def _prepare_out(out: str, names=()) -> None:
-    """``out`` must be new, empty, or a previous golden directory.
+#: the folder a run writes its new set into, inside ``--out`` (a name no case can have: case names start
+#: with a letter or digit), swapped in only once every case is written
+STAGING_PREFIX = ".qsfa-staging-"
+#: where the swap parks the previous set's files until the new manifest is in place (removed after)
+REPLACED_PREFIX = ".qsfa-replaced-"
 
-    A previous golden directory's files are removed first - only what its (fully checked) manifest
-    lists, and only regular files (never symbolic links) whose real path is in ``out``. The run is
-    refused before anything is deleted when a listed path or a case folder of this run is a link or not
-    a regular file / folder, or when a case folder of this run holds an unlisted entry with the name of
-    a file generate writes (it would have to be overwritten). Other files stay.
+
+@dataclass
+class _OldSet:
+    """The previous golden set found in ``--out``: what the swap replaces (nothing is deleted before it)."""
+
+    manifest: dict | None = None
+    files: list = field(default_factory=list)  # real paths of the listed files that exist (plain, inside)
+    dirs: list = field(default_factory=list)  # the listed cases' folders that exist (plain)
+
+    @property
+    def case_names(self) -> list:
+        return [c["name"] for c in self.manifest["cases"]] if self.manifest else []
+
+
+def _check_out(out: str, names=()) -> _OldSet:
+    """``out`` must be new, empty, or a previous golden directory; nothing is written or deleted here.
+
+    Of a previous golden directory, its (fully checked) manifest's files are what a successful run replaces -
+    only regular files (never symbolic links) whose real path is in ``out``. The run is refused when a listed
+    path or a case folder of this run is a link or not a regular file / folder, or when a case folder of this
+    run holds an unlisted entry with the name of a file generate writes (it would have to be overwritten).
+    Other files stay.
     """
     if os.path.lexists(out) and not os.path.isdir(out):
         raise GoldenInputError(f"--out {out} exists and is not a directory")
     if not os.path.isdir(out):
-        os.makedirs(out)
-        return
+        return _OldSet()
     root = os.path.realpath(out)
     for n in names:  # a case folder of this run must be absent or a plain folder (not a link out)
         d = os.path.join(root, n)
@@ -103,7 +131,7 @@ def _prepare_out(out: str, names=()) -> None:
             raise GoldenInputError(f"--out {out}: {n} exists and is not a plain folder (a symbolic link or a "
                                    "file): refusing to write there")
     if not os.listdir(root):
-        return
+        return _OldSet()
     man_path = os.path.join(root, MANIFEST)
     if not os.path.lexists(man_path):
         raise GoldenInputError(f"--out {out} is not empty and holds no {MANIFEST}: refusing to write there")
@@ -111,7 +139,7 @@ def _prepare_out(out: str, names=()) -> None:
         raise GoldenInputError(f"--out {out}: {MANIFEST} is not a regular file (a symbolic link?): refusing "
                                "to write there")
     man = load_manifest(root)
-    doomed, dirs = [], []
+    old = _OldSet(man)
     for c in man["cases"]:
         d = os.path.join(root, c["name"])
         if not os.path.lexists(d):
@@ -119,7 +147,7 @@ def _prepare_out(out: str, names=()) -> None:
         if not lexists_plain_dir(d):
             raise GoldenInputError(f"--out {out}: the folder of case {c['name']} is not a plain folder (a "
                                    "symbolic link?): refusing to delete through it")
-        dirs.append(d)
+        old.dirs.append(d)
         for rel in c["files"]:
             p = os.path.join(root, rel)
             if not os.path.lexists(p):
@@ -127,8 +155,8 @@ def _prepare_out(out: str, names=()) -> None:
             if not lexists_plain_file(p) or not is_inside(root, p):
                 raise GoldenInputError(f"--out {out}: {rel}, listed in its {MANIFEST}, is not a regular file "
                                        "inside it (a symbolic link?): refusing to delete it")
-            doomed.append(p)
-    gone = set(doomed)
+            old.files.append(p)
+    gone = set(old.files)
     for n in names:  # what this run writes must not land on a file no manifest lists
         d = os.path.join(root, n)
         if not lexists_plain_dir(d):
@@ -137,12 +165,118 @@ def _prepare_out(out: str, names=()) -> None:
             if WRITTEN_NAME.match(f) and os.path.join(d, f) not in gone:
                 raise GoldenInputError(f"--out {out}: {n}/{f} is in the way and no earlier {MANIFEST} of it lists "
                                        "it: refusing to overwrite it")
-    for p in doomed:
-        os.remove(p)
+    return old
+
+
+def _missing_dirs(out: str) -> list:
+    """The folders ``os.makedirs(out)`` would create, deepest first."""
+    made, p = [], os.path.abspath(out)
+    while not os.path.lexists(p):
+        made.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return made
+
+
+def _remove_made_dirs(dirs: list) -> None:
+    """Remove the folders a failed run created (deepest first), as far as they are empty plain folders."""
     for d in dirs:
-        if not os.listdir(d):
-            os.rmdir(d)
-    os.remove(man_path)
+        try:
+            if lexists_plain_dir(d) and not os.listdir(d):
+                os.rmdir(d)
+        except OSError:
+            return
+
+
+def _discard(folder: str | None) -> None:
+    """Remove a staging or parking folder of this run (its own contents only: links are not followed)."""
+    if folder is not None and lexists_plain_dir(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Ctrl-C (SIGINT) and SIGTERM wait until the block is done (making the staging folder; the swap: a few
+    renames), then take effect as usual. Only in the main thread, where Python runs signal handlers, and only
+    for a signal whose handler is still Python's default; elsewhere the block's own roll-back is what keeps
+    the previous set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    saved, caught = {}, []
+    try:
+        for s, default in defaults.items():
+            if signal.getsignal(s) is default:
+                saved[s] = signal.signal(s, lambda num, frame: caught.append(num))
+    except (ValueError, OSError):  # not settable here: restore what was changed and do without
+        for s, h in saved.items():
+            signal.signal(s, h)
+        saved = {}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    if signal.SIGTERM in caught:
+        signal.raise_signal(signal.SIGTERM)  # terminate as the signal would have
+    if signal.SIGINT in caught:
+        raise KeyboardInterrupt
+
+
+def _swap_in(root: str, staging: str, old: _OldSet, entries: list) -> None:
+    """Replace the previous set in ``root`` by the one written in ``staging`` (manifest last).
+
+    The previous set's listed files are parked in a folder of ``root`` first, then the new files are moved
+    into place and the new manifest replaces the old one in one rename: the moment the new set exists. Any
+    error or interrupt before that moves everything back; after it, the parked files are removed, with the
+    previous cases' folders that became empty.
+    """
+    parked, placed, made_dirs, park = [], [], [], None
+    try:
+        if old.files:
+            park = tempfile.mkdtemp(prefix=REPLACED_PREFIX, dir=root)
+            for i, p in enumerate(old.files):
+                if not lexists_plain_file(p):
+                    raise GoldenInputError(f"{p} changed while the new set was computed (it is no longer a "
+                                           "regular file): refusing to replace it")
+                q = os.path.join(park, str(i))
+                os.rename(p, q)
+                parked.append((p, q))
+        for e in entries:
+            folder = os.path.join(root, e["name"])
+            if not os.path.lexists(folder):
+                os.mkdir(folder)
+                made_dirs.append(folder)
+            elif not lexists_plain_dir(folder):
+                raise GoldenInputError(f"{folder} is not a plain folder (a symbolic link?): refusing to write there")
+            for rel in e["files"]:
+                dst = os.path.join(root, rel)
+                if os.path.lexists(dst):
+                    raise GoldenInputError(f"refusing to overwrite {dst}: it appeared while the new set was "
+                                           f"computed and no earlier {MANIFEST} lists it")
+                os.rename(os.path.join(staging, rel), dst)
+                placed.append(dst)
+        os.replace(os.path.join(staging, MANIFEST), os.path.join(root, MANIFEST))
+    except BaseException:
+        for dst in reversed(placed):
+            with contextlib.suppress(OSError):
+                os.remove(dst)
+        for d in reversed(made_dirs):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        for p, q in reversed(parked):
+            with contextlib.suppress(OSError):
+                os.rename(q, p)
+        _discard(park)
+        raise
+    _discard(park)
+    for d in old.dirs:
+        with contextlib.suppress(OSError):
+            if lexists_plain_dir(d) and not os.listdir(d):
+                os.rmdir(d)
 
 
 def _remove_partial(out: str, made: list, created: bool):
@@ -290,7 +424,9 @@ def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = No
 def case_error(case: Case, e: Exception) -> GoldenInputError:
     """The error reported for a case that could not be written: named, the cause's message kept."""
     if isinstance(e, (GoldenInputError, InvalidArgument, InvalidDtype)):
-        return GoldenInputError(f"case {case.name}: {e}")
+        text = str(e)
+        # the case's own checks already name it ("case NAME: ..."): not twice
+        return GoldenInputError(text if text.startswith(f"case {case.name}: ") else f"case {case.name}: {text}")
     # a case the operator cannot run
     return GoldenInputError(f"case {case.name}: {case.op} failed: {type(e).__name__}: {e}")
 
@@ -310,16 +446,45 @@ def _beyond_chip(case: Case) -> str:
     return f"chip {chip}: {err}" if err is not None else ""
 
 
+def plural(n: int, word: str) -> str:
+    """``1 case``, ``2 cases``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _nothing_to_generate(cases: list, skipped: list, out: str) -> GoldenInputError:
+    """The error of a run none of whose cases can be written (the previous set stays as it was)."""
+    if not cases:
+        return GoldenInputError(f"nothing to generate: no cases selected; {out} was left as it was")
+    chip = [s for s in skipped if s["reason"].startswith("chip ")]
+    ops = [s for s in skipped if not s["reason"].startswith("chip ")]
+    why = []
+    if chip:
+        why.append(f"{len(chip)} beyond the chip's limits, first {chip[0]['name']}: {chip[0]['reason']}")
+    if ops:
+        why.append(f"{len(ops)} needing an operator missing from this build, first {ops[0]['name']}: "
+                   f"{ops[0]['reason']}")
+    return GoldenInputError(f"nothing to generate: all {plural(len(cases), 'selected case')} were skipped "
+                            f"({'; '.join(why)}); {out} was left as it was")
+
+
 def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_name: str | None = None,
-             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None, executor=None) -> dict:
+             shard: tuple[int, int] = (0, 1), progress: bool = True, stream=None, executor=None,
+             replaced: dict | None = None) -> dict:
     """Run every case on the reference backend and write inputs, outputs and ``manifest.json``.
 
-    Cases whose operator is not in this build of qsfa are skipped and listed under ``"skipped"``.
-    ``executor(cases, out, file_format, made=made) -> entries`` (optional) writes the cases' files (with
-    :func:`write_case_files` / ``_write_case(..., made=made)``, so a failed run removes exactly what it
-    made) and returns their manifest entries in case order, instead of the loop here
-    (``qsfa.distributed.golden_executor``: a Dask cluster computes, this process writes). Returns the
-    manifest.
+    The new set is written into a staging folder inside ``out`` (``.qsfa-staging-*``) and swapped in only
+    when every case is written: until then the previous set in ``out`` (the files its manifest lists) is
+    untouched, and an error, an interrupt or a run with nothing to write leaves it exactly as it was (the
+    staging folder removed). Case files may read their inputs from ``out`` itself.
+
+    Cases whose operator is not in this build of qsfa, or that the ``--chip`` cannot run, are skipped and
+    listed under ``"skipped"``; when no case is left, :class:`GoldenInputError` (nothing is written).
+    ``executor(cases, staging, file_format, made=made, out=out) -> entries`` (optional) writes the cases' files
+    into ``staging`` (with :func:`write_case_files` / ``_write_case(..., made=made)``) and returns their
+    manifest entries in case order, instead of the loop here (``qsfa.distributed.GoldenExecutor``: a Dask
+    cluster computes, this process writes); ``out`` is the destination, for its messages. ``replaced``
+    (optional) receives ``{"set": ..., "cases": [...]}``: the previous set's name and its cases this run
+    removed (those it does not write again). Returns the manifest.
     """
     from .. import __version__
 
@@ -330,48 +495,64 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise GoldenInputError(f"duplicate case names {dup}")
+    bad = sorted({n for n in names if n == MANIFEST})
+    if bad:
+        raise GoldenInputError(f"a case may not be named {MANIFEST}")
     ops = available_ops()
     run_cases = [c for c in cases if c.op in ops]
     skipped = [{"name": c.name, "op": c.op, "reason": f"operator {c.op!r} is not in this build of qsfa"}
                for c in cases if c.op not in ops]
-    bad = sorted({n for n in names if n == MANIFEST})
-    if bad:
-        raise GoldenInputError(f"a case may not be named {MANIFEST}")
     beyond = {c.name: why for c in run_cases if (why := _beyond_chip(c))}  # --chip: cases that chip cannot run
     skipped += [{"name": c.name, "op": c.op, "reason": beyond[c.name]} for c in run_cases if c.name in beyond]
     run_cases = [c for c in run_cases if c.name not in beyond]
-    created = not os.path.isdir(out)
-    _prepare_out(out, [c.name for c in run_cases])
-    out = os.path.realpath(out)
+    if not run_cases:
+        raise _nothing_to_generate(cases, skipped, out)
+    old = _check_out(out, [c.name for c in run_cases])  # every refusal comes before anything is written
+    created = _missing_dirs(out)
     made: list = []
+    staging = None
     bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1 and executor is None,
                    stream=stream)
-    entries = []
     try:
+        with _interrupts_deferred():  # what is made here is known to the clean-up below before Ctrl-C can land
+            if created:
+                os.makedirs(out)
+            root = os.path.realpath(out)
+            staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
         if executor is not None:
-            entries = list(executor(run_cases, out, file_format, made=made))
+            entries = list(executor(run_cases, staging, file_format, made=made, out=out))
         else:
+            entries = []
             for c in run_cases:
                 bar.step(c.name)
                 try:
-                    entries.append(_write_case(c, out, file_format, made=made))
+                    entries.append(_write_case(c, staging, file_format, made=made))
                 except Exception as e:
                     raise case_error(c, e) from e
+        manifest = {
+            "format": GOLDEN_FORMAT,
+            "qsfa_version": __version__,
+            "byte_order": "little",
+            "file_format": file_format,
+            "set": set_name,
+            "shard": {"index": shard[0], "count": shard[1]},
+            "skipped": skipped,
+            "cases": entries,
+        }
+        with create_new(os.path.join(staging, MANIFEST)) as f:
+            f.write(gio.dump_json(manifest).encode("utf-8"))
+        with _interrupts_deferred():
+            _swap_in(root, staging, old, entries)
     except BaseException:
-        _remove_partial(out, made, created)
+        _discard(staging)
+        _remove_made_dirs(created)
         raise
-    manifest = {
-        "format": GOLDEN_FORMAT,
-        "qsfa_version": __version__,
-        "byte_order": "little",
-        "file_format": file_format,
-        "set": set_name,
-        "shard": {"index": shard[0], "count": shard[1]},
-        "skipped": skipped,
-        "cases": entries,
-    }
-    with create_new(os.path.join(out, MANIFEST)) as f:
-        f.write(gio.dump_json(manifest).encode("utf-8"))
+    _discard(staging)
+    if replaced is not None:
+        new = {e["name"] for e in entries}
+        replaced.clear()
+        replaced.update({"set": (old.manifest or {}).get("set"),
+                         "cases": [n for n in old.case_names if n not in new]})
     return manifest
 
 
@@ -382,10 +563,15 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
 def load_manifest(folder: str) -> dict:
     """The manifest of a golden directory, structurally checked (a clear error otherwise)."""
     if not os.path.isdir(folder):
+        if os.path.lexists(folder):
+            raise GoldenInputError(f"{folder} is {describe_path(folder)}, not a golden directory")
         raise GoldenInputError(f"golden directory not found: {folder}")
     path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise GoldenInputError(f"{folder} has no {MANIFEST}: not a golden directory")
+    if not os.path.isfile(path):
+        raise GoldenInputError(f"{path} is {describe_path(path)}, not a regular file: not a golden directory's "
+                               "manifest")
     return check_manifest(gio.load_json(path), path)
 
 

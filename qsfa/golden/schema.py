@@ -174,11 +174,26 @@ def _check_case(c, i: int, path, file_format, seen: set) -> None:
             raise _err(path, f"{fw}.bytes", b, "must be an integer in [0, 2**63)")
     arrays = _typed(_need(c, "arrays", path, where), list, path, f"{where}.arrays", "a list")
     pairs = set()
+    in_npz: dict = {}  # npz file -> bytes its members' data need
     for j, e in enumerate(arrays):
-        _check_array(e, name, files, file_format, path, f"{where}.arrays[{j}]")
+        aw = f"{where}.arrays[{j}]"
+        _check_array(e, name, files, file_format, path, aw)
         if (e["role"], e["name"]) in pairs:
-            raise _err(path, f"{where}.arrays[{j}].name", e["name"], f"a second {e['role']} of that name")
+            raise _err(path, f"{aw}.name", e["name"], f"a second {e['role']} of that name")
         pairs.add((e["role"], e["name"]))
+        # the declared shape must fit the file the manifest lists for it (its size is checked against the disk)
+        need = declared_nbytes(e["shape"], gio.storage_dtype(e["dtype"]).itemsize)
+        if e.get("key") is None:
+            have = files[e["file"]]["bytes"]
+            if need != have:
+                raise _err(path, f"{aw}.shape", e["shape"], f"{need} bytes of {e['storage']}, but its file "
+                           f"{e['file']} is listed with {have} bytes")
+        else:
+            in_npz[e["file"]] = in_npz.get(e["file"], 0) + need
+    for f, need in in_npz.items():
+        if need > files[f]["bytes"]:
+            raise _err(path, f"{where}.files[{f!r}].bytes", files[f]["bytes"], f"its arrays' data alone need "
+                       f"{need} bytes")
     if "params" in c:
         _typed(c["params"], dict, path, f"{where}.params", "an object", none=True)
     if "call" in c:
@@ -186,7 +201,15 @@ def _check_case(c, i: int, path, file_format, seen: set) -> None:
     if "seed" in c and not (_is_int(c["seed"]) and 0 <= c["seed"] <= _INT64_MAX):
         raise _err(path, f"{where}.seed", c["seed"], "must be an integer in [0, 2**63)")
     _typed(c.get("generator"), str, path, f"{where}.generator", "a string or null", none=True)
-    _typed(c.get("chip"), str, path, f"{where}.chip", "a chip name or null", none=True)
+    from ..chips import CHIPS
+
+    chip = _typed(c.get("chip"), str, path, f"{where}.chip", "a chip name or null", none=True)
+    if chip is not None and chip not in CHIPS:
+        raise _err(path, f"{where}.chip", chip, f"must be one of {list(CHIPS)} (the chip whose numerics the "
+                   "outputs model) or null")
+    pchip = (c.get("params") or {}).get("chip")
+    if pchip is not None and pchip not in CHIPS:
+        raise _err(path, f"{where}.params.chip", pchip, f"must be one of {list(CHIPS)} or null (--chip)")
     _typed(c.get("description", ""), str, path, f"{where}.description", "a string")
 
 
