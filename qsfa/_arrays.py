@@ -82,6 +82,13 @@ def numpy_dtype(name: str) -> np.dtype:
         raise TypeError(f"unknown dtype name {name!r}; known: {sorted(_NP_BY_NAME)}") from None
 
 
+def is_ml_dtype(dt) -> bool:
+    """Whether ``dt`` is one of ml_dtypes' types (bfloat16, the FP8 / FP6 / FP4 / E8M0 formats, int4...). Their NumPy
+    ``kind`` is not a reliable test: most are "V", but ml_dtypes 0.7 registers float8_e5m2 as "f", so its values
+    would be cast where its bits must be copied."""
+    return np.dtype(dt).type.__module__.split(".")[0] == "ml_dtypes"
+
+
 def dtype_name(x: Any) -> str:
     """Canonical dtype name of a NumPy array, torch tensor, dtype object or name."""
     if isinstance(x, str):

@@ -8,6 +8,9 @@ import math
 
 import numpy as np
 
+from ._arrays import is_ml_dtype
+
+
 def as_dtype(x, dtype) -> np.ndarray:
     """Random float64 values ``x`` as ``dtype``, the same bytes with every ml_dtypes version: ml_dtypes 0.7 casts
     float64 to its types (bfloat16, the FP8s) with one rounding, older versions rounded to float32 first (two
@@ -16,7 +19,7 @@ def as_dtype(x, dtype) -> np.ndarray:
     is left as it is."""
     x = np.asarray(x)
     dt = np.dtype(dtype)
-    if x.dtype == np.float64 and dt.kind == "V":  # ml_dtypes' float types have kind "V"
+    if x.dtype == np.float64 and is_ml_dtype(dt):
         x = x.astype(np.float32)
     return x.astype(dt)
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import ml_dtypes
 import numpy as np
 
-from ._arrays import dtype_name, is_torch, to_numpy
+from ._arrays import dtype_name, is_ml_dtype, is_torch, to_numpy
 from ._errors import InvalidArgument
 
 __all__ = [
@@ -147,7 +147,7 @@ def _scalar(v):
     v = np.asarray(v)
     if v.dtype.kind in "iu":
         return int(v)
-    if v.dtype.itemsize == 1 and v.dtype.kind == "V":
+    if v.dtype.itemsize == 1 and is_ml_dtype(v.dtype):
         return int(v.view(np.uint8))
     with np.errstate(invalid="ignore"):  # a signalling NaN (0x7f800001 ...) is quieted by the cast: it reads nan
         return float(v.astype(np.float64))

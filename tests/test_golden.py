@@ -546,3 +546,36 @@ def test_readme_main_job_through_the_console_script(tmp_path):
     r3 = subprocess.run([str(exe), "golden", "list", "nope"], cwd=tmp_path, capture_output=True, text=True,
                         env=env, timeout=60)
     assert r3.returncode == 2 and r3.stderr.count("\n") == 1 and "Traceback" not in r3.stderr
+
+
+@pytest.mark.parametrize("file_format", ["bin", "npz"])
+def test_every_ml_dtypes_output_is_stored_as_its_bits(tmp_path, file_format):
+    """The stored bytes of an ml_dtypes array are its bits, read straight from the file here (not through
+    qsfa.golden.io): ml_dtypes 0.7 gives float8_e5m2 NumPy kind "f", and a kind test had stored its *values*
+    cast to uint8 (1.5 -> 1, NaN -> 0) while verify, which read them back the same way, said OK."""
+    import zipfile
+
+    from qsfa.golden import catalogue as C
+    from qsfa.golden.manifest import generate
+
+    cases = [c for c in C.dynamic_block_quant_cases() if c.name in ("dbq-e5m2-1x64", "dbq-e4m3-128x128")]
+    assert len(cases) == 2
+    out = tmp_path / "g"
+    man = generate(cases, str(out), file_format=file_format, progress=False)
+    for case, entry in zip(cases, man["cases"]):
+        want = case.run("reference", case.inputs())
+        checked = 0
+        for o in entry["arrays"]:
+            if o["role"] != "output":
+                continue
+            arr = np.asarray(want[o["name"]])
+            if arr.dtype.itemsize != 1 or arr.dtype.kind in "iub":
+                continue
+            if file_format == "bin":
+                raw = (out / o["file"]).read_bytes()
+            else:
+                with zipfile.ZipFile(out / o["file"]) as z:
+                    raw = np.lib.format.read_array(z.open(o["key"] + ".npy")).tobytes()
+            assert raw == np.ascontiguousarray(arr).view(np.uint8).tobytes(), (case.name, o["name"], o["dtype"])
+            checked += 1
+        assert checked == 1, case.name  # y, the FP8 codes

@@ -35,6 +35,7 @@ import numpy as np
 
 from . import io as gio
 from .io import GoldenInputError
+from .._arrays import is_ml_dtype
 
 __all__ = ["Case", "CASE_FORMAT", "OpSpec", "resolve_op", "available_ops"]
 
@@ -416,12 +417,12 @@ def _load_ref(case: str, name: str, ref: Mapping) -> np.ndarray:
         raw = read_npy(path, shape=shape, itemsize=st.itemsize)
     else:
         raw = gio.read_bin(path, st, shape)
-    if raw.dtype.itemsize != st.itemsize or raw.dtype.kind not in (st.kind, "V"):
+    if raw.dtype.itemsize != st.itemsize or not (raw.dtype.kind == st.kind or is_ml_dtype(raw.dtype)):
         raise GoldenInputError(f"case {case}: input {name!r} in {path} is stored as {raw.dtype.str}, "
                                f"expected {st.str} for {dt}")
     if raw.dtype.byteorder == ">":
         raw = raw.astype(raw.dtype.newbyteorder("<"))
-    raw = raw.view(st) if raw.dtype.kind == "V" else raw.astype(st, copy=False)
+    raw = raw.view(st) if is_ml_dtype(raw.dtype) else raw.astype(st, copy=False)
     if ref.get("sha256") is not None and gio.array_sha256(raw) != ref["sha256"]:
         raise GoldenInputError(f"case {case}: input {name!r} in {path} does not match its sha256")
     return gio.from_storage(raw, dt)

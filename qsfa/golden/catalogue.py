@@ -112,7 +112,7 @@ def dynamic_block_quant_cases() -> list[Case]:
         ("int8-1x128-bf16", "int8", "rint", 1, 128, dict(M=16, N=384), "bfloat16", {}),
         ("int8-1x128-fp16-edge", "int8", "rint", 1, 128, dict(M=7, N=300), "float16", dict(zero_block=True)),
         ("int8-1x128-fp32-3d", "int8", "rint", 1, 128, dict(B=2, M=5, N=256), "float32", dict(outliers=True)),
-        ("int8-64x64-minscale", "int8", "rint", 64, 64, dict(M=100, N=200), "bfloat16", dict(min_scale=2.0)),
+        ("int8-128x64-minscale", "int8", "rint", 128, 64, dict(M=100, N=200), "bfloat16", dict(min_scale=2.0)),
         ("e4m3-128x128", "float8_e4m3fn", "rint", 128, 128, dict(M=130, N=256), "bfloat16", {}),
         ("e5m2-1x64", "float8_e5m2", "rint", 1, 64, dict(M=9, N=192), "float16", dict(outliers=True)),
         ("hif8-1x128", "hifloat8", "round", 1, 128, dict(M=12, N=256), "bfloat16", {}),
@@ -312,8 +312,9 @@ def kv_rmsnorm_rope_cache_cases() -> list[Case]:
                          cache_mode="PA_NZ", k_fmt="float8_e5m2", ckv_fmt="float16", dtype="float16", **v1))
     out.append(_krr_case("krr-v1-Norm-fp16-cos1", "V1 Norm, fp16, cos/sin broadcast over the sequence [B, N, 1, Dk]",
                          cache_mode="Norm", k_fmt="float16", ckv_fmt="float16", dtype="float16", cos_seq1=True, **v1))
-    out.append(_krr_case("krr-v2-PA-int8-param1", "V2 PA with int8 caches and quant parameters of shape [1]",
-                         cache_mode="PA", k_fmt="int8", ckv_fmt="int8", dtype="bfloat16", param_shape="1", **v2))
+    out.append(_krr_case("krr-v1-PA-int8-param1", "V1 PA (Ascend 950) with int8 caches and quant parameters of "
+                         "shape [1]", cache_mode="PA", k_fmt="int8", ckv_fmt="int8", dtype="bfloat16", param_shape="1",
+                         **v1))
     return out
 
 

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from .._arrays import dtype_name, numpy_dtype
+from .._arrays import dtype_name, is_ml_dtype, numpy_dtype
 
 __all__ = [
     "GoldenInputError",
@@ -119,7 +119,7 @@ def to_storage(a: np.ndarray) -> tuple[str, np.ndarray]:
     a = np.asarray(a)
     name = dtype_name(a)
     st = storage_dtype(name)
-    if a.dtype.kind == "V":  # ml_dtypes types: reinterpret the bits as an unsigned integer of that size
+    if is_ml_dtype(a.dtype):  # ml_dtypes types: reinterpret the bits as an unsigned integer of that size
         raw = np.ascontiguousarray(a).view(np.dtype(f"u{a.dtype.itemsize}"))
         return name, np.ascontiguousarray(raw.astype(st, copy=False))
     return name, np.ascontiguousarray(a.astype(st, copy=False))
@@ -130,7 +130,7 @@ def from_storage(raw: np.ndarray, name: str) -> np.ndarray:
     ldt = logical_dtype(name)
     if name == "bool":
         return raw.astype(np.bool_)
-    if ldt.kind == "V":  # ml_dtypes
+    if is_ml_dtype(ldt):  # ml_dtypes: the stored unsigned integers are the bits
         return np.ascontiguousarray(raw).astype(np.dtype(f"u{ldt.itemsize}"), copy=False).view(ldt)
     return raw.astype(ldt.newbyteorder("="), copy=False)
 

@@ -38,7 +38,7 @@ from .guard import check_component, create_new, describe_path, is_inside, lexist
 from .io import GoldenInputError
 from .meta import describe
 from .schema import ARRAY_NAME, WRITTEN_NAME, check_manifest
-from ..chips import resolve_chip
+from ..chips import chip_violation, resolve_chip
 
 __all__ = ["MANIFEST", "GOLDEN_FORMAT", "STAGING_PREFIX", "generate", "load_manifest", "load_array",
            "case_from_entry", "Progress", "select_shard", "parse_shard", "plural"]
@@ -334,10 +334,16 @@ def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = No
     Every file and folder made is appended to ``made``."""
     if inputs is None:
         inputs = case.inputs()
-    if outputs is None:
-        outputs = case.run("reference", inputs)
     args = case.args(inputs)
     chip = resolve_chip(case.op, **args)  # the chip whose numerics the outputs model (qsfa.chips)
+    if args.get("chip") is None:  # a golden is some chip's: a call that chip cannot make is not one
+        bad = chip_violation(case.op, **{**args, "chip": chip})
+        if bad is not None:
+            raise GoldenInputError(f"case {case.name}: no chip runs this call, so it makes no golden: it models "
+                                   f"chip {chip!r} (qsfa.resolve_chip), which refuses it: {str(bad).rstrip('.')} "
+                                   f"(change the parameters, or pass a chip)")
+    if outputs is None:
+        outputs = case.run("reference", inputs)
     metas = describe(case.op, case.params, args, outputs)
     made = [] if made is None else made
     _case_folder(out, case.name, made)

@@ -99,7 +99,7 @@ def _array(x, name: str) -> np.ndarray:
         raise InvalidArgument("type", name, type(x).__name__, f"must be an array ({e})") from None
 
 
-_CODE_KINDS = ("i", "u", "V")  # int8 / uint8 codes, or the ml_dtypes one-byte floats (kind 'V')
+_CODE_KINDS = ("i", "u", "V", "f")  # int8 / uint8 codes, or ml_dtypes' one-byte floats (kind "V"; e5m2 "f")
 _NOPE_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
 
 
