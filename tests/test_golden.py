@@ -579,3 +579,24 @@ def test_every_ml_dtypes_output_is_stored_as_its_bits(tmp_path, file_format):
             assert raw == np.ascontiguousarray(arr).view(np.uint8).tobytes(), (case.name, o["name"], o["dtype"])
             checked += 1
         assert checked == 1, case.name  # y, the FP8 codes
+
+
+def test_a_call_no_chip_runs_makes_no_golden(tmp_path):
+    """Without chip= the reference accepts the union of the chips' limits; a golden, though, is some chip's: Q_N = 48
+    (950 only) with the LSE outputs (A2/A3 only) is refused by name instead of being labelled 950 (hostile review
+    M5), and the output folder is not created."""
+    from qsfa.golden.case import Case
+    from qsfa.golden.io import GoldenInputError
+    from qsfa.golden.manifest import generate
+    from qsfa.ops.attention import qsfa_case
+
+    args = qsfa_case(n_heads=48)
+    args["return_softmax_lse"] = True
+    with pytest.raises(GoldenInputError, match=r"no chip runs this call.*chip '950'.*return_softmax_lse"):
+        generate([Case.from_args("q48-lse", "kv_quant_sparse_flash_attention", args)], str(tmp_path / "g"),
+                 progress=False)
+    assert not (tmp_path / "g").exists()
+    args["return_softmax_lse"] = False  # the 950 runs it: a golden labelled 950
+    man = generate([Case.from_args("q48", "kv_quant_sparse_flash_attention", args)], str(tmp_path / "g"),
+                   progress=False)
+    assert [c["chip"] for c in man["cases"]] == ["950"]
