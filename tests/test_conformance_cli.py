@@ -1,14 +1,17 @@
 """The conformance command line around a run: corrupt case files given to --replay are bad usage (exit 2,
-one line), not a reproduced failure (exit 1); the console and reports tell what a reader needs to act."""
+one line), not a reproduced failure (exit 1); the console and reports tell what a reader needs to act; case
+files are written only inside --cases-dir, never through a symbolic link planted there."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from qsfa._dispatch import Backend, register_backend, register_impl, unregister_backend
 from qsfa.cli import main
-from qsfa.conformance import get, run_property
+from qsfa.conformance import get, replay_case, run_property
+from qsfa.conformance.runner import CASE_SAVE_ERROR
 from qsfa.reference import formats as F
 
 
@@ -90,3 +93,105 @@ def test_markdown_header_states_the_edge_examples_on_top_of_max_examples(tmp_pat
     assert r.examples == 3 + r.edge_examples  # what the table shows: both, counted together
     header = to_markdown(rep).splitlines()[2]
     assert f"max_examples 3 per property (+ {r.edge_examples} edge examples" in header, header
+
+
+# --- case files are written inside --cases-dir only (never through a symbolic link) -------------------------
+
+_STEM = "toy_wrong_encode.formats.encode.vs_reference"
+
+
+def _fail_into(backend, cases_dir):
+    return run_property(get("formats.encode.vs_reference"), backend, max_examples=5, cases_dir=str(cases_dir))
+
+
+@pytest.mark.parametrize("planted", [".json", ".x.npy", ".conformance.json"])
+def test_a_symlink_in_place_of_a_case_file_is_refused_not_written_through(wrong, tmp_path, planted):
+    cases, victim = tmp_path / "cases", tmp_path / "victim"
+    cases.mkdir()
+    victim.write_text("VICTIM\n")
+    (cases / (_STEM + planted)).symlink_to(victim)
+    r = _fail_into(wrong, cases)
+    assert r.status == "failed" and r.case_file is None
+    assert f"{CASE_SAVE_ERROR} GoldenInputError: refusing to write" in r.message, r.message
+    assert "symbolic link" in r.message and _STEM + planted in r.message
+    assert victim.read_text() == "VICTIM\n"
+    # refused before the first file was written: only the planted link is there
+    assert sorted(p.name for p in cases.iterdir()) == [_STEM + planted]
+
+
+def test_a_dangling_symlink_in_place_of_the_case_file_creates_nothing_outside(wrong, tmp_path):
+    cases, target = tmp_path / "cases", tmp_path / "outside" / "made.json"
+    cases.mkdir()
+    (tmp_path / "outside").mkdir()
+    (cases / (_STEM + ".json")).symlink_to(target)
+    r = _fail_into(wrong, cases)
+    assert r.case_file is None and "refusing to write" in r.message
+    assert not os.path.lexists(target) and os.listdir(tmp_path / "outside") == []
+
+
+def test_an_older_case_file_is_replaced_not_rewritten_in_place(wrong, tmp_path):
+    """A hard link to a file outside (or a file another process holds open) keeps its bytes: the new case
+    is a new file renamed over the old name."""
+    cases, outside = tmp_path / "cases", tmp_path / "outside.npy"
+    cases.mkdir()
+    outside.write_bytes(b"OUTSIDE")
+    os.link(outside, cases / (_STEM + ".x.npy"))
+    (cases / (_STEM + ".json")).write_text("old")
+    r = _fail_into(wrong, cases)
+    assert r.case_file == str(cases / (_STEM + ".json")), r.message
+    assert outside.read_bytes() == b"OUTSIDE"
+    assert json.loads((cases / (_STEM + ".json")).read_text())["format"] == "qsfa-case/1"
+    assert np.load(cases / (_STEM + ".x.npy")).size >= 1
+    assert not [p for p in os.listdir(cases) if p.endswith(".partial")]  # no temporary file left behind
+    holds, msg = replay_case(r.case_file)
+    assert not holds and "differs from the reference" in msg
+
+
+def test_cli_run_with_planted_symlinks_leaves_the_targets_alone(wrong, tmp_path, capsys):
+    cases, victim = tmp_path / "c", tmp_path / "victim"
+    cases.mkdir()
+    victim.write_text("VICTIM\n")
+    for suffix in (".json", ".x.npy"):
+        (cases / (_STEM + suffix)).symlink_to(victim)
+    assert main(["conformance", "--backend", wrong, "--properties", "formats.encode.vs_reference",
+                 "--max-examples", "5", "--cases-dir", str(cases), "-q"]) == 1
+    assert victim.read_text() == "VICTIM\n"
+    assert sorted(p.name for p in cases.iterdir()) == [_STEM + ".json", _STEM + ".x.npy"]
+    assert all(os.path.islink(cases / (_STEM + s)) for s in (".json", ".x.npy"))
+
+
+def test_cases_dir_folders_are_created_and_a_dangling_link_above_it_is_refused(wrong, tmp_path):
+    from qsfa.golden.guard import make_dirs
+    from qsfa.golden.io import GoldenInputError
+
+    deep = tmp_path / "a" / "b" / "cases"
+    r = _fail_into(wrong, deep)
+    assert r.case_file == str(deep / (_STEM + ".json")) and os.path.isfile(r.case_file)
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(GoldenInputError, match="is not a folder"):
+        make_dirs(tmp_path / "gone" / "cases")
+    assert not os.path.lexists(tmp_path / "nowhere")
+
+
+def test_cases_from_dask_tasks_are_written_the_same_way(wrong, tmp_path):
+    """--workers / --seed-shards: the client writes the tasks' case files with the same guard, and a refused
+    file is reported in the failure's message as in a serial run (not a traceback)."""
+    from qsfa.distributed.conformance import run_sharded
+
+    cases, victim = tmp_path / "cases", tmp_path / "victim"
+    cases.mkdir()
+    victim.write_text("VICTIM\n")
+    (cases / (_STEM + ".x.npy")).symlink_to(victim)
+    rep, _ = run_sharded([get("formats.encode.vs_reference")], wrong, max_examples=4, seed=3, seed_shards=2,
+                         cases_dir=str(cases))
+    (r,) = rep.results
+    assert r.status == "failed" and r.case_file is None
+    assert CASE_SAVE_ERROR in r.message and "refusing to write" in r.message
+    assert victim.read_text() == "VICTIM\n"
+    assert sorted(p.name for p in cases.iterdir()) == [_STEM + ".x.npy"]
+    (cases / (_STEM + ".x.npy")).unlink()
+    rep, _ = run_sharded([get("formats.encode.vs_reference")], wrong, max_examples=4, seed=3, seed_shards=2,
+                         cases_dir=str(cases))
+    assert rep.results[0].case_file == os.path.join(str(cases), _STEM + ".json")
+    assert sorted(p.name for p in cases.iterdir()) == sorted(_STEM + s for s in (".json", ".x.npy",
+                                                                                 ".conformance.json"))

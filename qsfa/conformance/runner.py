@@ -401,8 +401,11 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
               chip: str | None = None) -> str:
     """Save the falsifying example ``ex`` of ``prop`` as ``<cases_dir>/<backend>.<property>.json`` (a
     ``qsfa-case/1`` file, arrays as explicit ``.npy`` inputs) plus the ``.conformance.json`` sidecar.
-    Returns the case file's path."""
+    Returns the case file's path. Each file replaces an older regular file of its name (a new file renamed
+    over it); a name taken by a symbolic link or anything else is refused (GoldenInputError), nothing is
+    written through it."""
     from ..golden.case import Case, _json_value
+    from ..golden.guard import check_replaceable, replacing
     from ..golden.io import GoldenInputError
 
     name = _case_name(backend, prop)
@@ -419,9 +422,10 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
             f"{message.splitlines()[0][:300] if message else ''}")
     case = Case(name=name, op=prop.op, params=params, seed=0, generator=None, description=desc,
                 inputs_given=inputs)
-    os.makedirs(cases_dir, exist_ok=True)
     path = os.path.join(cases_dir, name + ".json")
-    case.save(path)
+    side_name = name + ".conformance.json"
+    check_replaceable(cases_dir, [side_name])  # a link in the sidecar's place: refused before anything is written
+    case.save(path)  # new files renamed into place, never written through a link (qsfa.golden.guard.replacing)
     side = {
         "format": SIDE_FORMAT,
         "case": os.path.basename(path),
@@ -437,9 +441,8 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
         "message": message,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    with open(os.path.join(cases_dir, name + ".conformance.json"), "w", encoding="utf-8") as f:
-        json.dump(side, f, indent=2, sort_keys=True)
-        f.write("\n")
+    with replacing(cases_dir, side_name) as f:
+        f.write((json.dumps(side, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return path
 
 
