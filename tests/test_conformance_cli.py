@@ -195,3 +195,17 @@ def test_cases_from_dask_tasks_are_written_the_same_way(wrong, tmp_path):
     assert rep.results[0].case_file == os.path.join(str(cases), _STEM + ".json")
     assert sorted(p.name for p in cases.iterdir()) == sorted(_STEM + s for s in (".json", ".x.npy",
                                                                                  ".conformance.json"))
+
+
+def test_an_invalid_example_with_a_0d_array_is_saved_as_it_was_drawn(tmp_path):
+    """formats.unpack_fp4.packed_ndim: a 0-d ``packed`` is the violation; saved 1-d it would be no example of it."""
+    from qsfa.conformance import Example, load_example, save_case
+    from qsfa.conformance.properties import operator
+
+    prop = get("formats.unpack_fp4.invalid_rejected")
+    c = operator(prop.op).contract.constraint("formats.unpack_fp4.packed_ndim")
+    ex = Example({"packed": np.array(7, np.uint8), "nibble_order": "low_first"}, 0, c)
+    path = save_case(prop, "reference", ex, "msg", str(tmp_path))
+    prop2, ex2, _ = load_example(path)
+    assert ex2.args["packed"].shape == () and ex2.constraint.id == c.id
+    assert replay_case(path) == (True, "formats.unpack_fp4.invalid_rejected holds on 'reference'")

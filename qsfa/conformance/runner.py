@@ -412,7 +412,7 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
     inputs, params, extra = {}, {}, {}
     for k, v in ex.args.items():
         if isinstance(v, np.ndarray):
-            inputs[k] = np.ascontiguousarray(v)
+            inputs[k] = np.array(v, order="C")  # a copy in C order; 0-d stays 0-d (ascontiguousarray makes it 1-d)
             continue
         try:
             params[k] = _json_value(k, v)
