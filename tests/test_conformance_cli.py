@@ -197,6 +197,117 @@ def test_cases_from_dask_tasks_are_written_the_same_way(wrong, tmp_path):
                                                                                  ".conformance.json"))
 
 
+# --- --replay checks the case file first: a malformed one is bad usage (2), a kernel failure stays 1 ---------
+
+def _tampered(src, dst, case=None, side=None):
+    """A copy of the saved case ``src`` (a folder) in ``dst`` with ``case(dict)`` / ``side(dict)`` applied."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cp, sp = dst / (_STEM + ".json"), dst / (_STEM + ".conformance.json")
+    for path, edit in ((cp, case), (sp, side)):
+        d = json.loads(path.read_text())
+        if edit is not None:
+            edit(d)
+        path.write_text(json.dumps(d))
+    return cp
+
+
+_MALFORMED = [
+    # (what is changed, in the case / in the sidecar, the file the error names, what else it says)
+    ("unknown param", lambda c: c["params"].update(evil=1), None, ".json",
+     "Invalid case field for params.evil, actual: 1, reason: formats.encode has no parameter 'evil'"),
+    ("chip as a param", lambda c: c["params"].update(chip="A2"), None, ".json",
+     "Invalid case field for params.chip, actual: 'A2', reason: the chip a conformance case models is the sidecar's"),
+    ("nested-list fmt", lambda c: c["params"].update(fmt=[["int8"]]), None, ".json",
+     "Invalid case field for params.fmt, actual: [['int8']] (list), reason: the reference rejects it "
+     "(formats.encode.fmt_type): must be a string."),
+    ("unknown fmt", lambda c: c["params"].update(fmt="nope"), None, ".json",
+     "Invalid case field for params.fmt, actual: 'nope', reason: the reference rejects it (formats.encode.fmt_value)"),
+    ("missing param", lambda c: c["params"].pop("fmt"), None, ".json", "formats.encode needs fmt"),
+    ("op of another property", lambda c: c.update(op="formats.decode"), None, ".json",
+     "Invalid case field for op, actual: 'formats.decode', reason: the sidecar's property "
+     "formats.encode.vs_reference calls formats.encode."),
+    ("oversized case seed", lambda c: c.update(seed=2 ** 64), None, ".json",
+     f"Invalid case field for seed, actual: {2 ** 64}, reason: must be an integer from 0 to 2**63 - 1."),
+    ("unknown chip", None, lambda s: s.update(chip="Z9"), ".conformance.json",
+     "Invalid sidecar field for chip, actual: 'Z9', reason: must be null or one of A2, A3, 950."),
+    ("negative check_seed", None, lambda s: s.update(check_seed=-5), ".conformance.json",
+     "Invalid sidecar field for check_seed, actual: -5, reason: must be an integer from 0 to 4294967295."),
+    ("negative seed", None, lambda s: s.update(seed=-1), ".conformance.json", "for seed, actual: -1"),
+    ("float seed", None, lambda s: s.update(seed=1.5), ".conformance.json", "for seed, actual: 1.5"),
+    ("unknown property", None, lambda s: s.update(property="formats.encode.nope"), ".conformance.json",
+     "for property, actual: 'formats.encode.nope', reason: no such property"),
+    ("other kind", None, lambda s: s.update(kind="metamorphic"), ".conformance.json", "for kind"),
+    ("constraint of a vs_reference case", None, lambda s: s.update(constraint="formats.encode.fmt_value"),
+     ".conformance.json", "is not an invalid-argument property"),
+    ("a param given twice", None, lambda s: s.update(params_not_in_case={"fmt": "int8"}), ".conformance.json",
+     "for params_not_in_case.fmt, actual: 'int8', reason: 'fmt' is given twice"),
+    ("an unrestorable param", lambda c: c["params"].pop("saturate"),
+     lambda s: s.update(params_not_in_case={"saturate": {"repr": "<object>"}}), ".conformance.json",
+     "for params_not_in_case.saturate, actual: {'repr': '<object>'}, reason: the run could only save"),
+    ("an unknown restored param", None, lambda s: s.update(params_not_in_case={"evil": {"float": "inf"}}),
+     ".conformance.json", "for params_not_in_case.evil, actual: inf, reason: formats.encode has no parameter"),
+    ("a sidecar that is a list", None, lambda s: (s.clear(), s.update(property=["x"])), ".conformance.json",
+     "for property"),
+]
+
+
+def test_replay_refuses_a_malformed_case_file_with_one_line_naming_field_value_and_reason(wrong, tmp_path, capsys):
+    r = _fail_into(wrong, tmp_path / "saved")
+    assert r.case_file, r.message
+    # the file as saved still replays as the kernel failure it is: exit 1
+    assert main(["conformance", "--replay", r.case_file]) == 1
+    assert "fails on 'toy_wrong_encode': backend 'toy_wrong_encode' differs" in capsys.readouterr().out
+    for k, (what, case, side, file, needle) in enumerate(_MALFORMED):
+        cp = _tampered(tmp_path / "saved", tmp_path / f"t{k}", case, side)
+        err = _one_line_usage_error(capsys, ["conformance", "--replay", str(cp)], needle)
+        assert err.startswith(f"qsfa conformance: error: {tmp_path / f't{k}' / (_STEM + file)}: "), (what, err)
+        assert not err.rstrip().endswith(".."), (what, err)
+        assert err.count("reason:") == 1, (what, err)
+
+
+def test_replay_checks_an_invalid_argument_case_against_its_constraint(wrong, tmp_path, capsys):
+    """An invalid-argument case must break the sidecar's constraint first on the reference: otherwise it is no
+    example of it (the property would fail on every backend)."""
+    from qsfa.conformance import load_example
+
+    r = _fail_into(wrong, tmp_path / "saved")
+    inv = "formats.encode.invalid_rejected"
+
+    def as_invalid(cid, kind="metamorphic"):
+        return lambda s: s.update(property=inv, kind=kind, constraint=cid)
+
+    ok = _tampered(tmp_path / "saved", tmp_path / "ok", lambda c: c["params"].update(fmt="nope"),
+                   as_invalid("formats.encode.fmt_value"))
+    prop, ex, _ = load_example(str(ok))
+    assert prop.name == inv and ex.constraint.id == "formats.encode.fmt_value"
+    assert main(["conformance", "--replay", str(ok), "--backend", "reference"]) == 0
+    assert f"{inv} holds on 'reference'" in capsys.readouterr().out
+    for k, (case, side, needle) in enumerate([
+            (None, as_invalid("formats.encode.fmt_value"), "the reference accepts the case's arguments"),
+            (lambda c: c["params"].update(fmt="nope"), as_invalid("formats.encode.fmt_type"),
+             "the reference rejects the case's arguments with formats.encode.fmt_value first"),
+            (lambda c: c["params"].update(fmt="nope"), as_invalid("formats.encode.no_such_rule"),
+             "must be the id of one of formats.encode's constraints"),
+            (lambda c: c["params"].update(fmt="nope"), as_invalid(None), "for constraint, actual: None")]):
+        cp = _tampered(tmp_path / "saved", tmp_path / f"t{k}", case, side)
+        _one_line_usage_error(capsys, ["conformance", "--replay", str(cp)], "Invalid sidecar field for constraint",
+                              needle)
+
+
+def test_replay_reports_a_backend_that_raises_as_a_failure_not_as_bad_usage(wrong, tmp_path, capsys):
+    r = _fail_into(wrong, tmp_path)
+
+    def broken(x, fmt, saturate=False, rounding=None):
+        raise TypeError("the kernel's own bug")
+
+    register_impl(wrong, "formats.encode", broken)
+    assert main(["conformance", "--replay", r.case_file]) == 1
+    out = capsys.readouterr()
+    assert "fails on 'toy_wrong_encode': TypeError: the kernel's own bug" in out.out and out.err == ""
+
+
 def test_an_invalid_example_with_a_0d_array_is_saved_as_it_was_drawn(tmp_path):
     """formats.unpack_fp4.packed_ndim: a 0-d ``packed`` is the violation; saved 1-d it would be no example of it."""
     from qsfa.conformance import Example, load_example, save_case

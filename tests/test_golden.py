@@ -174,7 +174,7 @@ def test_case_file_keeps_0d_and_empty_inputs(tmp_path):
     (lambda d: d.update(format="qsfa-case/2"), "for format, actual: 'qsfa-case/2', reason: must be 'qsfa-case/1'"),
     (lambda d: d.update(extra=1), "unknown field(s) ['extra']"),
     (lambda d: d.pop("op"), "missing ['op']"),
-    (lambda d: d.update(seed=-1), "for seed, actual: -1, reason: must be a non-negative integer"),
+    (lambda d: d.update(seed=-1), "for seed, actual: -1, reason: must be an integer from 0 to 2**63 - 1"),
     (lambda d: d.update(name="a b"), "case name 'a b' must match"),
     (lambda d: d["inputs"]["x"].update(shape=[4, 8]), "Invalid shape for .npy header, actual: [3, 8], reason: expected [4, 8]."),
     (lambda d: d["inputs"]["x"].update(sha256="0" * 64), "does not match its sha256"),

@@ -98,8 +98,9 @@ def main(args) -> int:
         try:
             holds, msg = replay_case(args.replay, args.backend)
         except GoldenInputError as e:  # a corrupt case file is bad usage (2), not a reproduced failure (1)
-            raise _usage(f"Invalid case file for --replay, actual: {args.replay!r}, reason: "
-                         f"{' '.join(str(e).split())}.") from None
+            text = " ".join(str(e).split())  # names the file (the case, its sidecar or an input), field, value, reason
+            stem = os.path.splitext(os.path.basename(args.replay))[0]
+            raise _usage(text if stem in text else f"--replay {args.replay}: {text}") from None
         print(msg)
         return 0 if holds else 1
 

@@ -446,42 +446,13 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
     return path
 
 
-def _restore(v):
-    if isinstance(v, dict) and set(v) == {"float"}:
-        return float(v["float"])
-    if isinstance(v, dict) and set(v) == {"repr"}:
-        raise ValueError(f"parameter value {v['repr']} cannot be restored from the case file")
-    return v
-
-
 def load_example(path: str) -> tuple[Property, Example, dict]:
-    """Load a saved falsifying example: ``(property, example, sidecar)``."""
-    from ..golden.case import Case
-    from .._dispatch import operator
-    from .properties import get
+    """Load a saved falsifying example: ``(property, example, sidecar)``. The case file and its sidecar are
+    checked first (:mod:`qsfa.conformance._casefile`): a file that is no call of the property's operator raises
+    GoldenInputError naming the file, field, value and reason."""
+    from ._casefile import load_example as _load
 
-    from ..golden.io import GoldenInputError
-
-    case = Case.load(path)
-    side_path = path[:-5] + ".conformance.json" if path.endswith(".json") else path + ".conformance.json"
-    try:
-        with open(side_path, encoding="utf-8") as f:
-            side = json.load(f)
-        prop = get(side["property"])
-    except OSError as e:
-        raise GoldenInputError(f"{side_path}: cannot read the conformance sidecar of {path} "
-                               f"({type(e).__name__}: {e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise GoldenInputError(f"{side_path} is not valid JSON: {e}") from None
-    except (KeyError, TypeError) as e:
-        raise GoldenInputError(f"{side_path}: bad or missing field 'property' ({e})") from None
-    args = dict(case.params)
-    args.update(case.inputs())
-    args.update({k: _restore(v) for k, v in side.get("params_not_in_case", {}).items()})
-    c = None
-    if side.get("constraint"):
-        c = operator(prop.op).contract.constraint(side["constraint"])
-    return prop, Example(args, int(side.get("check_seed", 0)), c), side
+    return _load(path)
 
 
 def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:

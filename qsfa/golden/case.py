@@ -368,9 +368,12 @@ class Case:
                              "a string"),
                             ("inputs", d.get("inputs") is None or isinstance(d.get("inputs"), Mapping), "an object"),
                             ("seed", "seed" not in d or (isinstance(d["seed"], int) and not isinstance(d["seed"], bool)
-                                                         and 0 <= d["seed"] < 2 ** 63), "a non-negative integer")):
+                                                         and 0 <= d["seed"] < 2 ** 63), "an integer from 0 to 2**63 - 1")):
             if not ok:
-                raise bad(k, d.get(k), f"must be {what}, not {type(d.get(k)).__name__}")
+                v = d.get(k)
+                # an integer out of range is of the right type: say the range only
+                of_type = k == "seed" and isinstance(v, int) and not isinstance(v, bool)
+                raise bad(k, v, f"must be {what}" + ("" if of_type else f", not {type(v).__name__}"))
         refs = None
         if d.get("inputs") is not None:
             refs = {}

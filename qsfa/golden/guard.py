@@ -67,8 +67,11 @@ _REPR.maxlevel = 2
 
 
 def short(value) -> str:
-    """A one-line, bounded repr of a (possibly huge or hostile) value for an error message."""
-    s = _REPR.repr(value)
+    """A one-line, bounded repr of a (possibly huge or hostile) value for an error message; a value that is
+    already a description (:class:`qsfa._errors.Raw`, as a contract reports an array) is shown as it is."""
+    from .._errors import Raw
+
+    s = _REPR.repr(str(value))[1:-1] if isinstance(value, Raw) else _REPR.repr(value)
     return s.replace("\n", "\\n").replace("\r", "\\r")
 
 
