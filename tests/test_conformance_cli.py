@@ -320,3 +320,36 @@ def test_an_invalid_example_with_a_0d_array_is_saved_as_it_was_drawn(tmp_path):
     prop2, ex2, _ = load_example(path)
     assert ex2.args["packed"].shape == () and ex2.constraint.id == c.id
     assert replay_case(path) == (True, "formats.unpack_fp4.invalid_rejected holds on 'reference'")
+
+
+# --- QSFA_HYPOTHESIS_PROFILE naming no profile is bad usage ----------------------------------------------------
+
+def test_a_bad_profile_variable_is_one_line_of_bad_usage(monkeypatch, tmp_path, capsys):
+    from qsfa.conformance import campaign
+
+    monkeypatch.setenv("QSFA_HYPOTHESIS_PROFILE", "bogus")
+    monkeypatch.chdir(tmp_path)
+    for argv in (["conformance", "--ops", "formats.encode"], ["conformance", "--ops", "formats.encode", "--workers",
+                                                                "2"]):
+        _one_line_usage_error(capsys, argv, "Invalid value for QSFA_HYPOTHESIS_PROFILE, actual: 'bogus', reason: "
+                              "must be one of ci, dev, nightly")
+    assert os.listdir(tmp_path) == []  # refused before anything was written
+    assert campaign.main(["--mutants", "pack_fp4.*", "-q"]) == 2
+    assert "QSFA_HYPOTHESIS_PROFILE, actual: 'bogus'" in capsys.readouterr().err
+    # an explicit --profile does not read the variable
+    assert main(["conformance", "--properties", "formats.encode.vs_reference", "--profile", "ci", "--max-examples",
+                 "2", "-q"]) == 0
+
+
+def test_pytest_stops_with_a_usage_error_on_a_bad_profile_variable():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--co", "-q", "tests/test_cli.py"],
+                       cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "QSFA_HYPOTHESIS_PROFILE": "bogus"})
+    assert r.returncode == 4, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout
+    assert r.stderr.strip() == ("ERROR: Invalid value for QSFA_HYPOTHESIS_PROFILE, actual: 'bogus', reason: must be "
+                                "one of ci, dev, nightly (or unset: ci)."), r.stderr

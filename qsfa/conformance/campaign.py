@@ -189,7 +189,15 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
+    from .._profiles import ProfileError, active_profile
     from .mutants import mutants
+
+    if a.profile is None:
+        try:
+            active_profile()
+        except ProfileError as e:
+            print(e, file=sys.stderr)
+            return 2
 
     ms = mutants(a.mutants)
     if not ms:

@@ -118,6 +118,13 @@ def main(args) -> int:
         for p in props:
             print(f"{p.name:60s} {p.kind:12s} {' + '.join(p.ops)}")
         return 0
+    if args.profile is None:  # the environment's profile: a bad QSFA_HYPOTHESIS_PROFILE is bad usage
+        from .._profiles import ProfileError, active_profile
+
+        try:
+            active_profile()
+        except ProfileError as e:
+            raise _usage(str(e)) from None
     if args.max_examples is not None and args.max_examples < 1:
         raise _usage(f"Invalid value for --max-examples, actual: {args.max_examples}, reason: must be >= 1.")
     if args.seed is not None and args.seed < 0:
