@@ -353,3 +353,54 @@ def test_pytest_stops_with_a_usage_error_on_a_bad_profile_variable():
     assert "Traceback" not in r.stderr + r.stdout
     assert r.stderr.strip() == ("ERROR: Invalid value for QSFA_HYPOTHESIS_PROFILE, actual: 'bogus', reason: must be "
                                 "one of ci, dev, nightly (or unset: ci)."), r.stderr
+
+
+# --- a run writes nothing outside its output folder -------------------------------------------------------------
+
+def _bare_env(tmp_path):
+    """The environment of a CLI subprocess whose temporary folder is ``tmp_path/tmp`` (empty) and that sets no
+    hypothesis / Dask storage folder of its own."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "cwd").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("HYPOTHESIS_STORAGE_DIRECTORY", "DASK_TEMPORARY_DIRECTORY")}
+    return dict(env, TMPDIR=str(tmp_path / "tmp"))
+
+
+def _cli(tmp_path, env, *argv):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "qsfa.cli", "conformance", *argv], cwd=str(tmp_path / "cwd"),
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_leaves_no_hypothesis_folder_in_the_current_directory(tmp_path):
+    env = _bare_env(tmp_path)
+    r = _cli(tmp_path, env, "--ops", "formats.encode", "--max-examples", "3", "-q")
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path / "cwd") == []  # no .hypothesis/ (its constants cache went to a temporary folder)
+    assert os.listdir(tmp_path / "tmp") == []  # ... which the run removed
+    # an explicit HYPOTHESIS_STORAGE_DIRECTORY is the user's: hypothesis writes there, qsfa leaves it
+    mine = tmp_path / "mine"
+    r = _cli(tmp_path, dict(env, HYPOTHESIS_STORAGE_DIRECTORY=str(mine)), "--ops", "formats.encode",
+             "--max-examples", "3", "-q")
+    assert r.returncode == 0, r.stderr
+    assert os.path.isdir(mine / "constants") and os.listdir(tmp_path / "cwd") == []
+
+
+def test_the_hypothesis_folder_of_a_command_is_restored_in_process(monkeypatch, tmp_path):
+    from hypothesis import configuration
+
+    from qsfa.conformance.cli import STORAGE_VAR, hypothesis_storage
+
+    monkeypatch.delenv(STORAGE_VAR, raising=False)
+    before = getattr(configuration, "__hypothesis_home_directory")
+    with hypothesis_storage():
+        inside = configuration.storage_directory(intent_to_write=False).home_directory
+        assert str(inside) == os.environ[STORAGE_VAR] and os.path.isdir(inside)
+    assert getattr(configuration, "__hypothesis_home_directory") == before and STORAGE_VAR not in os.environ
+    assert not os.path.exists(inside)
+    monkeypatch.setenv(STORAGE_VAR, str(tmp_path))
+    with hypothesis_storage():
+        assert os.environ[STORAGE_VAR] == str(tmp_path)
+    assert os.environ[STORAGE_VAR] == str(tmp_path)
