@@ -368,7 +368,8 @@ class Case:
                              "a string"),
                             ("inputs", d.get("inputs") is None or isinstance(d.get("inputs"), Mapping), "an object"),
                             ("seed", "seed" not in d or (isinstance(d["seed"], int) and not isinstance(d["seed"], bool)
-                                                         and 0 <= d["seed"] < 2 ** 63), "an integer from 0 to 2**63 - 1")):
+                                                         and 0 <= d["seed"] < 2 ** 63),
+                             "an integer from 0 to 2**63 - 1")):
             if not ok:
                 v = d.get(k)
                 # an integer out of range is of the right type: say the range only
