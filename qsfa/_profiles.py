@@ -47,10 +47,19 @@ def register_profiles():
     return active_profile()
 
 
+class ProfileError(ValueError):
+    """``QSFA_HYPOTHESIS_PROFILE`` names no profile: ``qsfa conformance`` exits 2 with it, pytest (through
+    :mod:`qsfa.conformance.pytest_plugin`) stops with it as a usage error."""
+
+
+#: the environment variable that selects the profile where no ``--profile`` is given
+PROFILE_VAR = "QSFA_HYPOTHESIS_PROFILE"
+
+
 def active_profile() -> str:
-    name = os.environ.get("QSFA_HYPOTHESIS_PROFILE", "ci")
+    """The profile ``QSFA_HYPOTHESIS_PROFILE`` names (default ``ci``); :class:`ProfileError` if it names none."""
+    name = os.environ.get(PROFILE_VAR, "ci")
     if name not in PROFILES:
-        raise ValueError(
-            f"Invalid value for QSFA_HYPOTHESIS_PROFILE, actual: {name!r}, reason: must be one of {sorted(PROFILES)}."
-        )
+        raise ProfileError(f"Invalid value for {PROFILE_VAR}, actual: {name!r}, reason: must be one of "
+                           f"{', '.join(PROFILES)} (or unset: ci).")
     return name

@@ -52,7 +52,8 @@ def _cmd_backends(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="qsfa", description=__doc__.split("\n\n")[0])
+    # the first line of this module's docstring, without its reST markup (``qsfa`` -> qsfa)
+    p = argparse.ArgumentParser(prog="qsfa", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--version", action="version", version=f"qsfa {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     b = sub.add_parser("backends", help="list backends and whether they are usable here")
@@ -92,7 +93,7 @@ def _import_backend_modules(modules):
             importlib.import_module(m)
         except Exception as e:  # noqa: BLE001 - any import failure is the user's module: say which and why
             raise UsageError(f"Invalid value for --backend-module, actual: {m!r}, reason: importing it failed: "
-                             f"{type(e).__name__}: {e}.") from None
+                             f"{type(e).__name__}: {str(e).rstrip('.')}.") from None
 
 
 def _register_unavailable(sub, name: str, missing: str):

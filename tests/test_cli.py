@@ -61,6 +61,18 @@ def test_conformance_help_is_listed_when_available(capsys):
         assert e.code == 0
     out = capsys.readouterr().out
     assert "golden" in out and "conformance" in out and "backends" in out
+    assert "The qsfa command line." in out and "``" not in out  # the docstring's reST markup stays out of --help
+
+
+def test_a_failing_backend_module_is_one_sentence(tmp_path, monkeypatch, capsys):
+    from qsfa.cli import main
+
+    (tmp_path / "qsfa_test_raiser.py").write_text("raise ValueError('its own message ends in a period.')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["backends", "--backend-module", "qsfa_test_raiser"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("qsfa backends: error: Invalid value for --backend-module, actual: 'qsfa_test_raiser', reason: "
+                   "importing it failed: ValueError: its own message ends in a period.\n"), err
 
 
 def _run_into_closed_pipe(*argv):

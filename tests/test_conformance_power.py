@@ -117,6 +117,21 @@ def test_campaign_kills_with_replayable_cases_and_writes_reports(tmp_path):
     assert "| formats.pack_fp4" not in md.read_text() or "killed" in md.read_text()
 
 
+def test_a_kill_whose_case_file_fails_the_replay_checks_is_not_replayable(tmp_path, monkeypatch):
+    """replay_case refuses a case that is no call of the property (GoldenInputError, --replay's exit 2): the
+    mutant is still killed, its case counted as not replayable - not an error of the campaign."""
+    from qsfa.conformance import runner
+    from qsfa.golden.io import GoldenInputError
+
+    def refuse(path, backend=None):
+        raise GoldenInputError(f"{path}: Invalid sidecar field for constraint, actual: 'x', reason: test.")
+
+    monkeypatch.setattr(runner, "replay_case", refuse)
+    (r,) = campaign.run_campaign(mutants.mutants(["pack_fp4.*"])[:1], cases_dir=str(tmp_path)).results
+    assert r.status == "killed" and r.case_file and r.replayable is False
+    assert "case file not replayable: " in r.message and "reason: test." in r.message
+
+
 def test_campaign_cli(tmp_path, capsys):
     assert campaign.main(["--list", "--mutants", "merge_attention_lse"]) == 0
     out = capsys.readouterr().out

@@ -654,3 +654,35 @@ def test_the_worker_profiler_is_off_unless_the_user_turns_it_on(monkeypatch):
     for value in ("True", "False"):
         monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED", value)
         assert "distributed.worker.profile.enabled" not in _local_settings()
+
+
+def test_a_local_cluster_leaves_no_scratch_space_or_hypothesis_folder_behind(tmp_path):
+    """``--workers 2``: Dask's dask-scratch-space goes to a folder qsfa creates in the temporary folder and removes,
+    and the workers' hypothesis files (.hypothesis/constants) to the command's temporary hypothesis folder - not into
+    the current directory, where the workers run."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "cwd").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("HYPOTHESIS_STORAGE_DIRECTORY", "DASK_TEMPORARY_DIRECTORY")}
+    env.update(TMPDIR=str(tmp_path / "tmp"),
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "qsfa.cli", "conformance", "--workers", "2", "-q", "--ops",
+                        "formats.encode", "--max-examples", "3"], cwd=str(tmp_path / "cwd"), env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "dask: 3 tasks on 2 workers" in r.stdout
+    assert os.listdir(tmp_path / "cwd") == [] and os.listdir(tmp_path / "tmp") == []
+
+
+def test_the_scratch_space_is_the_users_where_dask_configuration_names_one(tmp_path):
+    import dask
+
+    from qsfa.distributed._cluster import _scratch_space
+
+    with dask.config.set({"temporary-directory": None}):  # (the module's cluster has its own meanwhile)
+        with _scratch_space():
+            made = dask.config.get("temporary-directory")
+            assert os.path.basename(made).startswith("qsfa-dask-") and os.path.isdir(made)
+        assert not os.path.exists(made) and dask.config.get("temporary-directory") is None
+        with dask.config.set({"temporary-directory": str(tmp_path)}), _scratch_space():
+            assert dask.config.get("temporary-directory") == str(tmp_path)
+        assert os.path.isdir(tmp_path)

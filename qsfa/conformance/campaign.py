@@ -93,9 +93,15 @@ def run_mutant(m, *, profile: str | None = None, seed: int | None = None, max_ex
                 res.message = r.message.splitlines()[0][:300] if r.message else ""
                 res.case_file = r.case_file
                 if r.case_file:
-                    still_fails = not replay_case(r.case_file, backend)[0]
-                    holds_on_reference = replay_case(r.case_file, "reference")[0]
-                    res.replayable = still_fails and holds_on_reference
+                    from ..golden.io import GoldenInputError
+
+                    try:
+                        still_fails = not replay_case(r.case_file, backend)[0]
+                        holds_on_reference = replay_case(r.case_file, "reference")[0]
+                        res.replayable = still_fails and holds_on_reference
+                    except GoldenInputError as e:  # the saved case is no call of the property (--replay exits 2)
+                        res.replayable = False
+                        res.message += f" (case file not replayable: {e})"
                 if stop_at_first:
                     break
             elif r.status == "error" and res.status == "survived":
@@ -183,7 +189,15 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
+    from .._profiles import ProfileError, active_profile
     from .mutants import mutants
+
+    if a.profile is None:
+        try:
+            active_profile()
+        except ProfileError as e:
+            print(e, file=sys.stderr)
+            return 2
 
     ms = mutants(a.mutants)
     if not ms:

@@ -12,7 +12,10 @@ errored, 2 bad usage.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 
 from ..distributed._options import CONFORMANCE_PRELOAD, add_cluster_options, cluster_target, start_early
 
@@ -79,7 +82,44 @@ def _usage(msg):
     return UsageError(msg)
 
 
+#: hypothesis' storage folder (its example database, the constants cache ``.hypothesis/constants``), read by
+#: hypothesis from this variable where it is set (``hypothesis.configuration.storage_directory``)
+STORAGE_VAR = "HYPOTHESIS_STORAGE_DIRECTORY"
+
+
+@contextlib.contextmanager
+def hypothesis_storage():
+    """Hypothesis' storage folder for one command: a temporary folder created here and removed, with everything
+    hypothesis put in it, when the block ends - so a run leaves no ``.hypothesis/`` in the caller's current
+    directory. An explicit ``HYPOTHESIS_STORAGE_DIRECTORY`` is left as it is (hypothesis then uses it). The
+    folder is set in this process (``set_hypothesis_home_dir``) and, through the variable, for the processes it
+    starts (the workers of a local ``--workers`` cluster); both are restored on exit."""
+    try:
+        from hypothesis import configuration
+    except ImportError:  # qsfa.cli reports the missing extra itself
+        yield
+        return
+    if os.environ.get(STORAGE_VAR):
+        yield
+        return
+    before = getattr(configuration, "__hypothesis_home_directory", None)  # a module global, not name-mangled
+    tmp = tempfile.mkdtemp(prefix="qsfa-hypothesis-")
+    os.environ[STORAGE_VAR] = tmp
+    configuration.set_hypothesis_home_dir(tmp)
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(before)
+        os.environ.pop(STORAGE_VAR, None)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(args) -> int:
+    with hypothesis_storage():
+        return _main(args)
+
+
+def _main(args) -> int:
     if args.triton_interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     if not args.replay and not args.list:
@@ -98,8 +138,9 @@ def main(args) -> int:
         try:
             holds, msg = replay_case(args.replay, args.backend)
         except GoldenInputError as e:  # a corrupt case file is bad usage (2), not a reproduced failure (1)
-            raise _usage(f"Invalid case file for --replay, actual: {args.replay!r}, reason: "
-                         f"{' '.join(str(e).split())}.") from None
+            text = " ".join(str(e).split())  # names the file (the case, its sidecar or an input), field, value, reason
+            stem = os.path.splitext(os.path.basename(args.replay))[0]
+            raise _usage(text if stem in text else f"--replay {args.replay}: {text}") from None
         print(msg)
         return 0 if holds else 1
 
@@ -117,6 +158,13 @@ def main(args) -> int:
         for p in props:
             print(f"{p.name:60s} {p.kind:12s} {' + '.join(p.ops)}")
         return 0
+    if args.profile is None:  # the environment's profile: a bad QSFA_HYPOTHESIS_PROFILE is bad usage
+        from .._profiles import ProfileError, active_profile
+
+        try:
+            active_profile()
+        except ProfileError as e:
+            raise _usage(str(e)) from None
     if args.max_examples is not None and args.max_examples < 1:
         raise _usage(f"Invalid value for --max-examples, actual: {args.max_examples}, reason: must be >= 1.")
     if args.seed is not None and args.seed < 0:
@@ -238,7 +286,10 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
             report, summary = run_sharded(selected, args.backend or "reference", progress=progress, **kw)
         else:
             where = cluster_target(args)
-            with D.connect(**where, env=env, same_code=("hypothesis", "numpy"), preload=CONFORMANCE_PRELOAD) as client:
+            # a local cluster's workers store hypothesis' files where this process does (hypothesis_storage)
+            local = {k: os.environ[k] for k in (STORAGE_VAR,) if args.workers is not None and k in os.environ}
+            with D.connect(**where, env={**env, **local}, same_code=("hypothesis", "numpy"),
+                           preload=CONFORMANCE_PRELOAD) as client:
                 report, summary = run_sharded(selected, args.backend or "reference", progress=not args.quiet,
                                               client=client, env=env, **kw)
     except (D.ClusterUsageError, D.DistributedUnavailable) as e:

@@ -7,6 +7,8 @@
 * ``--qsfa-backend NAME``: the backend the catalogue tests check (default ``reference``); the fixture
   ``qsfa_backend`` returns it. A name from the ``qsfa.backends`` entry-point group needs nothing else.
 * ``--qsfa-backend-module MODULE`` (repeatable): imported first, so the backend it registers can be named.
+* ``QSFA_HYPOTHESIS_PROFILE`` (the profile of the catalogue tests, :mod:`qsfa._profiles`): a value that names
+  no profile stops pytest with a usage error (one line, exit status 4) before anything is collected.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import importlib
 
 import pytest
 
-__all__ = ["pytest_addoption", "qsfa_backend"]
+__all__ = ["pytest_addoption", "pytest_configure", "qsfa_backend"]
 
 
 def pytest_addoption(parser):
@@ -24,6 +26,15 @@ def pytest_addoption(parser):
                 help="backend the qsfa conformance catalogue tests check (default: reference)")
     g.addoption("--qsfa-backend-module", action="append", default=[], metavar="MODULE",
                 help="import MODULE first (it registers a third-party qsfa backend); repeatable")
+
+
+def pytest_configure(config):
+    from .._profiles import ProfileError, active_profile
+
+    try:
+        active_profile()
+    except ProfileError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 @pytest.fixture(scope="session")

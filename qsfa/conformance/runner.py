@@ -401,15 +401,18 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
               chip: str | None = None) -> str:
     """Save the falsifying example ``ex`` of ``prop`` as ``<cases_dir>/<backend>.<property>.json`` (a
     ``qsfa-case/1`` file, arrays as explicit ``.npy`` inputs) plus the ``.conformance.json`` sidecar.
-    Returns the case file's path."""
+    Returns the case file's path. Each file replaces an older regular file of its name (a new file renamed
+    over it); a name taken by a symbolic link or anything else is refused (GoldenInputError), nothing is
+    written through it."""
     from ..golden.case import Case, _json_value
+    from ..golden.guard import check_replaceable, replacing
     from ..golden.io import GoldenInputError
 
     name = _case_name(backend, prop)
     inputs, params, extra = {}, {}, {}
     for k, v in ex.args.items():
         if isinstance(v, np.ndarray):
-            inputs[k] = np.ascontiguousarray(v)
+            inputs[k] = np.array(v, order="C")  # a copy in C order; 0-d stays 0-d (ascontiguousarray makes it 1-d)
             continue
         try:
             params[k] = _json_value(k, v)
@@ -419,9 +422,10 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
             f"{message.splitlines()[0][:300] if message else ''}")
     case = Case(name=name, op=prop.op, params=params, seed=0, generator=None, description=desc,
                 inputs_given=inputs)
-    os.makedirs(cases_dir, exist_ok=True)
     path = os.path.join(cases_dir, name + ".json")
-    case.save(path)
+    side_name = name + ".conformance.json"
+    check_replaceable(cases_dir, [side_name])  # a link in the sidecar's place: refused before anything is written
+    case.save(path)  # new files renamed into place, never written through a link (qsfa.golden.guard.replacing)
     side = {
         "format": SIDE_FORMAT,
         "case": os.path.basename(path),
@@ -437,48 +441,18 @@ def save_case(prop: Property, backend: str, ex: Example, message: str, cases_dir
         "message": message,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    with open(os.path.join(cases_dir, name + ".conformance.json"), "w", encoding="utf-8") as f:
-        json.dump(side, f, indent=2, sort_keys=True)
-        f.write("\n")
+    with replacing(cases_dir, side_name) as f:
+        f.write((json.dumps(side, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return path
 
 
-def _restore(v):
-    if isinstance(v, dict) and set(v) == {"float"}:
-        return float(v["float"])
-    if isinstance(v, dict) and set(v) == {"repr"}:
-        raise ValueError(f"parameter value {v['repr']} cannot be restored from the case file")
-    return v
-
-
 def load_example(path: str) -> tuple[Property, Example, dict]:
-    """Load a saved falsifying example: ``(property, example, sidecar)``."""
-    from ..golden.case import Case
-    from .._dispatch import operator
-    from .properties import get
+    """Load a saved falsifying example: ``(property, example, sidecar)``. The case file and its sidecar are
+    checked first (:mod:`qsfa.conformance._casefile`): a file that is no call of the property's operator raises
+    GoldenInputError naming the file, field, value and reason."""
+    from ._casefile import load_example as _load
 
-    from ..golden.io import GoldenInputError
-
-    case = Case.load(path)
-    side_path = path[:-5] + ".conformance.json" if path.endswith(".json") else path + ".conformance.json"
-    try:
-        with open(side_path, encoding="utf-8") as f:
-            side = json.load(f)
-        prop = get(side["property"])
-    except OSError as e:
-        raise GoldenInputError(f"{side_path}: cannot read the conformance sidecar of {path} "
-                               f"({type(e).__name__}: {e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise GoldenInputError(f"{side_path} is not valid JSON: {e}") from None
-    except (KeyError, TypeError) as e:
-        raise GoldenInputError(f"{side_path}: bad or missing field 'property' ({e})") from None
-    args = dict(case.params)
-    args.update(case.inputs())
-    args.update({k: _restore(v) for k, v in side.get("params_not_in_case", {}).items()})
-    c = None
-    if side.get("constraint"):
-        c = operator(prop.op).contract.constraint(side["constraint"])
-    return prop, Example(args, int(side.get("check_seed", 0)), c), side
+    return _load(path)
 
 
 def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:

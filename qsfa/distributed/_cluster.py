@@ -4,7 +4,8 @@ Every task runs through :func:`_attempt`, which logs one event per attempt (topi
 scheduler before the work starts. Together with the scheduler's own ``remove-worker`` events (topic ``all``:
 which tasks were processing on, or held results by, a worker that died) this tells the client which tasks ran
 more than once - the summary :class:`RunSummary` reports them. Nothing here writes files: tasks return
-values, the client writes.
+values, the client writes. A local cluster's scratch space (Dask's ``dask-scratch-space``) is a temporary folder
+:func:`connect` creates and removes, unless the user's Dask configuration names one (``temporary-directory``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 
@@ -201,6 +204,26 @@ def prestart(preload: tuple = ()) -> bool:
 
 
 @contextlib.contextmanager
+def _scratch_space():
+    """The scratch folder of a local cluster's scheduler, nannies and workers (Dask's ``temporary-directory``, where
+    it puts ``dask-scratch-space``): a new temporary folder, removed with everything in it when the block ends -
+    unless the user's Dask configuration (a file, ``DASK_TEMPORARY_DIRECTORY``, ``dask.config.set``) names one,
+    which is then left to Dask as it is. Without this, Dask leaves ``dask-scratch-space`` in the system's temporary
+    folder after every run."""
+    import dask.config
+
+    if dask.config.get("temporary-directory", None) is not None:
+        yield
+        return
+    scratch = tempfile.mkdtemp(prefix="qsfa-dask-")
+    try:
+        with dask.config.set({"temporary-directory": scratch}):
+            yield
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def connect(workers: int | None = None, scheduler: str | None = None, *, env: dict | None = None,
             timeout: float = 30.0, same_code: tuple = (), preload: tuple = ()):
     """A ``distributed.Client``: of a new local cluster of ``workers`` processes with one thread each (closed
@@ -222,6 +245,7 @@ def connect(workers: int | None = None, scheduler: str | None = None, *, env: di
             # the nannies set the pre-spawn environment in this process (see _environ_restored)
             stack.enter_context(_environ_restored({*_pre_spawn_environ(), *(dask.config.get(_PRE_SPAWN, {}) or {})}))
             stack.enter_context(dask.config.set(_local_settings()))
+            stack.enter_context(_scratch_space())
         if n is not None and prestart(preload):
             # for the whole run: a worker that dies is restarted by its nanny from the same server
             stack.enter_context(dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}))

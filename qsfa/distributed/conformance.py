@@ -162,13 +162,16 @@ def merge(task_results: list, seed: int | None):
 
 
 def _write_cases(files: dict, cases_dir: str | None):
+    """Write a task's case files into ``cases_dir`` as the serial runner saves them (qsfa.golden.guard: plain
+    file names only, each a new file renamed over an older regular one, never written through a link)."""
     if not files or cases_dir is None:
         return
-    os.makedirs(cases_dir, exist_ok=True)
+    from ..golden.guard import check_replaceable, make_dirs, replacing
+
+    make_dirs(cases_dir)
+    check_replaceable(cases_dir, list(files))
     for name, data in files.items():
-        if os.path.basename(name) != name or name in ("", ".", ".."):
-            raise ValueError(f"a task returned case file {name!r}, not a plain file name")
-        with open(os.path.join(cases_dir, name), "wb") as f:
+        with replacing(cases_dir, name) as f:
             f.write(data)
 
 
@@ -177,7 +180,12 @@ def _finish(props, tasks_plan, by_index, seed, cases_dir):
     for i, p in enumerate(props):
         parts = sorted(by_index[i], key=lambda t: t["task"].shard)
         r, files = merge(parts, seed)
-        _write_cases(files, cases_dir)
+        try:
+            _write_cases(files, cases_dir)
+        except Exception as e:  # noqa: BLE001 - as a serial run: the failure is reported, with why no case was saved
+            from ..conformance.runner import CASE_SAVE_ERROR
+
+            r = replace(r, case_file=None, message=f"{r.message}\n({CASE_SAVE_ERROR} {type(e).__name__}: {e})")
         if r.case_file is not None:
             r.case_file = os.path.join(cases_dir, r.case_file) if cases_dir is not None else None
         results.append(r)

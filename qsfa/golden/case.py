@@ -310,23 +310,31 @@ class Case:
 
     def save(self, path: str) -> str:
         """Write the case JSON to ``path``; explicit inputs go beside it as ``<stem>.<input>.npy``
-        (storage dtype, see :mod:`qsfa.golden.io`). Returns ``path``."""
+        (storage dtype, see :mod:`qsfa.golden.io`). Returns ``path``.
+
+        Missing folders are created (:func:`~qsfa.golden.guard.make_dirs`); every file is written through
+        :func:`~qsfa.golden.guard.replacing` - a new file renamed over an older regular file of that name, never
+        through a symbolic link -, and a name already taken by a link or anything but a regular file is refused
+        (GoldenInputError) before any file is written."""
+        from .guard import check_replaceable, make_dirs, replacing
+
         path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
+        folder, base = os.path.split(os.path.abspath(path))
+        stem = base[:-5] if base.endswith(".json") else base
+        arrays = sorted(self.inputs().items()) if self.has_explicit_inputs else []
+        files = [f"{stem}.{k}.npy" for k, _ in arrays]
+        check_replaceable(folder, files + [base])
+        make_dirs(folder)
         refs = None
         if self.has_explicit_inputs:
-            stem = os.path.basename(path)
-            stem = stem[:-5] if stem.endswith(".json") else stem
             refs = {}
-            for k, a in sorted(self.inputs().items()):
+            for (k, a), fname in zip(arrays, files):
                 name, st = gio.to_storage(a)
-                fname = f"{stem}.{k}.npy"
-                with open(os.path.join(folder, fname), "wb") as f:
+                with replacing(folder, fname) as f:
                     np.lib.format.write_array(f, st, version=(1, 0), allow_pickle=False)
                 refs[k] = {"file": fname, "dtype": name, "shape": list(a.shape), "sha256": gio.array_sha256(st)}
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(gio.dump_json(self.to_dict(refs)))
+        with replacing(folder, base) as f:
+            f.write(gio.dump_json(self.to_dict(refs)).encode("utf-8"))
         return path
 
     @classmethod
@@ -361,9 +369,13 @@ class Case:
                              "a string"),
                             ("inputs", d.get("inputs") is None or isinstance(d.get("inputs"), Mapping), "an object"),
                             ("seed", "seed" not in d or (isinstance(d["seed"], int) and not isinstance(d["seed"], bool)
-                                                         and 0 <= d["seed"] < 2 ** 63), "a non-negative integer")):
+                                                         and 0 <= d["seed"] < 2 ** 63),
+                             "an integer from 0 to 2**63 - 1")):
             if not ok:
-                raise bad(k, d.get(k), f"must be {what}, not {type(d.get(k)).__name__}")
+                v = d.get(k)
+                # an integer out of range is of the right type: say the range only
+                of_type = k == "seed" and isinstance(v, int) and not isinstance(v, bool)
+                raise bad(k, v, f"must be {what}" + ("" if of_type else f", not {type(v).__name__}"))
         refs = None
         if d.get("inputs") is not None:
             refs = {}

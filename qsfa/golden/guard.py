@@ -8,7 +8,10 @@ into a folder that may already hold files. The rules it keeps, each enforced her
   names are single path components (no ``/``, no ``..``, no NUL), and a file is never overwritten - it is
   either one an earlier qsfa manifest of DIR listed (deleted first, and only if it is a regular file whose
   real path is inside DIR) or a new file (``O_CREAT | O_EXCL | O_NOFOLLOW``). Files named by a case file
-  resolve inside the case file's folder (:func:`resolve_inside`).
+  resolve inside the case file's folder (:func:`resolve_inside`). Files that are rewritten in place (the
+  case files ``qsfa conformance`` saves into ``--cases-dir``) are written by :func:`replacing`: new bytes in a
+  new file beside the old one, renamed over it - never through a link - and folders a tool creates are made
+  by :func:`make_dirs`, which never follows a link it did not find there.
 * **JSON.** Only regular files of at most :data:`MAX_JSON_BYTES`; nesting deeper than
   :data:`MAX_JSON_DEPTH` is refused before parsing (no ``RecursionError``); ``NaN`` / ``Infinity`` and
   duplicate keys are refused.
@@ -24,9 +27,11 @@ Errors are :class:`~qsfa.golden.io.GoldenInputError` in the project's one-line f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import secrets
 import reprlib
 import stat
 import zipfile
@@ -39,7 +44,8 @@ from .io import GoldenInputError
 __all__ = [
     "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_INFLATE_RATIO", "max_array_bytes", "field_error", "short",
     "load_json", "check_component", "is_inside", "resolve_inside", "create_new", "lexists_plain_file",
-    "lexists_plain_dir", "describe_path", "read_npy", "read_npz_member", "check_npz_member", "declared_nbytes",
+    "lexists_plain_dir", "describe_path", "make_dirs", "check_replaceable", "replacing", "read_npy",
+    "read_npz_member", "check_npz_member", "declared_nbytes",
 ]
 
 #: largest JSON file (manifest, case file) read (a 1,000-case manifest is about 20 MB)
@@ -61,8 +67,11 @@ _REPR.maxlevel = 2
 
 
 def short(value) -> str:
-    """A one-line, bounded repr of a (possibly huge or hostile) value for an error message."""
-    s = _REPR.repr(value)
+    """A one-line, bounded repr of a (possibly huge or hostile) value for an error message; a value that is
+    already a description (:class:`qsfa._errors.Raw`, as a contract reports an array) is shown as it is."""
+    from .._errors import Raw
+
+    s = _REPR.repr(str(value))[1:-1] if isinstance(value, Raw) else _REPR.repr(value)
     return s.replace("\n", "\\n").replace("\r", "\\r")
 
 
@@ -261,6 +270,77 @@ def create_new(path):
         raise GoldenInputError(f"refusing to overwrite {path}: it is not a file an earlier qsfa manifest of "
                                "this directory lists") from None
     return os.fdopen(fd, "wb")
+
+
+def make_dirs(path) -> list:
+    """Create ``path`` and the folders above it that are missing, each a new folder (``os.mkdir``); returns the
+    folders made, outermost first. Folders that already exist are used as they are (the caller named them);
+    one that appears between the check and the ``mkdir`` must be a plain folder, not a link, or the call is
+    refused (GoldenInputError)."""
+    path = os.path.abspath(os.fspath(path))
+    missing = []
+    p = path
+    while not os.path.lexists(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    if os.path.lexists(p) and p not in missing and not os.path.isdir(p):
+        raise GoldenInputError(f"cannot create {path}: {p} exists and is not a folder")
+    made = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+            made.append(d)
+        except FileExistsError:
+            if not lexists_plain_dir(d):
+                raise GoldenInputError(f"cannot create {path}: {d} appeared meanwhile and is not a plain folder "
+                                       "(a symbolic link?): refusing to write there") from None
+    return made
+
+
+def _replaceable(path: str) -> None:
+    """``path`` may be replaced: nothing is there, or a regular file (a link, folder, FIFO ... is refused)."""
+    if os.path.lexists(path) and not lexists_plain_file(path):
+        raise GoldenInputError(f"refusing to write {path}: it exists and is not a regular file (a symbolic link, "
+                               "a folder or a device), so it is neither written through nor replaced")
+
+
+def check_replaceable(folder, names) -> None:
+    """Each ``folder/name`` may be written by :func:`replacing` (``name`` a file name, no folder in it; nothing
+    there, or a regular file): what a writer of several files checks for all of them before it writes the first."""
+    for n in names:
+        if (not isinstance(n, str) or n in ("", ".", "..") or "\0" in n
+                or any(sep and sep in n for sep in ("/", os.sep, os.altsep))):
+            raise field_error(folder, "file name", n, "must be a plain file name (not '', '.' or '..'; no '/' "
+                              "or NUL)")
+        _replaceable(os.path.join(os.fspath(folder), n))
+
+
+@contextlib.contextmanager
+def replacing(folder, name: str):
+    """A binary file object whose bytes become ``folder/name`` when the block ends without an error.
+
+    ``name`` must be a file name without a folder. What is at ``folder/name`` must be nothing
+    or a regular file (checked before and after the block: a symbolic link or anything else is refused, never
+    written through). The bytes go to a new file beside it (``O_CREAT | O_EXCL | O_NOFOLLOW``, via
+    :func:`create_new`), which is then renamed over ``name`` - a rename replaces the directory entry itself,
+    so even a link put there meanwhile is replaced, not followed. On an error the new file is removed and the
+    old one is left as it was."""
+    check_replaceable(folder, [name])
+    path = os.path.join(os.fspath(folder), name)
+    tmp = os.path.join(os.fspath(folder), f".qsfa-{secrets.token_hex(8)}.partial")
+    f = create_new(tmp)
+    try:
+        with f:
+            yield f
+        _replaceable(path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 # --------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ __all__ = [
     "sha256_bytes",
     "sha256_file",
     "array_sha256",
+    "storage_bytes",
     "write_bin",
     "read_bin",
     "write_npz",
@@ -120,9 +121,10 @@ def to_storage(a: np.ndarray) -> tuple[str, np.ndarray]:
     name = dtype_name(a)
     st = storage_dtype(name)
     if is_ml_dtype(a.dtype):  # ml_dtypes types: reinterpret the bits as an unsigned integer of that size
-        raw = np.ascontiguousarray(a).view(np.dtype(f"u{a.dtype.itemsize}"))
-        return name, np.ascontiguousarray(raw.astype(st, copy=False))
-    return name, np.ascontiguousarray(a.astype(st, copy=False))
+        raw = np.asarray(a, order="C").view(np.dtype(f"u{a.dtype.itemsize}"))
+        return name, np.asarray(raw.astype(st, copy=False), order="C")
+    # asarray(order="C"), not ascontiguousarray: that makes a 0-d array 1-d (the stored shape would not be a's)
+    return name, np.asarray(a.astype(st, copy=False), order="C")
 
 
 def from_storage(raw: np.ndarray, name: str) -> np.ndarray:
@@ -131,7 +133,7 @@ def from_storage(raw: np.ndarray, name: str) -> np.ndarray:
     if name == "bool":
         return raw.astype(np.bool_)
     if is_ml_dtype(ldt):  # ml_dtypes: the stored unsigned integers are the bits
-        return np.ascontiguousarray(raw).astype(np.dtype(f"u{ldt.itemsize}"), copy=False).view(ldt)
+        return np.asarray(raw, order="C").astype(np.dtype(f"u{ldt.itemsize}"), copy=False).view(ldt)
     return raw.astype(ldt.newbyteorder("="), copy=False)
 
 
@@ -147,14 +149,20 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def storage_bytes(storage: np.ndarray) -> memoryview:
+    """The bytes of an array in C order, without a copy where it is contiguous (an empty array too: a
+    memoryview of a shape holding a 0 cannot be cast to bytes, its flat view can)."""
+    return memoryview(np.ascontiguousarray(storage).reshape(-1)).cast("B")
+
+
 def array_sha256(storage: np.ndarray) -> str:
     """sha256 of an array's storage bytes (what a ``bin`` file holds)."""
-    return sha256_bytes(memoryview(np.ascontiguousarray(storage)).cast("B"))
+    return sha256_bytes(storage_bytes(storage))
 
 
 def write_bin(path: str, storage: np.ndarray) -> None:
     with open(path, "wb") as f:
-        f.write(memoryview(np.ascontiguousarray(storage)).cast("B"))
+        f.write(storage_bytes(storage))
 
 
 def read_bin(path: str, storage: np.dtype, shape) -> np.ndarray:

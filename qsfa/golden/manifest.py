@@ -382,7 +382,7 @@ def _write_case(case: Case, out: str, file_format: str, inputs: dict | None = No
         if file_format == "bin":
             rel = f"{case.name}/{key}.bin"
             with _new_file(made, os.path.join(out, rel)) as f:
-                f.write(memoryview(np.ascontiguousarray(st)).cast("B"))
+                f.write(gio.storage_bytes(st))
             files[rel] = {"sha256": entry["sha256"], "bytes": int(st.nbytes)}
             entry["file"] = rel
         else:
