@@ -44,7 +44,7 @@ from .io import GoldenInputError
 __all__ = [
     "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_INFLATE_RATIO", "max_array_bytes", "field_error", "short",
     "load_json", "check_component", "is_inside", "resolve_inside", "create_new", "lexists_plain_file",
-    "lexists_plain_dir", "describe_path", "make_dirs", "check_replaceable", "replacing", "read_npy",
+    "lexists_plain_dir", "describe_path", "missing_dirs", "make_dirs", "check_replaceable", "replacing", "read_npy",
     "read_npz_member", "check_npz_member", "declared_nbytes",
 ]
 
@@ -272,20 +272,26 @@ def create_new(path):
     return os.fdopen(fd, "wb")
 
 
+def missing_dirs(path) -> list:
+    """The folders ``os.makedirs(path)`` would create, deepest first (absolute paths)."""
+    made, p = [], os.path.abspath(os.fspath(path))
+    while not os.path.lexists(p):
+        made.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return made
+
+
 def make_dirs(path) -> list:
     """Create ``path`` and the folders above it that are missing, each a new folder (``os.mkdir``); returns the
     folders made, outermost first. Folders that already exist are used as they are (the caller named them);
     one that appears between the check and the ``mkdir`` must be a plain folder, not a link, or the call is
     refused (GoldenInputError)."""
     path = os.path.abspath(os.fspath(path))
-    missing = []
-    p = path
-    while not os.path.lexists(p):
-        missing.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
+    missing = missing_dirs(path)
+    p = os.path.dirname(missing[-1]) if missing else path  # the deepest folder that exists
     if os.path.lexists(p) and p not in missing and not os.path.isdir(p):
         raise GoldenInputError(f"cannot create {path}: {p} exists and is not a folder")
     made = []

@@ -34,7 +34,8 @@ import numpy as np
 from . import io as gio
 from .case import Case, available_ops
 from .._errors import InvalidArgument, InvalidDtype
-from .guard import check_component, create_new, describe_path, is_inside, lexists_plain_dir, lexists_plain_file
+from .guard import (check_component, create_new, describe_path, is_inside, lexists_plain_dir, lexists_plain_file,
+                    missing_dirs)
 from .io import GoldenInputError
 from .meta import describe
 from .schema import ARRAY_NAME, WRITTEN_NAME, check_manifest
@@ -166,18 +167,6 @@ def _check_out(out: str, names=()) -> _OldSet:
                 raise GoldenInputError(f"--out {out}: {n}/{f} is in the way and no earlier {MANIFEST} of it lists "
                                        "it: refusing to overwrite it")
     return old
-
-
-def _missing_dirs(out: str) -> list:
-    """The folders ``os.makedirs(out)`` would create, deepest first."""
-    made, p = [], os.path.abspath(out)
-    while not os.path.lexists(p):
-        made.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return made
 
 
 def _remove_made_dirs(dirs: list) -> None:
@@ -514,7 +503,7 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
     if not run_cases:
         raise _nothing_to_generate(cases, skipped, out)
     old = _check_out(out, [c.name for c in run_cases])  # every refusal comes before anything is written
-    created = _missing_dirs(out)
+    created = missing_dirs(out)
     made: list = []
     staging = None
     bar = Progress(len(run_cases), "generate", enabled=progress and len(run_cases) > 1 and executor is None,
