@@ -66,3 +66,40 @@ def test_cached_integer_strategies_draw_what_they_say():
     draw()
     assert seen and all(-3 <= i <= 4 and len(xs) == 3 and all(2 <= x <= 5 for x in xs) for i, xs in seen)
     assert {i for i, _ in seen} >= {-3, 4} or len({i for i, _ in seen}) > 2  # not stuck on one value
+
+
+def test_model_decode_matches_the_reference_decode_for_every_code():
+    from qsfa.conformance._support import decode
+    from qsfa.reference import formats as F
+
+    for fmt in ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8", "float8_e8m0"):
+        codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+        assert decode(codes, fmt).tobytes() == F.decode(codes, fmt).tobytes(), fmt
+    h = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    for fmt in ("float16", "bfloat16"):
+        assert decode(h, fmt).tobytes() == F.decode(h, fmt).tobytes(), fmt
+
+
+def test_fast_float16_rounding_matches_the_reference_encode_bit_for_bit():
+    """Every float16 value, every tie between neighbours, one float32 ulp either side of each tie, the overflow
+    boundary, the subnormal range and random float32 bit patterns (NaN excluded: those take the reference path)."""
+    from qsfa.conformance._support import _round_f16, round_to
+    from qsfa.reference import formats as F
+
+    rng = np.random.default_rng(15)
+    h = np.arange(65536, dtype=np.uint16).view(np.float16)
+    h64 = np.unique(h[np.isfinite(h)].astype(np.float64))
+    ties = ((h64[1:] + h64[:-1]) / 2).astype(np.float32)
+    assert np.array_equal(ties.astype(np.float64), (h64[1:] + h64[:-1]) / 2)  # exact ties
+    near = np.concatenate([np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf))])
+    edge = np.array([65504, 65519.996, 65520, 65536, 1e30, np.inf, 0.0, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -25,
+                     2.0 ** -14, 2.0 ** -14 - 2.0 ** -25, 1e-30, 1e-45], np.float32)
+    bits = rng.integers(0, 2 ** 32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([h64.astype(np.float32), ties, near, edge, -edge, bits[~np.isnan(bits)]])
+    for rounding in ("rint", "round"):
+        want = F.decode(F.encode(x, "float16", saturate=False, rounding=rounding), "float16")
+        got = _round_f16(x, rounding)
+        assert got.dtype == np.float32 and got.tobytes() == want.tobytes(), rounding
+        assert round_to(x, "float16", rounding=rounding).tobytes() == want.tobytes()
+    with_nan = np.array([1.0, np.nan, 2.0 ** -20], np.float32)  # the reference path, NaN kept
+    assert np.isnan(round_to(with_nan, "float16", rounding="round")[1])

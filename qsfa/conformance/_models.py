@@ -57,24 +57,20 @@ def uniform_scores_model(op: str, args: dict, w, batch, act_kv, storage):
     """``(X [R, Dv], bound [R, Dv])``: the expected output rows of a zero-query call of ``op`` (QSFA or SFA) and
     the per-element bound on ``|out - X|`` (see the module docstring). ``w, batch, act_kv, storage``:
     :func:`~qsfa.conformance._support.selection`."""
-    from ._support import float_kv, packed_kv
+    from ._support import addressable_rows, float_kv, packed_kv, take_rows
 
     modes = attention_modes(op, args)
     exact = args.get("precision", "faithful") == "exact"
     s_max = w.shape[1]
+    # convert only the cache rows some batch can address (per-row conversions: the same values; the rest of the
+    # cache is never read): slot(b, t) indexes ``v``, whose row i is flat cache row ``used[i]``
+    used, slot = addressable_rows(storage, batch, act_kv, s_max)
     if op == "kv_quant_sparse_flash_attention":  # V = the dequantised NoPE as K rounds it
-        # decode only the cache rows some batch can address (the dequantisation is per row, so the same bytes;
-        # the rest of the cache is never read): slot i of ``v`` holds flat cache row ``used[i]``
-        j = np.arange(s_max)
-        flat = [storage(np.full(s_max, b), np.where(j < act_kv[b], j, 0)) for b in np.unique(batch)]
-        used = np.unique(np.concatenate(flat)) if flat else np.zeros(0, np.int64)
-        key = args["key"]
-        sub = dict(args, key=np.ascontiguousarray(key).reshape(-1, key.shape[-1])[used])
-        _, v = packed_kv(sub, faithful=not exact, k_rounding=modes["k_rounding"])
-        slot = lambda b, t: np.searchsorted(used, storage(b, t))  # noqa: E731
+        _, v = packed_kv(dict(args, key=take_rows(args["key"], used)), faithful=not exact,
+                         k_rounding=modes["k_rounding"], with_k=False)
     else:
-        _, v = float_kv(args)
-        slot = storage
+        v = args.get("value")
+        v = take_rows(args["key"] if v is None else v, used).astype(np.float64)
     rows = batch.size
     cnt = w.sum(axis=1).astype(np.float64)
     tot = np.zeros((rows, v.shape[1]))

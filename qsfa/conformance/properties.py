@@ -38,6 +38,7 @@ from .._errors import InvalidArgument, InvalidDtype, UnsupportedByBackend
 from ._models import uniform_scores_model
 from ._support import (
     PropertyFailure,
+    addressable_rows,
     call,
     compare_outputs,
     current_chip,
@@ -50,6 +51,7 @@ from ._support import (
     query_rows,
     read_entries,
     selection,
+    take_rows,
 )
 
 __all__ = ["Property", "Example", "PropertyFailure", "catalogue", "get", "select", "KINDS", "OUTPUT_KINDS"]
@@ -519,12 +521,15 @@ def _stats(out: dict, rows: int):
     return o, m, s
 
 
-def _kv_model(op: str, args: dict):
-    """float64 (K rows, V rows) as the kernel sees them (docs/numerics/attention.md#rounding-points precision points)."""
+def _kv_model(op: str, args: dict, used: np.ndarray):
+    """float64 (K rows, V rows) as the kernel sees them (docs/numerics/attention.md#rounding-points precision points),
+    of the flat cache rows ``used`` only (:func:`~qsfa.conformance._support.addressable_rows`)."""
+    names = ("key",) if op == QSFA else ("key", "value", "key_rope")
+    sub = dict(args, **{n: take_rows(args.get(n), used) for n in names if n in args})
     if op == QSFA:
         faithful = args.get("precision", "faithful") == "faithful"
-        return packed_kv(args, faithful=faithful)
-    return float_kv(args)
+        return packed_kv(sub, faithful=faithful)
+    return float_kv(sub)
 
 
 def _uniform(op: str) -> Property:
@@ -575,7 +580,8 @@ def _lse(op: str) -> Property:
         w, batch, act_kv, storage, _ = selection(a)
         rows = batch.size
         o, m, s = _stats(out, rows)
-        k, _ = _kv_model(op, a)
+        used, slot = addressable_rows(storage, batch, act_kv, w.shape[1])
+        k, _ = _kv_model(op, a, used)
         q = query_matrix(a)
         k = k[:, : q.shape[-1]]
         exact = a.get("precision", "faithful") == "exact"
@@ -594,7 +600,7 @@ def _lse(op: str) -> Property:
             rb = np.flatnonzero((batch == b) & ~empty)
             if not rb.size:
                 continue
-            kb = gather_tokens(k, storage, b, w.shape[1], act_kv)
+            kb = gather_tokens(k, slot, b, w.shape[1], act_kv)
             sc = scale * np.einsum("rnd,sd->rns", q[rb], kb)
             mag = np.abs(scale) * np.einsum("rnd,sd->rns", np.abs(q[rb]), np.abs(kb))
             wb = w[rb][:, None, :]
