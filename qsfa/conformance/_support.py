@@ -31,7 +31,7 @@ __all__ = [
     "packed_kv",
     "float_kv",
     "query_matrix",
-    "addressable_rows",
+    "selected_tokens",
     "take_rows",
 ]
 
@@ -251,20 +251,23 @@ def gather_tokens(rows_of: np.ndarray, storage, batch_id: int, s_max: int, act_k
     return out
 
 
-def addressable_rows(storage, batch: np.ndarray, act_kv: np.ndarray, s_max: int):
-    """``(used, slot)``: the sorted flat storage rows that tokens 0..actKV-1 of the query rows' batches live in,
-    and ``slot(b, j)`` -> the position of token j of batch b in ``used`` (a ``storage`` for an array of those rows
-    only). The models dequantise just these rows (per-row conversions: the same values; the rest of the cache is
-    never read by a correct kernel), not the whole cache with its poisoned and unused rows (issue 15)."""
-    j = np.arange(s_max)
-    flat = [storage(np.full(s_max, b), np.where(j < act_kv[b], j, 0)) for b in np.unique(batch)]
-    used = np.unique(np.concatenate(flat)) if flat else np.zeros(0, np.int64)
-    return used, lambda b, t: np.searchsorted(used, storage(b, t))
+def selected_tokens(w: np.ndarray, batch: np.ndarray, act_kv: np.ndarray, storage) -> list:
+    """Per batch that has query rows: ``(b, rows, tokens, flat)`` - its query rows, the tokens some of them select
+    (weight > 0, ascending) and the flat storage rows of those tokens (``w, batch, act_kv, storage``:
+    :func:`selection`). The models convert and multiply just these rows: a token no row selects has weight 0 and
+    adds nothing, and about half of the addressable rows of a ci example are never selected (issue 15)."""
+    out = []
+    for b in range(act_kv.size):  # batches: a handful
+        rb = np.flatnonzero(batch == b)
+        if rb.size:
+            tok = np.flatnonzero(w[rb].any(axis=0))
+            out.append((b, rb, tok, storage(np.full(tok.size, b), tok)))
+    return out
 
 
-def take_rows(a: np.ndarray | None, used: np.ndarray) -> np.ndarray | None:
-    """Rows ``used`` of an array of flat storage rows ``[..., W]`` (None stays None)."""
-    return None if a is None else np.ascontiguousarray(a).reshape(-1, a.shape[-1])[used]
+def take_rows(a: np.ndarray | None, flat: np.ndarray) -> np.ndarray | None:
+    """Rows ``flat`` of an array of flat storage rows ``[..., W]`` (None stays None)."""
+    return None if a is None else np.ascontiguousarray(a).reshape(-1, a.shape[-1])[flat]
 
 
 def decode(codes: np.ndarray, fmt: str) -> np.ndarray:
