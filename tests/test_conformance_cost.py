@@ -103,3 +103,37 @@ def test_fast_float16_rounding_matches_the_reference_encode_bit_for_bit():
         assert round_to(x, "float16", rounding=rounding).tobytes() == want.tobytes()
     with_nan = np.array([1.0, np.nan, 2.0 ** -20], np.float32)  # the reference path, NaN kept
     assert np.isnan(round_to(with_nan, "float16", rounding="round")[1])
+
+
+def test_folded_flags_reach_every_option_honour_pins_and_start_from_the_first():
+    from hypothesis import strategies as st
+    from hypothesis.control import BuildContext
+    from hypothesis.internal.conjecture.data import ConjectureData
+
+    from qsfa.strategies._common import FOLD_MAX, draw_flags
+
+    specs = [("a", (0, 1)), ("b", ("x", "y", "z")), ("c", (False, True)), ("d", tuple(range(10))),
+             ("e", (0.0, 0.5, 1.0)), ("f", (3, 0), "pinned_f"), ("g", ("only",))]
+    assert 2 * 3 * 2 * 10 * 3 * 2 > FOLD_MAX  # needs more than one folded draw
+
+    def draws(pins, n=300):
+        out = []
+        for i in range(n):
+            data = ConjectureData(random=__import__("random").Random(i))
+            with BuildContext(data, is_final=False, wrapped_test=draws):
+                out.append((data.draw(st.composite(lambda draw: draw_flags(draw, pins, specs))()), len(data.choices)))
+        return out
+
+    got = draws({})
+    for name, opts in ((s[0], s[1]) for s in specs):
+        assert {d[name] for d, _ in got} == set(opts), name  # every option reachable
+    assert all(1 < n <= 3 for _, n in got)  # a few folded integer draws instead of six
+    counts = {v: sum(d["d"] == v for d, _ in got) for v in range(10)}
+    assert min(counts.values()) > 10  # roughly uniform, not stuck on low digits
+    pinned = draws({"pinned_f": 0, "b": ("y", "z")}, n=60)
+    assert {d["f"] for d, _ in pinned} == {0} and {d["b"] for d, _ in pinned} == {"y", "z"}
+    # the simplest draw (every choice 0: what an edge example is drawn from) gives every first option
+    data = ConjectureData.for_choices([0] * 8)
+    with BuildContext(data, is_final=False, wrapped_test=draws):
+        simplest = data.draw(st.composite(lambda draw: draw_flags(draw, {}, specs))())
+    assert simplest == {"a": 0, "b": "x", "c": False, "d": 0, "e": 0.0, "f": 3, "g": "only"}

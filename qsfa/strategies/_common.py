@@ -21,6 +21,7 @@ __all__ = [
     "sparse_index_rows",
     "poison_bytes",
     "INT64_MAX",
+    "draw_flags",
 ]
 
 
@@ -144,6 +145,58 @@ def int_lists(lo: int, hi: int, n: int) -> st.SearchStrategy:
 
 
 BOOLEANS = st.booleans()
+
+#: the largest product of option counts one folded draw of :func:`draw_flags` holds: hypothesis draws an integer
+#: in ``[0, n)`` uniformly for ``n <= 257`` (wider ranges follow its long-tailed distribution, which would make
+#: the high digits almost always 0)
+FOLD_MAX = 256
+
+
+def draw_flags(draw, pins: dict, specs) -> dict:
+    """Several small independent choices as few hypothesis choices (issue 15): ``specs`` is a sequence of
+    ``(name, options)`` or ``(name, options, pin)``; returns ``{name: value}``.
+
+    A choice pinned in ``pins`` (under ``pin``, default its name; a value, or a tuple of allowed values) takes its
+    options from the pin, as :func:`_choose`; one allowed value costs no draw. The others are packed in order into
+    groups whose option counts multiply to at most :data:`FOLD_MAX`, each group one ``integers(0, product - 1)``
+    draw decoded in mixed radix (the first choice of a group is its lowest digit). A uniform integer gives each
+    choice the distribution of its own ``sampled_from`` (repeated options weigh as there), and a draw that shrinks
+    to 0 gives every choice its first option - the simplest draw is the one separate draws had (so the edge
+    examples, drawn as the simplest examples, do not change). Meant for flags and modes; sizes, layouts and dtypes
+    stay draws of their own, so shrinking can reduce them one by one."""
+    out = {}
+    group: list = []
+    prod = 1
+
+    def flush():
+        v = int(draw(ints(0, prod - 1)))
+        for name, opts in group:
+            v, d = divmod(v, len(opts))
+            out[name] = opts[d]
+
+    for spec in specs:
+        name, options = spec[0], spec[1]
+        pin = spec[2] if len(spec) > 2 else name
+        if pin in pins:
+            p = pins[pin]
+            opts = tuple(p) if isinstance(p, (tuple, list, frozenset, set)) else (p,)
+            if not opts:
+                raise ValueError(f"pin {pin!r} allows no value")
+        else:
+            opts = tuple(options)
+        if len(opts) == 1:
+            out[name] = opts[0]
+            continue
+        if len(opts) > FOLD_MAX:
+            raise ValueError(f"choice {name!r} has {len(opts)} options, more than one folded draw holds")
+        if prod * len(opts) > FOLD_MAX:
+            flush()
+            group, prod = [], 1
+        group.append((name, opts))
+        prod *= len(opts)
+    if group:
+        flush()
+    return out
 
 
 def _rng(draw) -> np.random.Generator:
