@@ -249,22 +249,26 @@ def qsfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     width = 2048 if key_fmt == "hifloat8" else _E.sparse_width(draw, pins, b.max_sparse, kv.act_kv, sbs)
     idx = _indices(draw, rng, q, kv, sparse_mode, sbs, width, pins, f)
 
-    # logical packed rows [B, max_kv, W]
-    bsz, mk = kv.flat_of.shape
-    codes, smag = _nope_codes(rng, (bsz, mk, 512), key_fmt)
-    scales = (smag * rng.uniform(0.5, 1.5, (bsz, mk, 4))).astype("<f4")
-    parts = [codes]
+    # packed rows, drawn for the live tokens only (the storage's other rows are poison): row i of ``block`` is
+    # token i of the live (batch, position) pairs in row-major order, stored at flat row ``live_rows[i]``
+    live_rows = kv.flat_of[kv.flat_of >= 0]
+    n_live = live_rows.size
+    width_b = 512 + 2 * rope + 16
+    block = np.empty((n_live, width_b), np.uint8)
+    block[:, :512], smag = _nope_codes(rng, (n_live, 512), key_fmt)
+    block[:, -16:] = (smag * rng.uniform(0.5, 1.5, (n_live, 4))).astype("<f4").view(np.uint8)
     if rope:
-        parts.append(_uniform16(rng, (bsz, mk, 64), qdt).view(np.uint8))
-    parts.append(scales.view(np.uint8))
-    logical = np.concatenate(parts, axis=-1)
+        block[:, 512:640] = _uniform16(rng, (n_live, 64), qdt).view(np.uint8)
     nan_code = _NAN_CODE[key_fmt]
-    poison = np.empty(logical.shape[-1], np.uint8)
+    poison = np.empty(width_b, np.uint8)
     poison[:512] = nan_code if nan_code is not None else 0x7F
     if rope:
         poison[512:640] = np.full(64, _NAN16[qname], np.uint16).view(np.uint8)
     poison[-16:] = np.full(4, np.nan, "<f4").view(np.uint8)
-    key = _place_rows(kv, logical, poison)
+    key = np.empty((int(np.prod(kv.key_lead)), width_b), np.uint8)
+    key[:] = poison
+    key[live_rows] = block
+    key = key.reshape(kv.key_lead + (1, width_b))
     arr = f["key_array"]
     key = key.view({"int8": np.int8, "uint8": np.uint8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}[arr])
     value_is_key = f["value_is_key"]
