@@ -240,38 +240,42 @@ def sparse_index_rows(rng: np.random.Generator, limit_blocks: np.ndarray, width:
     among the causal ones - the kernel must clip them, and they push causal entries past the first
     ``ceil(threshold / sbs)`` positions that are read. junk_after: the entries after the first ``-1`` hold
     random values in ``[-1, total_blocks)`` (a reader must stop at the first ``-1``)."""
-    limit_blocks = np.asarray(limit_blocks, np.int64)
+    # (the same draws and the same result as the straightforward version with np.inf keys, np.clip and
+    # np.take_along_axis, in fewer and cheaper NumPy calls: these arrays are tiny and each call's overhead counted;
+    # issue 15)
+    limit_blocks = np.asarray(limit_blocks, np.int64).reshape(-1)
     r = limit_blocks.size
     nb_max = max(int(limit_blocks.max(initial=0)), 1)
-    total = np.broadcast_to(np.asarray(nb_max if total_blocks is None else total_blocks, np.int64), (r,))
-    total = np.maximum(total, 1)
+    if total_blocks is None:
+        total = np.full(r, nb_max, np.int64)
+    else:
+        total = np.maximum(np.broadcast_to(np.asarray(total_blocks, np.int64), (r,)), 1)
+    col = np.arange(max(nb_max, width))
     key = rng.random((r, nb_max))
-    key[np.arange(nb_max)[None, :] >= limit_blocks[:, None]] = np.inf
-    order = np.argsort(key, axis=1, kind="stable")
+    key[col[:nb_max] >= limit_blocks[:, None]] = 2.0  # after every draw in [0, 1): the row's blocks come first
+    order = key.argsort(axis=1, kind="stable")
     take = min(width, nb_max)
-    count = np.minimum(limit_blocks, width)
-    count = np.clip(np.round(count * np.asarray(fill, np.float64)).astype(np.int64), 0, count)
+    cap = np.minimum(limit_blocks, width)
+    count = np.minimum(np.maximum(np.rint(cap * np.asarray(fill, np.float64)).astype(np.int64), 0), cap)
     idx = np.full((r, width), -1, np.int64)
-    pos = np.arange(take)[None, :]
-    idx[:, :take] = np.where(pos < count[:, None], order[:, :take], -1)
+    idx[:, :take] = np.where(col[:take] < count[:, None], order[:, :take], -1)
     if strays > 0:
+        wcol = col[:width]
         room = width - count
         n_stray = np.minimum(room, rng.binomial(np.maximum(room, 0), min(strays, 1.0)))
         lo = limit_blocks
         hi = np.maximum(total, lo + 1)
         vals = lo[:, None] + np.floor(rng.random((r, width)) * (hi - lo)[:, None]).astype(np.int64)
-        col = np.arange(width)[None, :]
-        is_stray = (col >= count[:, None]) & (col < (count + n_stray)[:, None])
-        idx = np.where(is_stray, vals, idx)
         used = count + n_stray
+        is_stray = (wcol >= count[:, None]) & (wcol < used[:, None])
+        idx = np.where(is_stray, vals, idx)
         mix = rng.random((r, width))
-        mix[col >= used[:, None]] = np.inf  # keep the -1 tail in place, shuffle the used prefix
-        idx = np.take_along_axis(idx, np.argsort(mix, axis=1, kind="stable"), axis=1)
+        mix[wcol >= used[:, None]] = 2.0  # keep the -1 tail in place, shuffle the used prefix
+        idx = idx[np.arange(r)[:, None], mix.argsort(axis=1, kind="stable")]
         count = used
     if junk_after:
         junk = rng.integers(-1, int(total.max()) + 1, (r, width))
-        after = np.arange(width)[None, :] > count[:, None]
-        idx = np.where(after, junk, idx)
+        idx = np.where(col[:width] > count[:, None], junk, idx)
     return idx.astype(np.int32)
 
 

@@ -140,7 +140,7 @@ def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, f: dict, *,
     col = np.arange(width)[None, :]
     used_mask = col < need[:, None]
     bt[used_mask] = phys[:used]
-    blk = np.take_along_axis(bt, np.broadcast_to(np.minimum(j // bs, width - 1), (batch, mk)), axis=1)
+    blk = bt[np.arange(batch)[:, None], np.minimum(j // bs, width - 1)]
     flat = np.where(live, blk * bs + j % bs, -1)
     return _KvPlan("PA_BSND", (nb, bs), act_kv, flat, bt.astype(np.int32), act_kv.astype(np.int32), bs)
 
@@ -149,7 +149,7 @@ def _row_limits(q: _QPlan, act_kv: np.ndarray, sparse_mode: int):
     akv = act_kv[q.batch]
     thr = akv - q.act_q[q.batch] + q.pos + 1 if sparse_mode == 3 else akv.copy()
     thr = np.where(q.valid, thr, 0)
-    return thr, np.clip(np.minimum(akv, thr), 0, None)
+    return thr, np.maximum(np.minimum(akv, thr), 0)
 
 
 #: flags of :func:`_indices` (drawn with the plan's, :func:`_attention_common`)
