@@ -260,18 +260,27 @@ def sparse_index_rows(rng: np.random.Generator, limit_blocks: np.ndarray, width:
     idx = np.full((r, width), -1, np.int64)
     idx[:, :take] = np.where(col[:take] < count[:, None], order[:, :take], -1)
     if strays > 0:
-        wcol = col[:width]
         room = width - count
         n_stray = np.minimum(room, rng.binomial(np.maximum(room, 0), min(strays, 1.0)))
+        used = count + n_stray
+        m = int(used.max(initial=0))  # columns past every row's strays keep their -1
         lo = limit_blocks
         hi = np.maximum(total, lo + 1)
-        vals = lo[:, None] + np.floor(rng.random((r, width)) * (hi - lo)[:, None]).astype(np.int64)
-        used = count + n_stray
-        is_stray = (wcol >= count[:, None]) & (wcol < used[:, None])
-        idx = np.where(is_stray, vals, idx)
-        mix = rng.random((r, width))
-        mix[wcol >= used[:, None]] = 2.0  # keep the -1 tail in place, shuffle the used prefix
-        idx = idx[np.arange(r)[:, None], mix.argsort(axis=1, kind="stable")]
+        vals = lo[:, None] + np.floor(rng.random((r, m)) * (hi - lo)[:, None]).astype(np.int64)
+        head = idx[:, :m]
+        head[(col[:m] >= count[:, None]) & (col[:m] < used[:, None])] = vals[(col[:m] >= count[:, None])
+                                                                             & (col[:m] < used[:, None])]
+        # shuffle each row's used prefix, the -1 tail stays: a stable argsort of random keys for narrow rows, a
+        # Fisher-Yates permutation per row for wide ones (a 2048-wide HiFloat8 row holds ~1000 strays, and the
+        # stable sort of 2048 random keys per row cost about a millisecond per call)
+        if m > 64:
+            for i in np.flatnonzero(used > 1):
+                u = int(used[i])
+                head[i, :u] = head[i, rng.permutation(u)]
+        else:
+            mix = rng.random((r, m))
+            mix[col[:m] >= used[:, None]] = 2.0
+            idx[:, :m] = head[np.arange(r)[:, None], mix.argsort(axis=1, kind="stable")]
         count = used
     if junk_after:
         junk = rng.integers(-1, int(total.max()) + 1, (r, width))
