@@ -40,6 +40,9 @@ __all__ = ["Args", "Constraint", "Contract", "CHIPS", "Param", "PARAM_TYPES", "p
 CHIPS = ("A2", "A3", "950")
 
 
+_ABSENT = object()
+
+
 class Args(dict):
     """A dict with attribute access, handed to constraint checks."""
 
@@ -227,19 +230,29 @@ class Contract:
     def first_violation(self, args: Mapping, chip: str | None = None):
         """Return ``(constraint, actual)`` for the first violated rule, or ``None``."""
         a = args if isinstance(args, Args) else Args(args)
-        for c in self.constraints:
-            if not c.applies_to(chip):
-                continue
-            actual = c.check(a)
-            if actual is None and self._missing(a, c.param):
+        for c, check, required in self._plan(chip):
+            actual = check(a)
+            if actual is None and required is not None and a.get(required, _ABSENT) is None:
                 actual = Raw("None")  # a check cannot pass a required parameter by returning its None
             if actual is not None:
                 return c, actual
         return None
 
-    def _missing(self, a, name) -> bool:
+    def _plan(self, chip: str | None) -> list:
+        """``(constraint, check, required param or None)`` of the rules that apply to ``chip``, in order: built once
+        per chip (and again if the list is replaced or resized), so a validation does not ask every rule whether it
+        applies and whether its parameter is required (a fifth of validating a QSFA call; issue 15)."""
+        key = (chip, id(self.constraints), len(self.constraints))
+        plans = self.__dict__.setdefault("_plans", {})
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = [(c, c.check, c.param if self._required(c.param) else None)
+                                 for c in self.constraints if c.applies_to(chip)]
+        return plan
+
+    def _required(self, name) -> bool:
         p = self.params.get(name)
-        return p is not None and not p.optional and name in a and a[name] is None
+        return p is not None and not p.optional
 
     def validate(self, args: Mapping, chip: str | None = None) -> Args:
         """Raise the first violation; return the (normalised) arguments otherwise."""

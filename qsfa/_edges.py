@@ -167,10 +167,12 @@ def edge_pins(op: str, edge) -> dict:
 
 def pinned_int(draw, pins: dict, name: str, lo: int, hi: int) -> int:
     """``pins[name]`` when pinned (a value, or a tuple to draw from), else an integer drawn in [lo, hi]."""
+    from .strategies._common import ints, sampled
+
     if name in pins:
         p = pins[name]
-        return int(draw(st.sampled_from(tuple(p)))) if isinstance(p, (tuple, list)) else int(p)
-    return draw(st.integers(lo, hi))
+        return int(draw(sampled(tuple(p)))) if isinstance(p, (tuple, list)) else int(p)
+    return draw(ints(lo, hi))
 
 
 def block_size(draw, pins: dict, hi: int, edge: str | None) -> int:
@@ -589,9 +591,11 @@ def kv_lengths(act_kv: np.ndarray, pins: dict) -> np.ndarray:
 
 def sparse_width(draw, pins: dict, max_sparse: int, act_kv: np.ndarray, sbs: int) -> int:
     """The sparse index width: drawn up to ``max_sparse``, or wide enough for every token (``min_kv``, ``wide``)."""
+    from .strategies._common import ints
+
     if "min_kv" in pins or pins.get("wide"):
-        return -(-max(int(act_kv.max(initial=1)), 1) // sbs) + draw(st.integers(0, 2))
-    return draw(st.integers(1, max(1, max_sparse)))
+        return -(-max(int(act_kv.max(initial=1)), 1) // sbs) + draw(ints(0, 2))
+    return draw(ints(1, max(1, max_sparse)))
 
 
 def code_of(value: float, fmt: str) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._arrays import dtype_name
-from ._support import gather_tokens, round_to
+from ._support import round_to
 
 __all__ = ["uniform_scores_model", "half_ulp"]
 
@@ -57,34 +57,31 @@ def uniform_scores_model(op: str, args: dict, w, batch, act_kv, storage):
     """``(X [R, Dv], bound [R, Dv])``: the expected output rows of a zero-query call of ``op`` (QSFA or SFA) and
     the per-element bound on ``|out - X|`` (see the module docstring). ``w, batch, act_kv, storage``:
     :func:`~qsfa.conformance._support.selection`."""
-    from ._support import float_kv, packed_kv
+    from ._support import packed_kv, selected_tokens, take_rows
 
     modes = attention_modes(op, args)
     exact = args.get("precision", "faithful") == "exact"
-    s_max = w.shape[1]
+    # convert only the selected tokens' cache rows (per-row conversions: the same values; an unselected token has
+    # weight 0): row i of ``v`` is flat cache row ``flat[i]``, the batches' selected tokens one after the other
+    groups = selected_tokens(w, batch, act_kv, storage)
+    flat = np.concatenate([g[3] for g in groups]).astype(np.int64) if groups else np.zeros(0, np.int64)
     if op == "kv_quant_sparse_flash_attention":  # V = the dequantised NoPE as K rounds it
-        # decode only the cache rows some batch can address (the dequantisation is per row, so the same bytes;
-        # the rest of the cache is never read): slot i of ``v`` holds flat cache row ``used[i]``
-        j = np.arange(s_max)
-        flat = [storage(np.full(s_max, b), np.where(j < act_kv[b], j, 0)) for b in np.unique(batch)]
-        used = np.unique(np.concatenate(flat)) if flat else np.zeros(0, np.int64)
-        key = args["key"]
-        sub = dict(args, key=np.ascontiguousarray(key).reshape(-1, key.shape[-1])[used])
-        _, v = packed_kv(sub, faithful=not exact, k_rounding=modes["k_rounding"])
-        slot = lambda b, t: np.searchsorted(used, storage(b, t))  # noqa: E731
+        _, v = packed_kv(dict(args, key=take_rows(args["key"], flat)), faithful=not exact,
+                         k_rounding=modes["k_rounding"], with_k=False)
     else:
-        _, v = float_kv(args)
-        slot = storage
+        v = args.get("value")
+        v = take_rows(args["key"] if v is None else v, flat).astype(np.float64)
     rows = batch.size
     cnt = w.sum(axis=1).astype(np.float64)
     tot = np.zeros((rows, v.shape[1]))
     mag = np.zeros((rows, v.shape[1]))
-    for b in range(act_kv.size):  # batches: a handful
-        rb = np.flatnonzero(batch == b)
-        if rb.size:
-            vb = gather_tokens(v, slot, b, s_max, act_kv)
-            tot[rb] = w[rb].astype(np.float64) @ vb
-            mag[rb] = w[rb].astype(np.float64) @ np.abs(vb)
+    start = 0
+    for _, rb, tok, _ in groups:
+        vb = v[start:start + tok.size]
+        start += tok.size
+        wb = w[rb][:, tok].astype(np.float64)
+        tot[rb] = wb @ vb
+        mag[rb] = wb @ np.abs(vb)
     c = np.maximum(cnt, 1)[:, None]
     if exact:
         x = tot / c

@@ -49,7 +49,9 @@ from ._support import (
     query_matrix,
     query_rows,
     read_entries,
+    selected_tokens,
     selection,
+    take_rows,
 )
 
 __all__ = ["Property", "Example", "PropertyFailure", "catalogue", "get", "select", "KINDS", "OUTPUT_KINDS"]
@@ -519,12 +521,15 @@ def _stats(out: dict, rows: int):
     return o, m, s
 
 
-def _kv_model(op: str, args: dict):
-    """float64 (K rows, V rows) as the kernel sees them (docs/numerics/attention.md#rounding-points precision points)."""
+def _kv_model(op: str, args: dict, flat: np.ndarray):
+    """float64 (K rows, V rows) as the kernel sees them (docs/numerics/attention.md#rounding-points precision points),
+    of the flat cache rows ``flat`` only (:func:`~qsfa.conformance._support.selected_tokens`)."""
+    names = ("key",) if op == QSFA else ("key", "value", "key_rope")
+    sub = dict(args, **{n: take_rows(args.get(n), flat) for n in names if n in args})
     if op == QSFA:
         faithful = args.get("precision", "faithful") == "faithful"
-        return packed_kv(args, faithful=faithful)
-    return float_kv(args)
+        return packed_kv(sub, faithful=faithful)
+    return float_kv(sub)
 
 
 def _uniform(op: str) -> Property:
@@ -575,7 +580,9 @@ def _lse(op: str) -> Property:
         w, batch, act_kv, storage, _ = selection(a)
         rows = batch.size
         o, m, s = _stats(out, rows)
-        k, _ = _kv_model(op, a)
+        groups = selected_tokens(w, batch, act_kv, storage)  # only the selected tokens' rows (weight 0 adds nothing)
+        flat = np.concatenate([g[3] for g in groups]).astype(np.int64) if groups else np.zeros(0, np.int64)
+        k, _ = _kv_model(op, a, flat)
         q = query_matrix(a)
         k = k[:, : q.shape[-1]]
         exact = a.get("precision", "faithful") == "exact"
@@ -590,14 +597,16 @@ def _lse(op: str) -> Property:
             r = int(np.flatnonzero(empty)[0])
             fail(f"row {r} selects no token: expected output 0 and softmax_max = softmax_sum = 0, got max "
                  f"{m[r].tolist()[:4]}, sum {s[r].tolist()[:4]}")
-        for b in range(act_kv.size):  # batches: a handful
-            rb = np.flatnonzero((batch == b) & ~empty)
+        start = 0
+        for _, rb, tok, _ in groups:  # batches: a handful
+            kb = k[start:start + tok.size]
+            start += tok.size
+            rb = rb[~empty[rb]]
             if not rb.size:
                 continue
-            kb = gather_tokens(k, storage, b, w.shape[1], act_kv)
             sc = scale * np.einsum("rnd,sd->rns", q[rb], kb)
             mag = np.abs(scale) * np.einsum("rnd,sd->rns", np.abs(q[rb]), np.abs(kb))
-            wb = w[rb][:, None, :]
+            wb = w[rb][:, tok][:, None, :]
             sel = wb > 0
             mx = np.where(sel, sc, -np.inf).max(axis=-1)
             tot = (wb * np.exp(np.where(sel, sc - mx[..., None], -np.inf))).sum(axis=-1)

@@ -21,6 +21,7 @@ __all__ = [
     "sparse_index_rows",
     "poison_bytes",
     "INT64_MAX",
+    "draw_flags",
 ]
 
 
@@ -145,6 +146,58 @@ def int_lists(lo: int, hi: int, n: int) -> st.SearchStrategy:
 
 BOOLEANS = st.booleans()
 
+#: the largest product of option counts one folded draw of :func:`draw_flags` holds: hypothesis draws an integer
+#: in ``[0, n)`` uniformly for ``n <= 257`` (wider ranges follow its long-tailed distribution, which would make
+#: the high digits almost always 0)
+FOLD_MAX = 256
+
+
+def draw_flags(draw, pins: dict, specs) -> dict:
+    """Several small independent choices as few hypothesis choices (issue 15): ``specs`` is a sequence of
+    ``(name, options)`` or ``(name, options, pin)``; returns ``{name: value}``.
+
+    A choice pinned in ``pins`` (under ``pin``, default its name; a value, or a tuple of allowed values) takes its
+    options from the pin, as :func:`_choose`; one allowed value costs no draw. The others are packed in order into
+    groups whose option counts multiply to at most :data:`FOLD_MAX`, each group one ``integers(0, product - 1)``
+    draw decoded in mixed radix (the first choice of a group is its lowest digit). A uniform integer gives each
+    choice the distribution of its own ``sampled_from`` (repeated options weigh as there), and a draw that shrinks
+    to 0 gives every choice its first option - the simplest draw is the one separate draws had (so the edge
+    examples, drawn as the simplest examples, do not change). Meant for flags and modes; sizes, layouts and dtypes
+    stay draws of their own, so shrinking can reduce them one by one."""
+    out = {}
+    group: list = []
+    prod = 1
+
+    def flush():
+        v = int(draw(ints(0, prod - 1)))
+        for name, opts in group:
+            v, d = divmod(v, len(opts))
+            out[name] = opts[d]
+
+    for spec in specs:
+        name, options = spec[0], spec[1]
+        pin = spec[2] if len(spec) > 2 else name
+        if pin in pins:
+            p = pins[pin]
+            opts = tuple(p) if isinstance(p, (tuple, list, frozenset, set)) else (p,)
+            if not opts:
+                raise ValueError(f"pin {pin!r} allows no value")
+        else:
+            opts = tuple(options)
+        if len(opts) == 1:
+            out[name] = opts[0]
+            continue
+        if len(opts) > FOLD_MAX:
+            raise ValueError(f"choice {name!r} has {len(opts)} options, more than one folded draw holds")
+        if prod * len(opts) > FOLD_MAX:
+            flush()
+            group, prod = [], 1
+        group.append((name, opts))
+        prod *= len(opts)
+    if group:
+        flush()
+    return out
+
 
 def _rng(draw) -> np.random.Generator:
     return np.random.default_rng(draw(ints(0, 2**32 - 1)))
@@ -187,38 +240,51 @@ def sparse_index_rows(rng: np.random.Generator, limit_blocks: np.ndarray, width:
     among the causal ones - the kernel must clip them, and they push causal entries past the first
     ``ceil(threshold / sbs)`` positions that are read. junk_after: the entries after the first ``-1`` hold
     random values in ``[-1, total_blocks)`` (a reader must stop at the first ``-1``)."""
-    limit_blocks = np.asarray(limit_blocks, np.int64)
+    # (the same draws and the same result as the straightforward version with np.inf keys, np.clip and
+    # np.take_along_axis, in fewer and cheaper NumPy calls: these arrays are tiny and each call's overhead counted;
+    # issue 15)
+    limit_blocks = np.asarray(limit_blocks, np.int64).reshape(-1)
     r = limit_blocks.size
     nb_max = max(int(limit_blocks.max(initial=0)), 1)
-    total = np.broadcast_to(np.asarray(nb_max if total_blocks is None else total_blocks, np.int64), (r,))
-    total = np.maximum(total, 1)
+    if total_blocks is None:
+        total = np.full(r, nb_max, np.int64)
+    else:
+        total = np.maximum(np.broadcast_to(np.asarray(total_blocks, np.int64), (r,)), 1)
+    col = np.arange(max(nb_max, width))
     key = rng.random((r, nb_max))
-    key[np.arange(nb_max)[None, :] >= limit_blocks[:, None]] = np.inf
-    order = np.argsort(key, axis=1, kind="stable")
+    key[col[:nb_max] >= limit_blocks[:, None]] = 2.0  # after every draw in [0, 1): the row's blocks come first
+    order = key.argsort(axis=1, kind="stable")
     take = min(width, nb_max)
-    count = np.minimum(limit_blocks, width)
-    count = np.clip(np.round(count * np.asarray(fill, np.float64)).astype(np.int64), 0, count)
+    cap = np.minimum(limit_blocks, width)
+    count = np.minimum(np.maximum(np.rint(cap * np.asarray(fill, np.float64)).astype(np.int64), 0), cap)
     idx = np.full((r, width), -1, np.int64)
-    pos = np.arange(take)[None, :]
-    idx[:, :take] = np.where(pos < count[:, None], order[:, :take], -1)
+    idx[:, :take] = np.where(col[:take] < count[:, None], order[:, :take], -1)
     if strays > 0:
         room = width - count
         n_stray = np.minimum(room, rng.binomial(np.maximum(room, 0), min(strays, 1.0)))
+        used = count + n_stray
+        m = int(used.max(initial=0))  # columns past every row's strays keep their -1
         lo = limit_blocks
         hi = np.maximum(total, lo + 1)
-        vals = lo[:, None] + np.floor(rng.random((r, width)) * (hi - lo)[:, None]).astype(np.int64)
-        col = np.arange(width)[None, :]
-        is_stray = (col >= count[:, None]) & (col < (count + n_stray)[:, None])
-        idx = np.where(is_stray, vals, idx)
-        used = count + n_stray
-        mix = rng.random((r, width))
-        mix[col >= used[:, None]] = np.inf  # keep the -1 tail in place, shuffle the used prefix
-        idx = np.take_along_axis(idx, np.argsort(mix, axis=1, kind="stable"), axis=1)
+        vals = lo[:, None] + np.floor(rng.random((r, m)) * (hi - lo)[:, None]).astype(np.int64)
+        head = idx[:, :m]
+        head[(col[:m] >= count[:, None]) & (col[:m] < used[:, None])] = vals[(col[:m] >= count[:, None])
+                                                                             & (col[:m] < used[:, None])]
+        # shuffle each row's used prefix, the -1 tail stays: a stable argsort of random keys for narrow rows, a
+        # Fisher-Yates permutation per row for wide ones (a 2048-wide HiFloat8 row holds ~1000 strays, and the
+        # stable sort of 2048 random keys per row cost about a millisecond per call)
+        if m > 64:
+            for i in np.flatnonzero(used > 1):
+                u = int(used[i])
+                head[i, :u] = head[i, rng.permutation(u)]
+        else:
+            mix = rng.random((r, m))
+            mix[col[:m] >= used[:, None]] = 2.0
+            idx[:, :m] = head[np.arange(r)[:, None], mix.argsort(axis=1, kind="stable")]
         count = used
     if junk_after:
         junk = rng.integers(-1, int(total.max()) + 1, (r, width))
-        after = np.arange(width)[None, :] > count[:, None]
-        idx = np.where(after, junk, idx)
+        idx = np.where(col[:width] > count[:, None], junk, idx)
     return idx.astype(np.int32)
 
 

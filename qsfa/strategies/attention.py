@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from .. import _edges as _E
 from .._values import _exact_codes, _nope_codes, as_dtype
 from ._common import _b, _choose, _NAN16, _NAN_CODE, _QDT, _rng, Bounds, bounds, INT64_MAX, sparse_index_rows
-from ._common import BOOLEANS, int_lists, ints, sampled
+from ._common import draw_flags, int_lists
 from .formats import _NP_IN
 
 __all__ = [
@@ -57,12 +57,29 @@ def _lengths(draw, n: int, lo: int, hi: int) -> np.ndarray:
     return np.array(draw(int_lists(lo, hi, n)), np.int64)
 
 
-def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _QPlan:
+def _common_flags(layout_query: str, layout_kv: str) -> list:
+    """The flags (:func:`~qsfa.strategies._common.draw_flags`) of the shared attention plan for these layouts."""
+    specs = [("sparse_mode", (3, 0))]
+    if layout_query == "BSND":  # explicit query lengths, and whether they are drawn (7 in 10) or all Q_S
+        specs += [("explicit_q", (False, True), "explicit_lengths"), ("q_lengths_drawn", (True,) * 7 + (False,) * 3)]
+    else:  # padding rows after the last batch
+        specs += [("q_extra", (0, 0, 1, 2))]
+    specs += [("long_kv", (False, True))]  # long sequences are the interesting ones
+    if layout_kv == "BSND":
+        specs += [("kv_extra", (0, 0, 1, 3)), ("explicit_kv", (False, True), "explicit_lengths")]
+    elif layout_kv == "TND":
+        specs += [("kv_extra", (0, 0, 2))]
+    else:  # spare block-table columns, spare physical blocks
+        specs += [("bt_extra", (0, 0, 1)), ("nb_extra", (0, 1, 2))]
+    return specs
+
+
+def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins, f: dict) -> _QPlan:
     max_q = max(1, b.max_q_tokens)
     if layout_query == "BSND":
         q_s = _E.pinned_int(draw, pins, "q_tokens", 1, max_q)
-        explicit = _choose(draw, pins, "explicit_lengths", (False, True))
-        act_q = (_lengths(draw, batch, 0, q_s) if explicit and draw(ints(0, 9)) < 7 else np.full(batch, q_s))
+        explicit = f["explicit_q"]
+        act_q = (_lengths(draw, batch, 0, q_s) if explicit and f["q_lengths_drawn"] else np.full(batch, q_s))
         act_q = _E.query_lengths(act_q.astype(np.int64), pins, q_s)
         lens = act_q.astype(np.int32) if explicit else None
         bb = np.repeat(np.arange(batch), q_s)
@@ -73,7 +90,7 @@ def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _Q
         act_q[0] = 1
     act_q = _E.query_lengths(act_q, pins, max_q)
     ends = np.cumsum(act_q)
-    extra = int(draw(sampled((0, 0, 1, 2))))
+    extra = int(f["q_extra"])
     t = int(ends[-1]) + extra
     r = np.arange(t)
     bb = np.searchsorted(ends, r, side="right")
@@ -84,19 +101,20 @@ def _plan_query(draw, rng, b: Bounds, layout_query: str, batch: int, pins) -> _Q
     return _QPlan("TND", (t,), act_q, ends.astype(np.int32), np.where(valid, bc, 0), pos, valid)
 
 
-def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_sizes, act_kv=None) -> _KvPlan:
+def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, f: dict, *, block_sizes,
+             act_kv=None) -> _KvPlan:
     max_kv = max(1, b.max_kv_tokens)
     if act_kv is None:
         act_kv = _lengths(draw, batch, 0, max_kv)
-        if draw(BOOLEANS):  # long sequences are the interesting ones
+        if f["long_kv"]:
             act_kv = np.maximum(act_kv, _lengths(draw, batch, max_kv // 2, max_kv))
         act_kv = _E.kv_lengths(act_kv, pins)
     mk = max(int(act_kv.max(initial=0)), 1)
     j = np.arange(mk)[None, :]
     live = j < act_kv[:, None]
     if layout_kv == "BSND":
-        kv_s = mk + int(draw(sampled((0, 0, 1, 3))))
-        explicit = _choose(draw, pins, "explicit_lengths", (False, True))
+        kv_s = mk + int(f["kv_extra"])
+        explicit = f["explicit_kv"]
         if not explicit:
             act_kv = np.full(batch, kv_s, np.int64)
             mk = kv_s
@@ -107,22 +125,22 @@ def _plan_kv(draw, rng, b: Bounds, layout_kv: str, batch: int, pins, *, block_si
                        act_kv.astype(np.int32) if explicit else None)
     if layout_kv == "TND":
         ends = np.cumsum(act_kv)
-        kv_t = max(int(ends[-1]) + int(draw(sampled((0, 0, 2)))), 1)
+        kv_t = max(int(ends[-1]) + int(f["kv_extra"]), 1)
         starts = np.concatenate([[0], ends[:-1]])
         flat = np.where(live, starts[:, None] + j, -1)
         return _KvPlan("TND", (kv_t,), act_kv, flat, None, ends.astype(np.int32))
     bs = int(_choose(draw, pins, "block_size", tuple(block_sizes)))
     need = -(-act_kv // bs)
-    width = max(int(need.max(initial=0)), 1) + int(draw(sampled((0, 0, 1))))
+    width = max(int(need.max(initial=0)), 1) + int(f["bt_extra"])
     used = int(need.sum())
-    nb = used + int(draw(sampled((0, 1, 2))))
+    nb = used + int(f["nb_extra"])
     nb = max(nb, 1)
     phys = rng.permutation(nb)
     bt = rng.integers(-1, nb, (batch, width)).astype(np.int64)  # junk in unused entries
     col = np.arange(width)[None, :]
     used_mask = col < need[:, None]
     bt[used_mask] = phys[:used]
-    blk = np.take_along_axis(bt, np.broadcast_to(np.minimum(j // bs, width - 1), (batch, mk)), axis=1)
+    blk = bt[np.arange(batch)[:, None], np.minimum(j // bs, width - 1)]
     flat = np.where(live, blk * bs + j % bs, -1)
     return _KvPlan("PA_BSND", (nb, bs), act_kv, flat, bt.astype(np.int32), act_kv.astype(np.int32), bs)
 
@@ -131,15 +149,20 @@ def _row_limits(q: _QPlan, act_kv: np.ndarray, sparse_mode: int):
     akv = act_kv[q.batch]
     thr = akv - q.act_q[q.batch] + q.pos + 1 if sparse_mode == 3 else akv.copy()
     thr = np.where(q.valid, thr, 0)
-    return thr, np.clip(np.minimum(akv, thr), 0, None)
+    return thr, np.maximum(np.minimum(akv, thr), 0)
 
 
-def _indices(draw, rng, q: _QPlan, kv: _KvPlan, sparse_mode: int, sbs: int, width: int, pins) -> np.ndarray:
+#: flags of :func:`_indices` (drawn with the plan's, :func:`_attention_common`)
+_INDEX_FLAGS = [("fill_full", (False, True)), ("junk_after_minus1", (False, True)),
+                ("stray_entries", (0.0, 0.5, 1.0))]
+
+
+def _indices(draw, rng, q: _QPlan, kv: _KvPlan, sparse_mode: int, sbs: int, width: int, pins, f: dict) -> np.ndarray:
     _, limit = _row_limits(q, kv.act_kv, sparse_mode)
     lb = -(-limit // sbs)
-    fill = pins["fill"] if "fill" in pins else 1.0 if draw(BOOLEANS) else rng.uniform(0, 1, limit.size)
-    junk = _choose(draw, pins, "junk_after_minus1", (False, True))
-    strays = _choose(draw, pins, "stray_entries", (0.0, 0.5, 1.0))
+    fill = pins["fill"] if "fill" in pins else 1.0 if f["fill_full"] else rng.uniform(0, 1, limit.size)
+    junk = f["junk_after_minus1"]
+    strays = f["stray_entries"]
     total = -(-kv.act_kv[q.batch] // sbs)  # per row: strays below actKV (past it only when no room is left)
     idx = sparse_index_rows(rng, lb, width, fill=fill, junk_after=junk, total_blocks=total, strays=float(strays))
     return idx.reshape(q.q_lead + (1, width))
@@ -162,7 +185,10 @@ def _store_q(x: np.ndarray, q: _QPlan) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(q.q_lead + x.shape[1:]))
 
 
-def _attention_common(draw, b: Bounds, pins, *, heads_options, block_sizes):
+def _attention_common(draw, b: Bounds, pins, *, heads_options, block_sizes, flags=()):
+    """Layouts, batch, heads, the query / KV plans and the rng of an attention-group draw; ``flags``: the calling
+    strategy's own small choices, drawn folded with the plan's (:func:`~qsfa.strategies._common.draw_flags`).
+    Returns ``(rng, q, kv, n_heads, sparse_mode, f)`` with ``f`` every flag's value."""
     layout_query = _choose(draw, pins, "layout_query", ("BSND", "TND"))
     layout_kv = _choose(draw, pins, "layout_kv", (layout_query, "PA_BSND"))
     if layout_kv != "PA_BSND":  # without paging the KV layout is the query's (a pinned KV layout wins)
@@ -170,11 +196,11 @@ def _attention_common(draw, b: Bounds, pins, *, heads_options, block_sizes):
     batch = _E.pinned_int(draw, pins, "batch", 1, b.max_batch)
     heads = tuple(h for h in heads_options if h <= b.max_heads) or (heads_options[0],)
     n_heads = _choose(draw, pins, "n_heads", heads)
-    sparse_mode = _choose(draw, pins, "sparse_mode", (3, 0))
+    f = draw_flags(draw, pins, _common_flags(layout_query, layout_kv) + list(flags))
     rng = _rng(draw)
-    q = _plan_query(draw, rng, b, layout_query, batch, pins)
-    kv = _plan_kv(draw, rng, b, layout_kv, batch, pins, block_sizes=block_sizes)
-    return rng, q, kv, n_heads, sparse_mode
+    q = _plan_query(draw, rng, b, layout_query, batch, pins, f)
+    kv = _plan_kv(draw, rng, b, layout_kv, batch, pins, f, block_sizes=block_sizes)
+    return rng, q, kv, n_heads, f["sparse_mode"], f
 
 
 def _pa_block_sizes(b: Bounds, mult=16):
@@ -214,45 +240,51 @@ def qsfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     qdt = _QDT[qname]
     # HiFloat8 KV is an Ascend 950 format and 950 supports sparse_block_size 1 only (seed 000)
     sbs = 1 if key_fmt == "hifloat8" else _choose(draw, pins, "sparse_block_size", (1, 2, 4, 8, 16))
-    rng, q, kv, n_heads, sparse_mode = _attention_common(draw, b, pins, heads_options=QSFA_QUERY_HEADS,
-                                                         block_sizes=_pa_block_sizes(b))
+    key_arrays = {"int8": ("int8", "uint8"), "float8_e4m3fn": ("float8_e4m3fn", "uint8"), "hifloat8": ("uint8",)}
+    flags = [*_INDEX_FLAGS, ("key_array", key_arrays[key_fmt]), ("value_is_key", (True, True, False)),
+             ("scale_value", ((512 + 64) ** -0.5, 0.1, 0.02)), ("return_softmax_lse", (False, True)),
+             ("precision", ("faithful", "faithful", "exact")), ("probability_rounding", ("unnormalised", "normalised"))]
+    rng, q, kv, n_heads, sparse_mode, f = _attention_common(draw, b, pins, heads_options=QSFA_QUERY_HEADS,
+                                                            block_sizes=_pa_block_sizes(b), flags=flags)
     width = 2048 if key_fmt == "hifloat8" else _E.sparse_width(draw, pins, b.max_sparse, kv.act_kv, sbs)
-    idx = _indices(draw, rng, q, kv, sparse_mode, sbs, width, pins)
+    idx = _indices(draw, rng, q, kv, sparse_mode, sbs, width, pins, f)
 
-    # logical packed rows [B, max_kv, W]
-    bsz, mk = kv.flat_of.shape
-    codes, smag = _nope_codes(rng, (bsz, mk, 512), key_fmt)
-    scales = (smag * rng.uniform(0.5, 1.5, (bsz, mk, 4))).astype("<f4")
-    parts = [codes]
+    # packed rows, drawn for the live tokens only (the storage's other rows are poison): row i of ``block`` is
+    # token i of the live (batch, position) pairs in row-major order, stored at flat row ``live_rows[i]``
+    live_rows = kv.flat_of[kv.flat_of >= 0]
+    n_live = live_rows.size
+    width_b = 512 + 2 * rope + 16
+    block = np.empty((n_live, width_b), np.uint8)
+    block[:, :512], smag = _nope_codes(rng, (n_live, 512), key_fmt)
+    block[:, -16:] = (smag * rng.uniform(0.5, 1.5, (n_live, 4))).astype("<f4").view(np.uint8)
     if rope:
-        parts.append(_uniform16(rng, (bsz, mk, 64), qdt).view(np.uint8))
-    parts.append(scales.view(np.uint8))
-    logical = np.concatenate(parts, axis=-1)
+        block[:, 512:640] = _uniform16(rng, (n_live, 64), qdt).view(np.uint8)
     nan_code = _NAN_CODE[key_fmt]
-    poison = np.empty(logical.shape[-1], np.uint8)
+    poison = np.empty(width_b, np.uint8)
     poison[:512] = nan_code if nan_code is not None else 0x7F
     if rope:
         poison[512:640] = np.full(64, _NAN16[qname], np.uint16).view(np.uint8)
     poison[-16:] = np.full(4, np.nan, "<f4").view(np.uint8)
-    key = _place_rows(kv, logical, poison)
-    arr = _choose(draw, pins, "key_array", {"int8": ("int8", "uint8"), "float8_e4m3fn": ("float8_e4m3fn", "uint8"),
-                                            "hifloat8": ("uint8",)}[key_fmt])
+    key = np.empty((int(np.prod(kv.key_lead)), width_b), np.uint8)
+    key[:] = poison
+    key[live_rows] = block
+    key = key.reshape(kv.key_lead + (1, width_b))
+    arr = f["key_array"]
     key = key.view({"int8": np.int8, "uint8": np.uint8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}[arr])
-    value_is_key = _choose(draw, pins, "value_is_key", (True, True, False))
+    value_is_key = f["value_is_key"]
     value = key if value_is_key else np.ascontiguousarray(key[..., :512])
 
     rows = q.batch.size
     query = _store_q(_uniform16(rng, (rows, n_heads, 512 + rope), qdt), q)
-    scale = _choose(draw, pins, "scale_value", ((512 + 64) ** -0.5, 0.1, 0.02))
+    scale = f["scale_value"]
     return dict(query=query, key=key, value=value, sparse_indices=idx, scale_value=float(scale),
                 key_quant_mode=2, value_quant_mode=2, key_dequant_scale=None, value_dequant_scale=None,
                 block_table=kv.block_table, actual_seq_lengths_query=q.lens_q, actual_seq_lengths_kv=kv.lens_kv,
                 sparse_block_size=sbs, layout_query=q.layout_query, layout_kv=kv.layout_kv,
                 sparse_mode=sparse_mode, pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=2,
                 quant_scale_repo_mode=1, tile_size=128, rope_head_dim=rope,
-                return_softmax_lse=_choose(draw, pins, "return_softmax_lse", (False, True)), key_dtype=key_fmt,
-                precision=_choose(draw, pins, "precision", ("faithful", "faithful", "exact")),
-                probability_rounding=_choose(draw, pins, "probability_rounding", ("unnormalised", "normalised")))
+                return_softmax_lse=f["return_softmax_lse"], key_dtype=key_fmt, precision=f["precision"],
+                probability_rounding=f["probability_rounding"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -272,17 +304,21 @@ def sfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     pins, _ = _E.take(draw, "sparse_flash_attention", pins)
     qname = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
     qdt = _QDT[qname]
-    rng, q, kv, n_heads, sparse_mode = _attention_common(draw, b, pins, heads_options=SFA_QUERY_HEADS,
-                                                         block_sizes=_pa_block_sizes(b))
+    flags = [*_INDEX_FLAGS, ("rope", (True, False)), ("has_value", (True, False)), ("sinks", (False, False, True)),
+             ("return_softmax_lse", (False, True)), ("scale_value", ((512 + 64) ** -0.5, 0.1)),
+             ("attention_mode", (2, 2, 0)), ("lse_includes_sink", (False, True)),
+             ("precision", ("faithful", "faithful", "exact")), ("probability_rounding", ("unnormalised", "normalised"))]
+    rng, q, kv, n_heads, sparse_mode, f = _attention_common(draw, b, pins, heads_options=SFA_QUERY_HEADS,
+                                                            block_sizes=_pa_block_sizes(b), flags=flags)
     sbs_opts = (1, 2, 4, 8, 16, 32, 64, 128)
     if kv.layout_kv == "PA_BSND":
         sbs_opts = tuple(s for s in sbs_opts if kv.block_size % s == 0)
     sbs = _choose(draw, pins, "sparse_block_size", sbs_opts)
     width = _E.sparse_width(draw, pins, b.max_sparse, kv.act_kv, sbs)
-    idx = _indices(draw, rng, q, kv, sparse_mode, sbs, width, pins)
+    idx = _indices(draw, rng, q, kv, sparse_mode, sbs, width, pins, f)
     bsz, mk = kv.flat_of.shape
-    rope = _choose(draw, pins, "rope", (True, False))
-    has_value = _choose(draw, pins, "has_value", (True, False))
+    rope = f["rope"]
+    has_value = f["has_value"]
     nan_row = lambda w: np.full(w, np.nan, np.float32).astype(qdt)  # noqa: E731
     key = _place_rows(kv, as_dtype(rng.uniform(-1, 1, (bsz, mk, 512)), qdt), nan_row(512))
     value = _place_rows(kv, as_dtype(rng.uniform(-1, 1, (bsz, mk, 512)), qdt), nan_row(512)) if has_value else None
@@ -292,19 +328,17 @@ def sfa_args(draw, bounds: Bounds | None = None, **pins) -> dict:
         qr = _store_q(as_dtype(rng.uniform(-1, 1, (rows, n_heads, 64)), qdt), q)
         kr = _place_rows(kv, as_dtype(rng.uniform(-1, 1, (bsz, mk, 64)), qdt), nan_row(64))
     sinks = None
-    if _choose(draw, pins, "sinks", (False, False, True)):
+    if f["sinks"]:
         sinks = rng.uniform(-2, 2, n_heads).astype(np.float32)
-    lse = False if kv.layout_kv == "PA_BSND" else _choose(draw, pins, "return_softmax_lse", (False, True))
+    lse = False if kv.layout_kv == "PA_BSND" else f["return_softmax_lse"]
     query = _store_q(as_dtype(rng.uniform(-1, 1, (rows, n_heads, 512)), qdt), q)
-    return dict(query=query, key=key, value=value, sparse_indices=idx,
-                scale_value=float(_choose(draw, pins, "scale_value", ((512 + 64) ** -0.5, 0.1))),
+    return dict(query=query, key=key, value=value, sparse_indices=idx, scale_value=float(f["scale_value"]),
                 block_table=kv.block_table, actual_seq_lengths_query=q.lens_q, actual_seq_lengths_kv=kv.lens_kv,
                 query_rope=qr, key_rope=kr, sparse_block_size=sbs, layout_query=q.layout_query,
                 layout_kv=kv.layout_kv, sparse_mode=sparse_mode, pre_tokens=INT64_MAX, next_tokens=INT64_MAX,
-                attention_mode=_choose(draw, pins, "attention_mode", (2, 2, 0)), return_softmax_lse=lse,
-                sinks=sinks, lse_includes_sink=_choose(draw, pins, "lse_includes_sink", (False, True)),
-                precision=_choose(draw, pins, "precision", ("faithful", "faithful", "exact")),
-                probability_rounding=_choose(draw, pins, "probability_rounding", ("unnormalised", "normalised")))
+                attention_mode=f["attention_mode"], return_softmax_lse=lse, sinks=sinks,
+                lse_includes_sink=f["lse_includes_sink"], precision=f["precision"],
+                probability_rounding=f["probability_rounding"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,8 +354,8 @@ def lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     pins, _ = _E.take(draw, "lightning_indexer", pins)
     qname = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
     qdt = _QDT[qname]
-    rng, q, kv, n_heads, sparse_mode = _attention_common(draw, b, pins, heads_options=tuple(range(1, 65)),
-                                                         block_sizes=_pa_block_sizes(b))
+    rng, q, kv, n_heads, sparse_mode, _ = _attention_common(draw, b, pins, heads_options=tuple(range(1, 65)),
+                                                            block_sizes=_pa_block_sizes(b))
     bsz, mk = kv.flat_of.shape
     key_rows = rng.integers(-3, 4, (bsz, mk, 128))
     if pins.get("constant_rows"):  # every key equal: every score of a row equal (ties everywhere)
@@ -348,8 +382,8 @@ def quant_lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> 
     b = _b(bounds)
     pins, edge = _E.take(draw, "quant_lightning_indexer", pins)
     fmt = _choose(draw, pins, "format", ("int8", "float8_e4m3fn", "hifloat8"))
-    rng, q, kv, n_heads, sparse_mode = _attention_common(draw, b, pins, heads_options=tuple(range(1, 65)),
-                                                         block_sizes=_pa_block_sizes(b))
+    rng, q, kv, n_heads, sparse_mode, _ = _attention_common(draw, b, pins, heads_options=tuple(range(1, 65)),
+                                                            block_sizes=_pa_block_sizes(b))
     bsz, mk = kv.flat_of.shape
     rows = q.batch.size
     poison = np.full(128, _NAN_CODE[fmt] if _NAN_CODE[fmt] is not None else 0x7F, np.uint8)
