@@ -100,6 +100,7 @@ def _nope_codes(rng, shape, fmt: str) -> tuple[np.ndarray, float]:
         bad = bad[(m[bad] & np.uint32(0xFFFF)) < np.uint32((1 << 16) % k)]
     return table.take((m >> np.uint32(16)).astype(np.uint8)).reshape(shape), 0.25
 
+
 def _exact_codes(rng, shape, fmt: str) -> np.ndarray:
     """uint8 codes of ``fmt`` whose values are integers in [-4, 4]."""
     if fmt == "int8":
