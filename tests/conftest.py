@@ -17,3 +17,14 @@ def _triton_interpret_only_in_triton_modules(request):
     """TRITON_INTERPRET=1, which the Triton test modules set at import (tests/_triton_env.py), is removed
     for the tests of every other module, so no test depends on which modules were collected before it."""
     _triton_env.scope(request)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The README main job's golden directory (the smoke set, bin), generated once per module that asks for it; a
+    test that changes files works on a copy."""
+    from qsfa.cli import main
+
+    out = tmp_path_factory.mktemp("golden") / "golden-out"
+    assert main(["golden", "generate", "--set", "smoke", "--out", str(out), "-q"]) == 0
+    return out

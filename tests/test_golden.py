@@ -45,14 +45,6 @@ def fromfile(folder, e):
     return np.fromfile(os.path.join(folder, e["file"]), dtype=e["storage"]).reshape(e["shape"])
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """The README main job's golden directory (bin), generated once for the module."""
-    out = tmp_path_factory.mktemp("golden") / "golden-out"
-    assert main(["golden", "generate", "--set", "smoke", "--out", str(out), "-q"]) == 0
-    return out
-
-
 # --------------------------------------------------------------------------------------------------
 # a toy operator (registered for the test, removed afterwards) with a float output that has
 # unspecified elements and a packed uint8 cache with byte fields

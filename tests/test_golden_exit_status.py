@@ -38,13 +38,6 @@ def refused(capsys, *argv, expect=()):
     return out, err
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("exit") / "smoke"
-    assert main(["golden", "generate", "--set", "smoke", "--out", str(out), "-q"]) == 0
-    return out
-
-
 @pytest.fixture
 def g(smoke, tmp_path):
     d = tmp_path / "g"

@@ -49,13 +49,6 @@ def leftovers(root: Path) -> list:
     return [n for n in os.listdir(root) if n.startswith((STAGING_PREFIX, REPLACED_PREFIX))]
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("replace") / "smoke"
-    assert main(["golden", "generate", "--set", "smoke", "--out", str(out), "-q"]) == 0
-    return out
-
-
 @pytest.fixture
 def old(smoke, tmp_path):
     """A copy of the smoke set with a file of the user's beside it; ``(folder, its tree before)``."""
