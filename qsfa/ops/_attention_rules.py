@@ -633,12 +633,11 @@ def _selected_storage_rows(a, n: Names, entries: int = 1 << 19):
     """Per chunk of query rows: ``(storage [c, W], valid [c, W], batch [c], token [c, W])`` - the flat row of
     ``key.reshape(-1, D)`` of every token the rows' sparse indices select (qsfa.reference.attn_layout: causal
     threshold, -1 padding, sparse_block_size, KV lengths), at most ``entries`` tokens a chunk."""
-    from ..reference.attn_layout import kv_map, query_rows, row_limits, selected_tokens
+    from ..reference.attention import _rows_and_kv
+    from ..reference.attn_layout import row_limits, selected_tokens
 
-    q, key = a.query, a[n.key]
-    lead = q.shape[:2] if a.layout_query == "BSND" else q.shape[:1]
-    rows = query_rows(a.layout_query, lead, a.get("actual_seq_lengths_query"))
-    kvm = kv_map(a[n.layout_kv], key.shape, a.get(n.lens_kv), rows.n_batch, a.get("block_table"))
+    rows, kvm = _rows_and_kv(a.query, a[n.key], a.layout_query, a[n.layout_kv], a.get("actual_seq_lengths_query"),
+                             a.get(n.lens_kv), a.get("block_table"))
     thr, limit = row_limits(rows, kvm.act_kv, a.sparse_mode)
     idx = np.asarray(a.sparse_indices).reshape(rows.batch.size, -1)
     sbs = int(a.sparse_block_size)

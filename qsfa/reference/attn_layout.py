@@ -151,8 +151,6 @@ class _RowGather:
 
     def __init__(self, a: np.ndarray):
         self.a, self.lead = a, a.shape[:-1]
-        self.shape = (int(np.prod(self.lead, dtype=np.int64)), a.shape[-1])
-        self.dtype = a.dtype
 
     def __getitem__(self, ids):
         ids = np.asarray(ids, np.int64)
