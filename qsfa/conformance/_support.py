@@ -277,8 +277,11 @@ def selected_tokens(w: np.ndarray, batch: np.ndarray, act_kv: np.ndarray, storag
 
 
 def take_rows(a: np.ndarray | None, flat: np.ndarray) -> np.ndarray | None:
-    """Rows ``flat`` of an array of flat storage rows ``[..., W]`` (None stays None)."""
-    return None if a is None else np.ascontiguousarray(a).reshape(-1, a.shape[-1])[flat]
+    """Rows ``flat`` of an array of flat storage rows ``[..., W]`` (None stays None); a view of a bigger array is not
+    copied whole (the oracle's own row access, ``attn_layout.flat_rows``)."""
+    from ..reference.attn_layout import flat_rows
+
+    return None if a is None else flat_rows(np.asarray(a))[flat]
 
 
 def decode(codes: np.ndarray, fmt: str) -> np.ndarray:
