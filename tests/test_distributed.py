@@ -179,7 +179,8 @@ class _KillOnce(WorkerPlugin):
         def kill_once(params, rng):
             if not os.path.exists(marker):
                 open(marker, "w").close()
-                time.sleep(0.2)  # let the attempt's event reach the scheduler
+                # no wait for this attempt's event: the scheduler's remove-worker event names the task the dead
+                # worker was processing, which the summary counts as a re-run whether or not the event arrived
                 os.kill(os.getpid(), signal.SIGKILL)
             return get_generator("qsfa_attention")(params, rng)
 
@@ -223,6 +224,15 @@ def _sig_masks(pid: int) -> str:
         return "?"
 
 
+def _cmdline(psutil, proc) -> str:
+    """A child's command line, or "" where it has already exited: a process found by ``children()`` may be gone
+    before its /proc entry is read (psutil raises NoSuchProcess, or lets the FileNotFoundError through)."""
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.Error, OSError):
+        return ""
+
+
 def test_ctrl_c_stops_the_cluster_it_started(tmp_path):
     psutil = pytest.importorskip("psutil")
     out = tmp_path / "g"
@@ -246,7 +256,7 @@ def test_ctrl_c_stops_the_cluster_it_started(tmp_path):
         while time.monotonic() < deadline and p.poll() is None:
             # workers: forked by the fork server (qsfa.distributed.prestart), or spawned where it is not used
             kids = [k for k in proc.children(recursive=True)
-                    if any(w in " ".join(k.cmdline()) for w in ("spawn_main", "multiprocessing.forkserver"))]
+                    if any(w in _cmdline(psutil, k) for w in ("spawn_main", "multiprocessing.forkserver"))]
             if len(kids) >= 2 and out.exists():  # workers up, tasks submitted
                 break
             time.sleep(0.2)
@@ -577,12 +587,14 @@ if __name__ == "__main__":
     before = {k: os.environ.get(k) for k in KEYS}
     with connect(workers=2, preload=("json.tool",)) as c:
         got = list(c.run(info).values())
+        # read while the cluster runs: its fork server exits when the cluster closes
+        parent = got[0]["ppid"]
+        with open(f"/proc/{parent}/cmdline") as f:
+            cmd = f.read()
+        threads = len(os.listdir(f"/proc/{parent}/task")) if parent != os.getpid() else None
     after = {k: os.environ.get(k) for k in KEYS}
-    parent = got[0]["ppid"]
-    with open(f"/proc/{parent}/cmdline") as f:
-        cmd = f.read()
     print(json.dumps({"client": os.getpid(), "workers": got, "parent_cmd": cmd, "env": [before, after],
-                      "parent_threads": len(os.listdir(f"/proc/{parent}/task")) if parent != os.getpid() else None}))
+                      "parent_threads": threads}))
 """
 
 
