@@ -36,6 +36,7 @@ __all__ = [
     "cos_diff",
     "ulp_distance",
     "standard_line",
+    "add_standards",
 ]
 
 
@@ -280,7 +281,7 @@ def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tole
     """
     from . import standards as S
 
-    names = S.resolve(standard)
+    S.resolve(standard)  # unknown names are refused before anything is compared
     g = _host(golden)
     dt = dtype_name(g)
     if dt in _CRITERION_DTYPES or (dtype is not None and dtype in _CRITERION_DTYPES):
@@ -288,16 +289,31 @@ def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tole
     else:
         res = compare_bytes(actual, golden, name=name, fmt=fmt)
     sdt = fmt if (fmt is not None and g.dtype.itemsize == 1) else (dtype or dt)
+    add_standards(res, actual, golden, standard, dtype=sdt, exact=exact, benchmark=benchmark,
+                  standard_params=standard_params)
+    return res
+
+
+def add_standards(res: CompareResult, actual, golden, standard, *, dtype: str, exact=None, benchmark=None,
+                  standard_params: dict | None = None) -> CompareResult:
+    """Judge ``actual`` by the requested standards (a name, a list or "all"; docs/numerics/comparison.md#standards)
+    into ``res.standards``; "all" lists the standards without a rule for ``dtype`` as skipped."""
+    from . import standards as S
+
+    names = S.resolve(standard)
     everything = standard == "all" or (isinstance(standard, (list, tuple)) and "all" in standard)
     for n in names:
-        if everything and not S.applicable(n, sdt):
-            res.standards[n] = {"passed": True, "skipped": True, "reason": f"no rule for {sdt}"}
+        if everything and not S.applicable(n, dtype):
+            res.standards[n] = {"passed": True, "skipped": True, "reason": f"no rule for {dtype}"}
             continue
         try:
-            res.standards[n] = S.judge(n, actual, golden, dtype=sdt, exact=exact, benchmark=benchmark,
-                                       **(standard_params or {}).get(n, {}))
+            r = S.judge(n, actual, golden, dtype=dtype, exact=exact, benchmark=benchmark,
+                        **(standard_params or {}).get(n, {}))
         except InvalidArgument as e:  # e.g. a dtype the rule has no threshold for, named explicitly
-            res.standards[n] = {"passed": False, "error": str(e)}
+            r = {"passed": False, "error": str(e)}
+        if everything and r.get("missing"):  # "all": a rule without its references is not applicable here
+            r = {"passed": True, "skipped": True, "reason": "needs " + " and ".join(r["missing"])}
+        res.standards[n] = r
     return res
 
 

@@ -276,11 +276,15 @@ def test_compare_strict_fails_ops_transformer_passes():
 
 
 def test_compare_strict_passes_ops_transformer_fails():
-    # bf16: qsfa's atol 6e-2 admits absolute errors that ops-transformer's 1e-4 refuses on small values
-    g = np.full(1000, 0.01, BF16)
-    a = (g.astype(np.float32) + 0.03).astype(BF16)
-    r = compare(a, g, tol=qsfa.compare.Tolerance(atol=6e-2, rtol=7.8125e-3, cos_tol=1.0), standard="ops-transformer")
-    assert r.passed and not r.standards["ops-transformer"]["passed"]
+    # bf16: qsfa's atol 6e-2 admits absolute errors on small values that ops-transformer's 1e-4 refuses; 1% of
+    # the elements is twice its 0.5% allowance, and the tensor's cos_diff stays far below qsfa's 1e-5
+    g = np.ones(1000, BF16)
+    g[:10] = BF16(0.001)
+    a = g.copy()
+    a[:10] = BF16(0.01)
+    r = compare(a, g, standard="ops-transformer")
+    assert r.passed and r.cos_diff < 1e-6
+    assert not r.standards["ops-transformer"]["passed"] and r.standards["ops-transformer"]["fail_ratio"] == 0.01
 
 
 def test_compare_all_skips_rules_without_the_dtype_and_refuses_unknown_names():
