@@ -293,3 +293,33 @@ def test_compare_all_skips_rules_without_the_dtype_and_refuses_unknown_names():
     assert r.passed and r.standards["quant-codes"]["passed"] and r.standards["torch-npu"].get("skipped")
     with pytest.raises(qsfa.InvalidArgument, match="Invalid value for standard"):
         compare(g, g, standard="nope")
+
+
+# ---------------------------------------------------------------------------------------------------------- benchmark
+
+@pytest.mark.parametrize("op", ["sparse_flash_attention", "kv_quant_sparse_flash_attention"])
+def test_precision_benchmark_is_a_query_dtype_computation_near_the_exact_one(op):
+    from qsfa._dispatch import operator
+
+    args = dict(operator(op).contract.example(np.random.default_rng(5)))
+    args["return_softmax_lse"] = True
+    fn = getattr(qsfa, op)
+    b_out, b_max, b_sum = fn(**{**args, "precision": "benchmark"})
+    e_out = fn(**{**args, "precision": "exact"})[0]
+    assert b_out.dtype == np.asarray(args["query"]).dtype and b_max.dtype == b_sum.dtype == np.float32
+    e = e_out.astype(np.float64)
+    if op == "sparse_flash_attention":  # V given in the query dtype: its largest entry bounds the output
+        vmax = np.abs(args["value"].astype(np.float64)).max()
+        # output rounding (2^-8 of |e| for bf16) plus P rounded to bf16 (2^-8 of the largest |V|), room for fp32
+        assert np.all(np.abs(b_out.astype(np.float64) - e) <= 2.0 ** -8 * np.abs(e) + 2.0 ** -6 * vmax)
+    # the dual benchmark of the faithful golden against it
+    f_out = fn(**{**args, "precision": "faithful"})[0]
+    r = compare(f_out, f_out, standard="atk-dual", exact=e_out, benchmark=b_out)
+    assert r.standards["atk-dual"]["passed"]
+
+
+def test_precision_benchmark_is_refused_by_the_device_backends():
+    from qsfa.triton_backend import _precision_faithful
+
+    c = _precision_faithful()
+    assert c.check({"precision": "benchmark"}) == "benchmark" and c.check({"precision": "faithful"}) is None
