@@ -90,7 +90,8 @@ def helpers_on_reference(ops):
 class _Judging:
     """The acceptance standards a vs_reference check judges its outputs by (``qsfa conformance --standard``),
     the one that gives the verdict (``--verdict-by``), the runs per example (``--repeat``) and the tally of the
-    property being run: {standard: {"judged": outputs, "failed": outputs, "first_failure": figures}}."""
+    property being run: {standard: {"judged": outputs, "failed": outputs, "strict_failed": outputs qsfa's
+    criterion fails among them, "first_failure": figures}}."""
 
     def __init__(self, standards, verdict_by, repeat):
         from .. import standards as S
@@ -103,9 +104,9 @@ class _Judging:
         self.repeat = int(repeat)
         self.tally: dict = {}
 
-    def judge(self, name: str, got, want, dtype: str) -> bool | None:
-        """Judge one output by every standard; returns the ``verdict_by`` standard's verdict (None: not set, or
-        it has no rule for this output)."""
+    def judge(self, name: str, got, want, dtype: str, strict_passed: bool = True) -> bool | None:
+        """Judge one output by every standard (counting, beside, how many of the judged outputs qsfa's own
+        criterion fails); returns the ``verdict_by`` standard's verdict (None: not set, or no rule here)."""
         from .. import standards as S
 
         res = C.CompareResult(name, "", True, (), dtype, 0, 0)
@@ -114,8 +115,9 @@ class _Judging:
         for n, r in res.standards.items():
             if r.get("missing"):  # atk-dual: conformance has no exact / benchmark outputs to give it
                 continue
-            t = self.tally.setdefault(n, {"judged": 0, "failed": 0})
+            t = self.tally.setdefault(n, {"judged": 0, "failed": 0, "strict_failed": 0})
             t["judged"] += 1
+            t["strict_failed"] += not strict_passed
             if not r.get("passed"):
                 t["failed"] += 1
                 t.setdefault("first_failure", {"output": name, **{k: v for k, v in r.items()
@@ -194,17 +196,20 @@ def compare_outputs(got: dict, want: dict, kinds: dict | None = None, *, label: 
             bad.append(f"{label}{name}: one side returned None ({'got' if g is None else 'expected'} None)")
             continue
         kind = kinds.get(name, "bytes")
+        same = _identical(g, w)  # passes either criterion (the float one with cos_diff 0): no full report
+        r = None
+        if not same:
+            if kind == "float" and dtype_name(w) in _FLOAT:
+                r = C.compare_float(g, w, name=name)
+            else:
+                r = C.compare_bytes(g, w, name=name, fmt=fmt if np.asarray(w).dtype.itemsize == 1 else None)
         verdict = None
         if j is not None and j.names:
             wd = np.asarray(w)
             sdt = fmt if (fmt is not None and wd.dtype.itemsize == 1) else dtype_name(wd)
-            verdict = j.judge(name, g, w, sdt)
-        if _identical(g, w):  # passes either criterion (the float one with cos_diff 0): skip the full report
+            verdict = j.judge(name, g, w, sdt, strict_passed=same or r.passed)
+        if same:
             continue
-        if kind == "float" and dtype_name(w) in _FLOAT:
-            r = C.compare_float(g, w, name=name)
-        else:
-            r = C.compare_bytes(g, w, name=name, fmt=fmt if np.asarray(w).dtype.itemsize == 1 else None)
         if verdict is not None:  # --verdict-by: that standard's verdict on this output instead of the strict one
             if not verdict:
                 bad.append(f"{label}{name}: FAIL by {j.verdict_by} (strict: {'PASS' if r.passed else 'FAIL'})\n"

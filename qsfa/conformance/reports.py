@@ -95,7 +95,8 @@ def standards_lines(report: ConformanceReport) -> list:
     for r in judged:
         for name, t in r.standards.items():
             verdict = "PASS" if not t["failed"] else "FAIL"
-            line = f"  {r.property} {name}: {verdict} ({t['failed']} of {t['judged']} judged outputs fail)"
+            line = (f"  {r.property} {name}: {verdict} ({t['failed']} of {t['judged']} judged outputs fail; "
+                    f"qsfa's criterion: {t.get('strict_failed', 0)})")
             if t.get("first_failure"):
                 ff = t["first_failure"]
                 line += "; first: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
