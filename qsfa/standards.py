@@ -89,14 +89,18 @@ OPS_TRANSFORMER = {
 def ops_transformer(actual, golden, *, dtype, exact=None, benchmark=None) -> dict:
     """np.isclose(actual, golden, rtol, atol, equal_nan=True) in float32; PASS when the share of failing elements
     is <= 0.5% and the largest relative error among them, |a - g| / (max(|a|, |g|, 1/16384/0.005) + 2e-9), is < 10.
-    1-byte outputs are compared as their uint8 codes (the rule's own float32 cast of the raw bytes)."""
+    1-byte outputs of an 8-bit float format (``dtype``) are compared by their decoded values with the default
+    tolerances - what result_compare_method.py does in effect: its FP8 branch compares a torch dtype with a string,
+    which never matches (docs/numerics/comparison.md#standards); other 1-byte outputs by their uint8 values."""
     t = OPS_TRANSFORMER
     tol = t["bfloat16"] if dtype == "bfloat16" else t["default"]
     a_in, g_in = _host(actual), _host(golden)
     bad = _same_shape(a_in, g_in, "golden")
     if bad:
         return bad
-    if a_in.dtype.itemsize == 1:
+    if a_in.dtype.itemsize == 1 and dtype in ("float8_e4m3fn", "float8_e5m2", "hifloat8"):
+        a, g = _values(a_in, dtype).astype(np.float32), _values(g_in, dtype).astype(np.float32)
+    elif a_in.dtype.itemsize == 1:
         a, g = a_in.view(np.uint8).astype(np.float32), g_in.view(np.uint8).astype(np.float32)
     else:
         with np.errstate(invalid="ignore"):
@@ -508,7 +512,9 @@ def quant_codes(actual, golden, *, dtype, exact=None, benchmark=None, max_step: 
 # ----------------------------------------------------------------------------------------------------------------
 # the registry
 
-_OT = "cannmirror/ops-transformer@3a280bc attention/mixed_quant_sparse_flash_mla/tests/assets/impl/compare.py"
+_OT = ("cannmirror/ops-transformer@3a280bc attention/mixed_quant_sparse_flash_mla/tests/assets/impl/compare.py; the same "
+       "rule in recursion-ascend/ops-transformer@a093e95 attention/sparse_flash_attention/tests/pytest/"
+       "result_compare_method.py check_result")
 _ATK = ("ATK precision standard, gitcode.com/W4termy/cannbot ops/ops-precision-standard/reference/"
         "float_compute.md and quantization_community.md")
 _MSP = ("Ascend/mstt debug/accuracy_tools/msprobe/pytorch/api_accuracy_checker/ (precision_standard/standard_config.py, "

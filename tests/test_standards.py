@@ -52,12 +52,15 @@ def test_ops_transformer_bf16_tolerances(ulps, mismatches):
     assert S.ops_transformer(a.astype(np.float32), g.astype(np.float32), dtype="float16")["mismatches"] == 1
 
 
-def test_ops_transformer_codes_compared_as_uint8():
-    g = np.full(8, 0x38, np.uint8)
+def test_ops_transformer_fp8_codes_compared_by_value():
+    g = np.full(8, 0x38, np.uint8)  # E4M3 1.0
     a = g.copy()
-    a[0] = 0x39
+    a[0] = 0x39  # 1.125: beyond 2.5e-5 + 5e-3 * 1
+    a[1] = 0x80  # -0 against 1.0
     r = S.ops_transformer(a, g, dtype="float8_e4m3fn")
-    assert r["mismatches"] == 1  # 57 vs 56: beyond 2.5e-5 + 5e-3 * 56
+    assert r["mismatches"] == 2 and not r["passed"]
+    r = S.ops_transformer(np.full(8, 0x80, np.uint8), np.zeros(8, np.uint8), dtype="float8_e4m3fn")
+    assert r["mismatches"] == 0  # -0 == +0 by value (as uint8 codes, 128 against 0 would differ)
 
 
 # ---------------------------------------------------------------------------------------------------------- ATK
