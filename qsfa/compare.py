@@ -35,6 +35,8 @@ __all__ = [
     "assert_close",
     "cos_diff",
     "ulp_distance",
+    "standard_line",
+    "add_standards",
 ]
 
 
@@ -76,6 +78,7 @@ class CompareResult:
     ulp_histogram: dict = field(default_factory=dict)
     tolerance: dict | None = None
     worst: list = field(default_factory=list)
+    standards: dict = field(default_factory=dict)  # name -> {"passed": bool, figures} (qsfa.standards)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -89,7 +92,23 @@ class CompareResult:
         lines = [head, f"  {msg}"] if msg else [head]
         for w in self.worst:
             lines.append("  " + ", ".join(f"{k}={_fmt(v)}" for k, v in w.items()))
+        for sname, s in self.standards.items():
+            lines.append(f"  standard {sname}: " + standard_line(s))
         return "\n".join(lines)
+
+
+def standard_line(s: dict) -> str:
+    """One line for a standard's verdict and its scalar figures (nested sub-standards by their own verdict)."""
+    head = "n/a" if s.get("skipped") else ("PASS" if s.get("passed") else "FAIL")
+    parts = []
+    for k, v in s.items():
+        if k in ("passed", "source", "skipped"):
+            continue
+        if isinstance(v, dict):
+            parts.append(f"{k}={'PASS' if v.get('passed') else 'FAIL'}")
+        elif not isinstance(v, (list, tuple)):
+            parts.append(f"{k}={_fmt(v)}")
+    return head + (" (" + ", ".join(parts) + ")" if parts else "")
 
 
 def _fmt(v):
@@ -248,13 +267,54 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     return res
 
 
-def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tolerance | None = None) -> CompareResult:
-    """Bytes for integer/8-bit outputs, the float criterion for 16/32/64-bit floats."""
+def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tolerance | None = None,
+            dtype: str | None = None, standard=None, exact=None, benchmark=None,
+            standard_params: dict | None = None) -> CompareResult:
+    """Bytes for integer/8-bit outputs, the float criterion for 16/32/64-bit floats.
+
+    dtype: judge float values by this dtype's criterion (:func:`compare_float`); None: the golden's.
+    standard: a name of :data:`qsfa.standards.STANDARDS`, a list of them or "all" (docs/numerics/comparison.md#standards):
+    each one's verdict and figures land in ``result.standards[name]``, beside (never instead of) qsfa's verdict.
+    "all" applies the standards that judge the output's dtype (the others are listed as skipped).
+    exact / benchmark: the high-precision golden (``precision="exact"``) and the third-party benchmark
+    (``precision="benchmark"``) the benchmark standards read. standard_params: {name: {param: value}}.
+    """
+    from . import standards as S
+
+    S.resolve(standard)  # unknown names are refused before anything is compared
     g = _host(golden)
     dt = dtype_name(g)
-    if dt in _CRITERION_DTYPES:
-        return compare_float(actual, golden, tol=tol, name=name)  # (dtype=None: the actual must have the golden's)
-    return compare_bytes(actual, golden, name=name, fmt=fmt)
+    if dt in _CRITERION_DTYPES or (dtype is not None and dtype in _CRITERION_DTYPES):
+        res = compare_float(actual, golden, dtype=dtype, tol=tol, name=name)  # (dtype=None: the actual must have the golden's)
+    else:
+        res = compare_bytes(actual, golden, name=name, fmt=fmt)
+    sdt = fmt if (fmt is not None and g.dtype.itemsize == 1) else (dtype or dt)
+    add_standards(res, actual, golden, standard, dtype=sdt, exact=exact, benchmark=benchmark,
+                  standard_params=standard_params)
+    return res
+
+
+def add_standards(res: CompareResult, actual, golden, standard, *, dtype: str, exact=None, benchmark=None,
+                  standard_params: dict | None = None) -> CompareResult:
+    """Judge ``actual`` by the requested standards (a name, a list or "all"; docs/numerics/comparison.md#standards)
+    into ``res.standards``; "all" lists the standards without a rule for ``dtype`` as skipped."""
+    from . import standards as S
+
+    names = S.resolve(standard)
+    everything = standard == "all" or (isinstance(standard, (list, tuple)) and "all" in standard)
+    for n in names:
+        if everything and not S.applicable(n, dtype):
+            res.standards[n] = {"passed": True, "skipped": True, "reason": f"no rule for {dtype}"}
+            continue
+        try:
+            r = S.judge(n, actual, golden, dtype=dtype, exact=exact, benchmark=benchmark,
+                        **(standard_params or {}).get(n, {}))
+        except InvalidArgument as e:  # e.g. a dtype the rule has no threshold for, named explicitly
+            r = {"passed": False, "error": str(e)}
+        if everything and r.get("missing"):  # "all": a rule without its references is not applicable here
+            r = {"passed": True, "skipped": True, "reason": "needs " + " and ".join(r["missing"])}
+        res.standards[n] = r
+    return res
 
 
 def assert_bytes_equal(actual, golden, *, name: str = "", fmt: str | None = None):

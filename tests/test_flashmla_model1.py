@@ -103,7 +103,7 @@ def test_dequantize_arbitrary_bytes_multiplies_in_bf16():
     c[0, 576:583] = [0x00, 0xFE, 0xFF, 0x7F - 9, 0, 0, 0]
     k = layouts.flashmla_model1_dequantize(c, block_size=1)
     bits = k.reshape(-1).view(np.uint16)
-    # tile 0, scale 2^-127 (bf16 subnormal 0x0040): NaN * s -> canonical NaN 0x7FC0 (sign dropped, as torch);
+    # tile 0, scale 2^-127 (bf16 subnormal 0x0040): NaN * s -> qsfa's NaN 0x7FC0 (sign dropped);
     # 448 * 2^-127 = 1.75 * 2^-119 = 0x0460; 2^-9 * 2^-127 = 2^-136 rounds to 0 in bf16
     assert bits[0:4].tolist() == [0x7FC0, 0x7FC0, 0x0460, 0x0000]
     assert bits[64] == 0x7F80  # 448 * 2^127 overflows to +inf
@@ -137,6 +137,55 @@ def test_requantising_dequantised_values_keeps_them():
     once = layouts.flashmla_model1_dequantize(layouts.flashmla_model1_quantize(k), block_size=4)
     twice = layouts.flashmla_model1_dequantize(layouts.flashmla_model1_quantize(once), block_size=4)
     assert np.array_equal(once.view(np.uint16), twice.view(np.uint16))
+
+
+def _max_tile(bits: int):
+    k = np.zeros((1, 1, 1, 512), np.uint16)
+    k[0, 0, 0, 0] = bits
+    k[0, 0, 0, 1] = 0x3F80  # 1.0 in the same tile
+    return k.view(BF16)
+
+
+@pytest.mark.parametrize("bits, code, scale, back", [
+    (0x7F60, 0x7E, 0xF6, 0x7F60),  # amax 1.75 * 2^127 = 448 * 2^119: the last scale 2^119
+    (0x7F61, 0x76, 0xF7, 0x7F60),  # scale 2^120: 225.x -> 224
+    (0x7F77, 0x77, 0xF7, 0x7F70),  # 247.x -> 240 = 0x7F70: the largest input still a fixed point after one round
+])
+def test_requantising_holds_up_to_0x7f77(bits, code, scale, back):
+    k = _max_tile(bits)
+    cache = layouts.flashmla_model1_quantize(k)
+    assert cache[0, 0] == code and cache[0, 576] == scale  # block_size 1: the scale bytes at 576
+    once = layouts.flashmla_model1_dequantize(cache, block_size=1)
+    assert once.view(np.uint16)[0, 0, 0, 0] == back
+    twice = layouts.flashmla_model1_dequantize(layouts.flashmla_model1_quantize(once), block_size=1)
+    assert np.array_equal(once.view(np.uint16), twice.view(np.uint16))
+
+
+@pytest.mark.parametrize("bits", [0x7F78, 0x7F7F])  # 248 * 2^120 (a tie, to the even code 256) and bf16 max
+def test_requantising_fails_from_0x7f78_on(bits):
+    cache = layouts.flashmla_model1_quantize(_max_tile(bits))
+    assert cache[0, 0] == 0x78 and cache[0, 576] == 0xF7  # code 256, scale 2^120: 2^128
+    once = layouts.flashmla_model1_dequantize(cache, block_size=1)
+    assert once.view(np.uint16)[0, 0, 0, 0] == 0x7F80  # +inf
+    with pytest.raises(qsfa.InvalidArgument, match="must not contain inf or nan"):
+        layouts.flashmla_model1_quantize(once)
+
+
+def test_nan_bits_are_qsfa_s_own_and_torch_s_vary_with_its_path():
+    for n in (1, 7, 64, 4096):  # qsfa: 0x7FC0 at every NaN, whatever the size
+        c = np.zeros((n, 1152), np.uint8)
+        c[:, 0] = 0xFF  # -NaN code
+        c[:, 576] = 0x7F
+        bits = layouts.flashmla_model1_dequantize(c, block_size=1).view(np.uint16)[:, 0, 0, 0]
+        assert (bits == 0x7FC0).all()
+    torch = pytest.importorskip("torch")
+
+    def torch_bits(n):
+        code = torch.full((n,), 0xFF, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+        return int(((code * torch.ones(n, dtype=torch.bfloat16)).view(torch.int16)[-1]).item()) & 0xFFFF
+
+    assert torch_bits(7) == 0x7FC0  # its scalar loop
+    assert torch_bits(4096) == 0xFFFF  # its vectorised loop: the NaN bits differ from qsfa's
 
 
 def test_layout_positions_block_size_64():

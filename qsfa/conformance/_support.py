@@ -33,6 +33,9 @@ __all__ = [
     "query_matrix",
     "selected_tokens",
     "take_rows",
+    "judging",
+    "start_tally",
+    "repeat_count",
 ]
 
 
@@ -84,6 +87,75 @@ def helpers_on_reference(ops):
         _HELPERS_ON_REFERENCE.reset(token)
 
 
+class _Judging:
+    """The acceptance standards a vs_reference check judges its outputs by (``qsfa conformance --standard``),
+    the one that gives the verdict (``--verdict-by``), the runs per example (``--repeat``) and the tally of the
+    property being run: {standard: {"judged": outputs, "failed": outputs, "strict_failed": outputs qsfa's
+    criterion fails among them, "first_failure": figures}}."""
+
+    def __init__(self, standards, verdict_by, repeat):
+        from .. import standards as S
+
+        self.everything = standards == "all" or (isinstance(standards, (list, tuple)) and "all" in standards)
+        self.names = S.resolve(standards)
+        if verdict_by is not None and verdict_by not in self.names:
+            self.names.append(verdict_by)
+        self.verdict_by = verdict_by
+        self.repeat = int(repeat)
+        self.tally: dict = {}
+
+    def judge(self, name: str, got, want, dtype: str, strict_passed: bool = True) -> bool | None:
+        """Judge one output by every standard (counting, beside, how many of the judged outputs qsfa's own
+        criterion fails); returns the ``verdict_by`` standard's verdict (None: not set, or no rule here)."""
+        from .. import standards as S
+
+        res = C.CompareResult(name, "", True, (), dtype, 0, 0)
+        C.add_standards(res, got, want, [n for n in self.names if S.applicable(n, dtype)], dtype=dtype)
+        verdict = None
+        for n, r in res.standards.items():
+            if r.get("missing"):  # atk-dual: conformance has no exact / benchmark outputs to give it
+                continue
+            t = self.tally.setdefault(n, {"judged": 0, "failed": 0, "strict_failed": 0})
+            t["judged"] += 1
+            t["strict_failed"] += not strict_passed
+            if not r.get("passed"):
+                t["failed"] += 1
+                t.setdefault("first_failure", {"output": name, **{k: v for k, v in r.items()
+                                                                   if not isinstance(v, dict)}})
+            if n == self.verdict_by:
+                verdict = bool(r.get("passed"))
+        return verdict
+
+
+_JUDGING: contextvars.ContextVar = contextvars.ContextVar("qsfa_conformance_judging", default=None)
+
+
+@contextlib.contextmanager
+def judging(standards=None, verdict_by: str | None = None, repeat: int = 1):
+    """Within the block, vs_reference checks also judge their outputs by ``standards`` (docs/numerics/comparison.md#standards),
+    take ``verdict_by``'s verdict instead of the strict one where it has a rule, and run the backend ``repeat``
+    times per example, failing on any byte that differs between the runs."""
+    token = _JUDGING.set(_Judging(standards, verdict_by, repeat))
+    try:
+        yield
+    finally:
+        _JUDGING.reset(token)
+
+
+def start_tally() -> dict:
+    """A fresh tally for the property about to run (filled while it runs; empty without :func:`judging`)."""
+    j = _JUDGING.get()
+    if j is None:
+        return {}
+    j.tally = {}
+    return j.tally
+
+
+def repeat_count() -> int:
+    j = _JUDGING.get()
+    return 1 if j is None else j.repeat
+
+
 def call(op: str, args: dict, backend: str) -> dict:
     """Run ``op`` on ``backend`` with copies of ``args`` (strided caches stay strided) for the chip of
     :func:`modelling_chip`; return ``{output name: NumPy array or None}``. The caller's arrays are never modified.
@@ -108,11 +180,13 @@ _FLOAT = ("float16", "bfloat16", "float32", "float64")
 
 
 def compare_outputs(got: dict, want: dict, kinds: dict | None = None, *, label: str = "",
-                    fmt: str | None = None) -> list[str]:
+                    fmt: str | None = None, judge: bool = False) -> list[str]:
     """Compare two output dicts; ``kinds[name]`` is "bytes" (default) or "float" (the docs/numerics/comparison.md#float-criterion
     criterion with the output dtype's tolerances). ``fmt``: a qsfa.formats name whose decoded values are
-    shown beside differing one-byte codes. Returns one message per failing output."""
+    shown beside differing one-byte codes. ``judge``: also judge each output by the standards of
+    :func:`judging` (vs_reference checks). Returns one message per failing output."""
     kinds = kinds or {}
+    j = _JUDGING.get() if judge else None
     bad = []
     for name, w in want.items():
         g = got.get(name)
@@ -122,12 +196,25 @@ def compare_outputs(got: dict, want: dict, kinds: dict | None = None, *, label: 
             bad.append(f"{label}{name}: one side returned None ({'got' if g is None else 'expected'} None)")
             continue
         kind = kinds.get(name, "bytes")
-        if _identical(g, w):  # passes either criterion (the float one with cos_diff 0): skip the full report
+        same = _identical(g, w)  # passes either criterion (the float one with cos_diff 0): no full report
+        r = None
+        if not same:
+            if kind == "float" and dtype_name(w) in _FLOAT:
+                r = C.compare_float(g, w, name=name)
+            else:
+                r = C.compare_bytes(g, w, name=name, fmt=fmt if np.asarray(w).dtype.itemsize == 1 else None)
+        verdict = None
+        if j is not None and j.names:
+            wd = np.asarray(w)
+            sdt = fmt if (fmt is not None and wd.dtype.itemsize == 1) else dtype_name(wd)
+            verdict = j.judge(name, g, w, sdt, strict_passed=same or r.passed)
+        if same:
             continue
-        if kind == "float" and dtype_name(w) in _FLOAT:
-            r = C.compare_float(g, w, name=name)
-        else:
-            r = C.compare_bytes(g, w, name=name, fmt=fmt if np.asarray(w).dtype.itemsize == 1 else None)
+        if verdict is not None:  # --verdict-by: that standard's verdict on this output instead of the strict one
+            if not verdict:
+                bad.append(f"{label}{name}: FAIL by {j.verdict_by} (strict: {'PASS' if r.passed else 'FAIL'})\n"
+                           + label + str(r))
+            continue
         if not r.passed:
             bad.append(label + str(r))
     return bad

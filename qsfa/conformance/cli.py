@@ -68,6 +68,12 @@ def register(subparsers):
                    help="start no property after this many seconds (the rest are reported as skipped, 'not run'); "
                         "--report files are rewritten after every property, so a timeout keeps them")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    from ..golden.cli import add_standard_options
+
+    add_standard_options(p)
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the backend N times on every example of the vs_reference properties and fail on any "
+                        "byte that differs between the runs (determinism; default 1)")
     add_cluster_options(p, verb="run the properties", same="same verdicts, reports and cases as a serial run")
     p.add_argument("--seed-shards", type=int, default=1, metavar="K",
                    help="with --seed: split each property's examples into K runs with seeds derived from it (tasks "
@@ -195,7 +201,14 @@ def _main(args) -> int:
             raise _usage(str(e)) from None
 
     get_backend(args.backend or "reference")  # unknown / unusable backend: one line, exit 2 (qsfa.cli)
+    if args.repeat < 1:
+        raise _usage(f"Invalid value for --repeat, actual: {args.repeat}, reason: must be >= 1.")
+    judged = bool(args.standard or args.verdict_by or args.repeat != 1)
     if args.workers is not None or args.scheduler is not None or args.seed_shards != 1:
+        if judged:
+            raise _usage("Invalid value for --standard / --verdict-by / --repeat, actual: "
+                         f"{' '.join(args.standard or []) or args.verdict_by or args.repeat}, reason: not supported "
+                         "with --workers / --scheduler / --seed-shards (run them serially).")
         if args.time_budget is not None:
             raise _usage("Invalid value for --time-budget, actual: "
                          f"{args.time_budget}, reason: not supported with --workers / --scheduler / --seed-shards.")
@@ -235,10 +248,15 @@ def _main(args) -> int:
             R.write_report(rep, tmp)
             os.replace(tmp, f)
 
-    report = run_conformance(args.backend or "reference", props=props, profile=args.profile, max_examples=max_examples,
-                             seed=args.seed, shard_spec=shard, cases_dir=args.cases_dir or DEFAULT_CASES_DIR,
-                             bounds=b, progress=progress, chip=args.chip, time_budget=args.time_budget,
-                             on_result=incremental if reports else None, backend_modules=backend_modules)
+    from ..golden.cli import _standard_names
+    from ._support import judging
+
+    with judging(_standard_names(args.standard), args.verdict_by, args.repeat):
+        report = run_conformance(args.backend or "reference", props=props, profile=args.profile,
+                                 max_examples=max_examples, seed=args.seed, shard_spec=shard,
+                                 cases_dir=args.cases_dir or DEFAULT_CASES_DIR, bounds=b, progress=progress,
+                                 chip=args.chip, time_budget=args.time_budget,
+                                 on_result=incremental if reports else None, backend_modules=backend_modules)
     print()
     print(R.format_table(report))
     for f in reports:

@@ -48,6 +48,7 @@ from ._support import (
     packed_kv,
     query_matrix,
     query_rows,
+    repeat_count,
     read_entries,
     selected_tokens,
     selection,
@@ -150,9 +151,14 @@ def _vs_reference(op: str) -> Property:
 
     def check(ex: Example, backend: str):
         got = call(op, ex.args, backend)
+        for run_no in range(2, repeat_count() + 1):  # --repeat: the backend must give the same bytes every run
+            again = compare_outputs(call(op, ex.args, backend), got)
+            if again:
+                fail(f"backend {backend!r} is not deterministic: run {run_no} of {repeat_count()} differs from run 1 "
+                     "byte for byte:\n" + "\n".join(again))
         want = call(op, ex.args, "reference")
         fmt = ex.args.get("fmt") if op == "formats.encode" and ex.args.get("fmt") != "int8" else None
-        bad = compare_outputs(got, want, kinds, fmt=fmt)
+        bad = compare_outputs(got, want, kinds, fmt=fmt, judge=True)
         if bad:
             fail(f"backend {backend!r} differs from the reference:\n" + "\n".join(bad))
 

@@ -73,6 +73,7 @@ def format_table(report: ConformanceReport) -> str:
             shown[0] = ""
         prev = row[0]
         lines.append(fmt(shown))
+    lines += standards_lines(report)
     s = report.summary
     lines.append("")
     chips = sorted({r.chip for r in report.results if getattr(r, "chip", None)})
@@ -83,6 +84,25 @@ def format_table(report: ConformanceReport) -> str:
                  + f": {s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors; "
                  f"{s['examples']} examples in {report.seconds:.1f}s")
     return "\n".join(lines)
+
+
+def standards_lines(report: ConformanceReport) -> list:
+    """--standard: each property's tally per acceptance standard, beside its own status."""
+    judged = [r for r in report.results if getattr(r, "standards", None)]
+    if not judged:
+        return []
+    out = ["", "standards (beside qsfa's verdict; docs/numerics/comparison.md#standards):"]
+    for r in judged:
+        for name, t in r.standards.items():
+            verdict = "PASS" if not t["failed"] else "FAIL"
+            line = (f"  {r.property} {name}: {verdict} ({t['failed']} of {t['judged']} judged outputs fail; "
+                    f"qsfa's criterion: {t.get('strict_failed', 0)})")
+            if t.get("first_failure"):
+                ff = t["first_failure"]
+                line += "; first: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in ff.items() if k != "source")
+            out.append(line)
+    return out
 
 
 def to_json(report: ConformanceReport) -> str:
@@ -137,6 +157,9 @@ def to_markdown(report: ConformanceReport) -> str:
                 out.append("")
                 out.append(f"Hypothesis: `{_md_escape(r.reproduce)}`")
             out.append("")
+    std = standards_lines(report)
+    if std:
+        out += ["", "## Standards", "", "```"] + std[2:] + ["```"]
     skipped = [r for r in report.results if r.status == "skipped"]
     if skipped:
         out += ["", "## Skipped", ""]

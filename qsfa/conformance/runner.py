@@ -31,7 +31,7 @@ import numpy as np
 
 from .._contract import Args
 from .._errors import UnsupportedByBackend
-from ._support import helpers_on_reference, modelling_chip
+from ._support import helpers_on_reference, modelling_chip, start_tally
 from .properties import Example, Property, catalogue
 
 __all__ = [
@@ -80,6 +80,7 @@ class PropertyResult:
     doc: str = ""
     chip: str | None = None  # the chip every call modelled (None: each call's own rule; docs/numerics/chips.md)
     edge_examples: int = 0  # explicit edge examples (qsfa._edges) run before the max_examples random ones
+    standards: dict = field(default_factory=dict)  # --standard: {name: {"judged", "failed", "first_failure"}}
 
     @property
     def op(self) -> str:
@@ -274,6 +275,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
         strategy = strategy.filter(fits)
 
     state = _State()
+    res.standards = start_tally()  # --standard: filled by the vs_reference checks (docs/numerics/comparison.md#standards)
 
     def test(ex):
         final = current_build_context().is_final

@@ -170,7 +170,8 @@ def _cmd_compare(args) -> int:
             if path:
                 _check_destination(option, path)
         rep = compare_dir(args.dir, args.actual, cases=args.case, outputs=args.output,
-                          keep_errors=bool(args.histogram))
+                          keep_errors=bool(args.histogram), standards=_standard_names(args.standard),
+                          verdict_by=args.verdict_by)
         if args.json:
             write_json(rep, args.json)
         if args.histogram:
@@ -179,7 +180,25 @@ def _cmd_compare(args) -> int:
         raise _usage_error(e) from None
     text = format_report(rep)
     print(text.rsplit("\n", 1)[-1] if args.quiet else text)
-    return 0 if rep.passed else 1
+    return 0 if rep.final_passed else 1
+
+
+def _standard_names(given):
+    """--standard values (repeatable, "all" allowed) as compare_dir takes them."""
+    if not given:
+        return None
+    return "all" if "all" in given else list(given)
+
+
+def add_standard_options(p):
+    """--standard / --verdict-by (golden compare and conformance; docs/numerics/comparison.md#standards)."""
+    from ..standards import STANDARD_NAMES
+
+    p.add_argument("--standard", action="append", choices=STANDARD_NAMES + ("all",), metavar="NAME",
+                   help="also judge by an acceptance standard (repeatable, or 'all'): "
+                        + ", ".join(STANDARD_NAMES) + "; reported beside qsfa's verdict")
+    p.add_argument("--verdict-by", choices=STANDARD_NAMES, metavar="NAME",
+                   help="let this standard's verdict set the exit status instead of qsfa's strict one")
 
 
 def _cmd_list(args) -> int:
@@ -258,6 +277,7 @@ def register(subparsers):
     p.add_argument("--histogram", metavar="OUT.png", help="also write an error histogram (needs matplotlib)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print only the verdict line, not the table and the worst elements")
+    add_standard_options(p)
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("list", help="the case sets (or the cases of one set)")

@@ -67,13 +67,35 @@ class CompareReport:
     golden: str
     actual: str
     results: list = field(default_factory=list)
+    standards: list = field(default_factory=list)  # the requested acceptance standards (qsfa.standards)
+    verdict_by: str | None = None  # a standard that gives the verdict instead of qsfa's strict one
 
     @property
     def passed(self) -> bool:
         return bool(self.results) and all(r.result.passed for r in self.results)
 
+    def passed_by(self, name: str) -> bool:
+        """The verdict of one standard: every output it judges passes it; an output it has no rule for (skipped)
+        keeps qsfa's own verdict."""
+        def one(r):
+            s = r.result.standards.get(name)
+            return r.result.passed if s is None or s.get("skipped") else bool(s.get("passed"))
+        return bool(self.results) and all(one(r) for r in self.results)
+
+    @property
+    def final_passed(self) -> bool:
+        """The verdict that sets the exit status: qsfa's strict one, or ``verdict_by``'s."""
+        return self.passed_by(self.verdict_by) if self.verdict_by else self.passed
+
     def to_dict(self) -> dict:
+        extra = {}
+        if self.standards:
+            extra["standards"] = {n: "PASS" if self.passed_by(n) else "FAIL" for n in self.standards}
+        if self.verdict_by:
+            extra["verdict_by"] = self.verdict_by
+            extra["final_verdict"] = "PASS" if self.final_passed else "FAIL"
         return _json_safe({
+            **extra,
             "golden": self.golden,
             "actual": self.actual,
             "verdict": "PASS" if self.passed else "FAIL",
@@ -261,12 +283,23 @@ def _select(man: dict, cases, outputs) -> list[tuple[dict, dict, dict | None]]:
 
 
 def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_report: int = 10,
-                keep_errors: bool = False) -> CompareReport:
+                keep_errors: bool = False, standards=None, verdict_by: str | None = None) -> CompareReport:
     """Compare the outputs found at ``actual`` with the golden directory (see the module docstring).
 
     ``keep_errors`` keeps log10|actual - golden| of the differing elements (for :func:`write_histogram`).
+    ``standards``: acceptance standards (names, or "all"; docs/numerics/comparison.md#standards) judged beside
+    qsfa's verdict, with the golden output as their reference (a golden directory holds no ``exact`` or
+    ``benchmark`` outputs: atk-dual reports them missing); ``verdict_by``: the standard whose verdict
+    :attr:`CompareReport.final_passed` gives.
     """
+    from .. import standards as S
     from .verify import empty_set_error
+
+    names = S.resolve(standards)
+    if verdict_by is not None:
+        S.resolve(verdict_by)
+        if verdict_by not in names:
+            names.append(verdict_by)
 
     man = load_manifest(golden)
     if not man["cases"]:
@@ -279,7 +312,7 @@ def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_repor
     for c in {id(c): c for c, _, _ in sel}.values():  # every selected case's files, inputs included
         _check_listed_files(golden, c)
     single_case = len({c["name"] for c, _, _ in sel}) == 1
-    report = CompareReport(golden, actual)
+    report = CompareReport(golden, actual, standards=names, verdict_by=verdict_by)
     for c, e, m in sel:
         g_st = _golden_storage(golden, e)
         a_st, where = _load_actual(actual, e, single_case, len(sel) == 1)
@@ -297,6 +330,9 @@ def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_repor
             res = qcompare.compare_bytes(a, g, name=label, fmt=e.get("format"), max_report=max_report)
             if not res.passed and res.worst:
                 _add_byte_detail(res, a_st, g_st, e)
+        if names:
+            sdt = e["dtype"] if e.get("compare") == "float" else (e.get("format") or e["dtype"])
+            qcompare.add_standards(res, a, g, names if standards != "all" else "all", dtype=sdt)
         out = OutputResult(c["name"], e["name"], e.get("compare", "bytes"), res, where, n_masked)
         if e.get("compare") == "float":
             sel_mask = mask if m is not None else np.ones(g.shape, bool)
@@ -400,10 +436,20 @@ def format_report(report: CompareReport, max_worst: int = 5) -> str:
             if "abs_err" in w:
                 parts.append(f"abs_err {w['abs_err']:.3g} rel_err {w['rel_err']:.3g}")
             lines.append("  " + ", ".join(parts))
+    if report.standards:
+        lines.append("")
+        lines.append("standards (beside qsfa's verdict; docs/numerics/comparison.md#standards):")
+        for r in report.results:
+            for name, s in r.result.standards.items():
+                lines.append(f"  {r.case}/{r.output} {name}: {qcompare.standard_line(s)}")
+        for name in report.standards:
+            lines.append(f"  {name}: {'PASS' if report.passed_by(name) else 'FAIL'}")
     n_fail = len(failing)
     lines.append("")
+    by = (f"; by {report.verdict_by}: {'PASS' if report.final_passed else 'FAIL'} (the exit status)"
+          if report.verdict_by else "")
     lines.append(f"verdict: {'PASS' if report.passed else 'FAIL'} ({len(report.results) - n_fail} of "
-                 f"{len(report.results)} outputs pass)")
+                 f"{len(report.results)} outputs pass){by}")
     return "\n".join(lines)
 
 

@@ -316,7 +316,8 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
               models; None = the npu device's chip, else the rule of :func:`qsfa.resolve_chip` (950 when the
               call breaks an A2/A3 limit, else A2). docs/numerics/chips.md.
       backend: "reference" | "npu" | "triton".
-      precision: "faithful" (the kernel's rounding points) or "exact" (float64, no rounding; float64 out).
+      precision: "faithful" (the kernel's rounding points), "exact" (float64, no rounding; float64 out) or
+        "benchmark" (a GPU-like fp32 computation for the dual-benchmark standards; docs/numerics/attention.md#rounding-points).
       probability_rounding: **OPEN** - "unnormalised" (default; round exp(s - max), divide by the fp32 sum
               after P @ V, as the kernels do) or "normalised" (round softmax probabilities; vLLM-Ascend's
               test golden).

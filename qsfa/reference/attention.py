@@ -70,6 +70,11 @@ kernel zeroes such rows; vllm-ascend ZeroInvalidAttnOut / ZeroInvalidLse).
 softmax, no probability or output rounding. The attention output and the LSE outputs are float64 (their last
 bits follow the machine's float64 BLAS and exp; they are a reference for tolerances, not golden bytes).
 
+``precision="benchmark"``: a stated third-party computation for the dual-benchmark acceptance standards
+(docs/numerics/comparison.md#standards): the faithful path's query-dtype Q / K / V, fp32 GEMM scores, fp32
+softmax, P rounded to the query dtype (RINT) before an fp32 ``P @ V`` GEMM (FlashMLA's GPU order), the output
+rounded RINT to the query dtype, LSE outputs fp32 (:func:`_benchmark_chunk`).
+
 rope_head_dim = 0 (QSFA): the kernel "skips reading the RoPE input and zero-fills the internal RoPE
 region" (seed 000); the reference does the same (an internal 576-wide K with zero RoPE), so a 528-byte
 cache gives bit-identical results to the same data zero-padded to 656 bytes.
@@ -131,7 +136,7 @@ PROBABILITY_ROUNDINGS = ("unnormalised", "normalised")
 #: significand bits of the query dtypes; their smallest subnormal
 _PRECISION = {"bfloat16": 8, "float16": 11}
 _TINY = {"bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}
-PRECISIONS = ("faithful", "exact")
+PRECISIONS = ("faithful", "exact", "benchmark")
 
 
 def _qdt_name(a: np.ndarray) -> str:
@@ -600,6 +605,33 @@ def _exact_chunk(q, k, v, valid, scale, sink, lse_includes_sink):
     return o, m, l
 
 
+def _benchmark_chunk(q, k, v, valid, scale, qdtype, sink, lse_includes_sink):
+    """A third-party (GPU-like) computation of the same attention (``precision="benchmark"``): the query-dtype
+    Q / K / V of the faithful path (K dequantised and rounded at the K point), scores ``Q @ K^T`` as one fp32
+    GEMM times the fp32 scale, fp32 softmax (numpy's float32 exp, ``l`` summed in fp32), P rounded to the query
+    dtype (RINT) as a GPU kernel feeds its P @ V tensor-core GEMM (FlashMLA's order), ``P @ V`` an fp32 GEMM
+    divided by ``l``; the output rounded to the query dtype (RINT) by the caller. Its last bits follow the fp32
+    BLAS: a benchmark for the dual-benchmark standards (docs/numerics/comparison.md#standards), not golden bytes."""
+    q32, k32, v32 = q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
+    s = np.matmul(q32, k32.transpose(0, 2, 1))
+    s *= np.float32(scale)
+    np.copyto(s, MASK_VALUE, where=~valid[:, None, :])
+    m = s.max(axis=-1)
+    s -= m[..., None]
+    np.exp(s, out=s)
+    l = s.sum(axis=-1, dtype=np.float32)
+    p = s.astype(_QDT[qdtype]).astype(np.float32)
+    o = np.matmul(p, v32) / l[..., None]
+    if sink is not None:
+        sk = sink.astype(np.float32)
+        with np.errstate(over="ignore"):
+            lse = m + np.log(l)
+            o /= (np.float32(1) + np.exp(sk[None, :] - lse))[..., None]
+            if lse_includes_sink:
+                l = l + np.exp(sk[None, :] - m)
+    return o, m, l
+
+
 def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, load_q, load_kv,
           scale_value, qdtype, precision, probability_rounding, chunk_size, sinks=None,
           lse_includes_sink=False, p_rounding=None, out_rounding=None, out_buffer=None, lse=True,
@@ -655,6 +687,8 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         q, q_facts = load_q(r)
         if exact:
             return _exact_chunk(q, k, v, valid, np.float64(scale_value), sink, lse_includes_sink)
+        if precision == "benchmark":
+            return _benchmark_chunk(q, k, v, valid, scale_value, qdtype, sink, lse_includes_sink)
         g = dv // v_facts[0].shape[-1]  # per column of V: the largest entry and the smallest quantum over the tokens
         vmax, vlq = (np.ascontiguousarray(f.transpose(0, 2, 1)) for f in v_facts)  # (reduced along a contiguous axis)
         v_cols = (np.repeat(vmax.max(axis=-1), g, axis=-1), np.repeat(vlq.min(axis=-1), g, axis=-1))
@@ -682,7 +716,8 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
         o[empty] = 0
         m[empty] = 0
         l[empty] = 0
-        out[r] = o if exact else round_q16(o, qdtype, out_rounding or DEFAULT_ROUNDING["out"][qdtype])
+        out[r] = o if exact else round_q16(o, qdtype, "rint" if precision == "benchmark" else
+                                           (out_rounding or DEFAULT_ROUNDING["out"][qdtype]))
         if lse:
             mx[r] = m
             sm[r] = l

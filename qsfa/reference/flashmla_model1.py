@@ -35,9 +35,12 @@ Quantisation of tile j of token t (``x`` = the 64 bf16 NoPE values, widened exac
 
 Dequantisation (FlashMLA's ``dequantize_k_cache``): the code and the scale are each converted to bf16
 (exact: an E4M3 value and a power of two 2^-127..2^127 are bf16 values) and multiplied in bf16 - one fp32
-product rounded to bf16 (RINT). On bytes written by :func:`quantize` the product is exact; on arbitrary
-bytes an E4M3 NaN code (0x7F / 0xFF) or the E8M0 NaN byte 0xFF gives NaN - as torch, always the bf16 bits
-0x7FC0 - and ``448 * 2^127`` overflows to inf. RoPE bits are copied unchanged (NaN payloads included).
+product rounded to bf16 (RINT). On bytes written by :func:`quantize` the product is exact for NoPE
+magnitudes below 1.9375 * 2^127 (bf16 0x7F78; beyond, code 256 times scale 2^120 overflows to inf:
+docs/numerics/flashmla-model1.md#fixed-points); on arbitrary bytes an E4M3 NaN code (0x7F / 0xFF) or the E8M0
+NaN byte 0xFF gives NaN - qsfa always writes the bf16 bits 0x7FC0 (torch: 0x7FC0 from its scalar CPU loop,
+0xFFFF from its vectorised one) - and ``448 * 2^127`` overflows to inf. RoPE bits are copied unchanged (NaN
+payloads included).
 """
 
 from __future__ import annotations
