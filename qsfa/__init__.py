@@ -45,6 +45,8 @@ _LAZY = {
     "kv_rmsnorm_rope_cache": "qsfa.ops.kv_rmsnorm_rope_cache",
     "kv_compress_epilog": "qsfa.ops.kv_compress_epilog",
     "kv_compress_epilog_vllm": "qsfa.ops.kv_compress_epilog_vllm",
+    "indexer_quant_cache": "qsfa.ops.indexer_cache",
+    "indexer_compress_epilog_v2": "qsfa.ops.indexer_cache",
     "c8_cache_write": "qsfa.ops.c8_cache",
     "c8_rmsnorm_rope_cache": "qsfa.ops.c8_cache",
     "scatter_by_slot": "qsfa.ops.scatter",
