@@ -112,7 +112,8 @@ def _iqc_example(rng):
     x = (rng.standard_normal((5, 64)) * 3).astype(BF16)
     cache = np.full((3, 4, 1, 32), 0x5A, np.uint8)
     scale = np.full((3, 4, 1, 2), 0x7F, np.uint8)
-    return dict(cache=cache, cache_scale=scale, x=x, slot_mapping=np.array([0, 7, -1, 11, 2], np.int32),
+    # x first: the generic aliasing rule of an in-place buffer aliases it with the first other array
+    return dict(x=x, cache=cache, cache_scale=scale, slot_mapping=np.array([0, 7, -1, 11, 2], np.int32),
                 quant_mode="mxfp4", round_scale=True, x_scale=1.0)
 
 
@@ -189,7 +190,7 @@ IQC_CONTRACT = Contract(
              edit_params(lambda o: o.update(cache=np.ascontiguousarray(o["cache"][..., :1]))), source=IQC_SRC),
         rule(IQC, "cache_scale_width", "cache_scale", "shape",
              "head_dim must hold a token's scales: ceil(d / 32) for 'mxfp8' / 'mxfp4', 1 otherwise", _iqc_scale_width,
-             edit_params(lambda o: o.update(cache_scale=np.ascontiguousarray(o["cache_scale"][..., :0]))), source=IQC_SRC),
+             edit_params(lambda o: o.update(cache_scale=np.ascontiguousarray(o["cache_scale"][..., :1]))), source=IQC_SRC),
         all_finite(IQC, "x", source=IQC_SRC),
         *_slot_rules(IQC, "slot_mapping", lambda a: a["cache"].shape[0] * a["cache"].shape[1], source=IQC_SRC),
         _only_950(IQC, "cache", IQC_SRC),
