@@ -209,7 +209,7 @@ def indexer_compress_epilog_v2(indexer_compress_cache: np.ndarray, x: np.ndarray
     nb, bs = cache.shape[0], cache.shape[1]
     blocks = cache.reshape(nb, -1)  # dims 1..3 are dense (contract): a view
     assert np.may_share_memory(blocks, cache) or not cache.size, "cache blocks must be dense"
-    sb = scales.astype("<f4").view(np.uint8).reshape(t, -1)
+    sb = scales.astype("<f4").view(np.uint8).reshape(t, 4 * scales.shape[1])
     blk, pos = s // bs, s % bs
     blocks[blk[:, None], pos[:, None] * d + np.arange(d)] = codes
     blocks[blk[:, None], bs * d + pos[:, None] * sb.shape[1] + np.arange(sb.shape[1])] = sb
