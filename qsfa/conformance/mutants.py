@@ -937,6 +937,30 @@ def _indexer_cache():
          _patch((IC, "epilog_v2_quant", row_amax)))
 
 
+def _k_scale_cache():
+    KS = _m("k_scale_cache")
+    SPKS = "scatter_pa_kv_cache_with_k_scale"
+
+    def int64_read_as_int32(kw):
+        sm = np.ascontiguousarray(kw["slot_mapping"])
+        if sm.dtype == np.int64:
+            kw["slot_mapping"] = sm.view(np.int32)[:sm.size].astype(np.int64)
+        return kw
+
+    _add("scatter_pa_kv_cache_with_k_scale.int64_slots_read_as_int32", SPKS,
+         "int64 slot_mapping read as int32 words (the low and high halves of slot 0 become slots 0 and 1)",
+         _args(int64_read_as_int32))
+
+    def scale_head0(kw):
+        ks = np.array(kw["key_scale"], copy=True)
+        ks[:] = ks[:, :1]
+        kw["key_scale"] = ks
+        return kw
+
+    _add("scatter_pa_kv_cache_with_k_scale.scale_of_head0", SPKS, "every head stores head 0's K scale",
+         _args(scale_head0))
+
+
 _BUILT = False
 
 
@@ -945,7 +969,7 @@ def _build():
     if _BUILT:
         return
     _BUILT = True
-    for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache):
+    for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

@@ -322,6 +322,22 @@ register_set("indexer-compress-epilog-v2", "vLLM-Ascend indexer_compress_epilog_
              "fp32 scales per 128 values in one uint8 block cache", indexer_compress_epilog_v2_cases)
 
 
+SPKS = "scatter_pa_kv_cache_with_k_scale"
+
+
+def scatter_pa_kv_cache_with_k_scale_cases() -> list[Case]:
+    return [
+        _case("spks-e4m3", SPKS, SPKS, "E4M3FN K / V (128 / 128), 2 heads, block_size 4, a -1 slot and a slot past the "
+              "cache", bs=6, heads=2, skip=1, past_end=1, fmt="float8_e4m3fn"),
+        _case("spks-e5m2-int64", SPKS, SPKS, "E5M2, K 64 / V 192, 1 head, block_size 16, int64 slots", bs=5, heads=1,
+              dk=64, dv=192, block_size=16, block_num=1, fmt="float8_e5m2", slot_dtype="int64"),
+    ]
+
+
+register_set("scatter-pa-kv-cache-with-k-scale", "cann_ops_transformer.scatter_pa_kv_cache_with_k_scale (Ascend 950): "
+             "FP8 K / V and per-head fp32 K scales into BNBD caches", scatter_pa_kv_cache_with_k_scale_cases)
+
+
 # --------------------------------------------------------------------------------------------------
 # KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 

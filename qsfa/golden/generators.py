@@ -562,3 +562,22 @@ def gen_indexer_compress_epilog_v2(params, rng):
     cache = sentinel_filled((bn, bs, 1, d + 4 * -(-d // 128) + tail), np.uint8)
     return {"indexer_compress_cache": cache, "x": _indexer_x(params, rng, d, t),
             "slot_mapping": slot_mapping(rng, t, bs * bn, int(params.get("skip", 0)), "int32")}
+
+
+@register_generator("scatter_pa_kv_cache_with_k_scale")
+def gen_scatter_pa_kv_cache_with_k_scale(params, rng):
+    """Random FP8 bytes ``key [bs, heads, dk]`` / ``value [bs, heads, dv]`` in ``fmt``, fp32 ``key_scale``; BNBD caches
+    ``[block_num, heads, block_size, d]`` of sentinel bytes (the fp32 scale cache of -1.0); ``skip`` slots -1 and
+    ``past_end`` slots at ``num_slots + 5`` (skipped too)."""
+    t, n = int(params["bs"]), int(params.get("heads", 2))
+    dk, dv = int(params.get("dk", 128)), int(params.get("dv", 128))
+    bs, bn = int(params.get("block_size", 4)), int(params.get("block_num", 2))
+    fmt = getattr(ml_dtypes, params.get("fmt", "float8_e4m3fn"))
+    slots = slot_mapping(rng, t, bs * bn, int(params.get("skip", 0)), params.get("slot_dtype", "int32"))
+    slots[:int(params.get("past_end", 0))] = bs * bn + 5
+    return {"key": rng.integers(0, 256, (t, n, dk), dtype=np.uint8).view(fmt),
+            "value": rng.integers(0, 256, (t, n, dv), dtype=np.uint8).view(fmt),
+            "key_cache": sentinel_filled((bn, n, bs, dk), np.uint8).view(fmt),
+            "value_cache": sentinel_filled((bn, n, bs, dv), np.uint8).view(fmt),
+            "slot_mapping": slots, "key_scale": randn(rng, (t, n), "float32"),
+            "key_scale_cache": np.full((bn, n, bs, 1), -1.0, np.float32)}

@@ -1,5 +1,6 @@
-"""Hypothesis strategies of the DeepSeek-V4 indexer cache writers: ``indexer_quant_cache`` and
-``indexer_compress_epilog_v2`` (docs/numerics/cache-writers.md#indexer_quant_cache, #indexer_compress_epilog_v2).
+"""Hypothesis strategies of the DeepSeek-V4 cache writers: ``indexer_quant_cache``, ``indexer_compress_epilog_v2``
+and ``scatter_pa_kv_cache_with_k_scale`` (docs/numerics/cache-writers.md#indexer_quant_cache,
+#indexer_compress_epilog_v2, #scatter_pa_kv_cache_with_k_scale).
 
 Their edges are registered here, in :data:`qsfa._edges.EDGES` (edges first: the conformance runner tries each one
 before the random draws):
@@ -11,7 +12,9 @@ before the random draws):
 * ``fp16_sticky`` - float16 x whose low byte is in (0, 8): the kernel's sticky bit decides the E2M1 rounding;
 * ``zero_groups`` - all-zero MX groups, an all-zero token and signed zeros (0 / 0 and 0 * Inf keep x);
 * ``hifloat8`` - the HiFloat8 mode with an x_scale other than 1;
-* ``minus1:first`` / ``minus1:last`` / ``full`` - the slot edges of every cache writer.
+* ``minus1:first`` / ``minus1:last`` / ``full`` - the slot edges of every cache writer;
+* scatter_pa_kv_cache_with_k_scale: ``out_of_range_slots`` (slots -7 and num_slots + 3, skipped like -1),
+  ``e5m2``, ``strided`` (caches with blocks apart, a non-contiguous key).
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ from .._contract import Args
 from ._common import _b, _choose, _rng, Bounds, poison_bytes, slot_mapping
 from .cache import strided_like
 
-__all__ = ["indexer_quant_cache_args", "indexer_compress_epilog_v2_args"]
+__all__ = ["indexer_quant_cache_args", "indexer_compress_epilog_v2_args", "scatter_pa_kv_cache_with_k_scale_args"]
 
-IQC, ICE2 = "indexer_quant_cache", "indexer_compress_epilog_v2"
+IQC, ICE2, SPKS = "indexer_quant_cache", "indexer_compress_epilog_v2", "scatter_pa_kv_cache_with_k_scale"
 _SLOTS = ("minus1:first", "minus1:last", "full")
 
 _E.EDGES.setdefault(IQC, ("ties:fp8", "ties:mxfp8", "ties:e5m2", "ties:mxfp4", "fp16_sticky", "zero_groups",
                          "hifloat8") + _SLOTS)
 _E.EDGES.setdefault(ICE2, ("ties:fp8", "zero_groups") + _SLOTS)
+_E.EDGES.setdefault(SPKS, ("out_of_range_slots", "e5m2", "strided") + _SLOTS)
 _E._PINS.update({
     (IQC, "ties:fp8"): dict(quant_mode="fp8", cache_dtype="float8_e4m3fn", x_dtype="bfloat16"),
     (IQC, "ties:mxfp8"): dict(quant_mode="mxfp8", cache_dtype="float8_e4m3fn", x_dtype="bfloat16"),
@@ -42,6 +46,9 @@ _E._PINS.update({
     (IQC, "fp16_sticky"): dict(quant_mode="mxfp4", x_dtype="float16"),
     (IQC, "zero_groups"): dict(quant_mode=("mxfp8", "fp8", "mxfp4")),
     (IQC, "hifloat8"): dict(quant_mode="hifloat8", x_scale=0.37),
+    (SPKS, "e5m2"): dict(fmt="float8_e5m2", heads=2),
+    (SPKS, "out_of_range_slots"): dict(min_tokens=3, slot_dtype="int64"),
+    (SPKS, "strided"): dict(strided=True),
     (ICE2, "ties:fp8"): dict(x_dtype="bfloat16", d=256),
     (ICE2, "zero_groups"): dict(d=160),
 })
@@ -139,4 +146,42 @@ def indexer_compress_epilog_v2_args(draw, bounds: Bounds | None = None, **pins) 
     cache = _cache(draw, rng, (nb, bs, 1, d + 4 * -(-d // 128) + draw(st.sampled_from([0, 0, 16]))), np.uint8)
     args = dict(x=x, indexer_compress_cache=cache, slot_mapping=_slots(draw, rng, pins, edge, t, nb * bs), layout=2)
     assume(ICE2_CONTRACT.first_violation(Args(args)) is None)
+    return args
+
+
+@st.composite
+def scatter_pa_kv_cache_with_k_scale_args(draw, bounds: Bounds | None = None, **pins) -> dict:
+    """``scatter_pa_kv_cache_with_k_scale``: random FP8 bytes ``key [T, N, Dk]`` / ``value [T, N, Dv]``, fp32
+    ``key_scale``, BNBD caches of random bytes (fp32 scale cache of finite values), int32 / int64 slots with -1;
+    the edges of the module docstring."""
+    from ..ops.k_scale_cache import SPKS_CONTRACT
+
+    pins, edge = _E.take(draw, SPKS, pins)
+    b = _b(bounds)
+    fmt = getattr(ml_dtypes, _choose(draw, pins, "fmt", ("float8_e4m3fn", "float8_e5m2")))
+    lo = int(pins.get("min_tokens", 1))
+    t = draw(st.integers(lo, max(lo, b.max_tokens)))
+    n = _choose(draw, pins, "heads", (1, 2, 3))
+    dk, dv = (_choose(draw, pins, p, (8, 16, 64, 128)) for p in ("dk", "dv"))
+    bs = draw(st.integers(1, min(b.max_block_size, 8)))
+    nb = -(-t // bs) + draw(st.integers(0, 2))
+    rng = _rng(draw)
+    strided = bool(pins.get("strided", False))
+    key = poison_bytes(rng, (t, n, 2 * dk if strided else dk), fmt)
+    if strided:
+        key = key[:, :, ::2]
+    kc = _cache(draw, rng, (nb, n, bs, dk), fmt) if not strided else \
+        strided_like(poison_bytes(rng, (nb, n, bs, dk), fmt), (n * bs * dk + 64, bs * dk, dk, 1))
+    vc = _cache(draw, rng, (nb, n, bs, dv), fmt)
+    ksc = _cache(draw, rng, (nb, n, bs, 1), np.float32)
+    ksc[...] = rng.standard_normal(ksc.shape).astype(np.float32)
+    s = slot_mapping(rng, t, nb * bs, skip_fraction=draw(st.sampled_from([0.0, 0.3])),
+                     dtype=_choose(draw, pins, "slot_dtype", ("int32", "int64")))
+    s = _E.slots_edge(s, edge if edge in _SLOTS else None, nb * bs, 1)
+    if edge == "out_of_range_slots":
+        s[0] = -7
+        s[-1] = nb * bs + 3
+    args = dict(key=key, value=poison_bytes(rng, (t, n, dv), fmt), key_cache=kc, value_cache=vc, slot_mapping=s,
+                key_scale=rng.standard_normal((t, n)).astype(np.float32), key_scale_cache=ksc, cache_layout="BNBD")
+    assume(SPKS_CONTRACT.first_violation(Args(args)) is None)
     return args
