@@ -961,6 +961,20 @@ def _k_scale_cache():
          _args(scale_head0))
 
 
+def _indexer_batches():
+    def shortest_key(kw):
+        lk = kw.get("actual_seq_lengths_key")
+        if lk is not None and kw.get("layout_key") != "TND" and np.asarray(lk).size > 1:
+            lk = np.asarray(lk)
+            kw["actual_seq_lengths_key"] = np.full_like(lk, lk.min())
+        return kw
+
+    for op in (LI, QLI):
+        _add(f"{op}.shortest_batch_key_length", op,
+             "every batch sees only as many keys as the shortest batch (a per-call length read once)",
+             _args(shortest_key))
+
+
 _BUILT = False
 
 
@@ -969,7 +983,8 @@ def _build():
     if _BUILT:
         return
     _BUILT = True
-    for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache):
+    for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
+              _indexer_batches):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"
