@@ -264,7 +264,8 @@ def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tole
 TOPK_RTOL = 1e-4
 
 
-def compare_topk(actual, golden, scores, *, rtol: float = TOPK_RTOL, name: str = "", max_report: int = 10) -> CompareResult:
+def compare_topk(actual, golden, scores, *, rtol: float = TOPK_RTOL, name: str = "",
+                 max_report: int = 10) -> CompareResult:
     """Top-k index sets, fair to ties (docs/numerics/comparison.md#top-k-criterion).
 
     actual, golden: integer indices ``[..., k]`` (-1 = padding); scores: the golden's score of every candidate

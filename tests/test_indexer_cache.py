@@ -326,3 +326,30 @@ def test_epilog_v2_width_error_and_a2a3_rule():
     assert not cache.any()
     qsfa.indexer_compress_epilog_v2(cache, x, np.array([0], np.int32), chip="950")
     assert cache.any()
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "fp8", "hifloat8", "mxfp4", "epilog_v2"])
+def test_a_request_alone_equals_the_same_request_inside_an_uneven_batch(mode):
+    # two requests of 12 and 11 tokens (cu_seqlens [0, 12, 23], the uneven prefill of vLLM-Ascend #9496): the second
+    # written alone leaves exactly the bytes it leaves when written together with the first
+    rng = np.random.default_rng(9)
+    x = _x(rng, 23, 128)
+    slots = rng.permutation(32)[:23].astype(np.int32)
+    if mode == "epilog_v2":
+        def write(xs, ss):
+            c = np.full((8, 4, 1, 132), 0x3C, np.uint8)
+            qsfa.indexer_compress_epilog_v2(c, xs, ss)
+            return c.tobytes()
+    else:
+        def write(xs, ss):
+            w = 64 if mode == "mxfp4" else 128
+            cdt = E4M3 if mode in ("fp8", "mxfp8") else np.uint8
+            c = np.full((8, 4, 1, w), 0x3C, np.uint8).view(cdt)
+            s = np.full((8, 4, 1, 4), 0x3C, np.uint8) if mode in ("mxfp8", "mxfp4") else np.full((8, 4, 1, 1), 2.0, F32)
+            qsfa.indexer_quant_cache(c, s, xs, ss, quant_mode=mode, x_scale=0.5)
+            return _u8(c).tobytes() + _u8(s).tobytes()
+    both = write(x, slots)
+    first_skipped = slots.copy()
+    first_skipped[:12] = -1
+    assert write(x[12:], slots[12:]) == write(x, first_skipped)
+    assert both != write(x[12:], slots[12:])  # the first request's slots were written too

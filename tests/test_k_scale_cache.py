@@ -92,3 +92,24 @@ def test_errors_before_any_write():
     # repeated out-of-range slots are fine: they are skipped
     qsfa.scatter_pa_kv_cache_with_k_scale(key, value, kc, vc, np.array([4, 4], np.int32), ks, ksc)
     assert not ksc.any()
+
+
+def test_a_request_alone_equals_the_same_request_inside_an_uneven_batch():
+    rng = np.random.default_rng(4)
+    key, value = _fp8(rng, (23, 2, 16)), _fp8(rng, (23, 2, 16))
+    ks = rng.random((23, 2)).astype(np.float32)
+    slots = rng.permutation(40)[:23].astype(np.int32)
+
+    def write(sl):
+        kc, vc = np.zeros((5, 2, 8, 16), np.uint8).view(E4M3), np.zeros((5, 2, 8, 16), np.uint8).view(E4M3)
+        ksc = np.zeros((5, 2, 8, 1), np.float32)
+        s = slots.copy()
+        s[~sl] = -1
+        qsfa.scatter_pa_kv_cache_with_k_scale(key, value, kc, vc, s, ks, ksc)
+        return kc.view(np.uint8).tobytes() + vc.view(np.uint8).tobytes() + ksc.tobytes()
+
+    second = np.arange(23) >= 12  # cu_seqlens [0, 12, 23]
+    alone = np.zeros((5, 2, 8, 16), np.uint8).view(E4M3), np.zeros((5, 2, 8, 16), np.uint8).view(E4M3), \
+        np.zeros((5, 2, 8, 1), np.float32)
+    qsfa.scatter_pa_kv_cache_with_k_scale(key[12:], value[12:], *alone[:2], slots[12:], ks[12:], alone[2])
+    assert write(second) == alone[0].view(np.uint8).tobytes() + alone[1].view(np.uint8).tobytes() + alone[2].tobytes()

@@ -920,7 +920,8 @@ def _indexer_cache():
         return f
 
     _add("indexer_compress_epilog_v2.zero_group_nan", ICE2,
-         "an all-zero group casts 0 / 0 = NaN (0x7F) instead of keeping x", _patch((IC, "epilog_v2_quant", nan_zero_group)))
+         "an all-zero group casts 0 / 0 = NaN (0x7F) instead of keeping x",
+         _patch((IC, "epilog_v2_quant", nan_zero_group)))
     def row_amax(orig):
         def f(x):
             xf = np.asarray(x).astype(np.float32)

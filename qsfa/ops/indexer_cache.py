@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from .._arrays import dtype_name
-from .._checks import all_finite, dtype_in, edit_params, is_array, is_bool, is_int, is_num, rule, set_param
+from .._checks import all_finite, dtype_in, edit_params, is_bool, is_int, is_num, rule, set_param
 from .._contract import Contract, copy_args, params
 from .._dispatch import define_operator, run
 from .._errors import Raw

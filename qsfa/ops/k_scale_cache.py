@@ -15,7 +15,6 @@ from .._arrays import dtype_name
 from .._checks import dtype_in, edit_params, rule, set_param
 from .._contract import Contract, copy_args, params
 from .._dispatch import define_operator, run
-from .._errors import Raw
 from ..reference import k_scale_cache as _ks
 
 __all__ = ["scatter_pa_kv_cache_with_k_scale", "SPKS", "SPKS_CONTRACT"]
