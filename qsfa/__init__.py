@@ -73,6 +73,7 @@ _SUBMODULES = {
     "chips",
     "npu",
     "ops",
+    "chain",
 }
 
 __all__ = sorted(set(_LAZY) | _SUBMODULES | {
