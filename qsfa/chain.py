@@ -10,8 +10,9 @@ A chain (docs/golden.md#chains) is a JSON object::
 
 Every link is a call of a registered operator (any of ``qsfa.operators()``); an argument is a literal (a JSON
 number, string, bool, list or null) or a reference ``"$input.<name>"`` / ``"$<link>.<output>"`` to a chain input
-or to an output of an *earlier* link, so a chain is acyclic by construction and runs in order. Tensors are named
-``input.<name>`` and ``<link>.<output>``.
+or to an output of an *earlier* link, so a chain is acyclic by construction and runs in order; a view
+``{"from": "$k.cache_scale", "reshape": [2, 6, 1]}`` passes a reshaped tensor (vLLM-Ascend's ``squeeze(-1)``
+between a cache writer and an indexer). Tensors are named ``input.<name>`` and ``<link>.<output>``.
 
 * :func:`run_chain` runs it on one backend and returns every tensor (in-place parameters are copied first, so an
   earlier intermediate keeps its value when a later link writes into a copy of it).
@@ -59,9 +60,11 @@ class Link:
     args: dict
 
     def refs(self) -> dict[str, str]:
-        """``{parameter: tensor name}`` of the arguments that reference a tensor."""
+        """``{parameter: tensor name}`` of the arguments that reference a tensor (``"$a.b"`` or a view
+        ``{"from": "$a.b", "reshape": [...]}``)."""
         out = {}
         for p, v in self.args.items():
+            v = v.get("from") if isinstance(v, Mapping) else v
             m = _REF.match(v) if isinstance(v, str) else None
             if m:
                 out[p] = f"{m.group(1)}.{m.group(2)}"
@@ -137,7 +140,13 @@ def chain_from_dict(d: Mapping) -> Chain:
                        else "is neither a chain input nor an output of an earlier link")
                 raise ChainError(f"{where} args.{p}", args[p], why)
         for p, v in args.items():
-            if isinstance(v, str) and v.startswith("$") and p not in link.refs():
+            if isinstance(v, Mapping):
+                shape = v.get("reshape")
+                if p not in link.refs() or set(v) - {"from", "reshape"} or not (
+                        isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+                    raise ChainError(f"{where} args.{p}", dict(v), "a view is {\"from\": \"$<link>.<output>\", "
+                                     "\"reshape\": [int, ...]}")
+            elif isinstance(v, str) and v.startswith("$") and p not in link.refs():
                 raise ChainError(f"{where} args.{p}", v, "a reference is '$input.<name>' or '$<link>.<output>'")
         names.add(lname)
         known |= {f"{lname}.{o}" for o in spec.outputs}
@@ -165,6 +174,12 @@ def _link_args(link: Link, spec, tensors: Mapping[str, np.ndarray], where: str) 
         if src not in tensors:
             raise ChainError(f"link {link.name!r} args.{p}", src, f"the tensor is missing ({where})")
         a = tensors[src]
+        if isinstance(v, Mapping):
+            try:
+                a = a.reshape(v["reshape"])
+            except ValueError:
+                raise ChainError(f"link {link.name!r} args.{p}", f"{src} {tuple(a.shape)}",
+                                 f"cannot be reshaped to {v['reshape']}") from None
         args[p] = np.array(a, copy=True) if p in spec.inplace else a  # an earlier tensor keeps its value
     return args
 

@@ -128,3 +128,52 @@ def test_cli_exit_status(tmp_path, capsys):
     assert main(["golden", "compare", g, "--actual", ok, "--chain"]) == 2
     err = capsys.readouterr().err
     assert "link 'dec' output 'values'" in err and "missing from the actual tensors" in err
+
+
+V4_INDEXER = {
+    "name": "v4-indexer-side",
+    "inputs": ["k", "cache", "cache_scale", "slots", "q", "q_scale", "weights"],
+    "links": [
+        {"name": "k_cache", "op": "indexer_quant_cache",
+         "args": {"cache": "$input.cache", "cache_scale": "$input.cache_scale", "x": "$input.k",
+                  "slot_mapping": "$input.slots", "quant_mode": "fp8", "round_scale": True}},
+        {"name": "select", "op": "quant_lightning_indexer",
+         "args": {"query": "$input.q", "key": "$k_cache.cache", "weights": "$input.weights",
+                  "query_dequant_scale": "$input.q_scale",
+                  "key_dequant_scale": {"from": "$k_cache.cache_scale", "reshape": [2, 6, 1]},
+                  "layout_query": "BSND", "layout_key": "BSND", "sparse_count": 4}},
+    ],
+}
+
+
+def _v4_inputs():
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    q = rng.integers(0, 0x7F, (2, 2, 8, 128), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    q.view(np.uint8)[..., ::2] |= 0x80  # mixed signs
+    return {"k": rng.standard_normal((12, 128)).astype(ml_dtypes.bfloat16),
+            "cache": np.zeros((2, 6, 1, 128), ml_dtypes.float8_e4m3fn), "cache_scale": np.zeros((2, 6, 1, 1), np.float32),
+            "slots": np.arange(12, dtype=np.int32), "q": q, "q_scale": np.full((2, 2, 8), 0.01, np.float32),
+            "weights": rng.standard_normal((2, 2, 8)).astype(np.float16)}
+
+
+def test_v4_indexer_side_chain_finds_the_cache_writer(tmp_path):
+    g = str(tmp_path / "golden")
+    t = write_chain_golden(chain_from_dict(V4_INDEXER), _v4_inputs(), g)
+    assert t["select.sparse_indices"].shape == (2, 2, 1, 4) and (t["select.sparse_indices"] >= 0).all()
+
+    def wrong_scale(name, a):  # the device wrote a doubled scale for slot 7: the indexer then ranked with it
+        a = a.copy()
+        if name == "k_cache.cache_scale":
+            a[1, 1, 0, 0] *= 2
+        return a
+
+    rep = compare_chain_dirs(g, _actual(tmp_path, g, wrong_scale))
+    k, sel = rep.links
+    assert not k.passed and k.inputs_matched and rep.first_failure.link == "k_cache"
+    assert sel.passed and not sel.inputs_matched  # the dump kept the golden indices; its key scales differed
+    bad = json.loads(json.dumps(V4_INDEXER))
+    bad["links"][1]["args"]["key_dequant_scale"]["reshape"] = [5, 5]
+    with pytest.raises(ChainError, match=r"link 'select' args.key_dequant_scale.*cannot be reshaped"):
+        run_chain(chain_from_dict(bad), _v4_inputs())
