@@ -45,6 +45,9 @@ _LAZY = {
     "kv_rmsnorm_rope_cache": "qsfa.ops.kv_rmsnorm_rope_cache",
     "kv_compress_epilog": "qsfa.ops.kv_compress_epilog",
     "kv_compress_epilog_vllm": "qsfa.ops.kv_compress_epilog_vllm",
+    "indexer_quant_cache": "qsfa.ops.indexer_cache",
+    "indexer_compress_epilog_v2": "qsfa.ops.indexer_cache",
+    "scatter_pa_kv_cache_with_k_scale": "qsfa.ops.k_scale_cache",
     "c8_cache_write": "qsfa.ops.c8_cache",
     "c8_rmsnorm_rope_cache": "qsfa.ops.c8_cache",
     "scatter_by_slot": "qsfa.ops.scatter",
@@ -70,6 +73,7 @@ _SUBMODULES = {
     "chips",
     "npu",
     "ops",
+    "chain",
 }
 
 __all__ = sorted(set(_LAZY) | _SUBMODULES | {

@@ -114,6 +114,8 @@ _OPERATOR_MODULES = (
     "qsfa.ops.lse",
     "qsfa.ops.layouts",
     "qsfa.ops.kv_compress_epilog_vllm",
+    "qsfa.ops.indexer_cache",
+    "qsfa.ops.k_scale_cache",
 )
 
 

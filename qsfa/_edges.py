@@ -64,8 +64,10 @@ EDGES: dict[str, tuple[str, ...]] = {
     "kv_rmsnorm_rope_cache": ("int8_ties", "int8_saturate", "minus1:first", "minus1:last", "epsilon", "v2"),
     "kv_quant_sparse_flash_attention": _ATTN_EDGES + ("rope0",),
     "sparse_flash_attention": _ATTN_EDGES + ("sinks",),
-    "lightning_indexer": ("ties", "full_rows", "pa_block_size:32", "batches:distinct_q", "empty_rows"),
-    "quant_lightning_indexer": ("ties", "full_rows", "pa_block_size:32", "batches:distinct_q", "scale_order"),
+    "lightning_indexer": ("ties", "full_rows", "pa_block_size:32", "batches:distinct_q", "empty_rows",
+                          "batches:distinct_kv"),
+    "quant_lightning_indexer": ("ties", "full_rows", "pa_block_size:32", "batches:distinct_q", "scale_order",
+                                "batches:distinct_kv"),
     "merge_attention_lse": ("empty_shards", "large_max"),
 }
 
@@ -118,6 +120,8 @@ for _op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention", "lightn
     _PINS[(_op, "batches:distinct_q")] = dict(batch=2, explicit_lengths=True, sparse_mode=3, distinct_act_q=True,
                                               fill=1.0)
     _PINS[(_op, "empty_rows")] = dict(batch=2, explicit_lengths=True, empty_batch=True)
+    _PINS[(_op, "batches:distinct_kv")] = dict(batch=2, explicit_lengths=True, sparse_mode=0, distinct_kv=True,
+                                               distinct_act_q=True)
     _PINS[(_op, "minus1_junk")] = dict(junk_after_minus1=True, stray_entries=1.0, fill=0.5)
     _PINS[(_op, "sparse_mode:0")] = dict(sparse_mode=0, fill=1.0)
     _PINS[(_op, "sparse_block_size:4")] = dict(sparse_block_size=4)
@@ -576,13 +580,16 @@ def query_lengths(act_q: np.ndarray, pins: dict, q_max: int) -> np.ndarray:
 
 
 def kv_lengths(act_kv: np.ndarray, pins: dict) -> np.ndarray:
-    """Per-batch KV lengths under the ``min_kv`` (at least this many tokens; may exceed the profile's bound)
-    and ``empty_batch`` (batch 0 has no token: its rows select nothing) pins."""
+    """Per-batch KV lengths under the ``min_kv`` (at least this many tokens; may exceed the profile's bound),
+    ``distinct_kv`` (every batch a different length) and ``empty_batch`` (batch 0 has no token: its rows select
+    nothing) pins."""
     a = np.array(act_kv, copy=True)
     if "min_kv" in pins:
         a = np.maximum(a, int(pins["min_kv"]))
     if "block_size" in pins and not np.ndim(pins["block_size"]):
         a = np.maximum(a, 2 * int(pins["block_size"]))  # tokens past row 16 of a block
+    if pins.get("distinct_kv") and a.size > 1:  # batch b sees a shorter key than batch b - 1
+        a = np.maximum(int(a.max()) - 3 * np.arange(a.size), 1)
     if pins.get("empty_batch") and a.size > 1:
         a[0] = 0
         a[1:] = np.maximum(a[1:], 1)

@@ -37,6 +37,8 @@ __all__ = [
     "ulp_distance",
     "standard_line",
     "add_standards",
+    "compare_topk",
+    "TOPK_RTOL",
 ]
 
 
@@ -79,6 +81,7 @@ class CompareResult:
     tolerance: dict | None = None
     worst: list = field(default_factory=list)
     standards: dict = field(default_factory=dict)  # name -> {"passed": bool, figures} (qsfa.standards)
+    topk: dict | None = None  # compare_topk: row counts (exact set equality apart from the tie-tolerant verdict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -314,6 +317,74 @@ def add_standards(res: CompareResult, actual, golden, standard, *, dtype: str, e
         if everything and r.get("missing"):  # "all": a rule without its references is not applicable here
             r = {"passed": True, "skipped": True, "reason": "needs " + " and ".join(r["missing"])}
         res.standards[n] = r
+    return res
+
+
+#: relative distance to the k-th score within which a differing index passes (the public indexer tests' thres)
+TOPK_RTOL = 1e-4
+
+
+def compare_topk(actual, golden, scores, *, rtol: float = TOPK_RTOL, name: str = "",
+                 max_report: int = 10) -> CompareResult:
+    """Top-k index sets, fair to ties (docs/numerics/comparison.md#top-k-criterion).
+
+    actual, golden: integer indices ``[..., k]`` (-1 = padding); scores: the golden's score of every candidate
+    ``[..., S]`` with the same leading dimensions. Per row, the sets of valid (non -1) indices are compared. A row
+    is *exact* when they are equal; otherwise it passes as *tie-tolerant* when both have as many valid entries,
+    the actual ones are distinct and inside ``[0, S)``, and every index in only one of the two sets has a score
+    within ``rtol`` (relative) of the row's k-th score - the smallest golden score among the golden's indices (a
+    k-th score of 0 requires equality). Order inside a row is not judged (compare_bytes does that). The verdict
+    and the ``topk`` row counts keep exact set equality apart from the tie-tolerant passes.
+    """
+    a = _host(actual).astype(np.int64)
+    g = _host(golden).astype(np.int64)
+    sc = _host(scores).astype(np.float64)
+    res = CompareResult(name, "topk", False, tuple(g.shape), dtype_name(_host(golden)), 0, 0,
+                        tolerance={"rtol": float(rtol)})
+    if a.shape != g.shape or g.ndim == 0 or sc.shape[:-1] != g.shape[:-1]:
+        res.message = (f"FAIL: shape mismatch: actual {a.shape}, golden {g.shape}, scores {sc.shape} (scores need the "
+                       f"indices' leading dimensions)")
+        return res
+    k, s_len = g.shape[-1], sc.shape[-1]
+    a2, g2, sc2 = a.reshape(-1, k), g.reshape(-1, k), sc.reshape(-1, s_len)
+    rows = a2.shape[0]
+    exact = tie = 0
+    fails = []
+    for r in range(rows):  # rows whose sets differ are few; the equal ones are settled by one set comparison each
+        gv, av = g2[r][g2[r] != -1], a2[r][a2[r] != -1]
+        gs, as_ = set(gv.tolist()), set(av.tolist())
+        if gs == as_ and av.size == gv.size:
+            exact += 1
+            continue
+        why = None
+        if av.size != gv.size:
+            why = dict(reason=f"{av.size} valid indices, golden {gv.size}")
+        elif len(as_) != av.size:
+            why = dict(reason="repeated index")
+        elif av.size and (av.min() < 0 or av.max() >= s_len):
+            why = dict(reason=f"index outside [0, {s_len})")
+        else:
+            kth = float(sc2[r, gv].min()) if gv.size else 0.0
+            for i in sorted(as_ ^ gs):
+                v = float(sc2[r, i])
+                dist = abs(v - kth)
+                ok = np.isfinite(v) and np.isfinite(kth) and (dist == 0 or (kth != 0 and dist <= rtol * abs(kth)))
+                if not ok:
+                    why = dict(reason="score too far from the k-th", index=i, score=v, kth=kth,
+                               rel=dist / abs(kth) if kth else float("inf"), only_in="actual" if i in as_ else "golden")
+                    break
+        if why is None:
+            tie += 1
+        else:
+            fails.append((r, why))
+    res.n, res.n_fail = rows, len(fails)
+    res.passed = not fails
+    res.topk = {"rows": rows, "exact_rows": exact, "tie_rows": tie, "failing_rows": len(fails), "rtol": float(rtol)}
+    for r, why in fails[:max_report]:
+        res.worst.append({"row": list(np.unravel_index(r, g.shape[:-1])) if g.ndim > 1 else [], **why})
+    head = (f"{rows} rows: {exact} identical index sets, {tie} differ only in indices within rtol={rtol:g} of the "
+            f"k-th score")
+    res.message = ("PASS: " + head) if res.passed else f"FAIL: {len(fails)} rows fail; " + head
     return res
 
 

@@ -253,6 +253,18 @@ def _kce_vllm(*args, **kwargs):
     cache.copy_(to_torch(host))
 
 
+def _ice2(*args, **kwargs):
+    """vLLM-Ascend's indexer_compress_epilog_v2 on the fake device: binds the recorded schema, then writes what the
+    reference writes into the caller's uint8 cache (in place)."""
+    from qsfa.reference.indexer_cache import indexer_compress_epilog_v2
+
+    a = _bind(mapping.ICE2_CUSTOM_OP, args, kwargs)
+    cache = a["indexer_compress_cache"]
+    host = to_numpy(cache).copy()
+    indexer_compress_epilog_v2(host, to_numpy(a["x"]), to_numpy(a["slot_mapping"]), layout=a["layout"])
+    cache.copy_(to_torch(host))
+
+
 _FAKE_IMPLS = {
     "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
     "torch_npu.npu_sparse_flash_attention": _sfa,
@@ -263,6 +275,7 @@ _FAKE_IMPLS = {
     "torch_npu.npu_kv_rmsnorm_rope_cache_v2": _krrc_v2,
     "torch_npu.npu_scatter_nd_update_": _scatter_nd_update_,
     mapping.KCE_VLLM_CUSTOM_OP: _kce_vllm,
+    mapping.ICE2_CUSTOM_OP: _ice2,
     mapping.QSFA_CUSTOM_OP: _qsfa_custom,
 }
 
@@ -534,5 +547,21 @@ def test_kv_compress_epilog_vllm_runs_its_custom_op_in_place(monkeypatch, caller
         assert out is args["kv_compress_cache"]
         assert np.ascontiguousarray(to_numpy(out)).view(np.uint8).tobytes() == \
             np.ascontiguousarray(expected).view(np.uint8).tobytes()
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("caller", ["numpy", "torch"])
+def test_indexer_compress_epilog_v2_runs_its_custom_op_in_place(monkeypatch, caller):
+    fake = FakeNpu(monkeypatch, "950", True)
+    try:
+        args = _example("indexer_compress_epilog_v2")
+        expected = run("indexer_compress_epilog_v2", copy_args(args), backend="reference")
+        if caller == "torch":
+            args = _as_torch(args)
+        out = run("indexer_compress_epilog_v2", args, backend="npu")
+        assert fake.calls == [mapping.ICE2_CUSTOM_OP]
+        assert out is args["indexer_compress_cache"]
+        assert np.ascontiguousarray(to_numpy(out)).tobytes() == np.ascontiguousarray(expected).tobytes()
     finally:
         fake.close()

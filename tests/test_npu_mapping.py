@@ -456,6 +456,10 @@ def test_every_recorded_signature_is_a_mapping_target():
         kv_compress_cache=torch.zeros((4, 1, 640), dtype=torch.float8_e4m3fn), x=q[0, 0, :, :512],
         slot_mapping=torch.zeros(1, dtype=torch.int64), quant_group_size=64, quant_mode=2, round_scale_flag=True,
         layout=1), NpuContext(chip="950", custom_ops=frozenset({mapping.KCE_VLLM_CUSTOM_NAME}))).target)
+    hit.add(mapping.map_call("indexer_compress_epilog_v2", dict(
+        indexer_compress_cache=torch.zeros((2, 4, 1, 132), dtype=torch.uint8), x=q[0, 0, :, :128],
+        slot_mapping=torch.zeros(1, dtype=torch.int32), layout=2),
+        NpuContext(chip="950", custom_ops=frozenset({mapping.ICE2_CUSTOM_NAME}))).target)
     assert hit == set(signatures.targets())
 
 
@@ -496,3 +500,20 @@ def test_kv_compress_epilog_vllm_mapping_is_the_custom_ops_positional_call():
     assert "vllm_ascend" in lim["npu.kv_compress_epilog_vllm.needs_custom_op"].reason
     assert not device.backend_limits("kv_compress_epilog_vllm", chip="950",
                                      custom_ops=frozenset({"kv_compress_epilog"}))[0].check(a)
+
+
+def test_indexer_compress_epilog_v2_mapping_is_the_custom_ops_positional_call():
+    a = dict(indexer_compress_cache=torch.zeros((2, 4, 1, 132), dtype=torch.uint8),
+             x=torch.zeros((3, 128), dtype=torch.bfloat16), slot_mapping=torch.zeros(3, dtype=torch.int32), layout=2)
+    call = mapping.map_call("indexer_compress_epilog_v2", a, NpuContext(
+        chip="950", custom_ops=frozenset({mapping.ICE2_CUSTOM_NAME})))
+    assert call.target == mapping.ICE2_CUSTOM_OP and call.kwargs == {}
+    assert call.args[0] is a["indexer_compress_cache"] and call.args[3] == 2
+    _assert_binds(call)
+    assert call.unpack(None)[0] is a["indexer_compress_cache"]  # written in place, returns nothing
+    with pytest.raises(ValueError, match="not loaded"):
+        mapping.map_call("indexer_compress_epilog_v2", a, NpuContext(chip="950"))
+    lim = {c.id: c for c in device.backend_limits("indexer_compress_epilog_v2", chip="950", custom_ops=frozenset())}
+    assert "vllm_ascend" in lim["npu.indexer_compress_epilog_v2.needs_custom_op"].reason
+    with pytest.raises(KeyError, match="no npu mapping for indexer_quant_cache: its callable"):
+        mapping.map_call("indexer_quant_cache", {}, NpuContext(chip="950"))

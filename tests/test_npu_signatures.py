@@ -239,9 +239,16 @@ def test_extract_custom_ops_joins_cpp_string_literals():
             "int layout"
         ") -> ()"
     );
+    ops.def(
+        "indexer_compress_epilog_v2("
+            "Tensor(a!) indexer_compress_cache, "
+            "int layout=2"
+        ") -> ()"
+    );
 }
 '''
     out = rec.extract_custom_ops(cpp, "abc123")
+    assert out["torch.ops._C_ascend.indexer_compress_epilog_v2"]["params"][1]["default"] == 2
     k = out["torch.ops._C_ascend.kv_compress_epilog"]
     assert k["schema"] == "kv_compress_epilog(Tensor(a!) kv_compress_cache, int layout) -> ()"
     assert [p["name"] for p in k["params"]] == ["kv_compress_cache", "layout"] and k["returns"] == []

@@ -873,6 +873,109 @@ def _merge():
          _outputs(fp32_no_max))
 
 
+def _indexer_cache():
+    IC = _m("indexer_cache")
+    IQC, ICE2 = "indexer_quant_cache", "indexer_compress_epilog_v2"
+
+    def floor_pow2(orig):
+        def f(s):
+            b = np.ascontiguousarray(np.asarray(s, np.float32)).view(np.uint32)
+            return ((b >> np.uint32(23)) << np.uint32(23)).view(np.float32)
+
+        return f
+
+    _add("indexer_quant_cache.scale_floor_pow2", IQC,
+         "power-of-two scales (MX-FP8, FP8 with round_scale) are floored instead of ceiled",
+         _patch((IC, "round_scale_pow2", floor_pow2)))
+
+    def high_first(orig):
+        return lambda codes: orig(codes, nibble_order="high_first")
+
+    _add("indexer_quant_cache.fp4_nibbles_swapped", IQC, "MX-FP4 packs element 2i in the high nibble",
+         _patch((IC, "pack_fp4", high_first)))
+
+    def no_sticky(orig):
+        def f(x):
+            x = np.asarray(x)
+            return orig(x.astype(np.float32).astype(ml_dtypes.bfloat16) if x.dtype == np.float16 else x)
+
+        return f
+
+    _add("indexer_quant_cache.fp16_no_sticky_bit", IQC,
+         "float16 x rounded to bf16 (ties to even) before MX-FP4 instead of the kernel's sticky-bit truncation",
+         _patch((IC, "mxfp4_quant", no_sticky)))
+
+    def no_x_scale(kw):
+        kw["x_scale"] = 1.0
+        return kw
+
+    _add("indexer_quant_cache.x_scale_ignored", IQC, "x_scale is ignored (HiFloat8 mode)", _args(no_x_scale))
+
+    def nan_zero_group(orig):
+        def f(x):
+            codes, s = orig(x)
+            zero = np.repeat(s == 0, 128, axis=1)[:, :codes.shape[1]]
+            return np.where(zero, np.uint8(0x7F), codes), s
+
+        return f
+
+    _add("indexer_compress_epilog_v2.zero_group_nan", ICE2,
+         "an all-zero group casts 0 / 0 = NaN (0x7F) instead of keeping x",
+         _patch((IC, "epilog_v2_quant", nan_zero_group)))
+    def row_amax(orig):
+        def f(x):
+            xf = np.asarray(x).astype(np.float32)
+            t, d = xf.shape
+            amax = np.abs(xf).max(axis=1, keepdims=True)
+            s = np.repeat(np.where(amax != 0, amax * IC.RECIP_448, 0).astype(np.float32), -(-d // 128), axis=1)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                y = xf / np.repeat(s, 128, axis=1)[:, :d]
+            return IC.encode(np.where(np.isnan(y), xf, y), "float8_e4m3fn", rounding="rint"), s
+
+        return f
+
+    _add("indexer_compress_epilog_v2.row_amax", ICE2, "every group of 128 takes the amax of the whole row",
+         _patch((IC, "epilog_v2_quant", row_amax)))
+
+
+def _k_scale_cache():
+    KS = _m("k_scale_cache")
+    SPKS = "scatter_pa_kv_cache_with_k_scale"
+
+    def int64_read_as_int32(kw):
+        sm = np.ascontiguousarray(kw["slot_mapping"])
+        if sm.dtype == np.int64:
+            kw["slot_mapping"] = sm.view(np.int32)[:sm.size].astype(np.int64)
+        return kw
+
+    _add("scatter_pa_kv_cache_with_k_scale.int64_slots_read_as_int32", SPKS,
+         "int64 slot_mapping read as int32 words (the low and high halves of slot 0 become slots 0 and 1)",
+         _args(int64_read_as_int32))
+
+    def scale_head0(kw):
+        ks = np.array(kw["key_scale"], copy=True)
+        ks[:] = ks[:, :1]
+        kw["key_scale"] = ks
+        return kw
+
+    _add("scatter_pa_kv_cache_with_k_scale.scale_of_head0", SPKS, "every head stores head 0's K scale",
+         _args(scale_head0))
+
+
+def _indexer_batches():
+    def shortest_key(kw):
+        lk = kw.get("actual_seq_lengths_key")
+        if lk is not None and kw.get("layout_key") != "TND" and np.asarray(lk).size > 1:
+            lk = np.asarray(lk)
+            kw["actual_seq_lengths_key"] = np.full_like(lk, lk.min())
+        return kw
+
+    for op in (LI, QLI):
+        _add(f"{op}.shortest_batch_key_length", op,
+             "every batch sees only as many keys as the shortest batch (a per-call length read once)",
+             _args(shortest_key))
+
+
 _BUILT = False
 
 
@@ -881,7 +984,8 @@ def _build():
     if _BUILT:
         return
     _BUILT = True
-    for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge):
+    for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
+              _indexer_batches):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

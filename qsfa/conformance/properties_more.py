@@ -10,6 +10,8 @@ expectation is derived independently of the reference (a float64 model or a rela
 * vLLM-Ascend's kv_compress_epilog (``docs/numerics/cache-writers.md#kv_compress_epilog_vllm``): layouts 1 and 2
   store the same bytes per token, and with power-of-two scales every code times its E8M0 scale is within half a
   step of the input (a float64 model).
+* The lightning indexers (``docs/numerics/indexer.md``): shape invariance - every batch of a BSND query run alone
+  (its query rows, weights, lengths and its keys or block-table row) selects the same indices as inside the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = ["more_properties"]
 M1Q = "layouts.flashmla_model1_quantize"
 M1D = "layouts.flashmla_model1_dequantize"
 KCEV = "kv_compress_epilog_vllm"
+LI, QLI = "lightning_indexer", "quant_lightning_indexer"
 
 
 def _m1_round_trip(P, examples):
@@ -149,6 +152,44 @@ def _kcev_half_step(P, examples):
              examples(KCEV, {"round_scale_flag": True}), check, {"round_scale_flag": True})
 
 
+def _one_batch(op: str, a: dict, b: int) -> dict:
+    """The arguments of batch ``b`` alone (BSND query; BSND keys or a paged cache shared by every batch)."""
+    one = dict(a)
+    sl = slice(b, b + 1)
+    for p in ("query", "weights", "query_dequant_scale", "actual_seq_lengths_query", "actual_seq_lengths_key"):
+        if a.get(p) is not None:
+            one[p] = np.ascontiguousarray(a[p][sl])
+    if a["layout_key"] == "PA_BSND":
+        one["block_table"] = np.ascontiguousarray(a["block_table"][sl])
+    else:
+        for p in ("key", "key_dequant_scale"):
+            if a.get(p) is not None:
+                one[p] = np.ascontiguousarray(a[p][sl])
+    return one
+
+
+def _indexer_batch_slices(op: str, P, examples):
+    pins = {"layout_query": "BSND", "layout_kv": ("BSND", "PA_BSND"), "batch": (2, 3)}
+
+    def check(ex, backend: str):
+        a = ex.args
+        full = call(op, a, backend)
+        for b in range(a["query"].shape[0]):
+            alone = call(op, _one_batch(op, a, b), backend)
+            for name, v in alone.items():
+                if v is None or full.get(name) is None:
+                    continue
+                whole = np.ascontiguousarray(full[name][b:b + 1])
+                if whole.shape != v.shape or whole.tobytes() != np.ascontiguousarray(v).tobytes():
+                    fail(f"batch {b} run alone gives other {name} than inside the batch of {a['query'].shape[0]} "
+                         f"(layout_key {a['layout_key']})")
+
+    return P(f"{op}.batch_slices", (op,), "metamorphic",
+             "Shape invariance: each batch of a BSND query run alone (its query rows, weights, lengths and keys or "
+             "block-table row) gives byte-identical indices (and values) to the same batch inside the whole call.",
+             examples(op, pins), check, pins)
+
+
 def more_properties(have: set, P, examples) -> list:
     """The properties of this module whose operators are all in ``have``. ``P`` is the Property class and
     ``examples(op)`` the example-strategy builder of :mod:`.properties` (passed in to avoid an import cycle)."""
@@ -157,4 +198,7 @@ def more_properties(have: set, P, examples) -> list:
         out += [_m1_round_trip(P, examples), _m1_requantize(P, examples)]
     if KCEV in have:
         out += [_kcev_layouts(P, examples), _kcev_half_step(P, examples)]
+    for op in (LI, QLI):
+        if op in have:
+            out.append(_indexer_batch_slices(op, P, examples))
     return out

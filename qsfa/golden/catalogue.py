@@ -278,6 +278,67 @@ register_set("kv-compress-epilog-vllm", "vLLM-Ascend's kv_compress_epilog (MXFP8
 
 
 # --------------------------------------------------------------------------------------------------
+# DeepSeek-V4 indexer cache writers (docs/numerics/cache-writers.md#indexer_quant_cache, #indexer_compress_epilog_v2)
+
+IQC, ICE2 = "indexer_quant_cache", "indexer_compress_epilog_v2"
+
+
+def indexer_quant_cache_cases() -> list[Case]:
+    out = []
+    for mode in ("mxfp8", "fp8", "hifloat8", "mxfp4"):
+        fmts = ("float8_e4m3fn", "float8_e5m2") if mode in ("mxfp8", "fp8") else (None,)
+        for fmt in fmts:
+            for xdt in ("bfloat16", "float16"):
+                for rs in ((True, False) if mode == "fp8" else (True,)):
+                    tag = "-".join(p for p in (mode, fmt and fmt[6:], xdt[:4], None if rs else "nors") if p)
+                    out.append(_case(f"iqc-{tag}", IQC, IQC,
+                                     f"quant_mode {mode!r}, {fmt or 'uint8'} cache, {xdt} x, round_scale {rs}: "
+                                     "d 128, an all-zero MX group and an all-zero token, two -1 slots",
+                                     d=128, bs=6, skip=2, quant_mode=mode, cache_dtype=fmt, x_dtype=xdt,
+                                     round_scale=rs, x_scale=0.75, zero_groups=True, block_size=4, block_num=2,
+                                     scale=float(2 ** ((len(out) % 7) - 3))))
+    out.append(_case("iqc-mxfp4-d8192", IQC, IQC, "quant_mode 'mxfp4' at the largest d (8192), block_size 1",
+                     d=8192, bs=2, quant_mode="mxfp4", block_size=1, block_num=3))
+    return out
+
+
+register_set("indexer-quant-cache", "cann_ops_transformer.indexer_quant_cache (Ascend 950): MX-FP8, FP8 with an "
+             "fp32 scale per token (round_scale on/off), HiFloat8, MX-FP4; E4M3FN / E5M2 caches, bf16 / fp16 x",
+             indexer_quant_cache_cases)
+
+
+def indexer_compress_epilog_v2_cases() -> list[Case]:
+    return [
+        _case("ice2-vllm-call", ICE2, ICE2, "vLLM-Ascend's call: d 128 (132-byte rows), block_size 4, bf16, "
+              "an all-zero token, a -1 slot", d=128, bs=7, skip=1, zero_groups=True, block_size=4, block_num=2),
+        _case("ice2-partial-group", ICE2, ICE2, "d 200: groups of 128 and 72, float16 x, head_dim 8 bytes wider",
+              d=200, bs=5, x_dtype="float16", block_size=2, block_num=3, tail=8),
+        _case("ice2-small-values", ICE2, ICE2, "d 256, values around 2^-20 (scales far below 1)", d=256, bs=4,
+              scale=2.0 ** -20, block_size=4, block_num=1),
+    ]
+
+
+register_set("indexer-compress-epilog-v2", "vLLM-Ascend indexer_compress_epilog_v2 (Ascend 950): FP8 E4M3FN with "
+             "fp32 scales per 128 values in one uint8 block cache", indexer_compress_epilog_v2_cases)
+
+
+SPKS = "scatter_pa_kv_cache_with_k_scale"
+
+
+def scatter_pa_kv_cache_with_k_scale_cases() -> list[Case]:
+    return [
+        _case("spks-e4m3", SPKS, SPKS, "E4M3FN K / V (128 / 128), 2 heads, block_size 4, a -1 slot and a slot past the "
+              "cache", bs=6, heads=2, skip=1, past_end=1, fmt="float8_e4m3fn"),
+        _case("spks-e5m2-int64", SPKS, SPKS, "E5M2, K 64 / V 192, 1 head, block_size 16, int64 slots", bs=5, heads=1,
+              dk=64, dv=192, block_size=16, block_num=1, fmt="float8_e5m2", slot_dtype="int64"),
+    ]
+
+
+register_set("scatter-pa-kv-cache-with-k-scale", "cann_ops_transformer.scatter_pa_kv_cache_with_k_scale (Ascend 950): "
+             "FP8 K / V and per-head fp32 K scales into BNBD caches", scatter_pa_kv_cache_with_k_scale_cases)
+
+
+# --------------------------------------------------------------------------------------------------
 # KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 
 _KRR_MODES = ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ")

@@ -159,8 +159,24 @@ def _check_destination(option: str, path: str) -> None:
                                "not writable.")
 
 
+def _cmd_compare_chain(args) -> int:
+    """``compare --chain``: DIR holds chain.json and every golden tensor; --actual a folder of the same names."""
+    from ..chain import ChainError, compare_chain_dirs
+
+    try:
+        rep = compare_chain_dirs(args.dir, args.actual)
+    except (ChainError, OSError, ValueError) as e:
+        raise _usage_error(e) from None
+    text = str(rep)
+    print(text.rsplit("\n", 1)[-1] if args.quiet else text)
+    return 0 if rep.passed else 1
+
+
 def _cmd_compare(args) -> int:
     from .compare import compare_dir, format_report, matplotlib_available, write_histogram, write_json
+
+    if getattr(args, "chain", False):
+        return _cmd_compare_chain(args)
 
     if args.histogram and not matplotlib_available():
         raise _usage_error(GoldenInputError(
@@ -278,6 +294,9 @@ def register(subparsers):
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print only the verdict line, not the table and the worst elements")
     add_standard_options(p)
+    p.add_argument("--chain", action="store_true",
+                   help="DIR is a chain's golden (chain.json + tensors, qsfa.chain): compare link by link in chain "
+                        "order and name the first failing link, own error or propagated")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("list", help="the case sets (or the cases of one set)")

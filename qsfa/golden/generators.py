@@ -519,3 +519,65 @@ def gen_kv_rmsnorm_rope_cache(params, rng):
     known = set(inspect.signature(example).parameters) - {"rng"}
     args = example(rng, **{k: v for k, v in params.items() if k in known})
     return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek-V4 indexer cache writers (docs/numerics/cache-writers.md#indexer_quant_cache, #indexer_compress_epilog_v2)
+
+
+def _indexer_x(params, rng, d, t):
+    """x ``[t, d]`` randn * ``scale`` in ``x_dtype``; ``zero_groups`` zeroes the first 32 values of the first token and
+    the whole last token (an all-zero MX group, an all-zero row)."""
+    x = randn(rng, (t, d), "float32", params.get("scale", 1.0))
+    if params.get("zero_groups"):
+        x[0, :32] = 0
+        x[-1, :] = 0
+    return x.astype(float_dtype(params.get("x_dtype", "bfloat16")))
+
+
+@register_generator("indexer_quant_cache")
+def gen_indexer_quant_cache(params, rng):
+    """x ``[bs, d]`` (:func:`_indexer_x`); ``cache [block_num, block_size, 1, width + tail]`` and ``cache_scale [...,
+    scales + tail]`` of sentinel bytes in the dtypes ``quant_mode`` takes (``cache_dtype`` for the FP8 modes);
+    ``skip`` slots are -1 (int32)."""
+    from ..reference import indexer_cache as ic
+
+    d, t = int(params["d"]), int(params["bs"])
+    mode = params.get("quant_mode", "fp8")
+    bs, bn, tail = int(params.get("block_size", 4)), int(params.get("block_num", 2)), int(params.get("tail", 8))
+    cdt = (getattr(ml_dtypes, params.get("cache_dtype", "float8_e4m3fn")) if mode in ("fp8", "mxfp8") else np.uint8)
+    sdt = np.uint8 if mode in ("mxfp8", "mxfp4") else np.float32
+    cache = sentinel_filled((bn, bs, 1, ic.cache_width(d, mode) + tail), np.uint8).view(cdt)
+    cache_scale = sentinel_filled((bn, bs, 1, ic.scale_cols(d, mode) + tail), sdt)
+    return {"cache": cache, "cache_scale": cache_scale, "x": _indexer_x(params, rng, d, t),
+            "slot_mapping": slot_mapping(rng, t, bs * bn, int(params.get("skip", 0)), "int32")}
+
+
+@register_generator("indexer_compress_epilog_v2")
+def gen_indexer_compress_epilog_v2(params, rng):
+    """x ``[bs, d]`` (:func:`_indexer_x`); uint8 ``indexer_compress_cache [block_num, block_size, 1, d + 4 ceil(d / 128)
+    + tail]`` of sentinel bytes; ``skip`` slots are -1 (int32)."""
+    d, t = int(params["d"]), int(params["bs"])
+    bs, bn, tail = int(params.get("block_size", 4)), int(params.get("block_num", 2)), int(params.get("tail", 0))
+    cache = sentinel_filled((bn, bs, 1, d + 4 * -(-d // 128) + tail), np.uint8)
+    return {"indexer_compress_cache": cache, "x": _indexer_x(params, rng, d, t),
+            "slot_mapping": slot_mapping(rng, t, bs * bn, int(params.get("skip", 0)), "int32")}
+
+
+@register_generator("scatter_pa_kv_cache_with_k_scale")
+def gen_scatter_pa_kv_cache_with_k_scale(params, rng):
+    """Random FP8 bytes ``key [bs, heads, dk]`` / ``value [bs, heads, dv]`` in ``fmt``, fp32 ``key_scale``; BNBD caches
+    ``[block_num, heads, block_size, d]`` of sentinel bytes (the fp32 scale cache of -1.0); ``skip`` slots -1 and
+    ``past_end`` slots at ``num_slots + 5`` (skipped too)."""
+    t, n = int(params["bs"]), int(params.get("heads", 2))
+    dk, dv = int(params.get("dk", 128)), int(params.get("dv", 128))
+    bs, bn = int(params.get("block_size", 4)), int(params.get("block_num", 2))
+    fmt = getattr(ml_dtypes, params.get("fmt", "float8_e4m3fn"))
+    slots = slot_mapping(rng, t, bs * bn, int(params.get("skip", 0)), params.get("slot_dtype", "int32"))
+    slots[:int(params.get("past_end", 0))] = bs * bn + 5
+    return {"key": rng.integers(0, 256, (t, n, dk), dtype=np.uint8).view(fmt),
+            "value": rng.integers(0, 256, (t, n, dv), dtype=np.uint8).view(fmt),
+            "key_cache": sentinel_filled((bn, n, bs, dk), np.uint8).view(fmt),
+            "value_cache": sentinel_filled((bn, n, bs, dv), np.uint8).view(fmt),
+            "slot_mapping": slots, "key_scale": randn(rng, (t, n), "float32"),
+            "key_scale_cache": np.full((bn, n, bs, 1), -1.0, np.float32)}

@@ -63,7 +63,7 @@ TORCH_NPU_FUNCTIONS = (
 )
 
 #: vLLM-Ascend custom ops (namespace ``_C_ascend``) the npu backend maps to.
-CUSTOM_OPS = ("npu_kv_quant_sparse_flash_attention", "kv_compress_epilog")
+CUSTOM_OPS = ("npu_kv_quant_sparse_flash_attention", "kv_compress_epilog", "indexer_compress_epilog_v2")
 
 META_FILE = "op_plugin/meta/_meta_registrations.py"
 SCHEMA_FILE = "csrc/aten/npu_native_functions_by_codegen.yaml"

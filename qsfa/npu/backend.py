@@ -18,7 +18,7 @@ from . import device, mapping
 
 __all__ = ["resolve", "context", "run_call", "registered"]
 
-_CUSTOM = (mapping.QSFA_CUSTOM_NAME, mapping.KCE_VLLM_CUSTOM_NAME)
+_CUSTOM = (mapping.QSFA_CUSTOM_NAME, mapping.KCE_VLLM_CUSTOM_NAME, mapping.ICE2_CUSTOM_NAME)
 
 
 def resolve(target: str):

@@ -28,6 +28,9 @@ Routing (settled from public sources):
   it); other chips -> ``torch_npu.npu_kv_rmsnorm_rope_cache`` (what vLLM-Ascend's sfa_v1.py calls).
 * ``kv_compress_epilog_vllm``: ``torch.ops._C_ascend.kv_compress_epilog`` (vLLM-Ascend ``csrc/torch_binding.cpp``
   at 182b75e; Ascend 950), positional as its schema; the cache is written in place (returns nothing).
+* ``indexer_compress_epilog_v2``: ``torch.ops._C_ascend.indexer_compress_epilog_v2`` (vLLM-Ascend
+  ``csrc/torch_binding.cpp`` at 182b75e; Ascend 950), positional as its schema, the uint8 cache in place (the binding
+  passes ``stride(0)`` as block_stride itself).
 * dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
   TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
   hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
@@ -63,6 +66,8 @@ QSFA_CUSTOM_OP = "torch.ops._C_ascend.npu_kv_quant_sparse_flash_attention"
 QSFA_CUSTOM_NAME = "npu_kv_quant_sparse_flash_attention"
 KCE_VLLM_CUSTOM_NAME = "kv_compress_epilog"
 KCE_VLLM_CUSTOM_OP = "torch.ops._C_ascend.kv_compress_epilog"
+ICE2_CUSTOM_NAME = "indexer_compress_epilog_v2"
+ICE2_CUSTOM_OP = "torch.ops._C_ascend.indexer_compress_epilog_v2"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -123,6 +128,14 @@ IGNORED = {
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
 NOT_MAPPED = {
+    "scatter_pa_kv_cache_with_k_scale": (
+        "its callable, torch.ops.cann_ops_transformer.scatter_pa_kv_cache_with_k_scale (ops-transformer, Ascend 950; "
+        "vLLM-Ascend imports it from the cann_ops_transformer package), is not in torch_npu 2.14.0 or _C_ascend, and "
+        "the npu backend does not load that package yet"),
+    "indexer_quant_cache": (
+        "its callable, torch.ops.cann_ops_transformer.indexer_quant_cache (ops-transformer attention/indexer_quant_cache/, "
+        "Ascend 950), comes from the separately built cann_ops_transformer package, which the npu backend does not "
+        "load yet (neither torch_npu 2.14.0 nor vLLM-Ascend's _C_ascend has it)"),
     "kv_compress_epilog": (
         "torch_npu 2.14.0 exposes no KvCompressEpilog function (absent from op_plugin/meta/_meta_registrations.py "
         "and the codegen yaml); vLLM-Ascend's torch.ops._C_ascend.kv_compress_epilog (csrc/torch_binding.cpp, "
@@ -481,6 +494,18 @@ def map_kv_compress_epilog_vllm(a: Mapping, ctx: NpuContext) -> NpuCall:
     return NpuCall(KCE_VLLM_CUSTOM_OP, args, {}, unpack=lambda r: (a["kv_compress_cache"],))
 
 
+# ------------------------------------------------------------------------------- indexer_compress_epilog_v2
+
+
+def map_indexer_compress_epilog_v2(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """vLLM-Ascend's ``torch.ops._C_ascend.indexer_compress_epilog_v2`` (positional, as its schema), cache in place."""
+    _check_params("indexer_compress_epilog_v2", a, ("indexer_compress_cache", "x", "slot_mapping", "layout"))
+    if ICE2_CUSTOM_NAME not in ctx.custom_ops:
+        raise ValueError(f"indexer_compress_epilog_v2 needs {ICE2_CUSTOM_OP}, which is not loaded")
+    args = (a["indexer_compress_cache"], a["x"], a["slot_mapping"], int(a["layout"]))
+    return NpuCall(ICE2_CUSTOM_OP, args, {}, unpack=lambda r: (a["indexer_compress_cache"],))
+
+
 #: operator name -> mapping function
 MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_quant_sparse_flash_attention": map_kv_quant_sparse_flash_attention,
@@ -491,6 +516,7 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_rmsnorm_rope_cache": map_kv_rmsnorm_rope_cache,
     "scatter_by_slot": map_scatter_by_slot,
     "kv_compress_epilog_vllm": map_kv_compress_epilog_vllm,
+    "indexer_compress_epilog_v2": map_indexer_compress_epilog_v2,
 }
 
 

@@ -57,6 +57,9 @@ from .cache import (
     kv_compress_epilog_vllm_args, kv_rmsnorm_rope_cache_args, scatter_by_slot_args, strided_like,
 )
 from ._common import Bounds, bounds, INT64_MAX, InvalidArgs, poison_bytes, slot_mapping, sparse_index_rows
+from .indexer_cache import (
+    indexer_compress_epilog_v2_args, indexer_quant_cache_args, scatter_pa_kv_cache_with_k_scale_args,
+)
 from .formats import decode_args, encode_args, pack_fp4_args, unpack_fp4_args
 from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_args
 from .quant import dynamic_block_quant_args
@@ -94,6 +97,9 @@ __all__ = [
     "flashmla_model1_dequantize_args",
     "kv_compress_epilog_vllm_args",
     "MORE_STRATEGIES",
+    "indexer_quant_cache_args",
+    "indexer_compress_epilog_v2_args",
+    "scatter_pa_kv_cache_with_k_scale_args",
 ]
 
 
@@ -199,6 +205,9 @@ MORE_STRATEGIES = {
     "layouts.flashmla_model1_quantize": flashmla_model1_quantize_args,
     "layouts.flashmla_model1_dequantize": flashmla_model1_dequantize_args,
     "kv_compress_epilog_vllm": kv_compress_epilog_vllm_args,
+    "indexer_quant_cache": indexer_quant_cache_args,
+    "indexer_compress_epilog_v2": indexer_compress_epilog_v2_args,
+    "scatter_pa_kv_cache_with_k_scale": scatter_pa_kv_cache_with_k_scale_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):

@@ -1,0 +1,344 @@
+"""Operator chains as data: run one, keep every intermediate, and find the first link that diverges.
+
+A chain (docs/golden.md#chains) is a JSON object::
+
+    {"name": "indexer-cache-then-select",
+     "inputs": ["x", "cache", "slots"],
+     "links": [{"name": "k_cache", "op": "indexer_quant_cache",
+                "args": {"x": "$input.x", "cache": "$input.cache", "slot_mapping": "$input.slots", ...}},
+               {"name": "select", "op": "quant_lightning_indexer", "args": {"key": "$k_cache.cache", ...}}]}
+
+Every link is a call of a registered operator (any of ``qsfa.operators()``); an argument is a literal (a JSON
+number, string, bool, list or null) or a reference ``"$input.<name>"`` / ``"$<link>.<output>"`` to a chain input
+or to an output of an *earlier* link, so a chain is acyclic by construction and runs in order; a view
+``{"from": "$k.cache_scale", "reshape": [2, 6, 1]}`` passes a reshaped tensor (vLLM-Ascend's ``squeeze(-1)``
+between a cache writer and an indexer). Tensors are named ``input.<name>`` and ``<link>.<output>``.
+
+* :func:`run_chain` runs it on one backend and returns every tensor (in-place parameters are copied first, so an
+  earlier intermediate keeps its value when a later link writes into a copy of it).
+* :func:`write_chain_golden` stores every tensor (``<name>.npy``) beside ``chain.json`` and a manifest listing the
+  chain's edges; :func:`compare_chain` walks a directory of another backend's tensors (the same names, e.g. dumped
+  from an NPU run) link by link, each output with its own criterion (:func:`qsfa.compare.compare`: bytes for
+  integer and 8-bit outputs, the float criterion otherwise), reports whether each link's inputs still matched, and
+  runs the link again on the golden inputs (``rerun_backend``) so that a link's own error is told apart from one
+  it inherited. ``qsfa golden compare DIR --actual ADIR --chain`` is the command line.
+
+Bad chains and missing tensors raise :class:`ChainError` (a ``qsfa.InvalidArgument``) naming the link and the field,
+before anything is run or written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ._errors import InvalidArgument, InvalidDtype
+
+__all__ = ["ChainError", "Link", "Chain", "chain_from_dict", "load_chain", "run_chain", "write_chain_golden",
+           "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs"]
+
+_REF = re.compile(r"^\$([A-Za-z_][\w-]*)\.([A-Za-z_]\w*)$")
+_NAME = re.compile(r"^[A-Za-z_][\w-]*$")
+
+
+class ChainError(InvalidArgument):
+    """A chain or a tensor directory that cannot be used (``Invalid <kind> for <field>, actual: ..., reason: ...``)."""
+
+    def __init__(self, field_: str, actual: Any, reason: str, kind: str = "value"):
+        super().__init__(kind, field_, actual, reason)
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    op: str
+    args: dict
+
+    def refs(self) -> dict[str, str]:
+        """``{parameter: tensor name}`` of the arguments that reference a tensor (``"$a.b"`` or a view
+        ``{"from": "$a.b", "reshape": [...]}``)."""
+        out = {}
+        for p, v in self.args.items():
+            v = v.get("from") if isinstance(v, Mapping) else v
+            m = _REF.match(v) if isinstance(v, str) else None
+            if m:
+                out[p] = f"{m.group(1)}.{m.group(2)}"
+        return out
+
+
+@dataclass(frozen=True)
+class Chain:
+    name: str
+    inputs: tuple[str, ...]
+    links: tuple[Link, ...]
+
+    def edges(self) -> list[list[str]]:
+        """``[source tensor, link, parameter]`` for every reference, in chain order."""
+        return [[src, ln.name, p] for ln in self.links for p, src in ln.refs().items()]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "inputs": list(self.inputs),
+                "links": [{"name": ln.name, "op": ln.op, "args": dict(ln.args)} for ln in self.links]}
+
+
+def _spec(op: str):
+    from .golden.case import resolve_op
+    from .golden.io import GoldenInputError
+
+    try:
+        return resolve_op(op)
+    except GoldenInputError:
+        return None
+
+
+def chain_from_dict(d: Mapping) -> Chain:
+    """Validate a chain object (see the module docstring) and build it."""
+    if not isinstance(d, Mapping):
+        raise ChainError("chain", type(d).__name__, "must be a JSON object with 'name', 'inputs' and 'links'")
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        raise ChainError("name", name, "must be a non-empty string")
+    inputs = d.get("inputs", [])
+    if not isinstance(inputs, list) or not all(isinstance(i, str) and _NAME.match(i) for i in inputs):
+        raise ChainError("inputs", inputs, "must be a list of names ([A-Za-z_][A-Za-z0-9_-]*)")
+    raw = d.get("links")
+    if not isinstance(raw, list) or not raw:
+        raise ChainError("links", raw, "must be a non-empty list of links")
+    known = {f"input.{i}" for i in inputs}
+    links, names = [], set()
+    for i, ln in enumerate(raw):
+        where = f"links[{i}]"
+        if not isinstance(ln, Mapping):
+            raise ChainError(where, type(ln).__name__, "must be an object with 'name', 'op' and 'args'")
+        lname = ln.get("name")
+        if not isinstance(lname, str) or not _NAME.match(lname) or lname == "input":
+            raise ChainError(f"{where}.name", lname, "must be a name ([A-Za-z_][A-Za-z0-9_-]*, not 'input')")
+        if lname in names:
+            raise ChainError(f"{where}.name", lname, "repeats an earlier link's name")
+        where = f"link {lname!r}"
+        spec = _spec(ln.get("op"))
+        if spec is None:
+            raise ChainError(f"{where} op", ln.get("op"), "not an operator of this build of qsfa (qsfa.operators())")
+        args = ln.get("args", {})
+        if not isinstance(args, Mapping):
+            raise ChainError(f"{where} args", type(args).__name__, "must be an object")
+        unknown = sorted(set(args) - set(spec.params))
+        if unknown:
+            raise ChainError(f"{where} args", unknown, f"{spec.name} has no such parameter(s)")
+        link = Link(lname, spec.name, dict(args))
+        later = {x.get("name") for x in raw[i:] if isinstance(x, Mapping)}
+        for p, src in link.refs().items():
+            if src not in known:
+                owner = src.split(".", 1)[0]
+                why = ("names this link or a later one: a cycle or a forward reference (a link reads only chain "
+                       "inputs and earlier links' outputs)" if owner in later or owner == lname
+                       else "is neither a chain input nor an output of an earlier link")
+                raise ChainError(f"{where} args.{p}", args[p], why)
+        for p, v in args.items():
+            if isinstance(v, Mapping):
+                shape = v.get("reshape")
+                if p not in link.refs() or set(v) - {"from", "reshape"} or not (
+                        isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+                    raise ChainError(f"{where} args.{p}", dict(v), "a view is {\"from\": \"$<link>.<output>\", "
+                                     "\"reshape\": [int, ...]}")
+            elif isinstance(v, str) and v.startswith("$") and p not in link.refs():
+                raise ChainError(f"{where} args.{p}", v, "a reference is '$input.<name>' or '$<link>.<output>'")
+        names.add(lname)
+        known |= {f"{lname}.{o}" for o in spec.outputs}
+        links.append(link)
+    return Chain(name, tuple(inputs), tuple(links))
+
+
+def load_chain(path: str) -> Chain:
+    """A chain from its JSON file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ChainError("chain file", path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    return chain_from_dict(d)
+
+
+def _link_args(link: Link, spec, tensors: Mapping[str, np.ndarray], where: str) -> dict:
+    args = {}
+    for p, v in link.args.items():
+        src = link.refs().get(p)
+        if src is None:
+            args[p] = v
+            continue
+        if src not in tensors:
+            raise ChainError(f"link {link.name!r} args.{p}", src, f"the tensor is missing ({where})")
+        a = tensors[src]
+        if isinstance(v, Mapping):
+            try:
+                a = a.reshape(v["reshape"])
+            except ValueError:
+                raise ChainError(f"link {link.name!r} args.{p}", f"{src} {tuple(a.shape)}",
+                                 f"cannot be reshaped to {v['reshape']}") from None
+        args[p] = np.array(a, copy=True) if p in spec.inplace else a  # an earlier tensor keeps its value
+    return args
+
+
+def _call(link: Link, args: dict, backend: str) -> dict[str, np.ndarray]:
+    spec = _spec(link.op)
+    try:
+        res = spec.call(args, backend)
+    except (InvalidArgument, InvalidDtype) as e:
+        raise ChainError(f"link {link.name!r} ({link.op})", "its arguments", f"the operator refused them: {e}") from None
+    res = res if isinstance(res, tuple) else (res,)
+    return {f"{link.name}.{o}": np.asarray(r) for o, r in zip(spec.outputs, res) if r is not None}
+
+
+def run_chain(chain: Chain, inputs: Mapping[str, np.ndarray], backend: str = "reference") -> dict[str, np.ndarray]:
+    """Run every link in order; returns every tensor: ``input.<name>`` and ``<link>.<output>``."""
+    missing = [i for i in chain.inputs if i not in inputs]
+    if missing:
+        raise ChainError("inputs", missing, "the chain declares these inputs and they were not given")
+    tensors = {f"input.{k}": np.asarray(v) for k, v in inputs.items() if k in chain.inputs}
+    for link in chain.links:
+        spec = _spec(link.op)
+        tensors.update(_call(link, _link_args(link, spec, tensors, "run"), backend))
+    return tensors
+
+
+def _safe(name: str) -> str:
+    return name.replace("/", "_")
+
+
+def write_chain_golden(chain: Chain, inputs: Mapping[str, np.ndarray], out_dir: str,
+                       backend: str = "reference") -> dict[str, np.ndarray]:
+    """Run the chain and store ``chain.json``, every tensor as ``<name>.npy`` and ``manifest.json`` (the chain's
+    edges, every tensor's shape and dtype). Nothing is written when the chain refuses to run."""
+    from ._arrays import dtype_name, is_ml_dtype
+
+    tensors = run_chain(chain, inputs, backend)
+    os.makedirs(out_dir, exist_ok=True)
+    for name, a in tensors.items():  # ml_dtypes arrays as their raw bytes; the manifest keeps the dtype
+        raw = a.view(f"u{a.dtype.itemsize}") if is_ml_dtype(a.dtype) else a
+        np.save(os.path.join(out_dir, _safe(name) + ".npy"), np.ascontiguousarray(raw), allow_pickle=False)
+    with open(os.path.join(out_dir, "chain.json"), "w", encoding="utf-8") as f:
+        json.dump(chain.to_dict(), f, indent=1)
+    manifest = {"chain": chain.name, "edges": chain.edges(), "backend": backend,
+                "tensors": {n: {"shape": list(a.shape), "dtype": dtype_name(a)} for n, a in tensors.items()}}
+    with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+    return tensors
+
+
+def read_tensors(folder: str) -> dict[str, np.ndarray]:
+    """Every ``<name>.npy`` of a folder as ``{name: array}``; where a ``manifest.json`` names a tensor's dtype
+    (bfloat16, float8 ...) the raw bytes are viewed as it (a folder of dumps without one is read as stored, and
+    :func:`compare_chain` views each actual tensor as its golden's dtype when the widths agree)."""
+    from ._arrays import numpy_dtype
+
+    if not os.path.isdir(folder):
+        raise ChainError("tensor directory", folder, "is not a directory")
+    dtypes = {}
+    mpath = os.path.join(folder, "manifest.json")
+    if os.path.isfile(mpath):
+        with open(mpath, encoding="utf-8") as f:
+            dtypes = {n: t.get("dtype") for n, t in json.load(f).get("tensors", {}).items()}
+    out = {}
+    for fn in sorted(os.listdir(folder)):
+        if fn.endswith(".npy"):
+            a = np.load(os.path.join(folder, fn), allow_pickle=False)
+            dt = dtypes.get(fn[:-4])
+            if dt and dt != str(a.dtype):
+                a = a.view(numpy_dtype(dt))
+            out[fn[:-4]] = a
+    return out
+
+
+@dataclass
+class LinkReport:
+    link: str
+    op: str
+    passed: bool
+    inputs_matched: bool
+    rerun_passed: bool | None  # the link fed with the golden inputs on rerun_backend (None: not rerun)
+    results: list = field(default_factory=list)  # qsfa.compare.CompareResult per output
+
+    @property
+    def verdict(self) -> str:
+        if self.passed:
+            return "PASS"
+        if self.inputs_matched or self.rerun_passed is False:
+            return "FAIL (own error: its inputs matched)" if self.inputs_matched else "FAIL (own error)"
+        return "FAIL (propagated: its inputs already differed" + (
+            "; fed with the golden inputs it passes)" if self.rerun_passed else ")")
+
+
+@dataclass
+class ChainReport:
+    chain: str
+    links: list
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.links)
+
+    @property
+    def first_failure(self) -> LinkReport | None:
+        return next((r for r in self.links if not r.passed), None)
+
+    def __str__(self):
+        lines = [f"{'link':24s} {'op':34s} verdict"]
+        for r in self.links:
+            lines.append(f"{r.link:24s} {r.op:34s} {r.verdict}")
+            for c in r.results:
+                if not c.passed:
+                    lines.append(f"    {c}".replace("\n", "\n    "))
+        f = self.first_failure
+        lines.append(f"{'PASS' if f is None else 'FAIL'} chain {self.chain}: {len(self.links)} links"
+                     + ("" if f is None else f"; first failing link {f.link!r}: {f.verdict}"))
+        return "\n".join(lines)
+
+
+def _like(a: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """``a`` seen with ``g``'s dtype when both have the same width (ml_dtypes arrays read back from .npy as void)."""
+    if a.dtype != g.dtype and a.dtype.itemsize == g.dtype.itemsize:
+        return np.ascontiguousarray(a).view(g.dtype)
+    return a
+
+
+def compare_chain(chain: Chain, golden: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray], *,
+                  rerun_backend: str | None = "reference") -> ChainReport:
+    """Compare ``actual`` tensors with ``golden`` ones link by link (see the module docstring)."""
+    from .compare import compare
+
+    for link in chain.links:  # every needed tensor first: a missing one is bad input, nothing is compared
+        spec = _spec(link.op)
+        for o in spec.outputs:
+            t = f"{link.name}.{o}"
+            if t in golden and t not in actual:
+                raise ChainError(f"link {link.name!r} output {o!r}", t, "missing from the actual tensors")
+            if t not in golden:
+                raise ChainError(f"link {link.name!r} output {o!r}", t, "missing from the golden tensors")
+    reports = []
+    for link in chain.links:
+        spec = _spec(link.op)
+        outs = [f"{link.name}.{o}" for o in spec.outputs]
+        results = [compare(_like(actual[t], golden[t]), golden[t], name=t) for t in outs]
+        srcs = [s for s in link.refs().values() if s in actual and s in golden]
+        inputs_ok = all(compare(_like(actual[s], golden[s]), golden[s], name=s).passed for s in srcs)
+        passed = all(r.passed for r in results)
+        rerun = None
+        if not passed and rerun_backend is not None:
+            got = _call(link, _link_args(link, spec, golden, "golden"), rerun_backend)
+            rerun = all(compare(_like(got[t], golden[t]), golden[t], name=t).passed for t in outs)
+        reports.append(LinkReport(link.name, link.op, passed, inputs_ok, rerun, results))
+    return ChainReport(chain.name, reports)
+
+
+def compare_chain_dirs(golden_dir: str, actual_dir: str, *, rerun_backend: str | None = "reference") -> ChainReport:
+    """:func:`compare_chain` on a golden directory (``chain.json`` + tensors) and a directory of actual tensors."""
+    path = os.path.join(golden_dir, "chain.json")
+    if not os.path.isfile(path):
+        raise ChainError("golden directory", golden_dir, "holds no chain.json (write it with write_chain_golden)")
+    chain = load_chain(path)
+    return compare_chain(chain, read_tensors(golden_dir), read_tensors(actual_dir), rerun_backend=rerun_backend)
