@@ -320,8 +320,11 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
     for n in op.contract.inplace:
         if is_torch(args.get(n)):
             _check_tensor_buffer(op, n, args)
-    # Host NumPy views for validation (zero-copy for CPU tensors).
-    host = Args({n: (_host_view(n, v) if is_torch(v) else _scalar_as_array(op, n, v)) for n, v in args.items()})
+    for n in op.contract.written():
+        _check_no_grad(n, args.get(n))
+    # Host NumPy views for validation (zero-copy for CPU tensors); NumPy numbers and ndarray subclasses as the
+    # plain values they stand for.
+    host = Args({n: (_host_view(n, v) if is_torch(v) else _plain_value(op, n, v)) for n, v in args.items()})
     be_chip = be.chip()
     if chip is not None and be_chip is not None and chip != be_chip:
         raise InvalidArgument("value", "chip", chip,
@@ -383,15 +386,46 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
     return out[0] if single else tuple(out)
 
 
-def _scalar_as_array(op: Operator, name: str, v):
-    """A NumPy scalar (``np.float32(1.0)``) passed for an array parameter is the 0-d array it stands for,
-    for every operator; in-place buffers are not converted (a scalar cannot be written in place, so it
-    stays rejected by the type rule). Python numbers and lists stay rejected (docs/architecture.md)."""
-    if isinstance(v, np.generic) and name not in op.contract.inplace:
-        p = op.contract.params.get(name)
-        if p is not None and p.type == "array":
+def _plain_value(op: Operator, name: str, v):
+    """What validation and the backends see for a caller's value (docs/architecture.md, "Declared parameter
+    types"), one rule for every operator:
+
+    * a NumPy scalar (``np.float32(1.0)``) passed for an array parameter is the 0-d array it stands for; in-place
+      buffers are not converted (a scalar cannot be written in place, so it stays rejected by the type rule);
+    * an ndarray subclass (``np.matrix``, ``np.memmap``) is the base ndarray it views (the same memory, so an
+      in-place write lands in the caller's object); a masked array is not converted (the type rule refuses it);
+    * a NumPy integer / float / bool passed for an int / float / bool parameter is the Python number of the same
+      value (``np.uint8(64)`` -> 64), so no rule computes in the caller's 8-bit type and overflows.
+
+    Python numbers and lists stay as they are (lists are rejected by the type rule)."""
+    p = op.contract.params.get(name)
+    if p is None:
+        return v
+    if isinstance(v, np.ndarray):
+        if type(v) is not np.ndarray and not isinstance(v, np.ma.MaskedArray):
             return np.asarray(v)
+        return v
+    if not isinstance(v, np.generic):
+        return v
+    t = p.type
+    if t == "array":
+        return v if name in op.contract.inplace else np.asarray(v)
+    if t == "int" and isinstance(v, np.integer):
+        return int(v)
+    if t in ("float", "float32") and isinstance(v, (np.integer, np.floating)):
+        return int(v) if isinstance(v, np.integer) else float(v)
+    if t == "bool" and isinstance(v, np.bool_):
+        return bool(v)
     return v
+
+
+def _check_no_grad(name: str, t):
+    """A torch tensor the call writes (an in-place buffer or an output buffer) must not require grad: autograd
+    cannot see a write made through its memory (torch itself refuses in-place writes to such a leaf)."""
+    if is_torch(t) and t.requires_grad:
+        raise InvalidArgument("value", name, Raw("a tensor with requires_grad=True"),
+                              "a buffer the operator writes must not require grad (autograd would not see the "
+                              "write); pass tensor.detach() to write its memory anyway")
 
 
 def _as_passed(e, args: Mapping, host: Mapping):

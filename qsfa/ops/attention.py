@@ -25,7 +25,7 @@ from .._arrays import dtype_name, is_torch, to_numpy
 from .._checks import dtype_in, is_array
 from .._contract import Contract, one_of, params
 from .. import chips as _chips
-from ._out_buffers import add_buffers, attention_out_rules, lse_out_rules, reject_on_device
+from ._out_buffers import add_buffers, attention_out_rules, lse_out_rules, OUT_BUFFERS, reject_on_device
 from .._dispatch import define_operator, run
 from .._errors import InvalidArgument
 from ..reference import attention as _ref
@@ -259,12 +259,12 @@ def _qsfa_rules():
 QSFA_CONTRACT = Contract(op=QSFA, constraints=_qsfa_rules(), example=lambda rng: {**qsfa_case(), "attention_out": None,
                                                        "softmax_max_out": None, "softmax_sum_out": None},
                          params=params(
-    "query:array key:array value:array sparse_indices:array scale_value:float key_quant_mode:int value_quant_mode:int"
+    "query:array key:array value:array sparse_indices:array scale_value:float32 key_quant_mode:int value_quant_mode:int"
     " key_dequant_scale:array? value_dequant_scale:array? block_table:array? actual_seq_lengths_query:array?"
     " actual_seq_lengths_kv:array? sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int"
     " pre_tokens:int next_tokens:int attention_mode:int quant_scale_repo_mode:int tile_size:int rope_head_dim:int"
     " return_softmax_lse:bool key_dtype:str precision:str probability_rounding:str attention_out:array?"
-    " softmax_max_out:array? softmax_sum_out:array?"))
+    " softmax_max_out:array? softmax_sum_out:array?"), out_buffers=OUT_BUFFERS)
 
 
 def _qsfa_reference(**args):
@@ -450,12 +450,12 @@ def _sfa_rules():
 SFA_CONTRACT = Contract(op=SFA, constraints=_sfa_rules(), example=lambda rng: {**sfa_case(), "attention_out": None,
                                                        "softmax_max_out": None, "softmax_sum_out": None},
                         params=params(
-    "query:array key:array value:array? sparse_indices:array scale_value:float block_table:array?"
+    "query:array key:array value:array? sparse_indices:array scale_value:float32 block_table:array?"
     " actual_seq_lengths_query:array? actual_seq_lengths_kv:array? query_rope:array? key_rope:array?"
     " sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int pre_tokens:int next_tokens:int"
     " attention_mode:int return_softmax_lse:bool sinks:array? lse_includes_sink:bool precision:str"
     " probability_rounding:str attention_out:array?"
-    " softmax_max_out:array? softmax_sum_out:array?"))
+    " softmax_max_out:array? softmax_sum_out:array?"), out_buffers=OUT_BUFFERS)
 
 
 def _sfa_reference(**args):

@@ -138,7 +138,7 @@ C8_CONTRACT = Contract(
     example=_c8_example,
     inplace=("kv_cache",),
     params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str?"
-                  " dst_type_max:float?"),
+                  " dst_type_max:float32?"),
 )
 
 
@@ -263,8 +263,8 @@ C8R_CONTRACT = Contract(
     ],
     example=_c8r_example,
     inplace=("kv_cache",),
-    params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
-                  " rope_head_dim:int key_dtype:str scale_order:str? dst_type_max:float?"),
+    params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float32"
+                  " rope_head_dim:int key_dtype:str scale_order:str? dst_type_max:float32?"),
 )
 
 

@@ -191,8 +191,8 @@ CONTRACT = Contract(
     ],
     example=_example,
     normalise=_normalise,
-    params=params("x:array min_scale:float round_mode:str dst_type:any row_block_size:int col_block_size:int"
-                  " dst_type_max:float scale_order:str?"),
+    params=params("x:array min_scale:float32 round_mode:str dst_type:any row_block_size:int col_block_size:int"
+                  " dst_type_max:float32 scale_order:str?"),
 )
 
 
