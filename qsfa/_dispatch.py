@@ -48,6 +48,7 @@ __all__ = [
     "get_backend",
     "backends",
     "run",
+    "check_call",
 ]
 
 
@@ -299,10 +300,23 @@ def _ensure_builtin_backends():
     from . import _builtin_backends  # noqa: F401  (registers reference, npu, triton)
 
 
+def check_call(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip: str | None = None) -> None:
+    """Everything :func:`run` checks before it computes (backend, chip, the contract, the backend's limits), without
+    computing or writing: a composite operator (``qsfa.c8_pipeline``) checks every step's writer with it before
+    its first write."""
+    _prepare(op_name, args, backend, chip)
+
+
 def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip: str | None = None):
     """Validate ``args`` once and run ``op_name`` on ``backend`` modelling ``chip``; see the module docstring
     and :mod:`qsfa.chips` (which chip a call models)."""
-    from .chips import check_chip, chip_for_args
+    op, be, impl, kind, host, normalised, chip = _prepare(op_name, args, backend, chip)
+    return _run_checked(op, be, impl, kind, host, normalised, chip, args)
+
+
+def _prepare(op_name: str, args: Mapping[str, Any], backend: str, chip: str | None):
+    """Steps 1-4 of :func:`run`: ``(op, backend, impl, caller kind, host views, normalised args, chip)``."""
+    from .chips import check_chip
 
     op = operator(op_name)
     chip = check_chip(chip)
@@ -339,8 +353,14 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
         actual = c.check(normalised)
         if actual is not None:
             raise UnsupportedByBackend(be.name, str(c.error(actual)), constraint_id=c.id)
+    return op, be, impl, kind, host, normalised, chip
 
-    # Arguments in the backend's array kind; remember in-place buffers that need copying back.
+
+def _run_checked(op, be, impl, kind, host, normalised, chip, args):
+    """Steps 5-6 of :func:`run`: arguments in the backend's array kind (remembering in-place buffers that need
+    copying back), the call, the copy-back and the outputs in the caller's kind."""
+    from .chips import chip_for_args
+
     call_args: dict[str, Any] = {}
     copy_back: dict[str, tuple[Any, Any]] = {}
     for n, v in normalised.items():
@@ -375,7 +395,7 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
     results = (result,) if single else result
     if len(results) != len(op.outputs):
         raise RuntimeError(
-            f"backend {be.name!r} returned {len(results)} outputs for {op_name}, expected {len(op.outputs)}"
+            f"backend {be.name!r} returned {len(results)} outputs for {op.name}, expected {len(op.outputs)}"
         )
     out = []
     for name, r in zip(op.outputs, results):
