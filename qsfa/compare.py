@@ -23,6 +23,7 @@ import numpy as np
 
 from ._arrays import dtype_name, is_ml_dtype, is_torch, to_numpy
 from ._errors import InvalidArgument
+from ._public import checked, nonnegative_int, one_of_values
 
 __all__ = [
     "Tolerance",
@@ -107,6 +108,7 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint8).reshape(a.shape + (a.dtype.itemsize,)) if a.dtype.itemsize > 1 else a.view(np.uint8)
 
 
+@checked("actual:values golden:values name:str fmt:str? max_report:int", max_report=(nonnegative_int, "must be >= 0"))
 def compare_bytes(actual, golden, *, name: str = "", fmt: str | None = None, max_report: int = 10) -> CompareResult:
     """Byte-for-byte comparison; ``fmt`` (a qsfa.formats name) adds decoded values to the report."""
     a, g = _host(actual), _host(golden)
@@ -153,6 +155,8 @@ def _scalar(v):
         return float(v.astype(np.float64))
 
 
+@checked("actual:values golden:values", golden=(lambda v, a: tuple(np.shape(v)) == tuple(np.shape(a["actual"])),
+                                                 "must have the actual's shape"))
 def cos_diff(actual, golden) -> float:
     """``1 - 2*sum(a*r) / sum(a^2 + r^2)`` in float64 over finite elements (0 for two all-zero tensors)."""
     a = _host(actual).astype(np.float64)
@@ -168,6 +172,7 @@ def cos_diff(actual, golden) -> float:
 _ULP_INT = {"bfloat16": np.int16, "float16": np.int16, "float32": np.int32, "float64": np.int64}
 
 
+@checked("actual:values golden:values dtype:str", dtype=(one_of_values(_ULP_INT), f"must be one of {list(_ULP_INT)}"))
 def ulp_distance(actual, golden, dtype: str) -> np.ndarray:
     """Distance in units in the last place of ``dtype`` (both sides rounded to it first, RNE)."""
     np_dt = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
@@ -183,6 +188,7 @@ def ulp_distance(actual, golden, dtype: str) -> np.ndarray:
     return np.abs(ordered(actual) - ordered(golden))
 
 
+@checked("actual:values golden:values dtype:str? name:str max_report:int", max_report=(nonnegative_int, "must be >= 0"))
 def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | None = None,
                   name: str = "", max_report: int = 10) -> CompareResult:
     """The docs/numerics/comparison.md#float-criterion criterion for float outputs (see module docstring)."""
@@ -248,6 +254,7 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     return res
 
 
+@checked("actual:values golden:values name:str fmt:str?")
 def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tolerance | None = None) -> CompareResult:
     """Bytes for integer/8-bit outputs, the float criterion for 16/32/64-bit floats."""
     g = _host(golden)
