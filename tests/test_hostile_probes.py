@@ -225,3 +225,58 @@ def test_public_helpers_still_take_numbers_lists_and_numpy_integers():
     assert layouts.nz_columns(np.int8) == 32 and layouts.nz_columns("bfloat16") == 16
     assert formats.e8m0_byte(1.0).reshape(-1).tolist() == [127]
     assert qsfa.compare.cos_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def _cli(capsys, argv):
+    from qsfa.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["golden", "generate", "--set", "smoke", "--out", ""], "--out"),
+    (["golden", "generate", "--set", "smoke", "--out", "   "], "--out"),
+    (["conformance", "--time-budget", "nan"], "--time-budget"),
+    (["conformance", "--time-budget", "-1"], "--time-budget"),
+    (["conformance", "--time-budget", "inf"], "--time-budget"),
+    (["conformance", "--replay", "{dir}"], "--replay"),
+    (["golden", "generate", "--case", "{dir}", "--out", "{dir}/o"], "--case"),
+])
+def test_cli_refuses_empty_out_non_finite_budget_and_directories(argv, option, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _cli(capsys, [a.replace("{dir}", str(tmp_path)) for a in argv])
+    assert rc == 2 and f"argument {option}: Invalid value, actual: " in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written (not into the current folder either)
+
+
+def _dbq_case(tmp_path, **params):
+    from qsfa.golden.catalogue import get_set
+
+    case = next(c for c in get_set("smoke").cases() if c.op == "dynamic_block_quant")
+    path = tmp_path / "c.json"
+    case.save(str(path))
+    import json
+
+    d = json.loads(path.read_text())
+    d["params"].update(params)
+    path.write_text(json.dumps(d))
+    return path
+
+
+@pytest.mark.parametrize("params,field", [
+    (dict(M=-16), "M"), (dict(M=16.5), "M"), (dict(M=True), "M"), (dict(M=1 << 20, N=1 << 20), "M"),
+])
+def test_case_file_dimension_fields_are_refused_by_name(params, field, tmp_path, capsys):
+    path = _dbq_case(tmp_path, **params)
+    rc, out, err = _cli(capsys, ["golden", "generate", "--case", str(path), "--out", str(tmp_path / "o"), "-q"])
+    assert rc == 2 and f"Invalid value for params.{field}, actual: " in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
