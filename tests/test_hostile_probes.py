@@ -280,3 +280,33 @@ def test_case_file_dimension_fields_are_refused_by_name(params, field, tmp_path,
     assert rc == 2 and f"Invalid value for params.{field}, actual: " in err, err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
 
+
+
+# ----------------------------------------------------------------------------------------- a shadowing clone
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_clone_named_qsfa_in_the_script_folder(installed, tmp_path):
+    """A script run from the folder that holds a clone named ``qsfa`` finds the clone's root first. Its __init__.py
+    goes on with the qsfa installed elsewhere (here: on PYTHONPATH), or, with none, says what happened - instead of
+    the empty namespace package that gave "module 'qsfa' has no attribute 'c8_cache_write'"."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "qsfa").symlink_to(root, target_is_directory=True)
+    (tmp_path / "script.py").write_text("import qsfa\nprint(qsfa.__file__, qsfa.c8_cache_write.__name__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if installed:
+        env["PYTHONPATH"] = root
+    cmd = [sys.executable] + ([] if installed else ["-S"]) + ["script.py"]  # -S: no site-packages, no install
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    if installed:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [os.path.join(root, "qsfa", "__init__.py"), "c8_cache_write"]
+    else:
+        assert r.returncode == 1
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("ImportError: 'import qsfa' found ") and "root folder of a qsfa clone" in last, \
+            r.stderr
