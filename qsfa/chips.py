@@ -102,7 +102,9 @@ def attention_rounding(chip: str | None, qdtype: str, *, dequant: bool = True) -
     """The attention rounding parameters (``k_rounding``, ``p_rounding``, ``out_rounding``) of ``chip`` for a
     query of dtype ``qdtype`` ("bfloat16" / "float16"); ``dequant=False`` (SFA: K is not dequantised) leaves
     ``k_rounding`` out. ``chip=None`` is :data:`DEFAULT_CHIP`."""
-    table = ATTENTION_ROUNDING[chip or DEFAULT_CHIP]
+    table = ATTENTION_ROUNDING[check_chip(chip) or DEFAULT_CHIP]
+    if qdtype not in ("bfloat16", "float16"):
+        raise InvalidArgument("value", "qdtype", qdtype, "must be 'bfloat16' or 'float16' (the query dtype)")
     out = {f"{p}_rounding": table[p][qdtype] for p in (("k", "p", "out") if dequant else ("p", "out"))}
     return out
 

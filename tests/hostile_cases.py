@@ -3,7 +3,9 @@
 For every operator (and ``qsfa.formats.round_to``) and every parameter of its contract's example, this module
 builds the hostile variants a careless or malicious caller produces - None, a wrong type, a wrong dtype, a wrong
 rank, NaN / Inf, an empty array, read-only, stride-0 and aliased buffers, a huge declared size, torch sparse and
-``expand()``-ed tensors - from the parameter's *declared type* (``Contract.params``), so a new parameter is covered
+``expand()``-ed tensors; since issue 27 also masked arrays, ``np.matrix``, structured / object / void dtypes,
+integers beyond float64 and 1e300 for float parameters, unsigned NumPy integers for int parameters and in-place
+tensors that require grad - from the parameter's *declared type* (``Contract.params``), so a new parameter is covered
 without new code. Each case says what a correct library does with it:
 
 * ``must_reject``: an invalid call; it must raise a qsfa error (``InvalidArgument`` / ``InvalidDtype``) naming the

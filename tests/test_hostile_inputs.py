@@ -2,7 +2,8 @@
 
 The cases come from :mod:`hostile_cases`, generated from each contract's example and declared parameter types
 (None, wrong type, wrong dtype, wrong rank, NaN / Inf, empty, read-only, stride-0, aliased, huge declared size,
-torch sparse / ``expand()``-ed tensors), so a new parameter is covered without new code here. Every call runs in
+torch sparse / ``expand()``-ed tensors, masked / matrix / structured arrays, huge floats, unsigned NumPy integers,
+requires_grad buffers), so a new parameter is covered without new code here. Every call runs in
 process on the reference backend; every array argument's memory is compared byte for byte before and after.
 """
 

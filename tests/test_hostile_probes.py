@@ -310,3 +310,12 @@ def test_a_clone_named_qsfa_in_the_script_folder(installed, tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("ImportError: 'import qsfa' found ") and "root folder of a qsfa clone" in last, \
             r.stderr
+
+
+@pytest.mark.parametrize("call,param", [
+    (lambda: qsfa.chips.attention_rounding("A9", "bfloat16"), "chip"),
+    (lambda: qsfa.chips.attention_rounding("A2", "bogus"), "qdtype"),
+    (lambda: qsfa.chips.chip_violation("bogus"), "op"),
+])
+def test_chip_helpers_refuse_bad_arguments_by_name(call, param):
+    _refused(call, param)

@@ -224,7 +224,8 @@ def register(subparsers):
     src.add_argument("--set", help="a catalogue case set (see `qsfa golden list`)")
     src.add_argument("--case", type=file_arg,
                      help="a case file (qsfa-case/1 JSON), e.g. a saved conformance counterexample")
-    p.add_argument("--out", required=True, type=folder_arg, help="output directory (new, empty, or a previous golden directory)")
+    p.add_argument("--out", required=True, type=folder_arg,
+                   help="output directory (new, empty, or a previous golden directory)")
     p.add_argument("--format", choices=("bin", "npz"), default="bin",
                    help="bin: raw little-endian files + JSON (default); npz: one .npz per case")
     p.add_argument("--only", action="append", metavar="PATTERN",
