@@ -92,12 +92,44 @@ class Constraint:
         return cls(self.kind, self.param, actual, self.reason, constraint_id=self.id)
 
 
-#: Declared parameter types: "array" (NumPy array / torch tensor of a numeric dtype), "int" (Python or
-#: NumPy integer in int64 range, not bool), "float" (real number: int or float, not bool), "bool", "str",
-#: "any" (no type rule, only "not None" unless optional).
-PARAM_TYPES = ("array", "int", "float", "bool", "str", "any")
+#: Declared parameter types: "array" (NumPy array / torch tensor of a numeric dtype; not a masked array),
+#: "int" (Python or NumPy integer of any width whose value is in int64 range, not bool), "float" (real
+#: number: int or float, not bool, that float64 holds), "float32" (a "float" the kernel takes as a float32
+#: attribute: its magnitude must not round to inf in float32), "bool", "str", "any" (no type rule, only
+#: "not None" unless optional).
+PARAM_TYPES = ("array", "int", "float", "float32", "bool", "str", "any")
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: the largest magnitude that still rounds to a finite float32 (float32 max + half an ulp, exclusive)
+_FLOAT32_LIMIT = float(np.finfo(np.float32).max) * (1 + 2.0 ** -25)
+
+
+def array_kind_problem(v) -> str | None:
+    """Why ``v`` (an ``np.ndarray``) is not an array an operator takes, or None. One rule for every operator
+    (docs/architecture.md, "Declared parameter types"): a masked array is refused whatever its mask (the
+    operators would read the data under the mask; pass ``.filled(x)`` or ``.data``); other ndarray subclasses
+    (``np.matrix``, ``np.memmap``) are read as the base ndarray they view; the dtype must be a number: bool,
+    integer, float or one of ml_dtypes' formats - structured, void, object, string, datetime and complex
+    dtypes are refused by name."""
+    if isinstance(v, np.ma.MaskedArray):
+        return "a masked array (np.ma.MaskedArray)"
+    dt = v.dtype
+    if dt.kind in "biuf" and dt.fields is None:
+        return None
+    if dt.kind == "V" and dt.fields is None and dt.type.__module__.split(".")[0] == "ml_dtypes":
+        return None
+    if dt.fields is not None:
+        return f"array of structured dtype {dt}"
+    return f"array of dtype {dt}" + (" (void)" if dt.kind == "V" else "")
+
+
+def _real_problem(v, limit: float) -> bool:
+    """Whether a real number (int / float, not bool) is beyond ``limit`` in magnitude (ints too large for a
+    float64 included: float() of them would raise OverflowError)."""
+    if isinstance(v, (int, np.integer)):
+        return abs(int(v)) > limit
+    f = float(v)
+    return f == f and abs(f) != float("inf") and abs(f) > limit
 
 
 @dataclass(frozen=True)
@@ -115,9 +147,11 @@ class Param:
     @property
     def reason(self) -> str:
         r = {
-            "array": "must be a NumPy array or torch tensor of a numeric dtype",
+            "array": "must be a NumPy array (not a masked one) or torch tensor of a numeric dtype",
             "int": "must be an integer (int, not bool) in int64 range",
-            "float": "must be a real number (int or float, not bool)",
+            "float": "must be a real number (int or float, not bool) that float64 holds",
+            "float32": "must be a real number (int or float, not bool) whose magnitude float32 holds (at most "
+                       "3.4028235e38; the kernel takes it as a float32 attribute)",
             "bool": "must be a bool",
             "str": "must be a string",
             "any": "is required",
@@ -136,14 +170,16 @@ class Param:
         if t == "array":
             if not isinstance(v, np.ndarray):
                 return Raw(_describe(v))
-            return None if v.dtype.kind in "biufV" else Raw(f"array of dtype {v.dtype}")
+            why = array_kind_problem(v)
+            return None if why is None else Raw(why)
         if t == "bool":
             ok = isinstance(v, (bool, np.bool_))
         elif t == "int":
             ok = isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) \
                 and _INT64_MIN <= int(v) <= _INT64_MAX
-        elif t == "float":
-            ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        elif t in ("float", "float32"):
+            ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) \
+                and not _real_problem(v, _FLOAT32_LIMIT if t == "float32" else float(np.finfo(np.float64).max))
         else:  # str
             ok = isinstance(v, str)
         return None if ok else Raw(_describe(v))
@@ -152,7 +188,8 @@ class Param:
         """A value of the wrong type (``None`` for a required parameter), for ``violate``."""
         if not self.optional:
             return None
-        return {"array": "not an array", "int": "1", "float": "1.0", "bool": "yes", "str": 1}[self.type]
+        return {"array": "not an array", "int": "1", "float": "1.0", "float32": "1.0", "bool": "yes",
+                "str": 1}[self.type]
 
 
 def _describe(v) -> str:
@@ -210,6 +247,13 @@ class Contract:
     inplace: tuple[str, ...] = ()
     normalise: Callable[[Args], Mapping] | None = None
     params: Mapping[str, Param] = field(default_factory=dict)
+    #: output buffers the caller may pass (``attention_out=``): written like in-place buffers, but with rules of
+    #: their own (qsfa/ops/_out_buffers.py)
+    out_buffers: tuple[str, ...] = ()
+
+    def written(self) -> tuple[str, ...]:
+        """Every parameter the operator may write: the in-place buffers and the output buffers."""
+        return tuple(self.inplace) + tuple(self.out_buffers)
 
     def __post_init__(self):
         from ._buffers import array_rules, inplace_rules

@@ -48,6 +48,7 @@ __all__ = [
     "get_backend",
     "backends",
     "run",
+    "check_call",
 ]
 
 
@@ -301,10 +302,23 @@ def _ensure_builtin_backends():
     from . import _builtin_backends  # noqa: F401  (registers reference, npu, triton)
 
 
+def check_call(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip: str | None = None) -> None:
+    """Everything :func:`run` checks before it computes (backend, chip, the contract, the backend's limits), without
+    computing or writing: a composite operator (``qsfa.c8_pipeline``) checks every step's writer with it before
+    its first write."""
+    _prepare(op_name, args, backend, chip)
+
+
 def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip: str | None = None):
     """Validate ``args`` once and run ``op_name`` on ``backend`` modelling ``chip``; see the module docstring
     and :mod:`qsfa.chips` (which chip a call models)."""
-    from .chips import check_chip, chip_for_args
+    op, be, impl, kind, host, normalised, chip = _prepare(op_name, args, backend, chip)
+    return _run_checked(op, be, impl, kind, host, normalised, chip, args)
+
+
+def _prepare(op_name: str, args: Mapping[str, Any], backend: str, chip: str | None):
+    """Steps 1-4 of :func:`run`: ``(op, backend, impl, caller kind, host views, normalised args, chip)``."""
+    from .chips import check_chip
 
     op = operator(op_name)
     chip = check_chip(chip)
@@ -322,8 +336,11 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
     for n in op.contract.inplace:
         if is_torch(args.get(n)):
             _check_tensor_buffer(op, n, args)
-    # Host NumPy views for validation (zero-copy for CPU tensors).
-    host = Args({n: (_host_view(n, v) if is_torch(v) else _scalar_as_array(op, n, v)) for n, v in args.items()})
+    for n in op.contract.written():
+        _check_no_grad(n, args.get(n))
+    # Host NumPy views for validation (zero-copy for CPU tensors); NumPy numbers and ndarray subclasses as the
+    # plain values they stand for.
+    host = Args({n: (_host_view(n, v) if is_torch(v) else _plain_value(op, n, v)) for n, v in args.items()})
     be_chip = be.chip()
     if chip is not None and be_chip is not None and chip != be_chip:
         raise InvalidArgument("value", "chip", chip,
@@ -338,8 +355,14 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
         actual = c.check(normalised)
         if actual is not None:
             raise UnsupportedByBackend(be.name, str(c.error(actual)), constraint_id=c.id)
+    return op, be, impl, kind, host, normalised, chip
 
-    # Arguments in the backend's array kind; remember in-place buffers that need copying back.
+
+def _run_checked(op, be, impl, kind, host, normalised, chip, args):
+    """Steps 5-6 of :func:`run`: arguments in the backend's array kind (remembering in-place buffers that need
+    copying back), the call, the copy-back and the outputs in the caller's kind."""
+    from .chips import chip_for_args
+
     call_args: dict[str, Any] = {}
     copy_back: dict[str, tuple[Any, Any]] = {}
     for n, v in normalised.items():
@@ -374,26 +397,62 @@ def run(op_name: str, args: Mapping[str, Any], backend: str = "reference", chip:
     results = (result,) if single else result
     if len(results) != len(op.outputs):
         raise RuntimeError(
-            f"backend {be.name!r} returned {len(results)} outputs for {op_name}, expected {len(op.outputs)}"
+            f"backend {be.name!r} returned {len(results)} outputs for {op.name}, expected {len(op.outputs)}"
         )
+    # a result that is the base-ndarray view of a caller's subclass (an attention_out= np.memmap) is that object
+    viewed = {id(v): n for n, v in host.items() if isinstance(v, np.ndarray) and v is not args.get(n)
+              and isinstance(args.get(n), np.ndarray)}
     out = []
     for name, r in zip(op.outputs, results):
         if name in op.contract.inplace and args.get(name) is not None:
             out.append(args[name])  # the caller's own buffer, updated in place
+        elif id(r) in viewed:
+            out.append(args[viewed[id(r)]])
         else:
             out.append(kind.wrap(r))
     return out[0] if single else tuple(out)
 
 
-def _scalar_as_array(op: Operator, name: str, v):
-    """A NumPy scalar (``np.float32(1.0)``) passed for an array parameter is the 0-d array it stands for,
-    for every operator; in-place buffers are not converted (a scalar cannot be written in place, so it
-    stays rejected by the type rule). Python numbers and lists stay rejected (docs/architecture.md)."""
-    if isinstance(v, np.generic) and name not in op.contract.inplace:
-        p = op.contract.params.get(name)
-        if p is not None and p.type == "array":
+def _plain_value(op: Operator, name: str, v):
+    """What validation and the backends see for a caller's value (docs/architecture.md, "Declared parameter
+    types"), one rule for every operator:
+
+    * a NumPy scalar (``np.float32(1.0)``) passed for an array parameter is the 0-d array it stands for; in-place
+      buffers are not converted (a scalar cannot be written in place, so it stays rejected by the type rule);
+    * an ndarray subclass (``np.matrix``, ``np.memmap``) is the base ndarray it views (the same memory, so an
+      in-place write lands in the caller's object); a masked array is not converted (the type rule refuses it);
+    * a NumPy integer / float / bool passed for an int / float / bool parameter is the Python number of the same
+      value (``np.uint8(64)`` -> 64), so no rule computes in the caller's 8-bit type and overflows.
+
+    Python numbers and lists stay as they are (lists are rejected by the type rule)."""
+    p = op.contract.params.get(name)
+    if p is None:
+        return v
+    if isinstance(v, np.ndarray):
+        if type(v) is not np.ndarray and not isinstance(v, np.ma.MaskedArray):
             return np.asarray(v)
+        return v
+    if not isinstance(v, np.generic):
+        return v
+    t = p.type
+    if t == "array":
+        return v if name in op.contract.inplace else np.asarray(v)
+    if t == "int" and isinstance(v, np.integer):
+        return int(v)
+    if t in ("float", "float32") and isinstance(v, (np.integer, np.floating)):
+        return int(v) if isinstance(v, np.integer) else float(v)
+    if t == "bool" and isinstance(v, np.bool_):
+        return bool(v)
     return v
+
+
+def _check_no_grad(name: str, t):
+    """A torch tensor the call writes (an in-place buffer or an output buffer) must not require grad: autograd
+    cannot see a write made through its memory (torch itself refuses in-place writes to such a leaf)."""
+    if is_torch(t) and t.requires_grad:
+        raise InvalidArgument("value", name, Raw("a tensor with requires_grad=True"),
+                              "a buffer the operator writes must not require grad (autograd would not see the "
+                              "write); pass tensor.detach() to write its memory anyway")
 
 
 def _as_passed(e, args: Mapping, host: Mapping):

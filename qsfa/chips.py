@@ -30,6 +30,7 @@ import inspect
 from typing import Any, Mapping
 
 from ._contract import CHIPS, Args
+from ._errors import InvalidArgument, Raw
 
 __all__ = [
     "CHIPS",
@@ -101,7 +102,9 @@ def attention_rounding(chip: str | None, qdtype: str, *, dequant: bool = True) -
     """The attention rounding parameters (``k_rounding``, ``p_rounding``, ``out_rounding``) of ``chip`` for a
     query of dtype ``qdtype`` ("bfloat16" / "float16"); ``dequant=False`` (SFA: K is not dequantised) leaves
     ``k_rounding`` out. ``chip=None`` is :data:`DEFAULT_CHIP`."""
-    table = ATTENTION_ROUNDING[chip or DEFAULT_CHIP]
+    table = ATTENTION_ROUNDING[check_chip(chip) or DEFAULT_CHIP]
+    if qdtype not in ("bfloat16", "float16"):
+        raise InvalidArgument("value", "qdtype", qdtype, "must be 'bfloat16' or 'float16' (the query dtype)")
     out = {f"{p}_rounding": table[p][qdtype] for p in (("k", "p", "out") if dequant else ("p", "out"))}
     return out
 
@@ -164,9 +167,21 @@ def _bind(op: str, args, kwargs) -> dict:
         if args:
             raise TypeError(f"{op!r} has no front door: pass the arguments by name")
         return dict(kwargs)
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:  # a missing / unknown argument: named like every other bad argument
+        raise InvalidArgument("value", "arguments", Raw(f"the arguments of qsfa.{op}"), str(e)) from None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _known_operator(op):
+    """The operator named ``op``; an unknown name (or not a string) is an InvalidArgument listing the known ones."""
+    from ._dispatch import operator, operators
+
+    if not isinstance(op, str) or op not in operators():
+        raise InvalidArgument("value", "op", op, f"must be an operator name, one of {sorted(operators())}")
+    return operator(op)
 
 
 def chip_violation(op: str, /, *args: Any, **kwargs: Any):
@@ -175,6 +190,7 @@ def chip_violation(op: str, /, *args: Any, **kwargs: Any):
     from ._arrays import is_torch, to_numpy
     from ._dispatch import operator
 
+    _known_operator(op)
     call = _bind(op, args, kwargs)
     chip = check_chip(call.pop("chip", None))
     call.pop("backend", None)
@@ -198,7 +214,7 @@ def resolve_chip(op: str, /, *args: Any, **kwargs: Any) -> str:
     from ._arrays import is_torch, to_numpy
     from ._dispatch import get_backend, operator
 
-    opr = operator(op)
+    opr = _known_operator(op)
     call = _bind(op, args, kwargs)
     chip = check_chip(call.pop("chip", None))
     backend = call.pop("backend", "reference")

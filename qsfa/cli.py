@@ -37,6 +37,37 @@ class UsageError(Exception):
     """Raised by subcommands for bad user input: printed as one line, exit status 2."""
 
 
+# argparse ``type=`` functions shared by the subcommands: a bad value is one usage line (exit 2) naming the option
+def seconds_arg(text: str) -> float:
+    """A time budget: a finite number of seconds >= 0 (``nan`` / ``inf`` / ``-1`` refused)."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"Invalid value, actual: {text!r}, reason: must be a number of seconds.") \
+            from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"Invalid value, actual: {text!r}, reason: must be a finite number of "
+                                         "seconds >= 0.")
+    return v
+
+
+def folder_arg(text: str) -> str:
+    """An output folder: a non-empty path (an empty one would write into the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"Invalid value, actual: {text!r}, reason: must name a folder (an empty "
+                                         "path would write into the current folder; pass '.' to mean it).")
+    return text
+
+
+def file_arg(text: str) -> str:
+    """An input file: not a directory (a missing one is reported by the command that reads it)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"Invalid value, actual: {text!r}, reason: is a directory; give a file.")
+    return text
+
+
 def _cmd_backends(args) -> int:
     from . import backends
 

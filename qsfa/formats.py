@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import dtype_in, is_array, set_param, value_in
+from ._checks import dtype_in, is_array, is_int, is_num, set_param, value_in
 from ._contract import Constraint, Contract, copy_args, params
 from ._dispatch import define_operator, run
 from ._errors import Raw
+from ._public import checked, one_of_values, positive_int
 from .reference import formats as _ref
 from .reference import scales as _scales
 from .reference.formats import (  # noqa: F401  (re-exported)
@@ -68,6 +69,41 @@ __all__ = [
     "has_inf",
     "out_of_range",
 ] + list(_scales.__all__)
+
+# The scale rules and out_of_range with the operators' argument rules (qsfa/_public.py): a bad argument is an
+# ``Invalid <kind> for <param>`` error, never a ZeroDivisionError / KeyError from inside NumPy (issue 27).
+_VALUES_ND = (lambda v, a: np.ndim(v) >= 1, "must have at least one dimension (the groups run along the last axis)")
+out_of_range = checked(
+    "x:values fmt:str rounding:str?",
+    rounding=(lambda v, a: a["fmt"] not in FORMAT_NAMES or v in _ref.rounding_modes(a["fmt"]),
+              "must be None or one of the format's rounding modes (qsfa.formats.rounding_modes(fmt))"),
+)(_ref.out_of_range)
+group_amax = checked("x:values group:int", x=_VALUES_ND,
+                     group=(positive_int, "must be a positive integer"))(_scales.group_amax)
+int8_dynamic_scale = checked("amax:values")(_scales.int8_dynamic_scale)
+int8_dynamic_quant = checked("x:values group:int order:str", x=_VALUES_ND,
+                             group=(positive_int, "must be a positive integer"),
+                             order=(one_of_values(_scales.INT8_DYNAMIC_ORDERS),
+                                    f"must be one of {_scales.INT8_DYNAMIC_ORDERS}"))(_scales.int8_dynamic_quant)
+dynamic_block_scale = checked(
+    "amax:values min_scale:float32",
+    type_max=(lambda v, a: v in _scales.TYPE_MAX if isinstance(v, str) else
+              is_num(v) and 0 < float(v) <= float(np.finfo(np.float32).max),
+              f"must be a positive number float32 holds or one of {sorted(_scales.TYPE_MAX)}"),
+    min_scale=(lambda v, a: v >= 0, "must be >= 0 (0: no bound)"),
+)(_scales.dynamic_block_scale)
+fp8_group_scale = checked("amax:values")(_scales.fp8_group_scale)
+round_scale_pow2 = checked("s:values")(_scales.round_scale_pow2)
+e8m0_byte = checked("s:values")(_scales.e8m0_byte)
+fp4_group_scale = checked("amax:values")(_scales.fp4_group_scale)
+flashmla_v32_scale = checked("amax:values ceil_mode:str", ceil_mode=(one_of_values(("bits", "log2")),
+                                                                     "must be one of ('bits', 'log2')"))(
+    _scales.flashmla_v32_scale)
+ocp_mx_scale_exponent = checked(
+    "amax:values",
+    elem_emax=(lambda v, a: v in _scales.MX_ELEM_EMAX if isinstance(v, str) else is_int(v) and abs(int(v)) < 1 << 16,
+               f"must be an integer or one of {sorted(_scales.MX_ELEM_EMAX)}"),
+)(_scales.ocp_mx_scale_exponent)
 
 _SRC = "docs/numerics/formats.md#summary"
 _NO_SPECIALS = ("int8", "float4_e2m1")

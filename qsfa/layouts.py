@@ -16,12 +16,13 @@ All functions take and return NumPy arrays; see :mod:`qsfa.reference.packing` fo
 
 from __future__ import annotations
 
+import numpy as np
+
 from .reference.packing import (
     SCALE_BYTES,
     dequant_rows,
     flashmla_v32_to_qsfa,
     nd_to_nz,
-    nz_columns,
     nz_to_nd,
     nz_view,
     pack_rows,
@@ -31,8 +32,29 @@ from .reference.packing import (
     unpack_rows,
 )
 from .ops.layouts import flashmla_model1_dequantize, flashmla_model1_quantize
-from .reference.flashmla_model1 import block_bytes as flashmla_model1_block_bytes
-from .reference.scatter import slot_positions
+from .reference.flashmla_model1 import block_bytes as _block_bytes
+from .reference.packing import nz_columns as _nz_columns
+from .reference.scatter import slot_positions  # checks its own arguments
+from ._public import checked, positive_int
+
+
+def _nz_dtype_ok(v, a=None) -> bool:
+    from ._arrays import is_torch
+
+    if is_torch(v):
+        return v.itemsize in (1, 2)
+    try:
+        return np.dtype(v).itemsize in (1, 2)
+    except TypeError:
+        return False
+
+
+# the operators' argument rules (qsfa/_public.py; issue 27)
+flashmla_model1_block_bytes = checked("block_size:int", block_size=(positive_int, "must be a positive integer"))(
+    _block_bytes)
+nz_columns = checked("dtype:any", dtype=(_nz_dtype_ok, "must be a NumPy dtype (or name) of one or two bytes: "
+                                                        "NZ caches are one-byte (32 columns) or two-byte (16)"))(
+    _nz_columns)
 
 __all__ = [
     "SCALE_BYTES",

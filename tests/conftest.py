@@ -4,7 +4,8 @@ from hypothesis import settings
 import _triton_env
 from qsfa._profiles import ProfileError, register_profiles
 
-pytest_plugins = ["qsfa.conformance.pytest_plugin"]  # --qsfa-backend / --qsfa-backend-module
+pytest_plugins = ["qsfa.conformance.pytest_plugin",  # --qsfa-backend / --qsfa-backend-module
+                  "_clone_root"]  # the repository root is a folder, not a package, to pytest
 
 try:
     settings.load_profile(register_profiles())

@@ -3,7 +3,9 @@
 For every operator (and ``qsfa.formats.round_to``) and every parameter of its contract's example, this module
 builds the hostile variants a careless or malicious caller produces - None, a wrong type, a wrong dtype, a wrong
 rank, NaN / Inf, an empty array, read-only, stride-0 and aliased buffers, a huge declared size, torch sparse and
-``expand()``-ed tensors - from the parameter's *declared type* (``Contract.params``), so a new parameter is covered
+``expand()``-ed tensors; since issue 27 also masked arrays, ``np.matrix``, structured / object / void dtypes,
+integers beyond float64 and 1e300 for float parameters, unsigned NumPy integers for int parameters and in-place
+tensors that require grad - from the parameter's *declared type* (``Contract.params``), so a new parameter is covered
 without new code. Each case says what a correct library does with it:
 
 * ``must_reject``: an invalid call; it must raise a qsfa error (``InvalidArgument`` / ``InvalidDtype``) naming the
@@ -134,6 +136,44 @@ def _with_nonfinite(x):
     return f
 
 
+def _masked(v, _):
+    """A masked array (the first element masked; a float one holds NaN under the mask)."""
+    data = np.array(v)
+    if data.dtype.kind in _FLOAT_KINDS:
+        data.reshape(-1)[0] = np.nan
+    mask = np.zeros(data.shape, bool)
+    mask.reshape(-1)[0] = True
+    return np.ma.masked_array(data, mask=mask)
+
+
+def _matrix(v, _):
+    import warnings
+
+    with warnings.catch_warnings():  # NumPy's PendingDeprecationWarning for np.matrix: the point of the case
+        warnings.simplefilter("ignore", PendingDeprecationWarning)
+        return np.asmatrix(v)
+
+
+def _structured(v, _):
+    """The same bytes as a structured dtype of one field of ``v``'s dtype."""
+    return np.ascontiguousarray(v).view([("a", v.dtype)])
+
+
+def _torch_grad(base, param):
+    """Every array argument a CPU tensor; ``param`` one that requires grad."""
+    out = _to_torch_all(base)
+    out[param] = out[param].detach().clone().requires_grad_(True)
+    return out
+
+
+def _can_require_grad(v) -> bool:
+    try:
+        _torch_grad({"x": v}, "x")
+        return True
+    except (RuntimeError, TypeError, ImportError):
+        return False
+
+
 def _aliased(param, base):
     """``param`` replaced by a view sharing its first bytes with the first other non-empty array argument."""
     v = base[param]
@@ -150,7 +190,7 @@ def _aliased(param, base):
     return out
 
 
-_WRONG_TYPE = {"int": "1", "float": "1.0", "bool": "yes", "str": 1, "any": object()}
+_WRONG_TYPE = {"int": "1", "float": "1.0", "float32": "1.0", "bool": "yes", "str": 1, "any": object()}
 
 
 def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch: bool = True) -> list[Case]:
@@ -202,6 +242,19 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
                     add(param, "stride0", "may_accept", _set(param, lambda v, b: _readonly(_stride0(v))))
             if with_torch and arr.size:
                 add(param, "torch_sparse", "must_reject", lambda b, p=param: _torch_sparse(b, p), torch=True)
+            # issue 27: ndarray subclasses and dtypes that are not numbers
+            if arr.size:
+                add(param, "masked", "must_reject", _set(param, _masked))
+            if arr.ndim == 2:  # np.matrix is 2-D only: the same data as the base ndarray it views
+                add(param, "matrix", "must_accept", _set(param, _matrix))
+            add(param, "dtype_structured", "must_reject", _set(param, _structured))
+            add(param, "dtype_object", "must_reject", _set(param, lambda v, b: v.astype(object)))
+            add(param, "dtype_void", "must_reject", _set(param, lambda v, b: np.ascontiguousarray(v).view(
+                f"V{v.dtype.itemsize}")))
+            if with_torch and param in inplace and arr.dtype.kind in _FLOAT_KINDS and _can_require_grad(arr):
+                # written in place: autograd cannot see the write (torch refuses it on a leaf); a read input
+                # that requires grad is read detached (tests/test_dispatch.py)
+                add(param, "requires_grad", "must_reject", lambda b, p=param: _torch_grad(b, p), torch=True)
         else:
             add(param, "wrong_type", "must_reject", _set(param, lambda v, b, t=t: _WRONG_TYPE[t]))
             if t == "str":
@@ -210,9 +263,18 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
                 add(param, "int64_overflow", "must_reject", _set(param, lambda v, b: 1 << 70))
                 add(param, "huge", "may_accept", _set(param, lambda v, b: HUGE_INT))
                 add(param, "float_for_int", "must_reject", _set(param, lambda v, b: 1.5))
-            if t == "float":
+                add(param, "numpy_uint8", "may_accept", _set(param, lambda v, b: np.uint8(64)))
+                if isinstance(value, int) and 0 <= value < 1 << 63:
+                    add(param, "numpy_uint64", "must_accept", _set(param, lambda v, b: np.uint64(v)))
+            if t in ("float", "float32"):
                 add(param, "nan", "must_reject", _set(param, lambda v, b: float("nan")))
                 add(param, "inf", "must_reject", _set(param, lambda v, b: float("inf")))
+                add(param, "int_beyond_float64", "must_reject", _set(param, lambda v, b: 1 << 1024))
+                # 1e300: a float64, not a float32 (the kernels' attributes): refused where declared float32
+                add(param, "float_1e300", "must_reject" if t == "float32" else "may_accept",
+                    _set(param, lambda v, b: 1e300))
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    add(param, "numpy_float32", "must_accept", _set(param, lambda v, b: np.float32(v)))
             if t == "bool":
                 add(param, "int_for_bool", "must_reject", _set(param, lambda v, b: 1))
     if "chip" in sig and "chip" not in example:  # the per-chip keyword every operator takes

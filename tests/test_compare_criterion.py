@@ -116,3 +116,16 @@ def test_an_unknown_criterion_dtype_is_refused(bad):
     with pytest.raises(InvalidArgument) as e:
         compare_float(g, g, dtype=bad)
     assert e.value.param == "dtype"
+
+
+def test_message_puts_what_the_verdict_rests_on_before_the_diagnostics():
+    """A PASS beside a large max_rel (values near 0) reads as a PASS: the verdict's grounds (elements outside the
+    tolerance, cos_diff against its limit) come first, max_rel and the 0.1% share after 'diagnostics, not judged'
+    (issue 27)."""
+    g = np.array([1.0, 2.0, 3.0, 0.0], np.float32)
+    a = np.array([1.0, 2.0, 3.0, 1e-5], np.float32)  # relative error 10 where the golden is 0, within atol
+    res = compare_float(a, g)
+    assert res.passed and res.max_rel > 1
+    verdict, diagnostics = res.message.split(" | diagnostics, not judged: ")
+    assert verdict.startswith("PASS: 0 of 4 elements outside atol=") and "cos_diff=" in verdict and "<=" in verdict
+    assert "max_rel" not in verdict and diagnostics.startswith("max_abs=") and "max_rel=" in diagnostics

@@ -2,7 +2,8 @@
 
 The cases come from :mod:`hostile_cases`, generated from each contract's example and declared parameter types
 (None, wrong type, wrong dtype, wrong rank, NaN / Inf, empty, read-only, stride-0, aliased, huge declared size,
-torch sparse / ``expand()``-ed tensors), so a new parameter is covered without new code here. Every call runs in
+torch sparse / ``expand()``-ed tensors, masked / matrix / structured arrays, huge floats, unsigned NumPy integers,
+requires_grad buffers), so a new parameter is covered without new code here. Every call runs in
 process on the reference backend; every array argument's memory is compared byte for byte before and after.
 """
 
@@ -21,7 +22,7 @@ _TABLE = hc.operator_table()
 _CASES = hc.all_cases(with_torch=importlib.util.find_spec("torch") is not None)
 
 #: kinds that break one parameter's relation to another (a shape, a size); the rule that fires may name the partner
-RELATIONAL = ("empty", "rank_plus_4", "huge")
+RELATIONAL = ("empty", "rank_plus_4", "huge", "numpy_uint8")
 
 
 @pytest.mark.parametrize("case", _CASES, ids=[c.id for c in _CASES])

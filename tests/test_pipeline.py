@@ -121,3 +121,46 @@ def test_c8_pipeline_rejects_bad_step_before_writing():
     with pytest.raises(qsfa.InvalidArgument):
         qsfa.c8_pipeline(**step, scale_value=SCALE, sparse_count=8)
     assert step["kv_cache"].tobytes() == before
+
+
+def _readonly(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+#: issue 27: each breaks one step after the writers (indexer / QSFA) or a writer's buffer; the call must be
+#: refused by name with both caches byte-identical
+_LATE_BREAKS = {
+    "scale_value": lambda s: {"scale_value": float("nan")},
+    "sparse_count": lambda s: {"sparse_count": 0},
+    "block_table": lambda s: {"block_table": s["block_table"] + 1000},
+    "actual_seq_lengths_kv": lambda s: {"actual_seq_lengths_kv": s["actual_seq_lengths_kv"].astype(np.int64)},
+    "query": lambda s: {"query": s["query"][:, :3].copy()},
+    "precision": lambda s: {"precision": "bogus"},
+    "index_cache": lambda s: {"index_cache": _readonly(s["index_cache"])},
+}
+
+
+@pytest.mark.parametrize("param", sorted(_LATE_BREAKS))
+def test_c8_pipeline_checks_every_step_before_writing(param):
+    step, _ = make_step(np.random.default_rng(2))
+    kw = {"scale_value": SCALE, "sparse_count": 8}
+    change = _LATE_BREAKS[param](step)
+    for k, v in change.items():
+        (kw if k in kw or k == "precision" else step)[k] = v
+    before = (step["kv_cache"].tobytes(), step["index_cache"].tobytes())
+    with pytest.raises((qsfa.InvalidArgument, qsfa.InvalidDtype)) as ei:
+        qsfa.c8_pipeline(**step, **kw)
+    assert f" for {param}, actual: " in str(ei.value), str(ei.value)
+    assert (step["kv_cache"].tobytes(), step["index_cache"].tobytes()) == before
+
+
+def test_c8_pipeline_refuses_caches_that_share_memory():
+    step, _ = make_step(np.random.default_rng(3))
+    whole = np.zeros(step["kv_cache"].nbytes, np.uint8)
+    step["kv_cache"] = whole.reshape(step["kv_cache"].shape)
+    step["index_cache"] = whole[:step["index_cache"].nbytes].view(BF16).reshape(step["index_cache"].shape)
+    with pytest.raises(qsfa.InvalidArgument, match="for index_cache, actual: shares memory with kv_cache"):
+        qsfa.c8_pipeline(**step, scale_value=SCALE, sparse_count=8)
+    assert not whole.any()

@@ -25,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from ..cli import seconds_arg
+
 __all__ = ["MutantResult", "CampaignReport", "run_mutant", "run_campaign", "main"]
 
 
@@ -183,7 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases-dir", default=os.path.join("conformance-out", "mutants"),
                     help="where the falsifying examples are saved")
     ap.add_argument("--report", nargs="+", default=[], metavar="FILE", help="reports: .json and/or .md")
-    ap.add_argument("--time-budget", type=float, metavar="SECONDS", help="start no mutant after this many seconds")
+    ap.add_argument("--time-budget", type=seconds_arg, metavar="SECONDS",
+                    help="start no mutant after this many seconds")
     ap.add_argument("--without-edges", action="store_true",
                     help="turn the edge cases of qsfa._edges off (the catalogue's power without them)")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")

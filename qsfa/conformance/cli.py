@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 
+from ..cli import file_arg, seconds_arg
 from ..distributed._options import CONFORMANCE_PRELOAD, add_cluster_options, cluster_target, start_early
 
 __all__ = ["register", "main"]
@@ -63,8 +64,8 @@ def register(subparsers):
     p.add_argument("--triton-interpret", action="store_true",
                    help="set TRITON_INTERPRET=1 (run the Triton kernels in the CPU interpreter)")
     p.add_argument("--list", action="store_true", help="list the selected properties and exit")
-    p.add_argument("--replay", metavar="CASE", help="re-run the property of a saved falsifying example")
-    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+    p.add_argument("--replay", metavar="CASE", type=file_arg, help="re-run the property of a saved falsifying example")
+    p.add_argument("--time-budget", type=seconds_arg, metavar="SECONDS",
                    help="start no property after this many seconds (the rest are reported as skipped, 'not run'); "
                         "--report files are rewritten after every property, so a timeout keeps them")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")

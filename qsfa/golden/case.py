@@ -238,6 +238,7 @@ class Case:
         from .generators import get_generator
 
         gen = get_generator(self.generator)
+        check_dimension_params(self.name, self.params)
         out = gen(dict(self.params), np.random.default_rng(self.seed))
         arrays = {}
         for k, v in out.items():
@@ -414,6 +415,37 @@ class Case:
         path = os.fspath(path)
         return cls.from_dict(gio.load_json(path), os.path.dirname(os.path.abspath(path)), source=path,
                              allow_outside_inputs=allow_outside_inputs)
+
+
+#: params that the input generators read as a dimension (a size or count of the arrays they make)
+DIMENSION_PARAMS = ("B", "M", "N", "T", "bs", "d", "heads", "block_size", "block_num", "num_blocks", "num_slots",
+                    "width", "table_width", "q_seq", "kv_seq")
+#: the most elements the dimension params of one case may declare together (2^31: 8 GiB of float32)
+MAX_DECLARED_ELEMENTS = 1 << 31
+
+
+def check_dimension_params(case: str, params: Mapping) -> None:
+    """Every dimension param of a generated case is a non-negative integer, and together they declare at most
+    :data:`MAX_DECLARED_ELEMENTS` elements - so ``M=-16``, ``M=16.5`` or ``M=N=2**20`` are refused naming the field
+    before a generator allocates anything (issue 27)."""
+    dims = {}
+    for k in DIMENSION_PARAMS:
+        if k not in params:
+            continue
+        v = params[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise GoldenInputError(f"case {case}: Invalid value for params.{k}, actual: {v!r}, reason: must be a "
+                                   "non-negative integer (a dimension of the generated inputs).")
+        dims[k] = v
+    total = 1
+    for v in dims.values():
+        total *= max(v, 1)
+    if total > MAX_DECLARED_ELEMENTS:
+        big = max(dims, key=dims.get)
+        listing = ", ".join(f"{k}={v}" for k, v in dims.items())
+        raise GoldenInputError(f"case {case}: Invalid value for params.{big}, actual: {dims[big]}, reason: the "
+                               f"dimension params ({listing}) declare {total} elements together, more than "
+                               f"{MAX_DECLARED_ELEMENTS} (2^31).")
 
 
 def _load_ref(case: str, name: str, ref: Mapping) -> np.ndarray:

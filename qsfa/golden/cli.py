@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import sys
 
+from ..cli import file_arg, folder_arg
 from ..distributed import ClusterUsageError, DistributedUnavailable
 from ..distributed._options import GOLDEN_PRELOAD, add_cluster_options, cluster_target, start_early
 from .io import GoldenInputError
@@ -256,8 +257,10 @@ def register(subparsers):
     p = sub.add_parser("generate", help="write the inputs, reference outputs and manifest of a case set or case")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--set", help="a catalogue case set (see `qsfa golden list`)")
-    src.add_argument("--case", help="a case file (qsfa-case/1 JSON), e.g. a saved conformance counterexample")
-    p.add_argument("--out", required=True, help="output directory (new, empty, or a previous golden directory)")
+    src.add_argument("--case", type=file_arg,
+                     help="a case file (qsfa-case/1 JSON), e.g. a saved conformance counterexample")
+    p.add_argument("--out", required=True, type=folder_arg,
+                   help="output directory (new, empty, or a previous golden directory)")
     p.add_argument("--format", choices=("bin", "npz"), default="bin",
                    help="bin: raw little-endian files + JSON (default); npz: one .npz per case")
     p.add_argument("--only", action="append", metavar="PATTERN",

@@ -401,8 +401,12 @@ def format_report(report: CompareReport, max_worst: int = 5) -> str:
     for r in report.results:
         res = r.result
         if r.criterion == "float":
-            detail = (f"cos_diff={res.cos_diff:.2e} max_abs={res.max_abs:.3g} max_rel={res.max_rel:.3g} "
-                      f"rel>0.1%={100 * res.share_rel_gt_1e3:.3f}%"
+            cos_tol = (res.tolerance or {}).get("cos_tol")
+            limit = "" if cos_tol is None else f" ({'<=' if res.cos_diff <= cos_tol else '>'} {cos_tol:g})"
+            # what the verdict rests on (the elements outside the tolerance are the "differ" column; cos_diff), then
+            # the diagnostics it does not judge (a relative error is large wherever the golden is near 0)
+            detail = (f"cos_diff={res.cos_diff:.2e}{limit} | diagnostics: max_abs={res.max_abs:.3g} "
+                      f"max_rel={res.max_rel:.3g} rel>0.1%={100 * res.share_rel_gt_1e3:.3f}%"
                       + (f" max_ulp={res.max_ulp}" if res.max_ulp is not None else ""))
             if r.nonfinite_actual or r.nonfinite_golden:
                 # the statistics are over the elements finite in both: say how many are not

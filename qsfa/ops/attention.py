@@ -25,9 +25,9 @@ from .._arrays import dtype_name, is_torch, to_numpy
 from .._checks import dtype_in, is_array
 from .._contract import Contract, one_of, params
 from .. import chips as _chips
-from ._out_buffers import add_buffers, attention_out_rules, lse_out_rules, reject_on_device
+from ._out_buffers import add_buffers, attention_out_rules, lse_out_rules, OUT_BUFFERS, reject_on_device
 from .._dispatch import define_operator, run
-from .._errors import InvalidArgument
+from .._errors import InvalidArgument, InvalidDtype, Raw
 from ..reference import attention as _ref
 from ..reference import pipeline as _ref_pipeline
 from ..reference.attention import PRECISIONS, PROBABILITY_ROUNDINGS
@@ -259,12 +259,12 @@ def _qsfa_rules():
 QSFA_CONTRACT = Contract(op=QSFA, constraints=_qsfa_rules(), example=lambda rng: {**qsfa_case(), "attention_out": None,
                                                        "softmax_max_out": None, "softmax_sum_out": None},
                          params=params(
-    "query:array key:array value:array sparse_indices:array scale_value:float key_quant_mode:int value_quant_mode:int"
+    "query:array key:array value:array sparse_indices:array scale_value:float32 key_quant_mode:int value_quant_mode:int"
     " key_dequant_scale:array? value_dequant_scale:array? block_table:array? actual_seq_lengths_query:array?"
     " actual_seq_lengths_kv:array? sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int"
     " pre_tokens:int next_tokens:int attention_mode:int quant_scale_repo_mode:int tile_size:int rope_head_dim:int"
     " return_softmax_lse:bool key_dtype:str precision:str probability_rounding:str attention_out:array?"
-    " softmax_max_out:array? softmax_sum_out:array?"))
+    " softmax_max_out:array? softmax_sum_out:array?"), out_buffers=OUT_BUFFERS)
 
 
 def _qsfa_reference(**args):
@@ -451,12 +451,12 @@ def _sfa_rules():
 SFA_CONTRACT = Contract(op=SFA, constraints=_sfa_rules(), example=lambda rng: {**sfa_case(), "attention_out": None,
                                                        "softmax_max_out": None, "softmax_sum_out": None},
                         params=params(
-    "query:array key:array value:array? sparse_indices:array scale_value:float block_table:array?"
+    "query:array key:array value:array? sparse_indices:array scale_value:float32 block_table:array?"
     " actual_seq_lengths_query:array? actual_seq_lengths_kv:array? query_rope:array? key_rope:array?"
     " sparse_block_size:int layout_query:str layout_kv:str sparse_mode:int pre_tokens:int next_tokens:int"
     " attention_mode:int return_softmax_lse:bool sinks:array? lse_includes_sink:bool precision:str"
     " probability_rounding:str attention_out:array?"
-    " softmax_max_out:array? softmax_sum_out:array?"))
+    " softmax_max_out:array? softmax_sum_out:array?"), out_buffers=OUT_BUFFERS)
 
 
 def _sfa_reference(**args):
@@ -551,6 +551,7 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
     """
     from ..reference.attention import is_quant_key
 
+    query, key = _routing_array("query", query), _routing_array("key", key)
     if sparse_indices is None or scale_value is None:
         raise InvalidArgument("value", "sparse_indices" if sparse_indices is None else "scale_value", "None",
                               "sparse_indices and scale_value are required")
@@ -568,15 +569,52 @@ def attention(query, key, value=None, sparse_indices=None, scale_value=None, *, 
             raise InvalidArgument("value", "sinks", "a tensor", "sinks are an SFA (float KV) feature")
         q = query
         if query_rope is not None:
-            q = _concat_last(query, query_rope)
+            q = _concat_last(query, _query_rope_like(query, query_rope))
         if rope_head_dim is None:
-            rope_head_dim = {656: 64, 528: 0}.get(int(key.shape[-1]), 64)
+            rope_head_dim = {656: 64, 528: 0}.get(int(key.shape[-1]) if key.ndim else 0, 64)
         if key_dtype is None:
             key_dtype = "float8_e4m3fn" if dtype_name(key) == "float8_e4m3fn" else "int8"
         return kv_quant_sparse_flash_attention(q, key, key if value is None else value, sparse_indices, scale_value,
                                                rope_head_dim=rope_head_dim, key_dtype=key_dtype, **common)
     return sparse_flash_attention(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                                   key_rope=key_rope, sinks=sinks, **common)
+
+
+def _routing_array(name, v):
+    """``query`` / ``key`` as :func:`attention` routes them: a NumPy array or torch tensor (a NumPy scalar is the 0-d
+    array it stands for, as for the operators); anything else is refused by name before the routing reads its
+    dtype."""
+    from .._contract import Param
+
+    if is_torch(v):
+        return v
+    if isinstance(v, np.generic):
+        v = np.asarray(v)
+    p = Param(name, "array")
+    bad = p.offending(v)
+    if bad is not None:
+        raise InvalidDtype("type", name, bad, p.reason)
+    return v
+
+
+def _query_rope_like(query, query_rope):
+    """QSFA takes the query with its RoPE part concatenated: ``query_rope`` must be an array of the query's kind
+    (NumPy / torch), rank, leading dimensions and dtype, or the concatenation fails (or promotes) inside NumPy."""
+    query_rope = _routing_array("query_rope", query_rope)
+    if is_torch(query) != is_torch(query_rope):
+        kinds = {True: "a torch tensor", False: "a NumPy array"}
+        raise InvalidDtype("type", "query_rope", Raw(kinds[is_torch(query_rope)]),
+                           f"must be of the query's kind ({kinds[is_torch(query)]})")
+    if query_rope.ndim != query.ndim:
+        raise InvalidArgument("dim", "query_rope", query_rope.ndim, f"number of dimensions must be that of query "
+                                                                    f"({query.ndim})")
+    if tuple(query_rope.shape[:-1]) != tuple(query.shape[:-1]):
+        raise InvalidArgument("shape", "query_rope", tuple(query_rope.shape),
+                              f"must be query.shape[:-1] + (rope,) = {tuple(query.shape[:-1])} + (rope,)")
+    if dtype_name(query_rope) != dtype_name(query):
+        raise InvalidDtype("dtype", "query_rope", dtype_name(query_rope), f"must be the query's dtype "
+                                                                          f"({dtype_name(query)})")
+    return query_rope
 
 
 def _concat_last(a, b):

@@ -17,6 +17,7 @@ from .._arrays import dtype_name
 from .._checks import all_finite, dtype_in, is_array, ndim_in, set_param
 from .._contract import Contract, one_of, params
 from .._dispatch import define_operator, run
+from .._errors import Raw
 from ..reference import c8_cache as _c8
 from ..reference.quant import SCALE_ORDERS
 from ._cache_rules import _edit, _is_int, _is_num, _rule, _same_dtype, _slot_rules, BF16, FLOAT16_NAMES, SLOT_DTYPES
@@ -66,7 +67,7 @@ def _c8_cache_rules(op, *, rope_present, cache="kv_cache"):
 def _c8_dst_type_max(a):
     v = a.get("dst_type_max")
     v = 0.0 if v is None else v  # None (or absent) = 0 = HiFloat8's 32768
-    ok = _is_num(v) and math.isfinite(v) and 0 <= v <= 32768 and (v == 0 or a.key_dtype == "hifloat8")
+    ok = _is_num(v) and math.isfinite(v) and (v == 0 or 1 <= v <= 32768) and (v == 0 or a.key_dtype == "hifloat8")
     return None if ok else v
 
 
@@ -76,7 +77,9 @@ def _c8_key_rules(op):
               lambda a: None if a.key_dtype in _c8.KEY_DTYPES else a.key_dtype, set_param("key_dtype", "int4"),
               source=C8_SRC),
         _rule(op, "dst_type_max_value", "dst_type_max", "value",
-              "must be a number in [0, 32768] (0 = HiFloat8's 32768), and 0 unless key_dtype is 'hifloat8'",
+              "must be 0 (HiFloat8's 32768) or a number in [1, 32768] (below 1 the scale amax / dst_type_max "
+              "leaves the data's range: 5e-324 is 0 in float32 and gave +Inf scales), and 0 unless key_dtype is "
+              "'hifloat8'",
               _c8_dst_type_max, set_param("dst_type_max", 15.0),
               source="docs/numerics/open-facts.md#hifloat8-c8-nope"),
         _rule(op, "scale_order_value", "scale_order", "value",
@@ -123,7 +126,8 @@ C8_CONTRACT = Contract(
               _edit(lambda o: o.update(k_nope=o["k_nope"][:, :384])), source=C8_SRC),
         _same_dtype(C8, "k_rope", "k_nope", optional=True, source=C8_SRC),
         _rule(C8, "k_rope_shape", "k_rope", "shape", "must be [T, 64] (rope_head_dim 64; None for rope 0)",
-              lambda a: None if a.k_rope is None or tuple(a.k_rope.shape) == (_t(a), 64) else tuple(a.k_rope.shape),
+              lambda a: None if a.k_rope is None or tuple(a.k_rope.shape) == (_t(a), 64) else
+              Raw(f"{tuple(a.k_rope.shape)} (k_nope has T = {_t(a)} rows)"),
               _edit(lambda o: o.update(k_rope=o["k_rope"][:, :32])), source=C8_SRC),
         dtype_in(C8, "slot_mapping", SLOT_DTYPES, source=C8_SRC),
         _rule(C8, "slot_mapping_shape", "slot_mapping", "shape", "must be [T], one slot per token",
@@ -138,7 +142,7 @@ C8_CONTRACT = Contract(
     example=_c8_example,
     inplace=("kv_cache",),
     params=params("k_nope:array k_rope:array? slot_mapping:array kv_cache:array key_dtype:str scale_order:str?"
-                  " dst_type_max:float?"),
+                  " dst_type_max:float32?"),
 )
 
 
@@ -263,8 +267,8 @@ C8R_CONTRACT = Contract(
     ],
     example=_c8r_example,
     inplace=("kv_cache",),
-    params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float"
-                  " rope_head_dim:int key_dtype:str scale_order:str? dst_type_max:float?"),
+    params=params("kv:array gamma:array cos:array? sin:array? slot_mapping:array kv_cache:array epsilon:float32"
+                  " rope_head_dim:int key_dtype:str scale_order:str? dst_type_max:float32?"),
 )
 
 

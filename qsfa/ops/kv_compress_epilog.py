@@ -116,7 +116,7 @@ KCE_CONTRACT = Contract(
     example=_kce_example,
     inplace=("cache",),
     params=params("cache:array x:array slot_mapping:array quant_group_size:int quant_mode:int round_scale:bool"
-                  " x_scale:float pad_to:int fp4_nibble_order:str"),
+                  " x_scale:float32 pad_to:int fp4_nibble_order:str"),
 )
 
 

@@ -650,7 +650,7 @@ KRR_CONTRACT = Contract(
     inplace=("k_cache", "ckv_cache"),
     params=params("kv:array gamma:array cos:array sin:array index:array k_cache:array ckv_cache:array"
                   " k_rope_scale:array? c_kv_scale:array? k_rope_offset:array? c_kv_offset:array? v:array?"
-                  " epsilon:float cache_mode:str is_output_kv:bool k_cache_dtype:str? ckv_cache_dtype:str?"),
+                  " epsilon:float32 cache_mode:str is_output_kv:bool k_cache_dtype:str? ckv_cache_dtype:str?"),
 )
 
 

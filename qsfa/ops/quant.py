@@ -94,7 +94,7 @@ def _min_scale(a):
 
 def _dst_type_max(a):
     v = a.dst_type_max
-    return None if _is_num(v) and math.isfinite(v) and v >= 0 else v
+    return None if _is_num(v) and math.isfinite(v) and (v == 0 or v >= 1) else v
 
 
 def _dst_type_max_hif8(a):
@@ -175,7 +175,8 @@ CONTRACT = Contract(
               _block("col_block_size"), set_param("col_block_size", 0)),
         _rule("min_scale_value", "min_scale", "value", "must be a finite number >= 0", _min_scale,
               set_param("min_scale", -1.0)),
-        _rule("dst_type_max_value", "dst_type_max", "value", "must be a finite number >= 0 (0 = the type's max)",
+        _rule("dst_type_max_value", "dst_type_max", "value",
+              "must be 0 (the type's max) or a finite number >= 1 (below 1 the scale leaves the data's range)",
               _dst_type_max, set_param("dst_type_max", -15.0)),
         _rule("dst_type_max_hifloat8", "dst_type_max", "value",
               "only a hifloat8 destination takes dst_type_max (the kernel ignores it otherwise)",
@@ -191,8 +192,8 @@ CONTRACT = Contract(
     ],
     example=_example,
     normalise=_normalise,
-    params=params("x:array min_scale:float round_mode:str dst_type:any row_block_size:int col_block_size:int"
-                  " dst_type_max:float scale_order:str?"),
+    params=params("x:array min_scale:float32 round_mode:str dst_type:any row_block_size:int col_block_size:int"
+                  " dst_type_max:float32 scale_order:str?"),
 )
 
 

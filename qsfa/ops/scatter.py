@@ -13,6 +13,7 @@ from .._arrays import dtype_name
 from .._checks import dtype_in, is_array, ndim_in
 from .._contract import Contract, params
 from .._dispatch import define_operator, run
+from .._errors import Raw
 from ..reference import scatter as _sc
 from ._cache_rules import _edit, _rule, _slot_rules, SLOT_DTYPES
 
@@ -49,8 +50,10 @@ SC_CONTRACT = Contract(
               _edit(lambda o: o.update(cache=o["cache"].reshape(-1))), source=SC_SRC),
         dtype_in(SC, "slot_mapping", SLOT_DTYPES, source=SC_SRC),
         ndim_in(SC, "slot_mapping", (1,), source=SC_SRC),
-        _rule(SC, "rows_dtype", "rows", "dtype", "must have the cache's dtype",
-              lambda a: None if a.rows.dtype == a.cache.dtype else dtype_name(a.rows),
+        _rule(SC, "rows_dtype", "rows", "dtype", "must have the cache's dtype (either may be the one meant: the cache "
+              "takes any dtype, the rows are copied into it byte for byte)",
+              lambda a: None if a.rows.dtype == a.cache.dtype else
+              Raw(f"{dtype_name(a.rows)} (cache: {dtype_name(a.cache)})"),
               _edit(lambda o: o.update(rows=o["rows"].astype(np.int16))), dtype=True, source=SC_SRC),
         _rule(SC, "rows_shape", "rows", "shape", "must be [len(slot_mapping), *cache.shape[2:]]", _sc_rows_shape,
               _edit(lambda o: o.update(rows=o["rows"][:-1])), source=SC_SRC),

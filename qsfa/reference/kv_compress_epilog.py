@@ -110,8 +110,10 @@ def kv_compress_epilog(cache: np.ndarray, x: np.ndarray, slot_mapping, *, quant_
                        fp4_nibble_order: str = "low_first") -> np.ndarray:
     """Quantise ``x [..., d]`` (bf16) row by row and scatter into ``cache [blockNum, blockSize, 1, headDim]``
     (uint8, in place, any stride along blockNum) by ``slot_mapping`` (shape ``x.shape[:-1]``; -1 skipped).
-    Returns ``cache``."""
+    Returns ``cache``; zero tokens write nothing."""
     x = np.asarray(x)
+    if x.size == 0:  # no token: nothing to quantise or write (the row helpers reshape by the token count)
+        return cache
     rows = epilog_rows(x.reshape(-1, x.shape[-1]), quant_group_size=quant_group_size, quant_mode=quant_mode,
                        round_scale=round_scale, x_scale=x_scale, pad_to=pad_to, fp4_nibble_order=fp4_nibble_order)
     scatter_by_slot(cache, rows[:, None, :], np.asarray(slot_mapping).reshape(-1))

@@ -77,7 +77,7 @@ def scatter_by_slot(cache: np.ndarray, rows: np.ndarray, slot_mapping) -> np.nda
     block_size = cache.shape[1]
     assert rows.shape[0] == np.asarray(slot_mapping).size, "one slot per row"
     assert rows.ndim == cache.ndim - 1, "rows must have cache's row rank"
-    assert rows.shape[1:-1] == cache.shape[2:-1] and rows.shape[-1] <= cache.shape[-1]
+    assert rows.ndim == 1 or (rows.shape[1:-1] == cache.shape[2:-1] and rows.shape[-1] <= cache.shape[-1])
     assert check_slots(slot_mapping, cache.shape[0] * block_size) is None
     if rows.dtype != cache.dtype:
         assert rows.dtype.itemsize == cache.dtype.itemsize, "rows and cache element sizes differ"
@@ -85,8 +85,11 @@ def scatter_by_slot(cache: np.ndarray, rows: np.ndarray, slot_mapping) -> np.nda
     valid, blocks, pos = slot_positions(slot_mapping, block_size)
     if not blocks.size:
         return cache
-    width = rows.shape[-1]
     src = rows[valid]
+    if cache.ndim == 2:  # [block_num, block_size]: one element per slot (no row width to cut)
+        cache[blocks, pos] = src
+        return cache
+    width = rows.shape[-1]
     if width == cache.shape[-1] and cache.flags.c_contiguous:  # one flat row index (faster than two)
         cache.reshape(cache.shape[0] * block_size, *cache.shape[2:])[blocks * block_size + pos] = src
     elif width == cache.shape[-1]:
