@@ -15,10 +15,12 @@ import numpy as np
 from .. import compare as C
 from .._arrays import dtype_name, is_torch, to_numpy
 from .._dispatch import operator, run
+from .._errors import BackendError, InvalidArgument, InvalidDtype
 from ..strategies import clone
 
 __all__ = [
     "PropertyFailure",
+    "BackendRaised",
     "call",
     "compare_outputs",
     "fail",
@@ -38,6 +40,16 @@ __all__ = [
 
 class PropertyFailure(AssertionError):
     """A property does not hold; the message says what differs."""
+
+
+class BackendRaised(Exception):
+    """The backend (or the reference a property compares with) raised instead of returning: not a verdict on
+    the numerics, an ERROR (its own status, exit status 3; docs/conformance.md#verdicts). ``error`` is the
+    original exception."""
+
+    def __init__(self, backend: str, op: str, error: BaseException):
+        self.backend, self.op, self.error = backend, op, error
+        super().__init__(f"backend {backend!r} raised {type(error).__name__} in {op}: {error}")
 
 
 def fail(msg: str):
@@ -94,7 +106,12 @@ def call(op: str, args: dict, backend: str) -> dict:
     inplace = set(operator(op).contract.inplace)
     a = {k: clone(v) for k, v in args.items()}
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        res = run(op, a, backend, chip=current_chip())
+        try:
+            res = run(op, a, backend, chip=current_chip())
+        except (InvalidArgument, InvalidDtype, BackendError):
+            raise  # arguments a contract refused (a failure) or the dispatch's own errors (declined: not drawn)
+        except Exception as e:  # noqa: BLE001 - a crash is an ERROR, not a failed property
+            raise BackendRaised(backend, op, e) from e
     # the backend only ever sees the copies, so the caller's arrays are the "before" (no byte snapshots to take)
     changed = [k for k, v in a.items() if isinstance(v, np.ndarray) and k not in inplace
                and not _same_bytes(v, args[k])]

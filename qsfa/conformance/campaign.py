@@ -9,7 +9,8 @@ call its operator run in catalogue order until one fails: the mutant is *killed*
 time-to-kill is the wall time from the first property of the mutant to that failure (hypothesis' search and
 shrinking included). The falsifying example is saved as a case file and replayed on the mutant (it must still
 fail there) and on the reference (it must hold): a kill counts as *replayable* only then. A mutant that no
-property fails *survived*.
+property fails *survived*; one that raised in some property (an ERROR verdict, docs/conformance.md#verdicts)
+instead is reported as *raised*, apart from kills: a crash is not a caught bug.
 
 The report is written after every mutant (a run stopped by ``--time-budget`` or a timeout keeps what it
 measured). Exit status: 0 every mutant killed with a replayable case, 1 otherwise, 2 bad usage.
@@ -33,7 +34,8 @@ class MutantResult:
     mutant: str
     op: str
     doc: str
-    status: str  # "killed", "survived", "error" (the harness broke), "not_run" (time budget)
+    status: str  # "killed", "survived", "raised" (no property failed, one ended in an ERROR: the mutant raised),
+    #             "error" (the harness broke), "not_run" (time budget)
     seconds: float = 0.0  # wall time to the kill (or of the whole run of a survivor)
     cpu_seconds: float = 0.0  # process CPU time over the same span (the machine may be shared)
     killed_by: str | None = None
@@ -59,6 +61,7 @@ class CampaignReport:
         out = {"mutants": n, "killed": len(killed),
                "replayable": sum(1 for r in killed if r.replayable),
                "survived": sum(1 for r in self.results if r.status == "survived"),
+               "raised": sum(1 for r in self.results if r.status == "raised"),
                "error": sum(1 for r in self.results if r.status == "error"),
                "not_run": sum(1 for r in self.results if r.status == "not_run")}
         if killed:
@@ -104,9 +107,11 @@ def run_mutant(m, *, profile: str | None = None, seed: int | None = None, max_ex
                         res.message += f" (case file not replayable: {e})"
                 if stop_at_first:
                     break
-            elif r.status == "error" and res.status == "survived":
+            elif r.status == "error" and res.status in ("survived", "raised"):
+                # an ERROR (the mutant raised, or the run broke) is no kill: counted apart, the next property runs
+                res.status = "raised"
                 res.message = r.message.splitlines()[0][:300] if r.message else ""
-        if res.status == "survived":
+        if res.status in ("survived", "raised"):
             res.seconds, res.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     except Exception as e:  # noqa: BLE001 - one broken mutant must not end the campaign
         res.status, res.message = "error", f"{type(e).__name__}: {e}"
@@ -147,7 +152,8 @@ def to_markdown(report: CampaignReport) -> str:
     s = report.summary
     lines = [f"# Mutation campaign ({report.profile}, seed {report.seed})", "",
              f"{s['killed']} of {s['mutants']} mutants killed ({s['replayable']} with a replayable case), "
-             f"{s['survived']} survived, {s['error']} errors, {s['not_run']} not run; {report.seconds:.1f} s.", "",
+             f"{s['survived']} survived, {s['raised']} raised, {s['error']} errors, {s['not_run']} not run; "
+             f"{report.seconds:.1f} s.", "",
              "| mutant | operator | status | seconds (cpu) | killed by | replayable |",
              "|---|---|---|---|---|---|"]
     for r in report.results:
@@ -226,7 +232,7 @@ def main(argv=None) -> int:
                        (lambda k, n, r: print(_line(k, n, r), flush=True)), on_result=on_result)
     s = rep.summary
     print(f"\n{s['killed']} of {s['mutants']} mutants killed ({s['replayable']} replayable), {s['survived']} "
-          f"survived, {s['error']} errors, {s['not_run']} not run; slowest kill "
+          f"survived, {s['raised']} raised, {s['error']} errors, {s['not_run']} not run; slowest kill "
           f"{s.get('max_seconds_to_kill', 0):.1f} s (cpu {s.get('max_cpu_seconds_to_kill', 0):.1f} s); "
           f"{rep.seconds:.1f} s in all")
     return 0 if s["replayable"] == s["mutants"] else 1
