@@ -107,6 +107,9 @@ class Property:
     pins: dict = field(default_factory=dict, compare=False)
     #: the check itself handles a backend's kernel limits on ``op`` (the runner then draws without filtering)
     own_limits: bool = field(default=False, compare=False)
+    #: the property's own edges (its strategy takes them as the ``edge`` pin), run in the edge phase instead of
+    #: the operator's (qsfa._edges.EDGES); None: the operator's
+    edges: tuple | None = field(default=None, compare=False)
 
     @property
     def op(self) -> str:
@@ -541,16 +544,21 @@ def _uniform(op: str) -> Property:
         out = call(op, a, backend)
         w, batch, act_kv, storage, _ = selection(a)
         rows = batch.size
-        o, m, s = _stats(out, rows)
         cnt = w.sum(axis=1)
         want, bound = uniform_scores_model(op, a, w, batch, act_kv, storage)
-        if (m != 0).any():
-            r, h = (int(i) for i in np.argwhere(m != 0)[0])
-            fail(f"all scores are 0 but softmax_max[{r}, {h}] = {m[r, h]!r}")
-        bad_cnt = s != cnt[:, None]
-        if bad_cnt.any():
-            r, h = (int(i) for i in np.argwhere(bad_cnt)[0])
-            fail(f"softmax_sum[row {r}, head {h}] = {s[r, h]!r}, expected the number of selected tokens {int(cnt[r])}")
+        if a.get("return_softmax_lse"):  # the statistics where the chip writes them (not the 950's QSFA)
+            o, m, s = _stats(out, rows)
+            if (m != 0).any():
+                r, h = (int(i) for i in np.argwhere(m != 0)[0])
+                fail(f"all scores are 0 but softmax_max[{r}, {h}] = {m[r, h]!r}")
+            bad_cnt = s != cnt[:, None]
+            if bad_cnt.any():
+                r, h = (int(i) for i in np.argwhere(bad_cnt)[0])
+                fail(f"softmax_sum[row {r}, head {h}] = {s[r, h]!r}, expected the number of selected tokens "
+                     f"{int(cnt[r])}")
+        else:
+            n = out["attention_out"].shape[-2]
+            o = out["attention_out"].reshape(rows, n, -1)
         err = np.abs(o.astype(np.float64) - want[:, None, :])
         bad = ~(err <= bound[:, None, :])
         if bad.any():
@@ -559,12 +567,13 @@ def _uniform(op: str) -> Property:
                  f"the {int(cnt[r])} selected V rows gives {float(want[r, j])!r} (|error| {float(err[r, h, j]):.3g} > "
                  f"derived bound {float(bound[r, j]):.3g}; {int(bad.sum())} elements out of bound)")
 
-    pins = {"return_softmax_lse": True}
+    pins = {"return_softmax_lse": (True, False)}  # the output alone where the chip writes no LSE (the 950's QSFA)
     if op == SFA:
         pins.update(layout_kv=("BSND", "TND"), sinks=False)
     return Property(f"{op}.uniform_scores", (op,), "metamorphic",
                     "With a zero query every score is 0: softmax_max == 0 and softmax_sum == the number of selected "
-                    "tokens exactly, and the output is the selected V rows' sum times the probability as the "
+                    "tokens exactly (where return_softmax_lse; the 950's QSFA writes no LSE and is checked on the "
+                    "output alone), and the output is the selected V rows' sum times the probability as the "
                     "kernel rounds it (1 / count, or the query-dtype rounding of fp32(1 / count) when normalised), "
                     "within a derived fp32-accumulation + half-ulp bound (qsfa.conformance._models; docs/numerics/attention.md#token-selection).",
                     _examples(op, pins), check, pins)
@@ -832,6 +841,9 @@ def _build() -> list[Property]:
     from .properties_more import more_properties
 
     props += more_properties(have, Property, _examples)
+    from .properties_chips import rounding_properties
+
+    props += rounding_properties(have, Property, Example)
     order = {op: i for i, op in enumerate(ops)}
     props.sort(key=lambda p: (order.get(p.op, 99), p.kind != "vs_reference", p.name))
     names = [p.name for p in props]
