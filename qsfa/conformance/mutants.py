@@ -50,6 +50,9 @@ class Mutant:
     make: Callable[[Callable], Callable]
     #: the chip the mutant backend runs on, as a device backend does (its ``chip()``): a run models that chip
     chip: str | None = None
+    #: a must-pass control: no bug, only behaviour the docs allow (scratch in unspecified bytes); the catalogue
+    #: must NOT fail it (the campaign counts a control that survives as passed, one that is "killed" as a false alarm)
+    control: bool = False
 
 
 def backend_name(m: Mutant) -> str:
@@ -188,8 +191,8 @@ def _general_path():
     return _m("quant"), "_quant_tiled", lambda orig: (lambda *a, **k: (None, None))
 
 
-def _add(name, op, doc, make, chip=None):
-    _MUTANTS.append(Mutant(name, op, doc, make, chip))
+def _add(name, op, doc, make, chip=None, control=False):
+    _MUTANTS.append(Mutant(name, op, doc, make, chip, control))
 
 
 def _formats():
@@ -937,6 +940,38 @@ def _chip_cells():
                      flipped(point), chip)
 
 
+def scratch_writer(op: str, output: str, *, shift: int = 0):
+    """A mutant maker that fills the bytes ``op``'s layout leaves unspecified in ``output``
+    (:func:`qsfa.layouts.unspecified_bytes`) with fresh random bytes on every call, as a kernel that leaves scratch
+    there; ``shift`` moves the garbage that many bytes along the last axis (``shift=-1``: onto specified bytes,
+    a real bug)."""
+
+    def change(kw, out):
+        from ..layouts import unspecified_bytes
+
+        m = unspecified_bytes(op, kw).get(output)
+        res = out[0] if isinstance(out, tuple) else out
+        if m is None:
+            return out
+        if shift:
+            m = np.roll(m, shift, axis=-1)
+        b = np.asarray(res).view(np.uint8)
+        b[m] = np.random.default_rng().integers(0, 256, int(m.sum()), dtype=np.uint8)
+        return out
+
+    return _outputs(change)
+
+
+def _pad_scratch():
+    """Must-pass controls: scratch in the bytes the layouts leave unspecified is allowed (docs/numerics/layouts.md)."""
+    _add("layouts.m1_pad_scratch", "layouts.flashmla_model1_quantize",
+         "control: MODEL1 pad bytes and block padding left as scratch (FlashMLA's torch.empty cache)",
+         scratch_writer("layouts.flashmla_model1_quantize", "cache"), control=True)
+    _add("kv_compress_epilog_vllm.scale_pad_scratch", "kv_compress_epilog_vllm",
+         "control: layout-2 scale padding copied from scratch (the kernel's behaviour)",
+         scratch_writer("kv_compress_epilog_vllm", "kv_compress_cache"), "950", control=True)
+
+
 _BUILT = False
 
 
@@ -945,7 +980,7 @@ def _build():
     if _BUILT:
         return
     _BUILT = True
-    for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _chip_cells):
+    for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _chip_cells, _pad_scratch):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

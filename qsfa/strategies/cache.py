@@ -204,6 +204,8 @@ def kv_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
     fmts = tuple(pins.get("eight_bit", ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8"))) + (dtype,)
     k_fmt = _choose(draw, pins, "k_fmt", fmts)
     ckv_fmt = _choose(draw, pins, "ckv_fmt", fmts)
+    if "eight_bit" in pins:  # the chip's 8-bit formats win over an edge's (qsfa.strategies.chips)
+        k_fmt, ckv_fmt = (f if f in fmts else fmts[0] for f in (k_fmt, ckv_fmt))
     heads = 1 if version == 1 else _choose(draw, pins, "heads", (1, 2, 4, 8) if b.max_heads >= 8 else (1, 2))
     dk = draw(st.sampled_from((32, 64)))
     dv = draw(st.sampled_from((32, 64, 128)))

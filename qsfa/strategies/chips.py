@@ -79,7 +79,7 @@ CHIP_RULES: dict[str, tuple] = {
         (("950",), "950_query_heads", _heads_950, "Ascend 950 supports N1 of 8, 16, 24, 32 or 64"),
     ),
     "dynamic_block_quant": (
-        (_A2A3, "a2a3_dst_type", _const({"dst_type": "int8"}), "Atlas A2/A3 support only int8"),
+        (_A2A3, "a2a3_dst_type", _const({"dst_type": "int8", "dst_type_max": 0.0}), "Atlas A2/A3 support only int8"),
         (_A2A3, "a2a3_row_block_size", _const({"row_block_size": 1}), "Atlas A2/A3: row_block_size must be 1"),
         (_A2A3, "a2a3_col_block_size", _const({"col_block_size": (1, 128)}),
          "Atlas A2/A3: col_block_size must be 1 or 128"),
