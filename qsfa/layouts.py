@@ -88,4 +88,16 @@ def unspecified_bytes(op: str, args: dict) -> dict:
     unspecified (a kernel may leave scratch there; the reference writes 0), for a call with ``args`` (valid
     arguments, NumPy arrays; one-byte outputs, so one element is one byte). Operators without such bytes: {}."""
     f = UNSPECIFIED.get(op)
-    return {} if f is None else {k: v for k, v in f(args).items() if v.any()}
+    if f is None:
+        return {}
+    from ._contract import Args
+    from ._dispatch import operator
+    from ._errors import InvalidArgument
+    from .chips import _bind
+
+    try:  # the call's arguments with the front door's defaults
+        full = _bind(op, (), {k: v for k, v in dict(args).items() if k not in ("chip", "backend")})
+    except TypeError as e:
+        raise InvalidArgument("value", "args", sorted(dict(args)), f"not the arguments of {op}: {e}") from None
+    operator(op).contract.validate(Args(full))  # arguments the operator refuses: its own error, by name
+    return {k: v for k, v in f(full).items() if v.any()}

@@ -44,8 +44,13 @@ def test_kcev_layout2_scale_padding_of_written_tokens_only():
     want[1, 4 * 576 + 1 * 8 + 7] = True  # slot 5: block 1, position 1
     want[0, 4 * 576 + 0 * 8 + 7] = True  # slot 0
     assert (m.reshape(2, -1) == want).all()
-    assert unspecified_bytes(KCEV, dict(kv_compress_cache=cache, x=x, slot_mapping=slots, layout=1)) == {}
+    rows = np.zeros((8, 1, 640), ml_dtypes.float8_e4m3fn)
+    assert unspecified_bytes(KCEV, dict(kv_compress_cache=rows, x=x, slot_mapping=slots, layout=1)) == {}
     assert unspecified_bytes("scatter_by_slot", {}) == {}
+    with pytest.raises(qsfa.InvalidArgument, match="Invalid shape for kv_compress_cache"):  # the operator's rules
+        unspecified_bytes(KCEV, dict(kv_compress_cache=cache, x=x, slot_mapping=slots, layout=1))
+    with pytest.raises(qsfa.InvalidArgument, match="Invalid value for args, .* missing a required argument: 'k'"):
+        unspecified_bytes(M1Q, {})
 
 
 @pytest.mark.parametrize("op,out,chip", [(M1Q, "cache", None), (KCEV, "kv_compress_cache", "950")])
