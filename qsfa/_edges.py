@@ -4,8 +4,8 @@ Each operator has a tuple of named *edges* (:data:`EDGES`). An edge is a set of 
 format, a rounding mode, a block size, a layout) plus, where needed, constructed array contents: values on the
 rounding midpoints (ties) of the target format, one float32 ulp either side of them, powers of two and their
 neighbours (E8M0 and scale boundaries), values at and past the saturation point, all-zero tiles and groups,
--1 at the first, a middle and the last slot, block sizes above 16, rows selecting more than 256 tokens
-(attention), near-ties whose order depends on the order of scale multiplications (indexer), merge inputs
+-1 at the first, a middle and the last slot, block sizes above 16 (paged attention caches: 32, 48, 128, 1024),
+rows selecting more than 256 tokens (attention; in bf16 an odd count above 256, which bf16 cannot hold), near-ties whose order depends on the order of scale multiplications (indexer), merge inputs
 whose maxima overflow a naive exp.
 
 How they are used:
@@ -40,13 +40,14 @@ __all__ = ["EDGES", "take", "encode_values", "decode_codes", "tie_tiles", "order
 
 _FMTS = ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8", "float4_e2m1", "float8_e8m0", "bfloat16", "float16")
 _ROUNDINGS = {"int8": ("rint", "round"), "float8_e4m3fn": ("rint", "round"), "float8_e5m2": ("rint", "round"),
-              "hifloat8": ("round",), "float4_e2m1": ("rint", "round"),
+              "hifloat8": ("round", "hybrid"), "float4_e2m1": ("rint", "round"),
               "float8_e8m0": ("floor", "ceil", "rint", "round"), "bfloat16": ("rint", "round"),
               "float16": ("rint", "round")}
 _DBQ_DST = ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8")
 _SLOT_EDGES = ("minus1:first", "minus1:middle", "minus1:last", "full", "block_size:17", "block_size:32")
-_ATTN_EDGES = ("long_rows", "pa_block_size:32", "pa_block_size:48", "batches:distinct_q", "empty_rows",
-               "minus1_junk", "sparse_mode:0", "sparse_block_size:4", "lse")
+_ATTN_EDGES = ("long_rows", "long_rows:bf16_odd", "pa_block_size:32", "pa_block_size:48", "pa_block_size:128",
+               "pa_block_size:1024", "batches:distinct_q", "empty_rows", "minus1_junk", "sparse_mode:0",
+               "sparse_block_size:4", "lse")
 
 #: operator -> its edges (names), in the order the runner tries them
 EDGES: dict[str, tuple[str, ...]] = {
@@ -128,6 +129,14 @@ for _op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention", "lightn
     _PINS[(_op, "lse")] = dict(return_softmax_lse=True)
     _PINS[(_op, "long_rows")] = dict(min_kv=257, fill=1.0, sparse_block_size=(1, 16), batch=1, dtype="float16",
                                      explicit_lengths=False, return_softmax_lse=True)
+    # bf16 rows selecting 257 and 259 tokens (3 query rows, causal): counts above 256 that bf16 cannot hold, so a
+    # softmax sum rounded to bf16 shows (uniform_scores: every probability 1, the sum is the count)
+    _PINS[(_op, "long_rows:bf16_odd")] = dict(min_kv=259, fill=1.0, sparse_block_size=1, batch=1, dtype="bfloat16",
+                                              explicit_lengths=False, return_softmax_lse=True)
+    # the V4 operators page with blocks up to 1024 tokens; -1 mid-row with junk after it (reading stops there)
+    for _n in (128, 1024):
+        _PINS[(_op, f"pa_block_size:{_n}")] = dict(layout_kv="PA_BSND", layout_key="PA_BSND", block_size=_n,
+                                                  junk_after_minus1=True, fill=0.5, sparse_block_size=1, batch=1)
     _PINS[(_op, "full_rows")] = dict(min_kv=40, sparse_count=7)
     _PINS[(_op, "ties")] = dict(constant_rows=True)
     _PINS[(_op, "scale_order")] = dict(scale_dtype="float32", format=("int8", "float8_e4m3fn"), min_kv=8)

@@ -10,6 +10,10 @@
 * FlashMLA MODEL1 FP8 sparse cache (DeepSeek V4: 448 E4M3FN NoPE + 64 bf16 RoPE, E8M0 scales of 64-value
   tiles; ``docs/numerics/flashmla-model1.md``): :func:`flashmla_model1_quantize`,
   :func:`flashmla_model1_dequantize` (operators, ``backend=`` as everywhere), :func:`flashmla_model1_block_bytes`.
+* Unspecified ("don't-care") bytes of an operator's outputs (docs/numerics/layouts.md#unspecified-bytes):
+  :func:`unspecified_bytes` - the MODEL1 pad bytes and block padding, ``kv_compress_epilog_vllm`` layout 2's scale
+  padding. Conformance (``vs_reference``, ``round_trip``, ``skip_slots_untouched``), ``qsfa golden compare`` and
+  ``qsfa golden verify`` ignore exactly these; the reference writes 0 there.
 
 All functions take and return NumPy arrays; see :mod:`qsfa.reference.packing` for the layouts in detail.
 """
@@ -73,4 +77,49 @@ __all__ = [
     "flashmla_model1_quantize",
     "flashmla_model1_dequantize",
     "flashmla_model1_block_bytes",
+    "unspecified_bytes",
+    "UNSPECIFIED",
 ]
+
+
+def _m1_unspecified(args: dict) -> dict:
+    from .reference.flashmla_model1 import pad_mask
+
+    nb, bs = args["k"].shape[:2]
+    return {"cache": pad_mask(nb, bs)}
+
+
+def _kcev_unspecified(args: dict) -> dict:
+    from .reference.kv_compress_epilog_vllm import scale_pad_mask
+
+    cache = args["kv_compress_cache"]
+    return {"kv_compress_cache": scale_pad_mask(cache.shape, args["x"].shape[-1], args["slot_mapping"],
+                                                 quant_group_size=int(args.get("quant_group_size", 64)),
+                                                 layout=int(args.get("layout", 1)))}
+
+
+#: operator -> ``f(args) -> {output name: bool mask}``: the outputs with bytes their layout leaves unspecified
+UNSPECIFIED = {
+    "layouts.flashmla_model1_quantize": _m1_unspecified,
+    "kv_compress_epilog_vllm": _kcev_unspecified,
+}
+
+
+def unspecified_bytes(op: str, args: dict) -> dict:
+    """``{output name: bool array of the output's shape}``, True where the layout of ``op``'s output leaves the byte
+    unspecified (a kernel may leave scratch there; the reference writes 0), for a call with ``args`` (valid
+    arguments, NumPy arrays; one-byte outputs, so one element is one byte). Operators without such bytes: {}."""
+    f = UNSPECIFIED.get(op)
+    if f is None:
+        return {}
+    from ._contract import Args
+    from ._dispatch import operator
+    from ._errors import InvalidArgument
+    from .chips import _bind
+
+    try:  # the call's arguments with the front door's defaults
+        full = _bind(op, (), {k: v for k, v in dict(args).items() if k not in ("chip", "backend")})
+    except TypeError as e:
+        raise InvalidArgument("value", "args", sorted(dict(args)), f"not the arguments of {op}: {e}") from None
+    operator(op).contract.validate(Args(full))  # arguments the operator refuses: its own error, by name
+    return {k: v for k, v in f(full).items() if v.any()}

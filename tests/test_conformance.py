@@ -176,7 +176,7 @@ def test_reports_parse_as_json_markdown_and_junit(toy_hif8, tmp_path):
     data = json.loads(open(paths[0]).read())
     assert data["format"] == "qsfa-conformance/1" and data["backend"] == toy_hif8 and data["ok"] is False
     assert data["summary"] == {"properties": 3, "passed": 1, "failed": 1, "skipped": 1, "error": 0,
-                               "examples": sum(r["examples"] for r in data["results"])}
+                               "not_applicable": 0, "examples": sum(r["examples"] for r in data["results"])}
     failed = [r for r in data["results"] if r["status"] == "failed"]
     assert failed[0]["property"] == "formats.encode.vs_reference" and os.path.exists(failed[0]["case_file"])
 

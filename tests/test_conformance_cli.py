@@ -296,16 +296,18 @@ def test_replay_checks_an_invalid_argument_case_against_its_constraint(wrong, tm
                               needle)
 
 
-def test_replay_reports_a_backend_that_raises_as_a_failure_not_as_bad_usage(wrong, tmp_path, capsys):
+def test_replay_reports_a_backend_that_raises_as_an_error_not_as_bad_usage(wrong, tmp_path, capsys):
+    """A raise is an ERROR (exit 3, docs/conformance.md#verdicts): neither a failure (1) nor bad usage (2)."""
     r = _fail_into(wrong, tmp_path)
 
     def broken(x, fmt, saturate=False, rounding=None):
         raise TypeError("the kernel's own bug")
 
     register_impl(wrong, "formats.encode", broken)
-    assert main(["conformance", "--replay", r.case_file]) == 1
+    assert main(["conformance", "--replay", r.case_file]) == 3
     out = capsys.readouterr()
-    assert "fails on 'toy_wrong_encode': TypeError: the kernel's own bug" in out.out and out.err == ""
+    assert ("ERROR on 'toy_wrong_encode': backend 'toy_wrong_encode' raised TypeError in formats.encode: the "
+            "kernel's own bug") in out.out and out.err == ""
 
 
 def test_an_invalid_example_with_a_0d_array_is_saved_as_it_was_drawn(tmp_path):

@@ -66,28 +66,38 @@ def test_every_edge_is_a_valid_argument_set(op):
 
 def test_every_mutant_fails_an_edge_example_of_its_operator():
     """The ci profile's edge phase alone catches every mutant (the random phase only adds to this)."""
+    from qsfa.conformance._support import modelling_chip
+    from qsfa.strategies.chips import NotApplicable
+
     cache = {}
-    survivors = []
+    survivors, false_alarms = [], []
     for m in mutants.mutants():
         name = mutants.register_mutant(m)
         try:
             caught = False
             for p in P.select(ops=[m.op]):
-                if p.name not in cache:
-                    cache[p.name] = edge_examples(p, CI, None, {})
-                for _, ex in cache[p.name]:
+                if (p.name, m.chip) not in cache:  # a mutant with a chip runs as a device of that chip
                     try:
-                        p.check(ex, name)
+                        cache[p.name, m.chip] = edge_examples(p, CI, m.chip, {})
+                    except NotApplicable:
+                        cache[p.name, m.chip] = []
+                for _, ex in cache[p.name, m.chip]:
+                    try:
+                        with modelling_chip(m.chip):
+                            p.check(ex, name)
                     except AssertionError:  # the property fails (a mutant that crashes is a stale mutant, not a catch)
                         caught = True
                         break
                 if caught:
                     break
-            if not caught:
+            if m.control and caught:
+                false_alarms.append(m.name)
+            elif not caught and not m.control:
                 survivors.append(m.name)
         finally:
             mutants.unregister_mutant(m)
     assert not survivors, f"mutants no edge example catches: {survivors}"
+    assert not false_alarms, f"must-pass controls an edge example fails: {false_alarms}"
 
 
 def test_edges_hold_on_the_reference():
@@ -244,3 +254,25 @@ def test_reports_are_written_incrementally_under_a_time_budget(tmp_path):
     assert d["results"] and all(r["status"] == "skipped" and "time budget" in r["message"] for r in d["results"])
     assert not list(tmp_path.glob("*.partial*"))
     assert main(["conformance", "--ops", "formats.pack_fp4", "--time-budget", "-1"]) == 2
+
+
+@pytest.mark.parametrize("chip", ["A2", "950"])
+def test_every_edge_draws_at_once_within_each_chip(chip):
+    """With a chip, each edge's simplest draw is already within the chip's rules (the chip's pins win over the
+    edge's, qsfa.strategies.chips): no edge falls back to a search through rejected draws."""
+    from qsfa.conformance._edge_phase import _simplest
+    from qsfa.strategies.chips import NotApplicable
+
+    for op in sorted(E.EDGES):
+        if op not in qsfa.operators():
+            continue
+        prop = P.get(f"{op}.vs_reference")
+        contract = operator(op).contract
+        for e in E.EDGES[op]:
+            try:
+                s = prop.strategy(CI, chip, {"edge": e, "edge_full": True})
+            except NotApplicable:
+                break  # the chip lacks the operator
+            ex = _simplest(s)
+            assert ex is not None, f"{op} edge {e} on {chip}: its simplest draw breaks a rule of the chip"
+            assert contract.first_violation(Args(dict(ex.args)), chip) is None

@@ -272,3 +272,55 @@ def test_random_values_cast_the_same_with_every_ml_dtypes_version():
     assert as_dtype(h, np.float16).astype(np.float64).tolist() == [1 + 2.0 ** -10]
     f = np.array([1.5], np.float32)
     assert as_dtype(f, ml_dtypes.float8_e4m3fn).astype(np.float32).tolist() == [1.5]
+
+
+# ---------------------------------------------------------------------------------------------------
+# chip-aware drawing (qsfa.strategies.chips)
+
+CHIP_OPS = [(op, chip) for chip in ("A2", "950") for op in OPS]
+
+
+@pytest.mark.parametrize("op,chip", CHIP_OPS, ids=[f"{op}-{chip}" for op, chip in CHIP_OPS])
+def test_chip_pins_draw_only_what_the_chip_runs(op, chip):
+    """The chip's pins alone (no contract filter) keep every draw within the chip's rules: nothing drawn is thrown
+    away by valid_args(op, chip=...); an operator the chip lacks is not applicable before anything is drawn."""
+    from qsfa.strategies.chips import NotApplicable, merge_pins
+
+    contract = operators()[op].contract
+    try:
+        pins = merge_pins(op, chip, {}, TINY)
+    except NotApplicable as e:
+        assert e.rule in {c.id.split(".", 1)[1] for c in contract.constraints if c.chips and chip in c.chips}
+        with pytest.raises(NotApplicable, match=f"not applicable on {chip}: "):
+            qst.valid_args(op, TINY, chip=chip)
+        return
+
+    @settings(suppress_health_check=list(HealthCheck), database=None, max_examples=10)
+    @given(qst.STRATEGIES[op](TINY, **pins))
+    def check(args):
+        hit = contract.first_violation(Args(args), chip)
+        assert hit is None, f"{chip}: {hit[0].id}: {hit[0].error(hit[1])}"
+
+    check()
+
+
+def test_chip_rules_name_the_contract_rules_they_keep():
+    from qsfa.strategies.chips import CHIP_RULES
+
+    for op, rules in CHIP_RULES.items():
+        by_id = {c.id: c for c in operators()[op].contract.constraints}
+        for chips, rid, _, _ in rules:
+            c = by_id.get(f"{op}.{rid}")
+            assert c is not None and c.chips and set(chips) <= set(c.chips), (op, rid)
+
+
+def test_a_property_pin_the_chip_forbids_is_not_applicable():
+    from qsfa.strategies.chips import NotApplicable, merge_pins
+
+    qsfa = "kv_quant_sparse_flash_attention"
+    with pytest.raises(NotApplicable, match="not applicable on 950: .*return_softmax_lse") as e:
+        qst.valid_args(qsfa, TINY, chip="950", return_softmax_lse=True)
+    assert e.value.rule == "950_return_softmax_lse"
+    # a pin both allow keeps the common values; the A2's rule leaves int8 of the two key formats
+    assert merge_pins(qsfa, "A2", {"key_dtype": ("int8", "float8_e4m3fn")})["key_dtype"] == "int8"
+    assert merge_pins(qsfa, None, {"return_softmax_lse": True}) == {"return_softmax_lse": True}

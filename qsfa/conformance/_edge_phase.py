@@ -13,7 +13,8 @@ __all__ = ["edge_examples", "shrink_within_edge"]
 
 
 def edge_examples(prop, bounds, chip, pins: dict, fits=None) -> list:
-    """The edge examples of ``prop`` as ``(edge, Example)`` pairs, in the order of :data:`qsfa._edges.EDGES`;
+    """The edge examples of ``prop`` as ``(edge, Example)`` pairs, in the order of :data:`qsfa._edges.EDGES` (or of
+    the property's own ``edges``);
     edges with no example within the backend's limits are left out. Each is drawn with ``edge_full`` (every
     boundary value the edge has, where its size would otherwise be drawn)."""
     from hypothesis import HealthCheck, Phase, find, settings
@@ -31,7 +32,7 @@ def edge_examples(prop, bounds, chip, pins: dict, fits=None) -> list:
     cfg = settings(database=None, derandomize=True, phases=[Phase.generate], max_examples=20,
                    suppress_health_check=list(HealthCheck), deadline=None)
     out = []
-    for e in EDGES.get(prop.op, ()):
+    for e in (prop.edges if getattr(prop, "edges", None) is not None else EDGES.get(prop.op, ())):
         s = prop.strategy(bounds, chip, {**pins, "edge": e, "edge_full": True})
         ex = _simplest(s)
         if ex is not None and (fits is None or fits(ex)):

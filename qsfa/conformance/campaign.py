@@ -9,10 +9,14 @@ call its operator run in catalogue order until one fails: the mutant is *killed*
 time-to-kill is the wall time from the first property of the mutant to that failure (hypothesis' search and
 shrinking included). The falsifying example is saved as a case file and replayed on the mutant (it must still
 fail there) and on the reference (it must hold): a kill counts as *replayable* only then. A mutant that no
-property fails *survived*.
+property fails *survived*; one that raised in some property (an ERROR verdict, docs/conformance.md#verdicts)
+instead is reported as *raised*, apart from kills: a crash is not a caught bug. A mutant marked ``control`` has no
+bug (it only does what the docs allow, e.g. scratch in unspecified bytes): it must survive, and is counted apart.
+A mutant with a ``chip`` runs as a device backend of that chip (every call models it).
 
 The report is written after every mutant (a run stopped by ``--time-budget`` or a timeout keeps what it
-measured). Exit status: 0 every mutant killed with a replayable case, 1 otherwise, 2 bad usage.
+measured). Exit status: 0 every mutant killed with a replayable case and every control passed, 1 otherwise, 2 bad
+usage.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class MutantResult:
     mutant: str
     op: str
     doc: str
-    status: str  # "killed", "survived", "error" (the harness broke), "not_run" (time budget)
+    status: str  # "killed", "survived", "raised" (no property failed, one ended in an ERROR: the mutant raised),
+    #             "error" (the harness broke), "not_run" (time budget)
     seconds: float = 0.0  # wall time to the kill (or of the whole run of a survivor)
     cpu_seconds: float = 0.0  # process CPU time over the same span (the machine may be shared)
     killed_by: str | None = None
@@ -43,6 +48,8 @@ class MutantResult:
     case_file: str | None = None
     replayable: bool | None = None
     properties_run: list = field(default_factory=list)
+    control: bool = False  # a must-pass control (Mutant.control): it must survive
+    chip: str | None = None  # the chip the mutant runs on (Mutant.chip)
 
 
 @dataclass
@@ -56,11 +63,16 @@ class CampaignReport:
 
     @property
     def summary(self) -> dict:
-        n = len(self.results)
-        killed = [r for r in self.results if r.status == "killed"]
+        controls = [r for r in self.results if getattr(r, "control", False)]
+        bugs = [r for r in self.results if not getattr(r, "control", False)]
+        n = len(bugs)
+        killed = [r for r in bugs if r.status == "killed"]
         out = {"mutants": n, "killed": len(killed),
                "replayable": sum(1 for r in killed if r.replayable),
-               "survived": sum(1 for r in self.results if r.status == "survived"),
+               "survived": sum(1 for r in bugs if r.status == "survived"),
+               # must-pass controls (Mutant.control): passed = no property failed them; a kill is a false alarm
+               "controls": len(controls), "controls_passed": sum(1 for r in controls if r.status == "survived"),
+               "raised": sum(1 for r in self.results if r.status == "raised"),
                "error": sum(1 for r in self.results if r.status == "error"),
                "not_run": sum(1 for r in self.results if r.status == "not_run")}
         if killed:
@@ -81,7 +93,8 @@ def run_mutant(m, *, profile: str | None = None, seed: int | None = None, max_ex
     from .properties import select
     from .runner import replay_case, run_property
 
-    res = MutantResult(m.name, m.op, m.doc, "survived")
+    res = MutantResult(m.name, m.op, m.doc, "survived", control=getattr(m, "control", False),
+                       chip=getattr(m, "chip", None))
     backend = register_mutant(m)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
@@ -106,9 +119,11 @@ def run_mutant(m, *, profile: str | None = None, seed: int | None = None, max_ex
                         res.message += f" (case file not replayable: {e})"
                 if stop_at_first:
                     break
-            elif r.status == "error" and res.status == "survived":
+            elif r.status == "error" and res.status in ("survived", "raised"):
+                # an ERROR (the mutant raised, or the run broke) is no kill: counted apart, the next property runs
+                res.status = "raised"
                 res.message = r.message.splitlines()[0][:300] if r.message else ""
-        if res.status == "survived":
+        if res.status in ("survived", "raised"):
             res.seconds, res.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     except Exception as e:  # noqa: BLE001 - one broken mutant must not end the campaign
         res.status, res.message = "error", f"{type(e).__name__}: {e}"
@@ -133,7 +148,8 @@ def run_campaign(mutants=None, *, profile: str | None = None, seed: int | None =
     t0 = time.perf_counter()
     for k, m in enumerate(ms, 1):
         if time_budget is not None and time.perf_counter() - t0 > time_budget:
-            r = MutantResult(m.name, m.op, m.doc, "not_run", message="time budget spent")
+            r = MutantResult(m.name, m.op, m.doc, "not_run", message="time budget spent",
+                             control=getattr(m, "control", False), chip=getattr(m, "chip", None))
         else:
             r = run_mutant(m, profile=profile, seed=seed, max_examples=max_examples, cases_dir=cases_dir)
         report.results.append(r)
@@ -149,11 +165,15 @@ def to_markdown(report: CampaignReport) -> str:
     s = report.summary
     lines = [f"# Mutation campaign ({report.profile}, seed {report.seed})", "",
              f"{s['killed']} of {s['mutants']} mutants killed ({s['replayable']} with a replayable case), "
-             f"{s['survived']} survived, {s['error']} errors, {s['not_run']} not run; {report.seconds:.1f} s.", "",
-             "| mutant | operator | status | seconds (cpu) | killed by | replayable |",
-             "|---|---|---|---|---|---|"]
+             f"{s['survived']} survived, {s['raised']} raised, {s['error']} errors, {s['not_run']} not run; "
+             f"{s['controls_passed']} of {s['controls']} must-pass controls passed; {report.seconds:.1f} s.", "",
+             "| mutant | operator | chip | status | seconds (cpu) | killed by | replayable |",
+             "|---|---|---|---|---|---|---|"]
     for r in report.results:
-        lines.append(f"| {r.mutant} | {r.op} | {r.status} | {r.seconds:.1f} ({r.cpu_seconds:.1f}) | {r.killed_by or ''} | "
+        status = f"control: {'passed' if r.status == 'survived' else 'FALSE ALARM' if r.status == 'killed' else r.status}" \
+            if getattr(r, "control", False) else r.status
+        lines.append(f"| {r.mutant} | {r.op} | {getattr(r, 'chip', None) or ''} | {status} | {r.seconds:.1f} "
+                     f"({r.cpu_seconds:.1f}) | {r.killed_by or ''} | "
                      f"{'' if r.replayable is None else ('yes' if r.replayable else 'NO')} |")
     return "\n".join(lines) + "\n"
 
@@ -172,6 +192,8 @@ def write(report: CampaignReport, path: str):
 
 def _line(k, n, r: MutantResult) -> str:
     what = f"by {r.killed_by}" if r.killed_by else r.message[:80]
+    if getattr(r, "control", False):
+        what = ("control passed" if r.status == "survived" else "CONTROL FAILED (a false alarm) " + what)
     rep = "" if r.replayable is None else (" replayable" if r.replayable else " NOT REPLAYABLE")
     return f"[{k}/{n}] {r.mutant:58s} {r.status:8s} {r.seconds:6.1f}s (cpu {r.cpu_seconds:5.1f}s) {what}{rep}"
 
@@ -229,10 +251,11 @@ def main(argv=None) -> int:
                        (lambda k, n, r: print(_line(k, n, r), flush=True)), on_result=on_result)
     s = rep.summary
     print(f"\n{s['killed']} of {s['mutants']} mutants killed ({s['replayable']} replayable), {s['survived']} "
-          f"survived, {s['error']} errors, {s['not_run']} not run; slowest kill "
+          f"survived, {s['raised']} raised, {s['error']} errors, {s['not_run']} not run; "
+          f"{s['controls_passed']} of {s['controls']} must-pass controls passed; slowest kill "
           f"{s.get('max_seconds_to_kill', 0):.1f} s (cpu {s.get('max_cpu_seconds_to_kill', 0):.1f} s); "
           f"{rep.seconds:.1f} s in all")
-    return 0 if s["replayable"] == s["mutants"] else 1
+    return 0 if s["replayable"] == s["mutants"] and s["controls_passed"] == s["controls"] else 1
 
 
 if __name__ == "__main__":

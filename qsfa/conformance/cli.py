@@ -6,8 +6,8 @@
     qsfa conformance --list                      # the catalogue
     qsfa conformance --replay cases/npu.kv_quant_sparse_flash_attention.vs_reference.json
 
-Exit status: 0 every selected property passed (or was skipped as not applicable), 1 a property failed or
-errored, 2 bad usage.
+Exit status: 0 every selected property passed (or was skipped as not applicable), 1 a property failed, 2 bad
+usage, 3 no property failed but one ended in an ERROR (the backend raised, or the run broke: no verdict).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _main(args) -> int:
     from ..strategies import Bounds, bounds as profile_bounds
     from . import reports as R
     from .properties import select
-    from .runner import DEFAULT_CASES_DIR, parse_shard, replay_case, run_conformance
+    from .runner import DEFAULT_CASES_DIR, EXIT_ERROR, parse_shard, replay_case, run_conformance
 
     if args.replay:
         if not os.path.exists(args.replay):
@@ -149,7 +149,7 @@ def _main(args) -> int:
             stem = os.path.splitext(os.path.basename(args.replay))[0]
             raise _usage(text if stem in text else f"--replay {args.replay}: {text}") from None
         print(msg)
-        return 0 if holds else 1
+        return 0 if holds else EXIT_ERROR if holds is None else 1
 
     ops = _split(args.ops)
     unknown = sorted(set(ops) - set(operators()))
@@ -263,7 +263,7 @@ def _main(args) -> int:
     for f in reports:
         R.write_report(report, f)
         print(f"wrote {f}")
-    return 0 if report.ok else 1
+    return report.exit_status
 
 
 
@@ -322,4 +322,4 @@ def _main_sharded(args, props, shard, bounds, reports) -> int:
     for f in reports:
         R.write_report(report, f)
         print(f"wrote {f}")
-    return 0 if report.ok else 1
+    return report.exit_status

@@ -48,6 +48,11 @@ class Mutant:
     op: str
     doc: str
     make: Callable[[Callable], Callable]
+    #: the chip the mutant backend runs on, as a device backend does (its ``chip()``): a run models that chip
+    chip: str | None = None
+    #: a must-pass control: no bug, only behaviour the docs allow (scratch in unspecified bytes); the catalogue
+    #: must NOT fail it (the campaign counts a control that survives as passed, one that is "killed" as a false alarm)
+    control: bool = False
 
 
 def backend_name(m: Mutant) -> str:
@@ -60,6 +65,10 @@ class _MutantBackend(Backend):
     def __init__(self, m: Mutant):
         self.name = backend_name(m)
         self.description = f"mutant of the reference: {m.op}: {m.doc}"
+        self._chip = m.chip
+
+    def chip(self):
+        return self._chip
 
 
 def register_mutant(m: Mutant) -> str:
@@ -182,8 +191,8 @@ def _general_path():
     return _m("quant"), "_quant_tiled", lambda orig: (lambda *a, **k: (None, None))
 
 
-def _add(name, op, doc, make):
-    _MUTANTS.append(Mutant(name, op, doc, make))
+def _add(name, op, doc, make, chip=None, control=False):
+    _MUTANTS.append(Mutant(name, op, doc, make, chip, control))
 
 
 def _formats():
@@ -248,6 +257,25 @@ def _formats():
 
     _add("decode.e4m3fn_top_binade_as_inf", "formats.decode", "E4M3FN decoded as IEEE: the top binade is Inf/NaN",
          _outputs(e4m3_ieee))
+
+    def hybrid_ties_down(kw, out):
+        """HiFloat8 'hybrid' (TA for binades |e| <= 3): an exact tie there goes one code toward zero."""
+        if kw["fmt"] != "hifloat8" or kw.get("rounding") != "hybrid":
+            return out
+        x = np.asarray(kw["x"]).astype(np.float64)
+        ax = np.abs(x)
+        _, e = np.frexp(np.where(ax > 0, ax, 1.0))
+        tie = np.isin(ax, np.abs(F.midpoints("hifloat8"))) & (np.abs(e - 1) <= 3)
+        if not tie.any():
+            return out
+        rep = np.abs(F.representable_values("hifloat8"))
+        rep = np.unique(rep[np.isfinite(rep)])
+        lower = rep[np.maximum(np.searchsorted(rep, ax) - 1, 0)]
+        down = F.encode(np.copysign(lower, x).astype(np.float32), "hifloat8", saturate=True)
+        return np.where(tie, down, np.asarray(out)).astype(np.asarray(out).dtype)
+
+    _add("encode.hif8_hybrid_ties_toward_zero", "formats.encode",
+         "HiFloat8 'hybrid': ties of its TA binades (|e| <= 3) round one code toward zero", _outputs(hybrid_ties_down))
 
     def swap(kw):
         kw["nibble_order"] = "high_first" if kw["nibble_order"] == "low_first" else "low_first"
@@ -700,6 +728,24 @@ def _attention():
 
     _add("qsfa.final_divide_by_bf16_sum", QSFA, "the output is divided by the softmax sum rounded to bf16",
          _patch((A, "_faithful_chunk", bf16_sum)))
+    _add("qsfa.final_divide_by_bf16_sum.950", QSFA, "950: the output is divided by the softmax sum rounded to bf16 "
+         "(no LSE there: only the output shows it)", _patch((A, "_faithful_chunk", bf16_sum)), "950")
+
+    def big_pages_only(make):
+        def outer(ref):
+            bug = make(ref)
+
+            def impl(**kw):
+                big = kw.get("layout_kv") == "PA_BSND" and np.shape(kw["key"])[1] >= 128
+                return (bug if big else ref)(**kw)
+
+            return impl
+
+        return outer
+
+    _add("qsfa.pa128_minus1_not_stopping", QSFA,
+         "PA with block_size >= 128: a -1 entry is skipped but the entries after it are still read",
+         big_pages_only(_patch((A, "selected_tokens", minus1_continues))))
 
     def key_bytes(change):
         def ch(kw):
@@ -976,6 +1022,59 @@ def _indexer_batches():
              _args(shortest_key))
 
 
+def _chip_cells():
+    """One mutant per attention cell of docs/numerics/chips.md: the kernel of that chip rounds that point the other
+    way (RINT <-> ROUND, both query dtypes) - what a kernel built with the other chip's cast trait does."""
+    flip = {"rint": "round", "round": "rint"}
+
+    def flipped(point):
+        def ch(kw):
+            kw[f"{point}_rounding"] = flip[kw[f"{point}_rounding"]]
+            return kw
+
+        return _args(ch)
+
+    names = {"k": "the dequantised K", "p": "P = exp(s - max)", "out": "the attention output"}
+    for chip in ("A2", "950"):
+        for op, tag, points in ((QSFA, "qsfa", ("k", "p", "out")), (SFA, "sfa", ("p", "out"))):
+            for point in points:
+                _add(f"{tag}.{point}_rounding_flipped.{chip}", op,
+                     f"{chip}: {names[point]} cast to the query dtype with the other rounding mode (RINT <-> ROUND)",
+                     flipped(point), chip)
+
+
+def scratch_writer(op: str, output: str, *, shift: int = 0):
+    """A mutant maker that fills the bytes ``op``'s layout leaves unspecified in ``output``
+    (:func:`qsfa.layouts.unspecified_bytes`) with fresh random bytes on every call, as a kernel that leaves scratch
+    there; ``shift`` moves the garbage that many bytes along the last axis (``shift=-1``: onto specified bytes,
+    a real bug)."""
+
+    def change(kw, out):
+        from ..layouts import unspecified_bytes
+
+        m = unspecified_bytes(op, kw).get(output)
+        res = out[0] if isinstance(out, tuple) else out
+        if m is None:
+            return out
+        if shift:
+            m = np.roll(m, shift, axis=-1)
+        b = np.asarray(res).view(np.uint8)
+        b[m] = np.random.default_rng().integers(0, 256, int(m.sum()), dtype=np.uint8)
+        return out
+
+    return _outputs(change)
+
+
+def _pad_scratch():
+    """Must-pass controls: scratch in the bytes the layouts leave unspecified is allowed (docs/numerics/layouts.md)."""
+    _add("layouts.m1_pad_scratch", "layouts.flashmla_model1_quantize",
+         "control: MODEL1 pad bytes and block padding left as scratch (FlashMLA's torch.empty cache)",
+         scratch_writer("layouts.flashmla_model1_quantize", "cache"), control=True)
+    _add("kv_compress_epilog_vllm.scale_pad_scratch", "kv_compress_epilog_vllm",
+         "control: layout-2 scale padding copied from scratch (the kernel's behaviour)",
+         scratch_writer("kv_compress_epilog_vllm", "kv_compress_cache"), "950", control=True)
+
+
 _BUILT = False
 
 
@@ -985,7 +1084,7 @@ def _build():
         return
     _BUILT = True
     for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
-              _indexer_batches):
+              _indexer_batches, _chip_cells, _pad_scratch):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

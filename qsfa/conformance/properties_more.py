@@ -5,8 +5,8 @@ that have strategies; each property here is built the same way as those of :mod:
 expectation is derived independently of the reference (a float64 model or a relation between two calls).
 
 * FlashMLA MODEL1 cache (``docs/numerics/flashmla-model1.md``): quantise-dequantise round trip
-  (RoPE bits exact, NoPE within half an E4M3 step of its tile scale, scale bytes and pad bytes as the rule
-  says) and requantisation stability (dequantised values quantise back to themselves).
+  (RoPE bits exact, NoPE within half an E4M3 step of its tile scale, scale bytes as the rule says, pad bytes
+  unspecified) and requantisation stability (dequantised values quantise back to themselves).
 * vLLM-Ascend's kv_compress_epilog (``docs/numerics/cache-writers.md#kv_compress_epilog_vllm``): layouts 1 and 2
   store the same bytes per token, and with power-of-two scales every code times its E8M0 scale is within half a
   step of the input (a float64 model).
@@ -52,13 +52,13 @@ def _m1_round_trip(P, examples):
         sc = cache[:, bs * 576:bs * 584].reshape(nb, bs, 8)
         if not np.array_equal(sc[..., :7].astype(np.int64), e.astype(np.int64) + 127):
             fail("E8M0 scale bytes are not log2(2^ceil(log2(max(amax / 448, 1e-4)))) + 127")
-        if sc[..., 7].any() or cache[:, bs * 584:].any():
-            fail("pad bytes (8th scale byte, block padding) are not zero")
+        # the pad bytes (8th scale byte, block padding) are unspecified: FlashMLA never writes them
+        # (qsfa.layouts.unspecified_bytes), so any value passes
 
     return P(f"{M1Q}.round_trip", (M1Q, M1D), "metamorphic",
              "dequantize(quantize(k)) keeps the RoPE bits, puts every NoPE value within half an E4M3 step of its "
-             "tile's power-of-two scale (float64 model of 2^ceil(log2(max(amax / 448, 1e-4)))), stores that "
-             "scale's E8M0 byte and zero pad bytes.", examples(M1Q), check)
+             "tile's power-of-two scale (float64 model of 2^ceil(log2(max(amax / 448, 1e-4)))) and stores that "
+             "scale's E8M0 byte; the pad bytes are unspecified (any value).", examples(M1Q), check)
 
 
 def _m1_requantize(P, examples):

@@ -25,6 +25,8 @@ REPORT_FORMATS = {".json": "json", ".md": "markdown", ".markdown": "markdown", "
 
 
 def _status_word(r: PropertyResult) -> str:
+    if r.status == "skipped" and getattr(r, "not_applicable", False):
+        return "N/A"
     return {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}[r.status]
 
 
@@ -81,7 +83,8 @@ def format_table(report: ConformanceReport) -> str:
                  + (f", chip {'/'.join(chips)}" if chips else "")
                  + (f", seed {report.seed}" if report.seed is not None else "")
                  + (f", shard {report.shard}" if report.shard else "")
-                 + f": {s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors; "
+                 + f": {s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped{_na(s, chips)}, "
+                 f"{s['error']} errors; "
                  f"{s['examples']} examples in {report.seconds:.1f}s")
     return "\n".join(lines)
 
@@ -105,6 +108,12 @@ def standards_lines(report: ConformanceReport) -> list:
     return out
 
 
+def _na(s: dict, chips) -> str:
+    """`` (2 not applicable on 950)`` when the chip ruled properties out before drawing (qsfa.strategies.chips)."""
+    n = s.get("not_applicable", 0)
+    return f" ({n} not applicable on {'/'.join(chips) or 'this chip'})" if n else ""
+
+
 def to_json(report: ConformanceReport) -> str:
     return json.dumps(report.to_dict(), indent=2, sort_keys=False) + "\n"
 
@@ -123,7 +132,9 @@ def to_markdown(report: ConformanceReport) -> str:
                + (f" (+ {edges} edge examples in all, run first: qsfa._edges)" if edges else "")
                + f"; started {report.started}, {report.seconds:.1f} s.")
     out.append("")
-    out.append(f"**{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors** "
+    chips = sorted({r.chip for r in report.results if getattr(r, "chip", None)})
+    out.append(f"**{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped{_na(s, chips)}, "
+               f"{s['error']} errors** "
                f"({s['properties']} properties, {s['examples']} examples).")
     out.append("")
     out.append("| operator | property | kind | examples | passed | failed | seconds | status |")

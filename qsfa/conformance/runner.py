@@ -31,7 +31,7 @@ import numpy as np
 
 from .._contract import Args
 from .._errors import UnsupportedByBackend
-from ._support import helpers_on_reference, modelling_chip, start_tally
+from ._support import BackendRaised, helpers_on_reference, modelling_chip, start_tally
 from .properties import Example, Property, catalogue
 
 __all__ = [
@@ -57,7 +57,9 @@ class PropertyResult:
     """The outcome of one property on one backend.
 
     status: "passed", "failed" (a falsifying example was found), "skipped" (not applicable here: the
-    backend lacks an operator or no drawn example fits its limits) or "error" (the run itself broke).
+    backend lacks an operator, the chip cannot run the property - ``not_applicable``, decided before anything is
+    drawn - or no drawn example fits the backend's limits) or "error" (no verdict: the backend raised instead of
+    returning - the example is saved like a failure's - or the run itself broke; docs/conformance.md#verdicts).
     examples: calls of the check (passed + failed; shrinking steps included); rejected: draws the backend
     declined (UnsupportedByBackend) or that did not fit its limits.
     """
@@ -81,6 +83,7 @@ class PropertyResult:
     chip: str | None = None  # the chip every call modelled (None: each call's own rule; docs/numerics/chips.md)
     edge_examples: int = 0  # explicit edge examples (qsfa._edges) run before the max_examples random ones
     standards: dict = field(default_factory=dict)  # --standard: {name: {"judged", "failed", "first_failure"}}
+    not_applicable: bool = False  # skipped before drawing: the chip cannot run it (qsfa.strategies.chips)
 
     @property
     def op(self) -> str:
@@ -116,12 +119,19 @@ class ConformanceReport:
         out = {"properties": len(self.results)}
         for s in ("passed", "failed", "skipped", "error"):
             out[s] = sum(1 for r in self.results if r.status == s)
+        out["not_applicable"] = sum(1 for r in self.results if getattr(r, "not_applicable", False))
         out["examples"] = sum(r.examples for r in self.results)
         return out
 
     @property
     def ok(self) -> bool:
         return not any(r.status in ("failed", "error") for r in self.results)
+
+    @property
+    def exit_status(self) -> int:
+        """0 passed (or skipped), 1 a property failed, 3 no failure but an ERROR (a backend raised, a run
+        broke): a crash is never counted as a found bug (docs/conformance.md#verdicts)."""
+        return exit_status(r.status for r in self.results)
 
     def to_dict(self) -> dict:
         return {
@@ -141,6 +151,16 @@ class ConformanceReport:
             "backend_modules": list(self.backend_modules),
             "env": dict(self.env),
         }
+
+
+#: exit status of a run whose worst verdict is FAIL / ERROR (``qsfa conformance``; 2 is bad usage)
+EXIT_FAILED, EXIT_ERROR = 1, 3
+
+
+def exit_status(statuses) -> int:
+    """The exit status of a run with these property statuses: 1 if any failed, else 3 if any errored, else 0."""
+    statuses = set(statuses)
+    return EXIT_FAILED if "failed" in statuses else EXIT_ERROR if "error" in statuses else 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,7 +289,14 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
     chip = chip or be_chip
     res.chip = chip
     b = bounds if bounds is not None else qst.bounds(profile)
-    strategy = prop.strategy(b, chip, pins or {})
+    from ..strategies.chips import NotApplicable
+
+    try:  # the chip's pins merged with the property's (qsfa.strategies.chips): nothing drawn yet
+        strategy = prop.strategy(b, chip, pins or {})
+    except NotApplicable as e:
+        res.status, res.message, res.not_applicable = "skipped", str(e), True
+        res.seconds = time.perf_counter() - t0
+        return res
     fits = None if prop.family == "invalid_rejected" or prop.own_limits else _within_limits(prop, be)
     if fits is not None:
         strategy = strategy.filter(fits)
@@ -326,7 +353,7 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
                                    settings_kw)
         if state.final:
             ex, err = state.final[-1]
-            res.status = "failed"
+            res.status = "error" if isinstance(err, BackendRaised) else "failed"
             res.message = f"{type(err).__name__}: {err}" + (f"\n({res.message})" if helpers else "")
             if state.shrink_skipped:
                 res.message += (f"\n(shrinking stopped after {SHRINK_SECONDS:g} s: the falsifying example is the "
@@ -457,9 +484,10 @@ def load_example(path: str) -> tuple[Property, Example, dict]:
     return _load(path)
 
 
-def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
+def replay_case(path: str, backend: str | None = None) -> tuple[bool | None, str]:
     """Re-run the property of a saved falsifying example on ``backend`` (default: the one it failed on).
-    Returns ``(holds, message)``: ``holds`` is False when the property still fails on that backend."""
+    Returns ``(holds, message)``: ``holds`` is False when the property still fails on that backend, None when the
+    backend raised instead (an ERROR, no verdict)."""
     prop, ex, side = load_example(path)
     be = backend or side["backend"]
     from .._errors import BackendError
@@ -473,6 +501,8 @@ def replay_case(path: str, backend: str | None = None) -> tuple[bool, str]:
             prop.check(ex, be)
     except AssertionError as e:
         return False, f"{prop.name} fails on {be!r}: {e}"
+    except BackendRaised as e:
+        return None, f"{prop.name}: ERROR on {be!r}: {e}"
     except BackendError:  # the backend cannot run the case at all (unknown, unusable, declines it): not a verdict
         raise
     except Exception as e:  # noqa: BLE001 - as in a run: any other error of the check is a failure of the property

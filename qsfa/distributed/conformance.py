@@ -157,7 +157,7 @@ def merge(task_results: list, seed: int | None):
     if r.status in ("failed", "error"):
         merged.message = (f"seed shard {t.shard}/{t.shards} (--seed {t.seed} --max-examples {t.max_examples}): "
                           f"{r.message}")
-    files = task_results[pick]["files"] if r.status == "failed" else {}
+    files = task_results[pick]["files"] if r.status in ("failed", "error") else {}
     return merged, files
 
 

@@ -53,7 +53,7 @@ from .scales import flashmla_v32_scale
 
 __all__ = [
     "D", "D_NOPE", "D_ROPE", "TILE", "NUM_TILES", "TOKEN_BYTES", "DATA_BYTES", "SCALE_STRIDE", "BLOCK_ALIGN",
-    "block_bytes", "quantize", "dequantize", "unpack",
+    "block_bytes", "quantize", "dequantize", "unpack", "pad_mask",
 ]
 
 D, D_NOPE, D_ROPE, TILE, NUM_TILES = 512, 448, 64, 64, 7
@@ -72,6 +72,17 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 def block_bytes(block_size: int) -> int:
     """Bytes of one padded block: ``ceil(block_size * 584 / 576) * 576`` (block_size 64 -> 37440)."""
     return -(-int(block_size) * TOKEN_BYTES // BLOCK_ALIGN) * BLOCK_ALIGN
+
+
+def pad_mask(num_blocks: int, block_size: int) -> np.ndarray:
+    """bool ``[num_blocks, block_bytes(block_size)]`` (read-only): True at the bytes this layout leaves unspecified -
+    every token's pad byte ``576 bs + 8 t + 7`` and the block padding ``[584 bs, P)``. FlashMLA allocates the cache
+    with ``torch.empty`` and never writes them; :func:`quantize` writes 0 there."""
+    bs = int(block_size)
+    m = np.zeros(block_bytes(bs), bool)
+    m[DATA_BYTES * bs + SCALE_STRIDE * np.arange(bs) + NUM_TILES] = True
+    m[TOKEN_BYTES * bs:] = True
+    return np.broadcast_to(m, (int(num_blocks), m.size))
 
 
 def quantize(k: np.ndarray) -> np.ndarray:

@@ -51,7 +51,7 @@ from .formats import encode
 from .scales import group_amax
 
 __all__ = ["ROPE_DIM", "ROW_ALIGN", "FP8_MAX", "kv_cache_col", "value_per_token", "scale_per_token",
-           "mxfp8_scales", "epilog_rows", "kv_compress_epilog_vllm"]
+           "mxfp8_scales", "epilog_rows", "kv_compress_epilog_vllm", "scale_pad_mask"]
 
 ROPE_DIM = 64
 ROW_ALIGN = 128
@@ -149,3 +149,25 @@ def kv_compress_epilog_vllm(kv_compress_cache: np.ndarray, x: np.ndarray, slot_m
     blocks[blk[:, None], v_off] = values
     blocks[blk[:, None], s_off] = scales
     return cache
+
+
+def scale_pad_mask(cache_shape, d: int, slot_mapping, *, quant_group_size: int = 64, layout: int = 1) -> np.ndarray:
+    """bool of ``cache_shape`` (a one-byte cache): True at the bytes a call leaves unspecified - layout 2's scale
+    padding of every written token, ``B[bs * vpt + p * spt + g, bs * vpt + (p + 1) * spt)`` (the kernel copies it
+    from a scratch buffer it never writes; :func:`kv_compress_epilog_vllm` writes 0). Layout 1 has none (its row
+    padding is written as zeros); bytes no token targets keep their value, so they are specified."""
+    shape = tuple(int(x) for x in cache_shape)
+    mask = np.zeros(shape, bool)
+    if layout != 2:
+        return mask
+    s = np.asarray(slot_mapping).reshape(-1).astype(np.int64)
+    s = s[s >= 0]
+    nb, bs = shape[0], shape[1]
+    flat = mask.reshape(nb, -1)
+    n = d - ROPE_DIM
+    g = -(-n // quant_group_size)
+    vpt, spt = value_per_token(d), scale_per_token(d, quant_group_size)
+    if spt > g and s.size:
+        off = bs * vpt + (s % bs)[:, None] * spt + np.arange(g, spt)
+        flat[(s // bs)[:, None], off] = True
+    return mask

@@ -130,13 +130,19 @@ STRATEGIES: dict[str, Callable[..., st.SearchStrategy]] = {
 def valid_args(op: str, bounds: Bounds | None = None, *, chip: str | None = None, **pins) -> st.SearchStrategy:
     """A strategy of valid argument dicts for operator ``op``.
 
-    bounds: size limits (default: the active profile's). chip: also keep only arguments within that chip
-    family's limits ("A2", "A3", "950"; None = the reference's union). pins: fix drawn choices (see each
-    operator's strategy)."""
+    bounds: size limits (default: the active profile's). chip: draw only arguments within that chip
+    family's limits ("A2", "A3", "950"; None = the reference's union): the chip's pins
+    (:mod:`qsfa.strategies.chips`) are merged into ``pins`` and the contract's rules of the chip filter what no pin
+    expresses; a combination the chip cannot run raises :class:`~qsfa.strategies.chips.NotApplicable` at once,
+    before anything is drawn. pins: fix drawn choices (see each operator's strategy)."""
     try:
         make = STRATEGIES[op]
     except KeyError:
         raise KeyError(f"no strategy for operator {op!r}; known: {sorted(STRATEGIES)}") from None
+    if chip is not None:
+        from .chips import merge_pins
+
+        pins = merge_pins(op, chip, pins, bounds)
     s = make(bounds, **pins)
     if chip is not None:
         from .._dispatch import operator
@@ -172,6 +178,14 @@ def invalid_args(op: str, bounds: Bounds | None = None, *, chip: str | None = No
              and (constraints is None or c.id in set(constraints))]
     if not cands:
         raise ValueError(f"no constraint of {op!r} applies (chip={chip!r}, constraints={constraints!r})")
+
+    if chip is not None:  # bases within the chip's limits where it has the operator (fewer example fallbacks)
+        from .chips import NotApplicable, merge_pins
+
+        try:
+            pins = merge_pins(op, chip, pins, bounds)
+        except NotApplicable:
+            pass
 
     @st.composite
     def strat(draw):

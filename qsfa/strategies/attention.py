@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from .. import _edges as _E
 from .._values import _exact_codes, _nope_codes, as_dtype
 from ._common import _b, _choose, _NAN16, _NAN_CODE, _QDT, _rng, Bounds, bounds, INT64_MAX, sparse_index_rows
-from ._common import draw_flags, int_lists
+from ._common import draw_flags, int_lists, sampled
 from .formats import _NP_IN
 
 __all__ = [
@@ -363,7 +363,10 @@ def lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     key = _place_rows(kv, key_rows.astype(qdt), np.full(128, np.nan, np.float32).astype(qdt))
     rows = q.batch.size
     query = _store_q(rng.integers(-3, 4, (rows, n_heads, 128)).astype(qdt), q)
-    wdt = _choose(draw, pins, "weights_dtype", (qname, "float32"))
+    if "weights_dtype" in pins:
+        wdt = _choose(draw, pins, "weights_dtype", (qname, "float32"))
+    else:  # the query dtype or float32 (pin weights_float32=False: the 950's rule 950_weights_dtype)
+        wdt = "float32" if _choose(draw, pins, "weights_float32", (False, True)) else qname
     weights = _store_q(rng.integers(-2, 3, (rows, n_heads)).astype(np.float32).astype(_QDT.get(wdt, np.float32)), q)
     ret = False if kv.layout_kv == "PA_BSND" else _choose(draw, pins, "return_value", (False, True))
     return dict(query=query, key=key, weights=weights, actual_seq_lengths_query=q.lens_q,
@@ -397,8 +400,12 @@ def quant_lightning_indexer_args(draw, bounds: Bounds | None = None, **pins) -> 
     if named and fmt != "hifloat8" and draw(st.booleans()):
         arr = np.uint8  # codes as raw bytes, the format given by name
     qd = kd = fmt if named else None
-    wdt = _QDT[_choose(draw, pins, "weights_dtype", ("float16", "bfloat16"))]
-    sdt = np.dtype(_choose(draw, pins, "scale_dtype", ("float16", "float32")))
+    if "weights_scale" in pins:  # {format: ((weights dtype, scale dtype), ...)}: the 950's rule 950_dtypes
+        wname, sname = draw(sampled(tuple(pins["weights_scale"][fmt])))
+        wdt, sdt = _QDT[wname], np.dtype(sname)
+    else:
+        wdt = _QDT[_choose(draw, pins, "weights_dtype", ("float16", "bfloat16"))]
+        sdt = np.dtype(_choose(draw, pins, "scale_dtype", ("float16", "float32")))
     weights = _store_q(rng.integers(-2, 3, (rows, n_heads)).astype(wdt), q)
     qs = _store_q(np.exp2(rng.integers(-2, 1, (rows, n_heads))).astype(sdt), q)
     ks = np.exp2(rng.integers(-2, 1, kv.key_lead + (1,))).astype(sdt)

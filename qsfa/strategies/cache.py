@@ -201,20 +201,22 @@ def kv_rmsnorm_rope_cache_args(draw, bounds: Bounds | None = None, **pins) -> di
     version = _choose(draw, pins, "version", (1, 2))
     mode = _choose(draw, pins, "cache_mode", _KRR_MODES)
     dtype = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
-    fmts = ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8", dtype)
+    fmts = tuple(pins.get("eight_bit", ("int8", "float8_e4m3fn", "float8_e5m2", "hifloat8"))) + (dtype,)
     k_fmt = _choose(draw, pins, "k_fmt", fmts)
     ckv_fmt = _choose(draw, pins, "ckv_fmt", fmts)
+    if "eight_bit" in pins:  # the chip's 8-bit formats win over an edge's (qsfa.strategies.chips)
+        k_fmt, ckv_fmt = (f if f in fmts else fmts[0] for f in (k_fmt, ckv_fmt))
     heads = 1 if version == 1 else _choose(draw, pins, "heads", (1, 2, 4, 8) if b.max_heads >= 8 else (1, 2))
     dk = draw(st.sampled_from((32, 64)))
     dv = draw(st.sampled_from((32, 64, 128)))
     rope = dk if version == 1 else draw(st.sampled_from(tuple(r for r in (16, 32, 64) if r <= dk)))
-    any8 = k_fmt in fmts[:4] or ckv_fmt in fmts[:4]
+    any8 = k_fmt in fmts[:-1] or ckv_fmt in fmts[:-1]
     bs_opts = tuple(x for x in (16, 32, 64) if x <= max(b.max_block_size, 32) and (x % 32 == 0 or not any8))
     block_size = draw(st.sampled_from(bs_opts)) if mode != "Norm" else None
     seq = _E.pinned_int(draw, pins, "seq", 1, max(1, b.max_q_tokens))
     batch = _E.pinned_int(draw, pins, "batch", 1, b.max_batch)
     offsets = _choose(draw, pins, "offsets", (False, True)) and any8
-    param_shape = draw(st.sampled_from(("ND", "D", "1D", "1")))
+    param_shape = _choose(draw, pins, "param_shape", ("ND", "D", "1D", "1"))
     rng = _rng(draw)
     args = kv_rmsnorm_rope_cache_example(
         rng, version=version, cache_mode=mode, dtype=dtype, k_fmt=k_fmt, ckv_fmt=ckv_fmt, batch=batch,
@@ -278,7 +280,7 @@ def _with_hifloat8_keys(base, op):
     def strat(draw, bounds: Bounds | None = None, **pins) -> dict:
         key = _choose(draw, {**_E.edge_pins(op, pins.get("edge")), **pins}, "key_dtype",  # a pinned edge's key first
                       ("int8", "float8_e4m3fn", "hifloat8"))
-        args = draw(base(bounds, **{k: v for k, v in pins.items() if k != "dst_type_max"}, key_dtype=key))
+        args = draw(base(bounds, **{k: v for k, v in pins.items() if k not in ("dst_type_max", "key_dtype")}, key_dtype=key))
         args["dst_type_max"] = (_choose(draw, pins, "dst_type_max", (0.0, 15.0, 56.0, 224.0, 32768.0))
                                 if key == "hifloat8" else 0.0)
         return args
