@@ -49,8 +49,11 @@ def strided_overlaps(shape, strides, itemsize: int) -> bool:
     """:func:`self_overlaps` from a shape, byte strides and the element size (NumPy arrays or tensors).
 
     Sorted by absolute stride, each dimension must step over everything the smaller ones span; a layout
-    that fails this is reported as overlapping (exotic non-overlapping interleavings included).
+    that fails this is reported as overlapping (exotic non-overlapping interleavings included). An empty array has
+    no two elements to share memory, whatever its strides (NumPy gives some empty views stride 0).
     """
+    if 0 in tuple(shape):
+        return False
     dims = sorted((abs(st), n) for n, st in zip(shape, strides) if n > 1)
     span = itemsize
     for st, n in dims:
