@@ -1,0 +1,136 @@
+"""Chain golden sets (v32-layer-decode / -prefill), the registered chain v32-mla-c8 and ``compare --chain`` on a
+chain set (docs/golden.md#chains).
+
+Independent checks: the chain's intermediates equal the hard-coded ``qsfa.c8_pipeline`` byte for byte; a chain
+set stores every intermediate (a link's input file is the upstream link's output file) and the chain's edges in
+the manifest; ``generate --chip`` skips the instances that chip refuses; an edge the next operator refuses stops
+generation with exit 2 naming the link, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import qsfa
+from qsfa import chain as C
+from qsfa.cli import main
+from qsfa.golden.generators import get_generator
+
+DECODE = dict(q_lens=[1, 1, 1], kv_lens=[37, 20, 64], key_dtype="int8", sparse_count=16, scale_value=576 ** -0.5,
+              return_softmax_lse=True)
+
+
+def inputs(params, seed=1):
+    return get_generator("v32-mla-c8")(params, np.random.default_rng(seed))
+
+
+def u8(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def test_chain_equals_the_hard_coded_c8_pipeline():
+    """Same inputs through qsfa.c8_pipeline (the chain written as code): every intermediate byte-identical."""
+    p = dict(q_lens=[20, 13], kv_lens=[20, 29], key_dtype="int8", sparse_count=8, scale_value=576 ** -0.5,
+             return_softmax_lse=True)
+    x = inputs(p, seed=3)
+    v = C.run_chain(C.get_chain("v32-mla-c8", p), x)
+    kv_cache, index_cache = x["kv_cache"].copy(), x["index_cache"].copy()
+    out, mx, sm, idx = qsfa.c8_pipeline(
+        x["query"], x["kv"], x["gamma"], x["cos"], x["sin"], x["index_query"], x["index_key"], x["weights"],
+        x["slot_mapping"], kv_cache, index_cache, x["block_table"], x["actual_seq_lengths_query"],
+        x["actual_seq_lengths_kv"], scale_value=p["scale_value"], key_dtype="int8", sparse_count=8,
+        layout_query="TND", return_softmax_lse=True)
+    for key, want in (("cache.kv_cache", kv_cache), ("index_cache.cache", index_cache),
+                      ("indexer.sparse_indices", idx), ("attention.attention_out", out),
+                      ("attention.softmax_max", mx), ("attention.softmax_sum", sm)):
+        assert u8(v[key]).tobytes() == u8(want).tobytes(), key
+    # the chain inputs stay as they were (in-place buffers are copied)
+    assert not x["index_cache"].astype(np.float32)[x["slot_mapping"] // 16, x["slot_mapping"] % 16].any()
+
+
+def test_unknown_chain_and_unknown_until_are_named():
+    with pytest.raises(C.ChainError, match="Invalid value for chain, actual: 'v9-layer'.*v32-mla-c8"):
+        C.get_chain("v9-layer")
+    ch = C.get_chain("v32-mla-c8", DECODE)
+    with pytest.raises(C.ChainError, match="Invalid value for until, actual: 'attn'.*links: cache, index_cache"):
+        C.run_chain(ch, inputs(DECODE), until="attn")
+
+
+# --------------------------------------------------------------------------------------------------
+# golden sets
+
+
+def cli(capsys, *argv):
+    capsys.readouterr()
+    rc = main(["golden", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def decode_set(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chain") / "decode"
+    assert main(["golden", "generate", "--set", "v32-layer-decode", "--out", str(out), "-q", "--only",
+                 "decode-a3-int8.*"]) == 0
+    return out
+
+
+def test_chain_set_stores_every_intermediate_and_the_edges(decode_set, capsys):
+    man = json.loads((decode_set / "manifest.json").read_text())
+    (rec,) = man["chains"]
+    assert rec["instance"] == "decode-a3-int8" and rec["chain"]["name"] == "v32-mla-c8"
+    assert rec["cases"] == {lk: f"decode-a3-int8.{lk}" for lk in ("cache", "index_cache", "indexer", "attention")}
+    assert ["cache.kv_cache", "attention", "key"] in rec["chain"]["edges"]
+    assert ["indexer.sparse_indices", "attention", "sparse_indices"] in rec["chain"]["edges"]
+    # the stored intermediates are the chain's own, and each link's input is the upstream link's output file
+    p = {k: v for k, v in man["cases"][0]["params"].items() if k not in ("chain", "link")}
+    v = C.run_chain(C.get_chain("v32-mla-c8", p), inputs(p, seed=man["cases"][0]["seed"]), chip=p["chip"])
+    d = decode_set
+    assert (d / "decode-a3-int8.cache/out.kv_cache.bin").read_bytes() == u8(v["cache.kv_cache"]).tobytes()
+    assert (d / "decode-a3-int8.attention/in.key.bin").read_bytes() == u8(v["cache.kv_cache"]).tobytes()
+    assert (d / "decode-a3-int8.attention/in.sparse_indices.bin").read_bytes() == \
+        (d / "decode-a3-int8.indexer/out.sparse_indices.bin").read_bytes()
+    assert (d / "decode-a3-int8.attention/out.attention_out.bin").read_bytes() == \
+        u8(v["attention.attention_out"]).tobytes()
+    # each link replays from its stored inputs (verify --recompute re-runs every link case)
+    rc, out, err = cli(capsys, "verify", decode_set, "--recompute", "-q")
+    assert rc == 0 and "4 recomputed" in out, out + err
+
+
+def test_generate_with_chip_skips_the_instances_that_chip_cannot_run(tmp_path, capsys):
+    rc, out, err = cli(capsys, "generate", "--set", "v32-layer-prefill", "--chip", "A3", "--out", tmp_path / "g", "-q")
+    assert rc == 0 and "wrote 4 cases" in out, out + err
+    assert err.count("skipped prefill-950-fp8.") == 4 and "packed caches are int8 only" in err, err
+    man = json.loads((tmp_path / "g" / "manifest.json").read_text())
+    assert [r["instance"] for r in man["chains"]] == ["prefill-a3-int8"]
+
+
+def test_generating_a_chain_whose_edge_is_refused_is_exit_2_and_writes_nothing(tmp_path, capsys):
+    from qsfa.golden import catalogue, generators
+    from qsfa.golden.chain import chain_cases as link_cases
+
+    def bad_chain(**p):  # the indexer reads the packed C8 cache instead of the indexer keys
+        d = C.get_chain("v32-mla-c8", p).to_dict()
+        d["name"] = "test-bad-edge"
+        d["links"][2]["args"]["key"] = "$cache.kv_cache"
+        return C.chain_from_dict(d)
+
+    bad_chain.__signature__ = __import__("inspect").signature(C.v32_mla_c8)
+    C.register_chain("test-bad-edge", bad_chain)
+    generators.register_generator("test-bad-edge", generators.get_generator("v32-mla-c8"))
+    catalogue.register_set("test-bad-edge", "a chain whose indexer reads the packed cache",
+                           lambda: link_cases("test-bad-edge", "x", dict(DECODE, chip="A3"), seed=1))
+    try:
+        rc, _, err = cli(capsys, "generate", "--set", "test-bad-edge", "--out", tmp_path / "out", "-q")
+    finally:
+        catalogue.unregister_set("test-bad-edge")
+        generators._GENERATORS.pop("test-bad-edge", None)
+        C._CHAINS.pop("test-bad-edge", None)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "link 'indexer' (lightning_indexer)" in err and "Invalid dtype for key, actual: 'uint8'" in err, err
+    assert not (tmp_path / "out").exists()
