@@ -134,3 +134,130 @@ def test_generating_a_chain_whose_edge_is_refused_is_exit_2_and_writes_nothing(t
     assert rc == 2 and err.count("\n") == 1, err
     assert "link 'indexer' (lightning_indexer)" in err and "Invalid dtype for key, actual: 'uint8'" in err, err
     assert not (tmp_path / "out").exists()
+def actual_copy(decode_set, tmp_path):
+    a = tmp_path / "actual"
+    shutil.copytree(decode_set, a)
+    for root, _, files in os.walk(a):
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o644)
+    return a
+
+
+def flip(path, dtype, idx, mask):
+    a = np.fromfile(path, dtype)
+    a[idx] ^= mask
+    a.tofile(path)
+
+
+def test_compare_chain_identical_passes(decode_set, capsys):
+    rc, out, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain")
+    assert rc == 0 and "every link passes" in out and "verdict: PASS" in out, out + err
+
+
+def test_planted_divergence_in_one_link_is_its_own(decode_set, tmp_path, capsys):
+    """Attention output changed, everything upstream golden: the first failing link is attention, inputs matched."""
+    a = actual_copy(decode_set, tmp_path)
+    flip(a / "decode-a3-int8.attention/out.attention_out.bin", np.uint16, slice(0, 64), 0x0100)
+    rc, out, err = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--json", tmp_path / "r.json")
+    assert rc == 1, out + err
+    assert "first failing link: attention (own)" in out and "inputs matched" in out, out
+    rep = json.loads((tmp_path / "r.json").read_text())
+    links = rep["instances"][0]["links"]
+    assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "own"]
+    assert rep["instances"][0]["first_failing"] == "attention"
+
+
+def test_planted_divergence_upstream_is_propagated(decode_set, tmp_path, capsys):
+    """The indexer's indices changed (so the attention that read them differs too): the indexer is the first failing
+    link, its own error; the attention's inputs already differed and its re-run on the golden inputs passes on
+    the backend, so its failure is propagated. Without --backend it is undecided."""
+    a = actual_copy(decode_set, tmp_path)
+    idx = a / "decode-a3-int8.indexer/out.sparse_indices.bin"
+    s = np.fromfile(idx, np.int32)
+    s[[0, 16]] = s[[16, 0]]  # request 0 and 1 swap their best token
+    s.tofile(idx)
+    flip(a / "decode-a3-int8.attention/out.attention_out.bin", np.uint16, slice(0, 8), 0x0040)
+    rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain")
+    assert rc == 1 and "first failing link: indexer (own)" in out and "re-run it with --backend" in out, out
+    rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--backend", "reference", "--json",
+                     tmp_path / "r.json")
+    assert rc == 1, out
+    links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
+    assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "own", "propagated"]
+    assert links[3]["differing_inputs"] == ["sparse_indices = indexer.sparse_indices"]
+    assert links[3]["rerun_passed"] is True
+    assert "propagated from upstream" in out
+
+
+def test_rerun_on_a_backend_with_a_bug_in_the_link_says_own(decode_set, tmp_path, capsys):
+    """A backend whose attention differs: the re-run on golden inputs fails too, so the attention's failure is its
+    own even though its inputs already differed."""
+    from qsfa import _dispatch
+
+    a = actual_copy(decode_set, tmp_path)
+    idx = a / "decode-a3-int8.indexer/out.sparse_indices.bin"
+    s = np.fromfile(idx, np.int32)
+    s[[0, 16]] = s[[16, 0]]
+    s.tofile(idx)
+    flip(a / "decode-a3-int8.attention/out.attention_out.bin", np.uint16, slice(0, 8), 0x0040)
+
+    class Buggy(_dispatch.Backend):
+        name = "chain-test-buggy"
+
+    _dispatch.register_backend(Buggy())
+    try:
+        for name, op in _dispatch.operators().items():
+            ref = op.impls["reference"]
+            if name == "kv_quant_sparse_flash_attention":
+                def bad(*args, _ref=ref, **kw):
+                    out, mx, sm = _ref(*args, **kw)
+                    return (np.asarray(out, np.float32) + 1).astype(out.dtype), mx, sm
+                _dispatch.register_impl("chain-test-buggy", name, bad)
+            else:
+                _dispatch.register_impl("chain-test-buggy", name, ref)
+        rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--backend", "chain-test-buggy",
+                         "--json", tmp_path / "r.json")
+    finally:
+        _dispatch.unregister_backend("chain-test-buggy")
+    links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
+    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "own", "own"], out
+    assert links[3]["rerun_passed"] is False
+
+
+def test_missing_intermediate_is_exit_2_naming_the_link(decode_set, tmp_path, capsys):
+    a = actual_copy(decode_set, tmp_path)
+    os.remove(a / "decode-a3-int8.index_cache/out.cache.bin")
+    rc, out, err = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--json", tmp_path / "r.json")
+    assert rc == 2 and "link index_cache: missing intermediate" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_compare_chain_usage_errors(decode_set, tmp_path, capsys):
+    rc, _, err = cli(capsys, "generate", "--set", "smoke", "--out", tmp_path / "smoke", "-q", "--only", "dbq-*")
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "compare", tmp_path / "smoke", "--actual", tmp_path / "smoke", "--chain")
+    assert rc == 2 and "holds no layer chain" in err, err
+    rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--backend", "reference")
+    assert rc == 2 and "needs --chain" in err, err
+    rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain", "--backend", "nope")
+    assert rc == 2 and "--backend nope" in err, err
+    rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain", "--case", "prefill-*")
+    assert rc == 2 and "no layer chain matching" in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# conformance over whole chains (hypothesis; shrinks to a minimal failing chain)
+
+
+def test_a_recorded_chain_naming_an_unknown_operator_or_a_later_link_is_exit_2(decode_set, tmp_path, capsys):
+    g = actual_copy(decode_set, tmp_path)
+    man = json.loads((g / "manifest.json").read_text())
+    man["chains"][0]["chain"]["links"][2]["op"] = "lightning_indexer_v9"
+    (g / "manifest.json").write_text(json.dumps(man))
+    rc, _, err = cli(capsys, "compare", g, "--actual", decode_set, "--chain")
+    assert rc == 2 and "link 'indexer' op" in err and "lightning_indexer_v9" in err, err
+    man["chains"][0]["chain"]["links"][2]["op"] = "lightning_indexer"
+    man["chains"][0]["chain"]["links"][2]["args"]["key"] = "$attention.attention_out"
+    (g / "manifest.json").write_text(json.dumps(man))
+    rc, _, err = cli(capsys, "compare", g, "--actual", decode_set, "--chain")
+    assert rc == 2 and "link 'indexer' args.key" in err and "a later one" in err, err
