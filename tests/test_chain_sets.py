@@ -261,3 +261,80 @@ def test_a_recorded_chain_naming_an_unknown_operator_or_a_later_link_is_exit_2(d
     (g / "manifest.json").write_text(json.dumps(man))
     rc, _, err = cli(capsys, "compare", g, "--actual", decode_set, "--chain")
     assert rc == 2 and "link 'indexer' args.key" in err and "a later one" in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# top-k indices judged fair to ties (qsfa.compare.compare_topk) where the golden scores can be had
+
+
+@pytest.fixture(scope="module")
+def tied_set(tmp_path_factory):
+    """A decode instance whose indexer-key history comes in equal pairs (tokens 2t and 2t+1 of request 0): their
+    scores tie exactly, and with an odd top-k (15) the golden's last index has a tied twin it did not take."""
+    from qsfa.golden import catalogue, generators
+    from qsfa.golden.chain import chain_cases as link_cases
+
+    def tied(params, rng):
+        x = generators.get_generator("v32-mla-c8")(params, rng)
+        bs, t = 16, x["block_table"][0]
+        ic = x["index_cache"]
+        for p in range(1, params["kv_lens"][0] - 1, 2):
+            ic[t[p // bs], p % bs] = ic[t[(p - 1) // bs], (p - 1) % bs]
+        return x
+
+    C.register_chain("test-ties", C.v32_mla_c8)
+    generators.register_generator("test-ties", tied)
+    catalogue.register_set("test-ties", "tied indexer keys",
+                           lambda: link_cases("test-ties", "t", dict(DECODE, chip="A3", sparse_count=15), seed=2))
+    out = tmp_path_factory.mktemp("ties") / "g"
+    try:
+        assert main(["golden", "generate", "--set", "test-ties", "--out", str(out), "-q"]) == 0
+    finally:
+        catalogue.unregister_set("test-ties")
+        generators._GENERATORS.pop("test-ties", None)
+        C._CHAINS.pop("test-ties", None)
+    return out
+
+
+def test_topk_indices_tie_tolerant_pass_and_a_wrong_index_fails(tied_set, tmp_path, capsys):
+    idx_file = "t.indexer/out.sparse_indices.bin"
+    gold = np.fromfile(tied_set / idx_file, np.int32).reshape(3, 15)
+    last = int(gold[0, 14])
+    twin = last ^ 1
+    assert twin not in gold[0] and twin < 36  # the tied twin the golden did not take (lower index first)
+    a = actual_copy(tied_set, tmp_path)
+    s = gold.copy()
+    s[0, 14] = twin
+    s.tofile(a / idx_file)
+    rc, out, err = cli(capsys, "compare", tied_set, "--actual", a, "--chain", "--json", tmp_path / "r.json")
+    assert rc == 0 and "sparse_indices topk ok (1 of 3 rows tie-tolerant, not exact)" in out, out + err
+    ix = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"][2]["outputs"][0]
+    assert ix["kind"] == "topk" and ix["topk"]["exact_rows"] == 2 and ix["topk"]["tie_rows"] == 1
+    # a clearly lower-scored candidate instead: fails
+    from qsfa.golden.manifest import case_from_entry, load_manifest
+    from qsfa.reference.indexer import lightning_indexer_scores
+
+    entry = next(c for c in load_manifest(str(tied_set))["cases"] if c["name"] == "t.indexer")
+    sc = lightning_indexer_scores(**case_from_entry(str(tied_set), entry).args()).reshape(3, -1)
+    worst = int(np.argmin(np.where(np.isfinite(sc[0]), sc[0], np.inf)))
+    s[0, 14] = worst
+    s.tofile(a / idx_file)
+    rc, out, err = cli(capsys, "compare", tied_set, "--actual", a, "--chain")
+    assert rc == 1 and "sparse_indices topk FAIL" in out and "first failing link: indexer (own)" in out, out + err
+
+
+def test_scores_table_ranks_to_the_indexers_indices():
+    """lightning_indexer_scores is the table the indexer ranks: its top-k (lower index first) is the indexer's."""
+    from qsfa.reference.indexer import lightning_indexer_scores, top_k_desc
+
+    p = dict(DECODE, key_dtype="int8")
+    x = inputs(p, seed=4)
+    v = C.run_chain(C.get_chain("v32-mla-c8", p), x)
+    args = dict(query=x["index_query"], key=v["index_cache.cache"], weights=x["weights"],
+                actual_seq_lengths_query=x["actual_seq_lengths_query"],
+                actual_seq_lengths_key=x["actual_seq_lengths_kv"], block_table=x["block_table"], layout_query="TND",
+                layout_key="PA_BSND", sparse_mode=3)
+    sc = lightning_indexer_scores(**args).reshape(3, -1)
+    assert sc.shape == (3, 64) and np.isfinite(sc).sum(1).tolist() == [37, 20, 64]
+    idx, _ = top_k_desc(sc, 16, np.isfinite(sc).sum(1))
+    assert (idx == v["indexer.sparse_indices"].reshape(3, 16)).all()
