@@ -41,7 +41,7 @@ from ._errors import InvalidArgument, InvalidDtype
 
 __all__ = ["ChainError", "Link", "Chain", "chain_from_dict", "load_chain", "run_chain", "write_chain_golden",
            "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs", "register_chain",
-           "get_chain", "chains", "chip_limited", "v32_mla_c8"]
+           "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence"]
 
 _REF = re.compile(r"^\$([A-Za-z_][\w-]*)\.([A-Za-z_]\w*)$")
 _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -357,6 +357,69 @@ def compare_chain_dirs(golden_dir: str, actual_dir: str, *, rerun_backend: str |
         raise ChainError("golden directory", golden_dir, "holds no chain.json (write it with write_chain_golden)")
     chain = load_chain(path)
     return compare_chain(chain, read_tensors(golden_dir), read_tensors(actual_dir), rerun_backend=rerun_backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# conformance of a whole chain on a backend
+
+
+def _bad_outputs(link: Link, args: Mapping, got: Mapping, want: Mapping) -> list[str]:
+    """The outputs of ``link`` (``{output: array}``) whose ``got`` fails ``want`` by the golden criterion of that
+    output (``qsfa.golden.meta``: bytes, or the float criterion with masked elements not compared)."""
+    from . import compare as qc
+    from .golden.meta import describe
+
+    scalars = {k: v for k, v in args.items() if not isinstance(v, np.ndarray)}
+    metas = describe(link.op, scalars, dict(args), dict(want))
+    bad = []
+    for name, w in want.items():
+        g, m = got.get(name), metas.get(("output", name))
+        if g is None or np.shape(g) != np.shape(w):
+            bad.append(name)
+            continue
+        if m is not None and m.compare == "float":
+            g = np.asarray(g)
+            if m.mask is not None:
+                g = np.where(np.asarray(m.mask, bool), g, w)
+            ok = qc.compare_float(g, w, dtype=str(np.asarray(w).dtype)).passed
+        else:
+            ok = qc.compare_bytes(g, w).passed
+        if not ok:
+            bad.append(name)
+    return bad
+
+
+def first_divergence(chain: Chain, inputs: Mapping[str, np.ndarray], *, backend: str,
+                     chip: str | None = None) -> dict | None:
+    """Run ``chain`` on the reference and on ``backend`` from the same inputs and compare link by link in chain
+    order (each output by its golden criterion); None when every link matches, else the first failing link:
+    ``{"link", "op", "outputs", "differing_inputs", "rerun_passed", "verdict"}``. Every earlier link passed, but an
+    input from one of them may still differ in its bytes (a float output within tolerance): such a link is re-run
+    on ``backend`` fed with the reference's inputs; failing again it is its own error ("own"), passing the error
+    came from upstream ("propagated"). A link whose inputs are byte-equal is "own"."""
+    want = run_chain(chain, inputs, chip=chip)
+    got = run_chain(chain, inputs, backend, chip=chip)
+    for link in chain.links:
+        spec = _spec(link.op)
+        outs = [o for o in spec.outputs if f"{link.name}.{o}" in want]
+        w = {o: want[f"{link.name}.{o}"] for o in outs}
+        g = {o: got.get(f"{link.name}.{o}") for o in outs}
+        args = with_chip(link, _link_args(link, spec, want, "reference run"), chip)
+        bad = _bad_outputs(link, args, g, w)
+        if not bad:
+            continue
+        # every earlier link passed its criterion; an input still differs where it is not byte-equal (a float
+        # output within its tolerance)
+        differing = [f"{p} = {src}" for p, src in link.refs().items() if not src.startswith("input.")
+                     and (src not in got or np.asarray(got[src]).tobytes() != np.asarray(want[src]).tobytes())]
+        if not differing:
+            return {"link": link.name, "op": link.op, "outputs": bad, "differing_inputs": [], "rerun_passed": None,
+                    "verdict": "own"}
+        rerun = {k.split(".", 1)[1]: v for k, v in _call(link, args, backend).items()}
+        own = bool(_bad_outputs(link, args, rerun, w))
+        return {"link": link.name, "op": link.op, "outputs": bad, "differing_inputs": differing,
+                "rerun_passed": not own, "verdict": "own" if own else "propagated"}
+    return None
 
 
 # --------------------------------------------------------------------------------------------------

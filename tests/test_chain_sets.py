@@ -338,3 +338,125 @@ def test_scores_table_ranks_to_the_indexers_indices():
     assert sc.shape == (3, 64) and np.isfinite(sc).sum(1).tolist() == [37, 20, 64]
     idx, _ = top_k_desc(sc, 16, np.isfinite(sc).sum(1))
     assert (idx == v["indexer.sparse_indices"].reshape(3, 16)).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# batch invariance and conformance over whole chains (hypothesis; a failing chain shrinks to a minimal one)
+
+from hypothesis import HealthCheck, find, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from qsfa.strategies.chain import chain_cases  # noqa: E402
+
+#: a chain example costs two chain runs: a quarter of the profile's examples, at least 8 (ci: 8)
+CHAIN_EXAMPLES = max(8, settings.default.max_examples // 4)
+
+
+def request_alone(x, params, r):
+    """Request ``r`` of a batch as a chain case of its own: its new-token and query rows, its block-table row and
+    lengths; the caches (whole, with the other requests' history in them) as they are."""
+    q = np.concatenate([[0], np.cumsum(params["q_lens"])])
+    out = dict(x)
+    for k in ("query", "kv", "cos", "sin", "slot_mapping", "index_key", "index_query", "weights"):
+        out[k] = x[k][q[r]:q[r + 1]]
+    out.update(block_table=x["block_table"][r:r + 1],
+               actual_seq_lengths_query=np.asarray([params["q_lens"][r]], np.int32),
+               actual_seq_lengths_kv=np.asarray([params["kv_lens"][r]], np.int32))
+    return out, slice(q[r], q[r + 1])
+
+
+def assert_alone_equals_batched(x, p, r, chip=None):
+    ch = C.get_chain("v32-mla-c8", p)
+    batch = C.run_chain(ch, x, chip=chip)
+    alone_in, rows = request_alone(x, p, r)
+    alone = C.run_chain(ch, alone_in, chip=chip)
+    pages = x["block_table"][r][x["block_table"][r] >= 0]
+    for key in ("cache.kv_cache", "index_cache.cache"):
+        assert u8(alone[key][pages]).tobytes() == u8(batch[key][pages]).tobytes(), key
+    for key in ("indexer.sparse_indices", "attention.attention_out"):
+        assert u8(alone[key]).tobytes() == u8(batch[key][rows]).tobytes(), key
+    for key in ("attention.softmax_max", "attention.softmax_sum"):
+        if key in batch and batch[key].size:
+            assert u8(alone[key]).tobytes() == u8(batch[key][:, rows]).tobytes(), key
+
+
+def test_batch_invariance_one_request_alone_equals_it_inside_an_uneven_batch():
+    """Request 1 of q_lens [3, 5, 1] / kv_lens [9, 40, 23] run alone gives the same bytes as inside the batch: its
+    cache rows, its indices, its attention rows and LSE."""
+    p = dict(q_lens=[3, 5, 1], kv_lens=[9, 40, 23], key_dtype="int8", sparse_count=16, scale_value=576 ** -0.5,
+             return_softmax_lse=True)
+    assert_alone_equals_batched(inputs(p, seed=5), p, 1)
+
+
+@settings(max_examples=CHAIN_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain_cases(max_requests=3), st.integers(0, 2))
+def test_batch_invariance_property(case, r):
+    """Any drawn batch: each request alone equals it inside the batch, byte for byte on the reference."""
+    r = r % len(case["params"]["q_lens"])
+    assert_alone_equals_batched(case["inputs"], case["params"], r, chip=case["chip"])
+
+
+@settings(max_examples=CHAIN_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain_cases())
+def test_every_drawn_chain_is_valid_and_the_reference_conforms(case):
+    """Every drawn case passes every link's contract on its chip, and the reference conforms to itself."""
+    ch = C.get_chain(case["chain"], case["params"])
+    assert C.first_divergence(ch, case["inputs"], backend="reference", chip=case["chip"]) is None
+
+
+@pytest.fixture
+def buggy_backend():
+    """A backend whose attention is off by one in every element when some request holds more than 9 tokens, and
+    (name + "-idx") one whose indexer swaps the first two indices of its first row."""
+    from qsfa import _dispatch
+
+    def bad_attention(*args, _ref, **kw):
+        out, mx, sm = _ref(*args, **kw)
+        if int(np.max(kw["actual_seq_lengths_kv"])) > 9:
+            out = (np.asarray(out, np.float32) + 1).astype(out.dtype)
+        return out, mx, sm
+
+    def bad_indexer(*args, _ref, **kw):
+        idx, val = _ref(*args, **kw)
+        idx = np.array(idx)
+        flat = idx.reshape(-1, idx.shape[-1])
+        flat[0, [0, 1]] = flat[0, [1, 0]] if flat.shape[1] > 1 and flat[0, 1] >= 0 else flat[0, [0, 1]] + 1
+        return idx, val
+
+    names = []
+    for name, bug_op, bug in (("chain-test-long-history", "kv_quant_sparse_flash_attention", bad_attention),
+                              ("chain-test-indexer", "lightning_indexer", bad_indexer)):
+        class Bug(_dispatch.Backend):
+            pass
+
+        Bug.name = name
+        _dispatch.register_backend(Bug())
+        names.append(name)
+        for op_name, op in _dispatch.operators().items():
+            ref = op.impls["reference"]
+            impl = (lambda *a, _ref=ref, _bug=bug, **kw: _bug(*a, _ref=_ref, **kw)) if op_name == bug_op else ref
+            _dispatch.register_impl(name, op_name, impl)
+    yield names
+    for name in names:
+        _dispatch.unregister_backend(name)
+
+
+def test_a_failing_chain_shrinks_to_a_minimal_one(buggy_backend):
+    def fails(case):
+        d = C.first_divergence(C.get_chain(case["chain"], case["params"]), case["inputs"], backend=buggy_backend[0],
+                               chip=case["chip"])
+        return d is not None and d["link"] == "attention" and d["verdict"] == "own"
+
+    case = find(chain_cases(chip="A3", max_requests=2, max_kv=16), fails,
+                settings=settings(max_examples=200, deadline=None, database=None, derandomize=True))
+    assert case["params"]["kv_lens"] == [10] and case["params"]["q_lens"] == [1], case["params"]
+
+
+def test_first_divergence_tells_own_from_propagated(buggy_backend):
+    """The indexer's wrong indices are its own error (its inputs matched); the attention that read them differs
+    too, but that is not reported: the first failing link is the indexer."""
+    p = dict(DECODE)
+    ch = C.get_chain("v32-mla-c8", p)
+    d = C.first_divergence(ch, inputs(p, seed=6), backend=buggy_backend[1], chip="A3")
+    assert d == {"link": "indexer", "op": "lightning_indexer", "outputs": ["sparse_indices"], "differing_inputs": [],
+                 "rerun_passed": None, "verdict": "own"}, d
