@@ -41,7 +41,7 @@ from ._errors import InvalidArgument, InvalidDtype
 
 __all__ = ["ChainError", "Link", "Chain", "chain_from_dict", "load_chain", "run_chain", "write_chain_golden",
            "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs", "register_chain",
-           "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence"]
+           "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence", "run_link"]
 
 _REF = re.compile(r"^\$([A-Za-z_][\w-]*)\.([A-Za-z_]\w*)$")
 _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -219,6 +219,13 @@ def run_chain(chain: Chain, inputs: Mapping[str, np.ndarray], backend: str = "re
         spec = _spec(link.op)
         tensors.update(_call(link, with_chip(link, _link_args(link, spec, tensors, "run"), chip), backend))
     return tensors
+
+
+def run_link(link: Link, tensors: Mapping[str, np.ndarray], backend: str = "reference", *,
+             chip: str | None = None) -> dict[str, np.ndarray]:
+    """One link alone on ``tensors`` (``input.<name>`` / ``<link>.<output>``, e.g. what :func:`run_chain` returned):
+    its in-place parameters copied first; returns ``{"<link>.<output>": array}``."""
+    return _call(link, with_chip(link, _link_args(link, _spec(link.op), tensors, "run"), chip), backend)
 
 
 def _safe(name: str) -> str:
