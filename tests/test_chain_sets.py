@@ -460,3 +460,40 @@ def test_first_divergence_tells_own_from_propagated(buggy_backend):
     d = C.first_divergence(ch, inputs(p, seed=6), backend=buggy_backend[1], chip="A3")
     assert d == {"link": "indexer", "op": "lightning_indexer", "outputs": ["sparse_indices"], "differing_inputs": [],
                  "rerun_passed": None, "verdict": "own"}, d
+
+
+def test_first_divergence_a_byte_differing_input_is_told_propagated():
+    """A backend whose LSE merge lands 1 ulp above (within the float criterion, so the merge link passes) makes the
+    e5m2 encode after it round the other way at midpoints: the encode fails with a differing input, and re-run
+    on the backend fed with the reference's values it passes, so its failure is propagated."""
+    from qsfa import _dispatch, formats
+
+    chain = C.chain_from_dict({"name": "merge-encode", "inputs": ["out", "m", "l"], "links": [
+        {"name": "merge", "op": "merge_attention_lse",
+         "args": {"attention_out": "$input.out", "softmax_max": "$input.m", "softmax_sum": "$input.l",
+                  "layout_query": "TND"}},
+        {"name": "enc", "op": "formats.encode", "args": {"x": "$merge.attention_out", "fmt": "float8_e5m2"}}]})
+    # one shard (the merge returns it as it is) of normal e4m3 values: the odd codes are e5m2 midpoints
+    vals = np.asarray(formats.decode(np.arange(0x08, 0x70, dtype=np.uint8), "float8_e4m3fn"), np.float32)
+    x = {"out": vals.reshape(1, 13, 8, 1)[..., [0] * 8], "m": np.zeros((1, 1, 13, 8), np.float32),
+         "l": np.ones((1, 1, 13, 8), np.float32)}
+
+    class Nudge(_dispatch.Backend):
+        name = "chain-test-nudge"
+
+    _dispatch.register_backend(Nudge())
+    try:
+        for op_name, op in _dispatch.operators().items():
+            ref = op.impls["reference"]
+            if op_name == "merge_attention_lse":
+                def up(*a, _ref=ref, **kw):
+                    out, m, l_ = _ref(*a, **kw)
+                    return np.nextafter(np.asarray(out, np.float32), np.float32(np.inf)), m, l_
+                _dispatch.register_impl("chain-test-nudge", op_name, up)
+            else:
+                _dispatch.register_impl("chain-test-nudge", op_name, ref)
+        d = C.first_divergence(chain, x, backend="chain-test-nudge")
+    finally:
+        _dispatch.unregister_backend("chain-test-nudge")
+    assert d == {"link": "enc", "op": "formats.encode", "outputs": ["codes"],
+                 "differing_inputs": ["x = merge.attention_out"], "rerun_passed": True, "verdict": "propagated"}, d
