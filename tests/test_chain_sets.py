@@ -102,6 +102,16 @@ def test_chain_set_stores_every_intermediate_and_the_edges(decode_set, capsys):
     assert rc == 0 and "4 recomputed" in out, out + err
 
 
+def test_a_shard_generates_links_alone_and_compare_chain_asks_for_every_link(tmp_path, capsys):
+    """--shard splits a chain's links (each link case recomputes its upstream), and a shard is no whole chain."""
+    rc, out, err = cli(capsys, "generate", "--set", "v32-layer-decode", "--shard", "1/2", "--out", tmp_path / "s", "-q")
+    assert rc == 0, err
+    man = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert sorted(man["chains"][0]["cases"]) == ["attention", "index_cache"]
+    rc, _, err = cli(capsys, "compare", tmp_path / "s", "--actual", tmp_path / "s", "--chain")
+    assert rc == 2 and "link cache has no golden case here" in err and "generate the set whole" in err, err
+
+
 def test_generate_with_chip_skips_the_instances_that_chip_cannot_run(tmp_path, capsys):
     rc, out, err = cli(capsys, "generate", "--set", "v32-layer-prefill", "--chip", "A3", "--out", tmp_path / "g", "-q")
     assert rc == 0 and "wrote 4 cases" in out, out + err

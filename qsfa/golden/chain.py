@@ -183,8 +183,9 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
         inst, cases = r["instance"], r.get("cases") or {}
         for lk in ch.links:
             if cases.get(lk.name) not in by_name:
-                raise GoldenInputError(f"{golden}: chain instance {inst}: link {lk.name} has no golden case "
-                                       f"({cases.get(lk.name)!r} is not in the manifest; regenerate without --only)")
+                raise GoldenInputError(f"{golden}: chain instance {inst}: link {lk.name} has no golden case here "
+                                       "(a --shard or --only golden holds part of a chain; compare --chain needs "
+                                       "every link: generate the set whole)")
         link_of = {cases[lk.name]: lk.name for lk in ch.links}
         try:  # every intermediate present before any verdict (a chain of several links: no single-case fallback)
             rep_all = compare_dir(golden, actual, cases=sorted(link_of))
