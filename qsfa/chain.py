@@ -40,7 +40,8 @@ import numpy as np
 from ._errors import InvalidArgument, InvalidDtype
 
 __all__ = ["ChainError", "Link", "Chain", "chain_from_dict", "load_chain", "run_chain", "write_chain_golden",
-           "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs"]
+           "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs", "register_chain",
+           "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence", "run_link"]
 
 _REF = re.compile(r"^\$([A-Za-z_][\w-]*)\.([A-Za-z_]\w*)$")
 _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -194,16 +195,37 @@ def _call(link: Link, args: dict, backend: str) -> dict[str, np.ndarray]:
     return {f"{link.name}.{o}": np.asarray(r) for o, r in zip(spec.outputs, res) if r is not None}
 
 
-def run_chain(chain: Chain, inputs: Mapping[str, np.ndarray], backend: str = "reference") -> dict[str, np.ndarray]:
-    """Run every link in order; returns every tensor: ``input.<name>`` and ``<link>.<output>``."""
+def with_chip(link: Link, args: dict, chip: str | None) -> dict:
+    """``args`` plus ``chip`` where the link's operator takes one and the link does not set it."""
+    if chip is not None and "chip" in _spec(link.op).params and link.args.get("chip") is None:
+        args = {**args, "chip": chip}
+    return args
+
+
+def run_chain(chain: Chain, inputs: Mapping[str, np.ndarray], backend: str = "reference", *,
+              chip: str | None = None, until: str | None = None) -> dict[str, np.ndarray]:
+    """Run every link in order; returns every tensor: ``input.<name>`` and ``<link>.<output>``. ``chip``: passed to
+    every link whose operator takes one (and whose args do not name one). ``until``: stop before this link (its
+    inputs are then all present)."""
     missing = [i for i in chain.inputs if i not in inputs]
     if missing:
         raise ChainError("inputs", missing, "the chain declares these inputs and they were not given")
+    if until is not None and until not in [ln.name for ln in chain.links]:
+        raise ChainError("until", until, f"no such link; links: {', '.join(ln.name for ln in chain.links)}")
     tensors = {f"input.{k}": np.asarray(v) for k, v in inputs.items() if k in chain.inputs}
     for link in chain.links:
+        if link.name == until:
+            break
         spec = _spec(link.op)
-        tensors.update(_call(link, _link_args(link, spec, tensors, "run"), backend))
+        tensors.update(_call(link, with_chip(link, _link_args(link, spec, tensors, "run"), chip), backend))
     return tensors
+
+
+def run_link(link: Link, tensors: Mapping[str, np.ndarray], backend: str = "reference", *,
+             chip: str | None = None) -> dict[str, np.ndarray]:
+    """One link alone on ``tensors`` (``input.<name>`` / ``<link>.<output>``, e.g. what :func:`run_chain` returned):
+    its in-place parameters copied first; returns ``{"<link>.<output>": array}``."""
+    return _call(link, with_chip(link, _link_args(link, _spec(link.op), tensors, "run"), chip), backend)
 
 
 def _safe(name: str) -> str:
@@ -342,3 +364,144 @@ def compare_chain_dirs(golden_dir: str, actual_dir: str, *, rerun_backend: str |
         raise ChainError("golden directory", golden_dir, "holds no chain.json (write it with write_chain_golden)")
     chain = load_chain(path)
     return compare_chain(chain, read_tensors(golden_dir), read_tensors(actual_dir), rerun_backend=rerun_backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# conformance of a whole chain on a backend
+
+
+def _bad_outputs(link: Link, args: Mapping, got: Mapping, want: Mapping) -> list[str]:
+    """The outputs of ``link`` (``{output: array}``) whose ``got`` fails ``want`` by the golden criterion of that
+    output (``qsfa.golden.meta``: bytes, or the float criterion with masked elements not compared)."""
+    from . import compare as qc
+    from .golden.meta import describe
+
+    scalars = {k: v for k, v in args.items() if not isinstance(v, np.ndarray)}
+    metas = describe(link.op, scalars, dict(args), dict(want))
+    bad = []
+    for name, w in want.items():
+        g, m = got.get(name), metas.get(("output", name))
+        if g is None or np.shape(g) != np.shape(w):
+            bad.append(name)
+            continue
+        if m is not None and m.compare == "float":
+            g = np.asarray(g)
+            if m.mask is not None:
+                g = np.where(np.asarray(m.mask, bool), g, w)
+            ok = qc.compare_float(g, w, dtype=str(np.asarray(w).dtype)).passed
+        else:
+            ok = qc.compare_bytes(g, w).passed
+        if not ok:
+            bad.append(name)
+    return bad
+
+
+def first_divergence(chain: Chain, inputs: Mapping[str, np.ndarray], *, backend: str,
+                     chip: str | None = None) -> dict | None:
+    """Run ``chain`` on the reference and on ``backend`` from the same inputs and compare link by link in chain
+    order (each output by its golden criterion); None when every link matches, else the first failing link:
+    ``{"link", "op", "outputs", "differing_inputs", "rerun_passed", "verdict"}``. Every earlier link passed, but an
+    input from one of them may still differ in its bytes (a float output within tolerance): such a link is re-run
+    on ``backend`` fed with the reference's inputs; failing again it is its own error ("own"), passing the error
+    came from upstream ("propagated"). A link whose inputs are byte-equal is "own"."""
+    want = run_chain(chain, inputs, chip=chip)
+    got = run_chain(chain, inputs, backend, chip=chip)
+    for link in chain.links:
+        spec = _spec(link.op)
+        outs = [o for o in spec.outputs if f"{link.name}.{o}" in want]
+        w = {o: want[f"{link.name}.{o}"] for o in outs}
+        g = {o: got.get(f"{link.name}.{o}") for o in outs}
+        args = with_chip(link, _link_args(link, spec, want, "reference run"), chip)
+        bad = _bad_outputs(link, args, g, w)
+        if not bad:
+            continue
+        # every earlier link passed its criterion; an input still differs where it is not byte-equal (a float
+        # output within its tolerance)
+        differing = [f"{p} = {src}" for p, src in link.refs().items() if not src.startswith("input.")
+                     and (src not in got or np.asarray(got[src]).tobytes() != np.asarray(want[src]).tobytes())]
+        if not differing:
+            return {"link": link.name, "op": link.op, "outputs": bad, "differing_inputs": [], "rerun_passed": None,
+                    "verdict": "own"}
+        rerun = {k.split(".", 1)[1]: v for k, v in _call(link, args, backend).items()}
+        own = bool(_bad_outputs(link, args, rerun, w))
+        return {"link": link.name, "op": link.op, "outputs": bad, "differing_inputs": differing,
+                "rerun_passed": not own, "verdict": "own" if own else "propagated"}
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# named chains: a builder from the chain's parameters (key dtype, top-k ...) to a Chain, and the generator
+# (qsfa.golden.generators) that makes its inputs; chain golden sets (qsfa.golden.chain) use them
+
+
+_CHAINS: dict = {}
+
+
+def register_chain(name: str, builder, *, replace: bool = False):
+    """Register ``builder(**params) -> Chain`` under ``name`` (a generator of the same name makes its inputs)."""
+    if name in _CHAINS and not replace:
+        raise ValueError(f"chain {name!r} is already registered")
+    _CHAINS[name] = builder
+    return builder
+
+
+def get_chain(name: str, params: Mapping | None = None) -> Chain:
+    """The registered chain ``name`` built with the ``params`` its builder takes (others are ignored)."""
+    import inspect
+
+    if name not in _CHAINS:
+        raise ChainError("chain", name, f"no such chain; known: {', '.join(sorted(_CHAINS))}")
+    builder = _CHAINS[name]
+    known = set(inspect.signature(builder).parameters)
+    return builder(**{k: v for k, v in (params or {}).items() if k in known})
+
+
+def chains() -> list[str]:
+    return sorted(_CHAINS)
+
+
+def chip_limited(e: BaseException) -> bool:
+    """Whether ``e`` (an operator's refusal, possibly wrapped by a link) comes from a rule of the modelled chip only
+    (docs/numerics/chips.md): another chip may run the same chain."""
+    from ._dispatch import operators
+
+    e = e.__context__ if isinstance(e, ChainError) and e.__context__ is not None else e
+    cid = getattr(e, "constraint_id", None)
+    if not isinstance(e, (InvalidArgument, InvalidDtype)) or not cid:
+        return False
+    return any(c.id == cid and c.chips is not None for op in operators().values() for c in op.contract.constraints)
+
+
+def v32_mla_c8(key_dtype: str = "int8", sparse_count: int = 2048, scale_value: float = 576 ** -0.5,
+               return_softmax_lse: bool = False) -> Chain:
+    """DeepSeek-V3.2 MLA layer on vLLM-Ascend's C8 path (``qsfa.c8_pipeline`` as data): c8_rmsnorm_rope_cache ->
+    scatter_by_slot (indexer keys) -> lightning_indexer -> kv_quant_sparse_flash_attention, TND query, PA_BSND
+    caches. Inputs: those of the ``v32-mla-c8`` generator."""
+    return chain_from_dict({
+        "name": "v32-mla-c8",
+        "inputs": ["kv", "gamma", "cos", "sin", "slot_mapping", "kv_cache", "index_key", "index_cache", "index_query",
+                   "weights", "query", "block_table", "actual_seq_lengths_query", "actual_seq_lengths_kv"],
+        "links": [
+            {"name": "cache", "op": "c8_rmsnorm_rope_cache",
+             "args": {"kv": "$input.kv", "gamma": "$input.gamma", "cos": "$input.cos", "sin": "$input.sin",
+                      "slot_mapping": "$input.slot_mapping", "kv_cache": "$input.kv_cache", "epsilon": 1e-6,
+                      "rope_head_dim": 64, "key_dtype": key_dtype}},
+            {"name": "index_cache", "op": "scatter_by_slot",
+             "args": {"cache": "$input.index_cache", "rows": "$input.index_key", "slot_mapping": "$input.slot_mapping"}},
+            {"name": "indexer", "op": "lightning_indexer",
+             "args": {"query": "$input.index_query", "key": "$index_cache.cache", "weights": "$input.weights",
+                      "actual_seq_lengths_query": "$input.actual_seq_lengths_query",
+                      "actual_seq_lengths_key": "$input.actual_seq_lengths_kv", "block_table": "$input.block_table",
+                      "layout_query": "TND", "layout_key": "PA_BSND", "sparse_count": int(sparse_count),
+                      "sparse_mode": 3}},
+            {"name": "attention", "op": "kv_quant_sparse_flash_attention",
+             "args": {"query": "$input.query", "key": "$cache.kv_cache", "value": "$cache.kv_cache",
+                      "sparse_indices": "$indexer.sparse_indices", "block_table": "$input.block_table",
+                      "actual_seq_lengths_query": "$input.actual_seq_lengths_query",
+                      "actual_seq_lengths_kv": "$input.actual_seq_lengths_kv", "scale_value": float(scale_value),
+                      "layout_query": "TND", "layout_kv": "PA_BSND", "sparse_mode": 3, "rope_head_dim": 64,
+                      "return_softmax_lse": bool(return_softmax_lse), "key_dtype": key_dtype}},
+        ]})
+
+
+register_chain("v32-mla-c8", v32_mla_c8)

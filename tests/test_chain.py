@@ -177,3 +177,43 @@ def test_v4_indexer_side_chain_finds_the_cache_writer(tmp_path):
     bad["links"][1]["args"]["key_dequant_scale"]["reshape"] = [5, 5]
     with pytest.raises(ChainError, match=r"link 'select' args.key_dequant_scale.*cannot be reshaped"):
         run_chain(chain_from_dict(bad), _v4_inputs())
+
+
+def test_cli_backend_reruns_a_failing_link_on_that_backend(tmp_path, capsys):
+    """--backend: the link whose inputs already differed is re-run on that backend fed with the golden inputs; a
+    backend whose decode is wrong fails that re-run too, so the failure is the link's own, not propagated."""
+    from qsfa import _dispatch
+
+    g = _golden(tmp_path)
+
+    def bad_codes(name, a):  # encode wrong, and decode wrong after it
+        a = a.copy()
+        if name in ("enc.codes",):
+            a[0, 0] ^= 1
+        if name == "dec.values":
+            a[0, 0] = a[0, 0] + np.float32(1)
+        return a
+
+    act = _actual(tmp_path, g, bad_codes)
+    assert main(["golden", "compare", g, "--actual", act, "--chain"]) == 1
+    assert "FAIL (propagated: its inputs already differed; fed with the golden inputs it passes)" in \
+        capsys.readouterr().out
+
+    class Buggy(_dispatch.Backend):
+        name = "chain-test-buggy-dec"
+
+    _dispatch.register_backend(Buggy())
+    try:
+        for name, op in _dispatch.operators().items():
+            ref = op.impls["reference"]
+            if name == "formats.decode":
+                def bad(*args, _ref=ref, **kw):
+                    return np.asarray(_ref(*args, **kw)) + np.float32(1)
+                _dispatch.register_impl("chain-test-buggy-dec", name, bad)
+            else:
+                _dispatch.register_impl("chain-test-buggy-dec", name, ref)
+        assert main(["golden", "compare", g, "--actual", act, "--chain", "--backend", "chain-test-buggy-dec"]) == 1
+    finally:
+        _dispatch.unregister_backend("chain-test-buggy-dec")
+    out = capsys.readouterr().out
+    assert "first failing link 'enc'" in out and "dec " in out and out.count("FAIL (own error)") == 1, out

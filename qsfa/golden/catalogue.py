@@ -500,3 +500,33 @@ def smoke_cases() -> list[Case]:
 
 register_set("smoke", "a handful of tiny cases over several operators: generated and verified in seconds",
              smoke_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# layer chains (qsfa.chain; docs/golden.md#chains): one case per link, every intermediate stored
+
+_V32_CHIPS = (("a3-int8", {"chip": "A3", "key_dtype": "int8", "return_softmax_lse": True}),
+              ("950-fp8", {"chip": "950", "key_dtype": "float8_e4m3fn", "return_softmax_lse": False}))
+
+
+def _v32_layer_cases(set_name: str, steps) -> list[Case]:
+    from .chain import chain_cases
+
+    out = []
+    for step, shape in steps:
+        for tag, chip in _V32_CHIPS:
+            inst = f"{step}-{tag}"
+            params = {**shape, **chip, "heads": 4, "n1": 8, "block_size": 16, "scale_value": 576 ** -0.5}
+            out += chain_cases("v32-mla-c8", inst, params, seed=seed_of(f"{set_name}.{inst}"),
+                               description=f"v32-mla-c8 {step}, {chip['chip']} {chip['key_dtype']} cache")
+    return out
+
+
+register_set("v32-layer-decode", "DeepSeek-V3.2 MLA layer chain v32-mla-c8, decode (1 new token per request, "
+             "uneven histories): every intermediate per link; A3 int8 and 950 FP8 caches",
+             lambda: _v32_layer_cases("v32-layer-decode", (
+                 ("decode", {"q_lens": [1, 1, 1], "kv_lens": [37, 20, 64], "sparse_count": 16}),)))
+register_set("v32-layer-prefill", "DeepSeek-V3.2 MLA layer chain v32-mla-c8, prefill (a fresh request and a "
+             "chunked one over a cached prefix): every intermediate per link; A3 int8 and 950 FP8 caches",
+             lambda: _v32_layer_cases("v32-layer-prefill", (
+                 ("prefill", {"q_lens": [20, 13], "kv_lens": [20, 29], "sparse_count": 8}),)))

@@ -9,6 +9,7 @@ to generate - reported as one line on stderr.
 from __future__ import annotations
 
 import fnmatch
+import os
 import sys
 
 from ..cli import file_arg, folder_arg
@@ -161,14 +162,40 @@ def _check_destination(option: str, path: str) -> None:
 
 
 def _cmd_compare_chain(args) -> int:
-    """``compare --chain``: DIR holds chain.json and every golden tensor; --actual a folder of the same names."""
+    """``compare --chain``: DIR is a chain set (manifest with "chains", qsfa.golden.chain) or a chain's folder
+    (chain.json + tensors, qsfa.chain.write_chain_golden); --actual the backend's intermediates (same names)."""
     from ..chain import ChainError, compare_chain_dirs
+    from .chain import compare_chain, format_chain_report
 
+    unsupported = [o for o, v in (("--output", args.output), ("--histogram", args.histogram),
+                                  ("--standard", args.standard), ("--verdict-by", args.verdict_by)) if v]
+    if unsupported:
+        raise _usage_error(GoldenInputError(f"--chain judges every output of every link: {unsupported[0]} "
+                                            "does not apply (compare one link's case without --chain)"))
+    if os.path.isfile(os.path.join(args.dir, "chain.json")):
+        if args.json or args.case:
+            raise _usage_error(GoldenInputError("--json and --case apply to a chain set (a golden directory with a "
+                                                "manifest); this is a chain folder (chain.json)"))
+        try:
+            rep = compare_chain_dirs(args.dir, args.actual, rerun_backend=args.backend or "reference")
+        except (ChainError, OSError, ValueError) as e:
+            raise _usage_error(e) from None
+        text = str(rep)
+        print(text.rsplit("\n", 1)[-1] if args.quiet else text)
+        return 0 if rep.passed else 1
     try:
-        rep = compare_chain_dirs(args.dir, args.actual)
-    except (ChainError, OSError, ValueError) as e:
+        if args.json:
+            _check_destination("--json", args.json)
+        rep = compare_chain(args.dir, args.actual, backend=args.backend, instances=args.case)
+        if args.json:
+            import json
+
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(rep.to_dict(), f, indent=1, sort_keys=True, allow_nan=False)
+                f.write("\n")
+    except (GoldenInputError, OSError) as e:
         raise _usage_error(e) from None
-    text = str(rep)
+    text = format_chain_report(rep)
     print(text.rsplit("\n", 1)[-1] if args.quiet else text)
     return 0 if rep.passed else 1
 
@@ -178,6 +205,8 @@ def _cmd_compare(args) -> int:
 
     if getattr(args, "chain", False):
         return _cmd_compare_chain(args)
+    if getattr(args, "backend", None):
+        raise _usage_error(GoldenInputError("--backend re-runs the links of a chain: it needs --chain"))
 
     if args.histogram and not matplotlib_available():
         raise _usage_error(GoldenInputError(
@@ -298,8 +327,12 @@ def register(subparsers):
                    help="print only the verdict line, not the table and the worst elements")
     add_standard_options(p)
     p.add_argument("--chain", action="store_true",
-                   help="DIR is a chain's golden (chain.json + tensors, qsfa.chain): compare link by link in chain "
-                        "order and name the first failing link, own error or propagated")
+                   help="DIR is a chain set (manifest with chains) or a chain's golden (chain.json + tensors, "
+                        "qsfa.chain): compare link by link in chain order and name the first failing link, own error "
+                        "or propagated (--case selects a set's instances)")
+    p.add_argument("--backend", metavar="NAME",
+                   help="with --chain: re-run each failing link on this backend fed with the golden inputs (a chain "
+                        "set: not re-run without it; a chain folder: the reference by default)")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("list", help="the case sets (or the cases of one set)")

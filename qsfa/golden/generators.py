@@ -581,3 +581,77 @@ def gen_scatter_pa_kv_cache_with_k_scale(params, rng):
             "value_cache": sentinel_filled((bn, n, bs, dv), np.uint8).view(fmt),
             "slot_mapping": slots, "key_scale": randn(rng, (t, n), "float32"),
             "key_scale_cache": np.full((bn, n, bs, 1), -1.0, np.float32)}
+
+
+# --------------------------------------------------------------------------------------------------
+# layer chains (qsfa.chain; docs/golden.md#chains)
+
+
+@register_generator("v32-mla-c8")
+def gen_v32_mla_c8(params, rng):
+    """The case inputs of chain ``v32-mla-c8`` (one step of a DeepSeek-V3.2 MLA layer on the C8 path).
+
+    params: ``q_lens`` (new tokens per request: 1 each for decode), ``kv_lens`` (tokens per request after
+    the step), ``heads`` (query heads), ``n1`` (indexer heads), ``block_size``, ``key_dtype``, ``dtype``.
+    Request b's tokens ``kv_lens[b] - q_lens[b]`` .. ``kv_lens[b] - 1`` are this step's; the earlier ones
+    are already in the caches, written here by the reference C8 writer (the state a previous step left).
+    The kv cache's unused rows hold the sentinel byte, the index cache's unused rows zeros.
+    """
+    from ..ops.c8_cache import c8_rmsnorm_rope_cache as _c8r
+
+    q_lens = np.asarray(params["q_lens"], np.int64)
+    kv_lens = np.asarray(params["kv_lens"], np.int64)
+    if q_lens.shape != kv_lens.shape or (q_lens < 1).any() or (q_lens > kv_lens).any():
+        raise GoldenInputError(f"v32-mla-c8: q_lens {q_lens.tolist()} and kv_lens {kv_lens.tolist()} must pair up "
+                               "with 1 <= q_len <= kv_len")
+    bs, dt = int(params.get("block_size", 16)), params.get("dtype", "bfloat16")
+    heads, n1, key_dtype = int(params.get("heads", 4)), int(params.get("n1", 8)), params.get("key_dtype", "int8")
+    fd = float_dtype(dt)
+    table, n_blocks = page_table(rng, kv_lens, bs)
+    n_blocks += 1  # one page no request uses
+    pos = np.concatenate([np.arange(n) for n in kv_lens])
+    req = np.repeat(np.arange(kv_lens.size), kv_lens)
+    slots = (table[req, pos // bs].astype(np.int64) * bs + pos % bs)
+    new = pos >= np.repeat(kv_lens - q_lens, kv_lens)
+    kv = randn(rng, (pos.size, 576), dt, 2.0)
+    gamma = (1.0 + 0.1 * rng.standard_normal(512, dtype=np.float32)).astype(fd)
+    cos, sin = rope_tables(pos, 64, dt)
+    index_key = randn(rng, (pos.size, 1, 128), dt)
+    kv_cache = sentinel_filled((n_blocks, bs, 1, 656), np.uint8)
+    index_cache = np.zeros((n_blocks, bs, 1, 128), fd)
+    old = ~new
+    if old.any():  # the history a previous step wrote
+        kv_cache = _c8r(kv[old], gamma, cos[old], sin[old], slots[old], kv_cache, epsilon=1e-6, rope_head_dim=64,
+                        key_dtype=key_dtype, chip=params.get("chip"))
+        index_cache[slots[old] // bs, slots[old] % bs] = index_key[old]
+    t_q = int(q_lens.sum())
+    return {
+        "query": rng.uniform(-1, 1, (t_q, heads, 576)).astype(fd),
+        "kv": kv[new], "gamma": gamma, "cos": cos[new], "sin": sin[new], "slot_mapping": slots[new],
+        "kv_cache": np.asarray(kv_cache), "index_key": index_key[new], "index_cache": index_cache,
+        "index_query": randn(rng, (t_q, n1, 128), dt),
+        "weights": rng.uniform(-1, 1, (t_q, n1)).astype(fd),
+        "block_table": table,
+        "actual_seq_lengths_query": np.cumsum(q_lens).astype(np.int32),
+        "actual_seq_lengths_kv": kv_lens.astype(np.int32),
+    }
+
+
+@register_generator("chain-link")
+def gen_chain_link(params, rng):
+    """The array arguments of link ``params["link"]`` of chain ``params["chain"]`` (qsfa.chain.get_chain with these
+    params): the chain's own generator (registered under the chain's name) makes the chain inputs, the reference
+    runs the links before this one (with ``params["chip"]`` when given), and the link's array arguments are picked
+    from chain inputs and intermediates (views reshaped)."""
+    from .. import chain as qchain
+
+    ch = qchain.get_chain(params["chain"], params)
+    inputs = get_generator(params["chain"])(params, rng)
+    tensors = qchain.run_chain(ch, inputs, chip=params.get("chip"), until=params["link"])
+    lk = next(ln for ln in ch.links if ln.name == params["link"])
+    spec = qchain._spec(lk.op)
+    args = qchain._link_args(lk, spec, tensors, "golden generation")
+    # the link itself once through the chain, so that an edge its operator refuses is reported with the chain's
+    # names (the link and the field) rather than as a bare case error
+    qchain._call(lk, qchain.with_chip(lk, args, params.get("chip")), "reference")
+    return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}

@@ -436,8 +436,11 @@ def _beyond_chip(case: Case) -> str:
 
     try:
         err = chip_violation(case.op, **case.args(case.inputs()))
-    except Exception:  # noqa: BLE001 - an invalid case fails in the run itself, with its own message
-        return ""
+    except Exception as e:  # noqa: BLE001 - an invalid case fails in the run itself, with its own message
+        # a layer chain's link case: the chip refused a link (or its input making) on the way
+        from ..chain import chip_limited
+
+        return f"chip {chip}: {e}" if case.generator == "chain-link" and chip_limited(e) else ""
     return f"chip {chip}: {err}" if err is not None else ""
 
 
@@ -534,6 +537,11 @@ def generate(cases: Iterable[Case], out: str, *, file_format: str = "bin", set_n
             "skipped": skipped,
             "cases": entries,
         }
+        from .chain import chain_records
+
+        chains = chain_records(entries)  # a layer chain's edges (docs/golden.md#chains); absent otherwise
+        if chains:
+            manifest["chains"] = chains
         with create_new(os.path.join(staging, MANIFEST)) as f:
             f.write(gio.dump_json(manifest).encode("utf-8"))
         with _interrupts_deferred():

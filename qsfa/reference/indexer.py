@@ -29,7 +29,7 @@ import numpy as np
 from .attention import _dot_f32, _qdt_name, certified_f32, decode_nope, exact_sum_f32, row_facts, sum_error_bound
 from .attn_layout import flat_rows, kv_map, query_rows, row_limits
 
-__all__ = ["lightning_indexer", "quant_lightning_indexer", "top_k_desc", "TIE_BREAKS"]
+__all__ = ["lightning_indexer", "lightning_indexer_scores", "quant_lightning_indexer", "top_k_desc", "TIE_BREAKS"]
 
 TIE_BREAKS = ("lower_index",)
 _QDT = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
@@ -145,6 +145,29 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, act
     if not return_value:
         return idx, np.zeros((0,), qdt)
     return idx, _shape(val, layout_query, lead).astype(qdt)  # RINT (ml_dtypes / NumPy casts)
+
+
+def lightning_indexer_scores(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                             block_table=None, layout_query="BSND", layout_key="BSND", sparse_mode=3,
+                             chunk_size=4096, **_ignored):
+    """The fp32 score of every candidate token the indexer ranks (the ones :func:`lightning_indexer` selects its
+    top-k from, same arithmetic): ``[B, S1, 1, S] / [T, 1, S]``, ``S`` the longest KV sequence, -inf where a token
+    is not a candidate (beyond the row's causal limit or its sequence). The golden scores
+    :func:`qsfa.compare.compare_topk` judges a top-k set against. Other indexer arguments are ignored."""
+    lead = _lead(query, layout_query)
+    rows = query_rows(layout_query, lead, actual_seq_lengths_query)
+    kvm = kv_map(layout_key, key.shape, actual_seq_lengths_key, rows.n_batch, block_table)
+    n1, d = query.shape[-2], query.shape[-1]
+    q2, k2, w2 = query.reshape(-1, n1, d), flat_rows(key), weights.reshape(-1, n1)
+    qname = _qdt_name(query)
+    s_max = max(int(np.max(kvm.act_kv, initial=0)), 1)
+    idx, val = _run(lambda r: _rows16(q2[r], qname), lambda f: _rows16(k2[f], qname),
+                    lambda r: w2[r].astype(np.float32), rows=rows, kvm=kvm, sparse_count=s_max,
+                    sparse_mode=sparse_mode, chunk_size=chunk_size)  # every candidate, ranked
+    table = np.full(idx.shape, -np.inf, np.float32)
+    r, j = np.nonzero(idx >= 0)
+    table[r, idx[r, j]] = val[r, j]
+    return _shape(table, layout_query, lead)
 
 
 def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode=0,

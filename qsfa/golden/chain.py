@@ -1,0 +1,280 @@
+"""Golden sets of whole layer chains and ``qsfa golden compare --chain`` (docs/golden.md#chains).
+
+A chain golden set holds one case per link of each chain *instance*: case ``<instance>.<link>`` calls the
+link's operator on the link's inputs (case inputs and the reference's intermediates of the earlier links),
+so every intermediate is stored as the output of the link that makes it (``<instance>.<link>/out.<output>``)
+and again as the input of the links that read it. The cases use the ``chain-link`` generator (the chain's
+own generator makes the case inputs, the reference runs the links before this one), so a chain set is
+built, generated, verified and replayed like any other set. The manifest records each instance's chain
+(links, params and edges) under ``"chains"``.
+
+:func:`compare_chain` walks an instance in chain order and judges each link by its outputs' own criteria
+(bytes for caches and indices, the float criterion for attention), whether its upstream inputs matched,
+and - given a backend - the link re-run on that backend fed with the *golden* inputs, which tells a
+link's own error from one propagated from upstream.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+from . import io as gio
+from .case import Case
+from .io import GoldenInputError
+
+__all__ = ["chain_cases", "chain_records", "compare_chain", "ChainReport", "LinkResult", "format_chain_report"]
+
+LINK_GENERATOR = "chain-link"
+
+
+def chain_cases(chain_name: str, instance: str, params: dict, *, seed: int, description: str = "") -> list[Case]:
+    """The cases of one instance of a registered chain (qsfa.chain.get_chain with ``params``): one per link, named
+    ``<instance>.<link>``, all with ``seed``, the chain parameters ``params`` and the link's literal arguments."""
+    from ..chain import get_chain
+
+    ch = get_chain(chain_name, params)
+    out = []
+    for lk in ch.links:
+        lits = {k: v for k, v in lk.args.items() if k not in lk.refs()}
+        p = {**params, **lits, "chain": chain_name, "link": lk.name}
+        out.append(Case(name=f"{instance}.{lk.name}", op=lk.op, params=p, seed=seed, generator=LINK_GENERATOR,
+                        description=(description + f" - link {lk.name}").strip(" -")))
+    return out
+
+
+def chain_records(entries: list) -> list:
+    """The manifest's ``"chains"``: per instance, its chain (qsfa.chain's JSON form with its ``edges``: [source
+    tensor, link, parameter]), its params and link -> case name."""
+    from ..chain import get_chain
+
+    recs: dict = {}
+    for e in entries:
+        p = e.get("params") or {}
+        if e.get("generator") != LINK_GENERATOR or "chain" not in p or "link" not in p:
+            continue
+        inst = e["name"][: -len(p["link"]) - 1] if e["name"].endswith("." + p["link"]) else e["name"]
+        if inst not in recs:
+            ch = get_chain(p["chain"], p)
+            recs[inst] = {"instance": inst, "chain": {**ch.to_dict(), "edges": ch.edges()},
+                          "params": {k: v for k, v in p.items() if k not in ("chain", "link")}, "cases": {}}
+        recs[inst]["cases"][p["link"]] = e["name"]
+    return list(recs.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# compare --chain
+
+
+@dataclass
+class LinkResult:
+    link: str
+    op: str
+    case: str
+    passed: bool
+    outputs: list  # OutputResult of each output
+    differing_inputs: list  # "<param> = <link>.<output>" whose upstream output failed
+    rerun_passed: bool | None = None  # the link re-run on the backend with the golden inputs; None: not re-run
+    rerun_error: str = ""
+
+    @property
+    def verdict(self) -> str:
+        """PASS, or for a failing link: own (its inputs matched, or its re-run on golden inputs fails too),
+        propagated (its inputs differed and its re-run on golden inputs passes), or undecided (inputs differed,
+        not re-run)."""
+        if self.passed:
+            return "PASS"
+        if not self.differing_inputs or self.rerun_passed is False:
+            return "own"
+        return "propagated" if self.rerun_passed else "undecided"
+
+    def to_dict(self) -> dict:
+        return {"link": self.link, "op": self.op, "case": self.case, "passed": self.passed, "verdict": self.verdict,
+                "differing_inputs": self.differing_inputs, "rerun_passed": self.rerun_passed,
+                "rerun_error": self.rerun_error, "outputs": [r.to_dict() for r in self.outputs]}
+
+
+@dataclass
+class ChainReport:
+    golden: str
+    actual: str
+    backend: str | None
+    instances: list = field(default_factory=list)  # (instance, chain name, [LinkResult])
+
+    @property
+    def passed(self) -> bool:
+        return all(lr.passed for _, _, links in self.instances for lr in links)
+
+    def first_failing(self, instance: str) -> LinkResult | None:
+        for inst, _, links in self.instances:
+            if inst == instance:
+                return next((lr for lr in links if not lr.passed), None)
+        return None
+
+    def to_dict(self) -> dict:
+        from .compare import _json_safe
+
+        return _json_safe({"golden": self.golden, "actual": self.actual, "backend": self.backend,
+                           "verdict": "PASS" if self.passed else "FAIL",
+                           "instances": [{"instance": i, "chain": c,
+                                          "first_failing": (self.first_failing(i).link if self.first_failing(i)
+                                                            else None),
+                                          "links": [lr.to_dict() for lr in links]}
+                                         for i, c, links in self.instances]})
+
+
+def _rerun(golden: str, entry: dict, backend: str) -> tuple[bool | None, str]:
+    """The link case re-run on ``backend`` from its golden inputs, compared with its golden outputs."""
+    from .compare import compare_dir
+    from .manifest import case_from_entry
+
+    case = case_from_entry(golden, entry)
+    try:
+        outs = case.run(backend)
+    except Exception as e:  # noqa: BLE001 - a backend that cannot run the link: said, not fatal
+        return None, f"{type(e).__name__}: {e}"
+    with tempfile.TemporaryDirectory(prefix="qsfa-chain-rerun-") as tmp:
+        os.mkdir(os.path.join(tmp, entry["name"]))
+        for name, a in outs.items():
+            _, st = gio.to_storage(a)
+            with open(os.path.join(tmp, entry["name"], f"out.{name}.bin"), "wb") as f:
+                f.write(gio.storage_bytes(st))
+        rep = compare_dir(golden, tmp, cases=[entry["name"]])
+        _judge_topk(golden, tmp, entry, rep)
+    return all(x.result.passed for x in rep.results), ""
+
+
+def compare_chain(golden: str, actual: str, *, backend: str | None = None, instances=None) -> ChainReport:
+    """Compare a backend's intermediates (``actual/<instance>.<link>/out.<output>.bin|.npy``, the golden
+    layout) with a chain golden set link by link (see the module docstring). ``backend``: re-run every
+    failing link there on its golden inputs. A missing intermediate or a manifest without chains is a
+    :class:`GoldenInputError` naming the link, raised before any verdict."""
+    import fnmatch
+
+    from ..chain import ChainError, chain_from_dict
+    from .compare import CompareReport, compare_dir
+    from .manifest import load_manifest
+
+    if backend is not None:
+        from .._dispatch import get_backend
+
+        try:
+            get_backend(backend)
+        except Exception as e:  # noqa: BLE001 - unknown / unusable backend: a usage error
+            raise GoldenInputError(f"--backend {backend}: {e}") from None
+    if not os.path.isdir(actual):
+        raise GoldenInputError(f"--actual {actual}: --chain needs a directory of intermediates "
+                               "(<instance>.<link>/out.<output>.bin or .npy)")
+    man = load_manifest(golden)
+    recs = man.get("chains") or []
+    if instances:
+        recs = [r for r in recs if any(fnmatch.fnmatchcase(r.get("instance", ""), p) for p in instances)]
+    if not recs:
+        raise GoldenInputError(f"{golden} holds no layer chain" + (f" matching --case {instances}" if instances else "")
+                               + " (generate a chain set, e.g. qsfa golden generate --set v32-layer-decode)")
+    by_name = {c["name"]: c for c in man["cases"]}
+    report = ChainReport(golden, actual, backend)
+    for r in recs:
+        try:
+            ch = chain_from_dict({k: v for k, v in r["chain"].items() if k != "edges"})
+        except ChainError as e:
+            raise GoldenInputError(f"{golden}: chain of instance {r.get('instance')!r}: {e}") from None
+        inst, cases = r["instance"], r.get("cases") or {}
+        for lk in ch.links:
+            if cases.get(lk.name) not in by_name:
+                raise GoldenInputError(f"{golden}: chain instance {inst}: link {lk.name} has no golden case here "
+                                       "(a --shard or --only golden holds part of a chain; compare --chain needs "
+                                       "every link: generate the set whole)")
+        link_of = {cases[lk.name]: lk.name for lk in ch.links}
+        try:  # every intermediate present before any verdict (a chain of several links: no single-case fallback)
+            rep_all = compare_dir(golden, actual, cases=sorted(link_of))
+        except GoldenInputError as e:
+            text = str(e)
+            bad = next((n for n in link_of if f"{n}/out." in text), None)
+            where = f"link {link_of[bad]}: missing intermediate" if bad else "intermediates"
+            raise GoldenInputError(f"chain instance {inst}: {where}: {text}") from None
+        per_link = {}
+        for name, link in link_of.items():
+            per_link[link] = CompareReport(golden, actual, results=[x for x in rep_all.results if x.case == name])
+        exact = {(x.case, x.output): x.result.passed for x in rep_all.results}  # an input matched: bytes equal
+        for lk in ch.links:
+            _judge_topk(golden, actual, by_name[cases[lk.name]], per_link[lk.name])
+        results = []
+        for lk in ch.links:
+            rep = per_link[lk.name]
+            passed = {(x.output): x.result.passed for x in rep.results}
+            differing = [f"{p} = {src}" for p, src in lk.refs().items()
+                         if not src.startswith("input.")
+                         and not exact[(cases[src.split(".", 1)[0]], src.split(".", 1)[1])]]
+            lr = LinkResult(lk.name, lk.op, cases[lk.name], all(passed.values()) and bool(passed), rep.results,
+                            differing)
+            if not lr.passed and backend is not None:
+                lr.rerun_passed, lr.rerun_error = _rerun(golden, by_name[cases[lk.name]], backend)
+            results.append(lr)
+        report.instances.append((inst, ch.name, results))
+    return report
+
+
+# top-k index outputs judged fair to ties (qsfa.compare.compare_topk) where the golden scores of every candidate
+# can be had from the link's golden inputs: op -> (index output, scores of its arguments)
+def _li_scores(args):
+    from ..reference.indexer import lightning_indexer_scores
+
+    return lightning_indexer_scores(**args)
+
+
+TOPK_SCORES = {"lightning_indexer": ("sparse_indices", _li_scores)}
+
+
+def _judge_topk(golden: str, actual: str, entry: dict, rep) -> None:
+    """Replace the bytes verdict of a link's top-k index output by the top-k criterion where the golden scores are
+    available (:data:`TOPK_SCORES`); the other outputs keep their manifest criterion."""
+    from .. import compare as qcompare
+    from .compare import _load_actual
+    from .manifest import case_from_entry, load_array
+
+    if entry["op"] not in TOPK_SCORES:
+        return
+    output, scores_of = TOPK_SCORES[entry["op"]]
+    for x in rep.results:
+        if x.output != output or x.result.passed:
+            continue  # byte-equal indices need no scores
+        e = next(a for a in entry["arrays"] if a["role"] == "output" and a["name"] == output)
+        case = case_from_entry(golden, entry)
+        gold = load_array(golden, e)
+        act, _ = _load_actual(actual, dict(e, case=entry["name"]), False, False)
+        scores = scores_of(case.args())
+        res = qcompare.compare_topk(act, gold, scores, name=f"{entry['name']}/{output}")
+        x.result, x.criterion = res, "topk"
+
+
+def format_chain_report(rep: ChainReport) -> str:
+    lines = [f"golden {rep.golden}, actual {rep.actual}" + (f", re-run on backend {rep.backend}" if rep.backend
+                                                              else ", no --backend: failing links are not re-run")]
+    for inst, chain, links in rep.instances:
+        lines.append(f"chain {chain}, instance {inst}:")
+        for i, lr in enumerate(links, 1):
+            outs = ", ".join(f"{x.output} {x.criterion} {'ok' if x.result.passed else 'FAIL'}" + (
+                f" ({x.result.topk['tie_rows']} of {x.result.topk['rows']} rows tie-tolerant, not exact)"
+                if x.criterion == "topk" and x.result.topk and x.result.topk.get("tie_rows") else "")
+                for x in lr.outputs)
+            line = f"  {i}. {lr.link:14s} {lr.op:34s} {'PASS' if lr.passed else 'FAIL'}  [{outs}]"
+            if not lr.passed:
+                ins = ("inputs matched" if not lr.differing_inputs
+                       else "inputs already differed: " + "; ".join(lr.differing_inputs))
+                if lr.rerun_passed is None:
+                    rr = ("re-run failed: " + lr.rerun_error) if lr.rerun_error else "not re-run"
+                else:
+                    rr = f"re-run on golden inputs {'passes' if lr.rerun_passed else 'fails'}"
+                    if lr.rerun_passed and not lr.differing_inputs:
+                        rr += " (so the intermediates given are not this backend's run, or it is not deterministic)"
+                line += f"\n       {ins}; {rr} -> " + {
+                    "own": "its own error (a kernel bug in this link)",
+                    "propagated": "propagated from upstream (the link is right on golden inputs)",
+                    "undecided": "own or propagated: re-run it with --backend to tell"}[lr.verdict]
+            lines.append(line)
+        first = next((lr for lr in links if not lr.passed), None)
+        lines.append(f"  first failing link: {first.link} ({first.verdict})" if first else "  every link passes")
+    lines.append(f"verdict: {'PASS' if rep.passed else 'FAIL'}")
+    return "\n".join(lines)
