@@ -1047,7 +1047,8 @@ def scratch_writer(op: str, output: str, *, shift: int = 0):
     """A mutant maker that fills the bytes ``op``'s layout leaves unspecified in ``output``
     (:func:`qsfa.layouts.unspecified_bytes`) with fresh random bytes on every call, as a kernel that leaves scratch
     there; ``shift`` moves the garbage that many bytes along the last axis (``shift=-1``: onto specified bytes,
-    a real bug)."""
+    a real bug). Shifted garbage is the inverted byte, never random: a random byte equals the right one with
+    probability 1/256, and hypothesis then saw the bug vanish when it replayed the example (a FlakyFailure)."""
 
     def change(kw, out):
         from ..layouts import unspecified_bytes
@@ -1056,10 +1057,12 @@ def scratch_writer(op: str, output: str, *, shift: int = 0):
         res = out[0] if isinstance(out, tuple) else out
         if m is None:
             return out
+        b = np.asarray(res).view(np.uint8)
         if shift:
             m = np.roll(m, shift, axis=-1)
-        b = np.asarray(res).view(np.uint8)
-        b[m] = np.random.default_rng().integers(0, 256, int(m.sum()), dtype=np.uint8)
+            b[m] = ~b[m]
+        else:
+            b[m] = np.random.default_rng().integers(0, 256, int(m.sum()), dtype=np.uint8)
         return out
 
     return _outputs(change)
