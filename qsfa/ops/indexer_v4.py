@@ -36,7 +36,7 @@ SPARSE_LIMIT = 2048
 HEADS = 64
 
 
-def vqli_case(*, layout_query="BSND", layout_kv="PA_BSND", explicit_lengths=True, block_size=16, n_heads=HEADS,
+def vqli_case(*, layout_query="BSND", layout_kv="PA_BSND", explicit_lengths=False, block_size=16, n_heads=HEADS,
               sparse_count=4, batch=2, q_s=2, kv_s=6, cmp_ratio=4, seed=0, fmt="int8", act_kv_orig=None):
     """A small valid vllm_quant_lightning_indexer argument set: ``kv_s`` compressed key tokens per batch,
     ``actual_seq_lengths_key = kv_s * cmp_ratio`` original tokens (or ``act_kv_orig``). The key is always paged
