@@ -20,8 +20,9 @@ __all__ = ["vllm_quant_lightning_indexer_args"]
 VQLI = "vllm_quant_lightning_indexer"
 _E.EDGES.setdefault(VQLI, ("cmp_ratio:4", "cmp_ratio:128", "no_compressed_token", "ties", "fp8"))
 _E._PINS.update({
-    (VQLI, "cmp_ratio:4"): dict(cmp_ratio=4),
-    (VQLI, "cmp_ratio:128"): dict(cmp_ratio=128),
+    # several causal rows of full length and a top-k wider than what they see: every visible count shows
+    (VQLI, "cmp_ratio:4"): dict(cmp_ratio=4, sparse_mode=3, min_q=3, full_q=True, sparse_count=64),
+    (VQLI, "cmp_ratio:128"): dict(cmp_ratio=128, sparse_mode=3, min_q=3, full_q=True, sparse_count=64),
     (VQLI, "no_compressed_token"): dict(cmp_ratio=(4, 128), batch=2, sparse_mode=3, starved=True),
     (VQLI, "ties"): dict(constant_keys=True),
     (VQLI, "fp8"): dict(format="float8_e4m3fn", cmp_ratio=(1, 4, 128)),
@@ -48,8 +49,11 @@ def vllm_quant_lightning_indexer_args(draw, bounds: Bounds | None = None, **pins
     block_size = int(_choose(draw, pins, "block_size", (16, 32)))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
-    s1 = draw(st.integers(2 if pins.get("starved") else 1, max(2, b.max_q_tokens)))
+    lo = max(2 if pins.get("starved") else 1, int(pins.get("min_q", 1)))
+    s1 = draw(st.integers(lo, max(lo, b.max_q_tokens)))
     act_q = rng.integers(0 if layout_query == "BSND" else 1, s1 + 1, batch)
+    if pins.get("full_q"):
+        act_q[:] = s1
     max_c = max(1, b.max_kv_tokens)
     comp = rng.integers(0, max_c + 1, batch)  # compressed tokens per batch
     act_kv = comp * cmp + rng.integers(0, cmp, batch)  # original tokens: the remainder is not compressed yet
