@@ -200,3 +200,33 @@ def test_chip_rules(chip, change, cid):
     with pytest.raises((InvalidArgument, InvalidDtype)) as ei:
         _run(args, chip=chip)
     assert ei.value.constraint_id == f"vllm_quant_lightning_indexer.{cid}"
+
+
+def test_golden_set_files_match_the_plain_model(tmp_path):
+    """The catalogue's vllm-quant-lightning-indexer set, read back with NumPy and the manifest only."""
+    import os
+
+    from qsfa.cli import main
+    from qsfa.golden import load_manifest
+
+    out = tmp_path / "vqli"
+    assert main(["golden", "generate", "--set", "vllm-quant-lightning-indexer", "--out", str(out), "-q"]) == 0
+    man = load_manifest(out)
+    assert not man["skipped"] and len(man["cases"]) == 5
+    starved = 0
+    for case in man["cases"]:
+        arr = {}
+        for e in case["arrays"]:
+            a = np.fromfile(os.path.join(out, e["file"]), dtype=e["storage"]).reshape(e["shape"])
+            if e["dtype"] == "float8_e4m3fn":
+                a = a.view(ml_dtypes.float8_e4m3fn)
+            arr[(e["role"], e["name"])] = a
+        p = case["params"]
+        args = {n: v for (role, n), v in arr.items() if role == "input"}
+        args.update(cmp_ratio=p["cmp_ratio"], sparse_count=p["sparse_count"], sparse_mode=3,
+                    layout_query=p.get("layout_query", "BSND"))
+        got = arr[("output", "sparse_indices")]
+        np.testing.assert_array_equal(got, _plain(args), err_msg=case["name"])
+        assert (got >= 0).any(), case["name"]
+        starved += int((got == -1).all(axis=-1).sum())
+    assert starved >= 2  # the c4 decode and c128 cases hold requests that see no compressed token

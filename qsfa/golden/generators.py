@@ -581,3 +581,16 @@ def gen_scatter_pa_kv_cache_with_k_scale(params, rng):
             "value_cache": sentinel_filled((bn, n, bs, dv), np.uint8).view(fmt),
             "slot_mapping": slots, "key_scale": randn(rng, (t, n), "float32"),
             "key_scale_cache": np.full((bn, n, bs, 1), -1.0, np.float32)}
+
+
+@register_generator("vllm_quant_lightning_indexer")
+def gen_vllm_quant_lightning_indexer(params, rng):
+    """The arrays of :func:`qsfa.ops.indexer_v4.vqli_case` for ``params`` (fmt, cmp_ratio, batch, q_s, kv_s compressed
+    tokens, act_kv_orig original key lengths, layout_query, block_size, sparse_count) with a seed drawn from ``rng``:
+    a paged compressed key whose blocks run in reverse order, explicit query lengths."""
+    from ..ops.indexer_v4 import vqli_case
+
+    keys = ("layout_query", "block_size", "sparse_count", "batch", "q_s", "kv_s", "cmp_ratio", "fmt", "act_kv_orig")
+    args = vqli_case(seed=int(rng.integers(2**31)), explicit_lengths=True,
+                     **{k: params[k] for k in keys if k in params})
+    return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
