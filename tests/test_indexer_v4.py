@@ -43,7 +43,8 @@ def _plain(args):
     lk = [int(v) for v in args["actual_seq_lengths_key"]]
     if args["layout_query"] == "BSND":
         b_n, s1 = q.shape[:2]
-        lq = [s1] * b_n if args["actual_seq_lengths_query"] is None else [int(v) for v in args["actual_seq_lengths_query"]]
+        given = args.get("actual_seq_lengths_query")
+        lq = [s1] * b_n if given is None else [int(v) for v in given]
         rows = [(b, p, (b, p), p < lq[b]) for b in range(b_n) for p in range(s1)]
     else:
         ends = [int(v) for v in args["actual_seq_lengths_query"]]
