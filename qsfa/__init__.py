@@ -57,6 +57,7 @@ _LAZY = {
     "sparse_flash_attention": "qsfa.ops.attention",
     "lightning_indexer": "qsfa.ops.indexer",
     "quant_lightning_indexer": "qsfa.ops.indexer",
+    "vllm_quant_lightning_indexer": "qsfa.ops.indexer_v4",
     "merge_attention_lse": "qsfa.ops.lse",
     "attention_error_budget": "qsfa.ops.attention",
     "c8_pipeline": "qsfa.ops.attention",

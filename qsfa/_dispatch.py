@@ -117,6 +117,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.kv_compress_epilog_vllm",
     "qsfa.ops.indexer_cache",
     "qsfa.ops.k_scale_cache",
+    "qsfa.ops.indexer_v4",
 )
 
 

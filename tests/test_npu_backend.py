@@ -265,6 +265,23 @@ def _ice2(*args, **kwargs):
     cache.copy_(to_torch(host))
 
 
+def _vqli(*args, **kwargs):
+    """vLLM-Ascend's npu_vllm_quant_lightning_indexer on the fake device: binds the recorded schema, refuses a missing
+    metadata as the op_host does, returns the reference's indices and the empty float32 values."""
+    from qsfa.reference.indexer_v4 import vllm_quant_lightning_indexer
+
+    a = _bind(mapping.VQLI_CUSTOM_OP, args, kwargs)
+    assert a["metadata"] is not None and tuple(a["metadata"].shape) == (1024,), "input metadata must not be null"
+    host = {k: to_numpy(v) if is_torch(v) else v for k, v in a.items()}
+    idx, _ = vllm_quant_lightning_indexer(**host)
+    return to_torch(np.ascontiguousarray(idx)), torch.zeros((0,), dtype=torch.float32)
+
+
+def _vqli_meta(*args, **kwargs):
+    _bind(mapping.VQLI_META_CUSTOM_OP, args, kwargs)
+    return torch.zeros(1024, dtype=torch.int32)
+
+
 _FAKE_IMPLS = {
     "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
     "torch_npu.npu_sparse_flash_attention": _sfa,
@@ -277,6 +294,8 @@ _FAKE_IMPLS = {
     mapping.KCE_VLLM_CUSTOM_OP: _kce_vllm,
     mapping.ICE2_CUSTOM_OP: _ice2,
     mapping.QSFA_CUSTOM_OP: _qsfa_custom,
+    mapping.VQLI_CUSTOM_OP: _vqli,
+    mapping.VQLI_META_CUSTOM_OP: _vqli_meta,
 }
 
 
@@ -319,6 +338,12 @@ class FakeNpu:
         for lib in self.libs:
             lib._destroy()
         sys.modules.pop("qsfa.npu.backend", None)
+
+
+def _fake_custom_ops(fake):
+    """The custom ops the fake device loads: every recorded _C_ascend op with vllm_ascend, none without."""
+    return frozenset(t.rsplit(".", 1)[1] for t in signatures.targets() if t.startswith("torch.ops.")) \
+        if fake.custom else frozenset()
 
 
 @pytest.fixture(params=[("A3", False), ("A3", True), ("950", False)], ids=["A3", "A3+vllm_ascend", "950"])
@@ -431,7 +456,7 @@ def test_every_mapped_operator_runs_through_the_fake_torch_npu(fake_npu, op_name
     if isinstance(ref, Exception):
         pytest.skip(f"not a valid argument set for the operator itself: {ref.constraint_id}")
     host = build()
-    ctx = mapping.NpuContext(fake_npu.chip, frozenset({mapping.QSFA_CUSTOM_NAME} if fake_npu.custom else ()))
+    ctx = mapping.NpuContext(fake_npu.chip, _fake_custom_ops(fake_npu))
     chip_hit = op.contract.first_violation(host, chip=fake_npu.chip)
     limits_hit = [c.id for c in device.backend_limits(op_name, chip=ctx.chip, custom_ops=ctx.custom_ops)
                   if chip_hit is None and c.check(op.contract.validate(host, chip=fake_npu.chip)) is not None]
@@ -449,8 +474,9 @@ def test_every_mapped_operator_runs_through_the_fake_torch_npu(fake_npu, op_name
         assert fake_npu.calls == []
         return
     res = _outputs(run(op_name, args, backend="npu"), len(op.outputs))
-    expected_target = mapping.map_call(op_name, _as_torch(op.contract.validate(build(), chip=ctx.chip)), ctx).target
-    assert fake_npu.calls == [expected_target]
+    call = mapping.map_call(op_name, _as_torch(op.contract.validate(build(), chip=ctx.chip)), ctx)
+    before = [v.target for v in call.kwargs.values() if isinstance(v, mapping.NpuCall)]  # a metadata operator
+    assert fake_npu.calls == before + [call.target]
     assert len(res) == len(op.outputs)
     for name, r, e in zip(op.outputs, res, ref):
         if e is None:
@@ -563,5 +589,23 @@ def test_indexer_compress_epilog_v2_runs_its_custom_op_in_place(monkeypatch, cal
         assert fake.calls == [mapping.ICE2_CUSTOM_OP]
         assert out is args["indexer_compress_cache"]
         assert np.ascontiguousarray(to_numpy(out)).tobytes() == np.ascontiguousarray(expected).tobytes()
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("metadata", [None, "given"])
+def test_vllm_quant_lightning_indexer_computes_its_metadata_first_when_none_is_given(monkeypatch, metadata):
+    fake = FakeNpu(monkeypatch, "A3", True)
+    try:
+        from qsfa.ops.indexer_v4 import vqli_case
+
+        args = vqli_case(cmp_ratio=4, layout_query="TND")
+        want, _ = run("vllm_quant_lightning_indexer", copy_args(args), backend="reference")
+        if metadata is not None:
+            args["metadata"] = np.zeros(1024, np.int32)
+        idx, vals = run("vllm_quant_lightning_indexer", _as_torch(args), backend="npu")
+        meta = [mapping.VQLI_META_CUSTOM_OP] if metadata is None else []
+        assert fake.calls == meta + [mapping.VQLI_CUSTOM_OP]
+        assert np.array_equal(to_numpy(idx), want) and tuple(vals.shape) == (0,)
     finally:
         fake.close()

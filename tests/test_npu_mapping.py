@@ -460,6 +460,9 @@ def test_every_recorded_signature_is_a_mapping_target():
         indexer_compress_cache=torch.zeros((2, 4, 1, 132), dtype=torch.uint8), x=q[0, 0, :, :128],
         slot_mapping=torch.zeros(1, dtype=torch.int32), layout=2),
         NpuContext(chip="950", custom_ops=frozenset({mapping.ICE2_CUSTOM_NAME}))).target)
+    vqli = mapping.map_call("vllm_quant_lightning_indexer", _vqli_torch_args(), NpuContext(
+        chip="A3", custom_ops=frozenset({mapping.VQLI_CUSTOM_NAME})))
+    hit.update({vqli.target, vqli.kwargs["metadata"].target})
     assert hit == set(signatures.targets())
 
 
@@ -517,3 +520,32 @@ def test_indexer_compress_epilog_v2_mapping_is_the_custom_ops_positional_call():
     assert "vllm_ascend" in lim["npu.indexer_compress_epilog_v2.needs_custom_op"].reason
     with pytest.raises(KeyError, match="no npu mapping for indexer_quant_cache: its callable"):
         mapping.map_call("indexer_quant_cache", {}, NpuContext(chip="950"))
+
+
+def _vqli_torch_args(**kw):
+    from qsfa.ops.indexer_v4 import vqli_case
+
+    a = vqli_case(**kw)
+    return {k: torch.from_numpy(np.ascontiguousarray(v).view(np.int8) if v.dtype.itemsize == 1 else v)
+            if isinstance(v, np.ndarray) else v for k, v in a.items()}
+
+
+def test_vllm_quant_lightning_indexer_mapping_calls_the_metadata_operator_when_none_is_given():
+    a = _vqli_torch_args(cmp_ratio=4, layout_query="TND")
+    ctx = NpuContext(chip="A3", custom_ops=frozenset({mapping.VQLI_CUSTOM_NAME}))
+    call = mapping.map_call("vllm_quant_lightning_indexer", a, ctx)
+    assert call.target == mapping.VQLI_CUSTOM_OP
+    meta = call.kwargs["metadata"]
+    assert isinstance(meta, mapping.NpuCall) and meta.target == mapping.VQLI_META_CUSTOM_OP
+    _assert_binds(meta)
+    assert meta.args == (64, 1, 128, 0, 0)
+    assert meta.kwargs["cmp_ratio"] == 4 and meta.kwargs["batch_size"] == 2 and meta.kwargs["max_seqlen_q"] == 2
+    assert meta.kwargs["max_seqlen_k"] == 24 and meta.kwargs["layout_key"] == "PA_BSND"
+    given = torch.zeros(1024, dtype=torch.int32)
+    call2 = mapping.map_call("vllm_quant_lightning_indexer", {**a, "metadata": given}, ctx)
+    assert call2.kwargs["metadata"] is given
+    _assert_binds(call2)
+    assert call2.kwargs["cmp_ratio"] == 4 and call2.kwargs["return_value"] is False
+    assert call2.unpack((1, 2)) == (1, 2)
+    with pytest.raises(ValueError, match="not loaded"):
+        mapping.map_call("vllm_quant_lightning_indexer", a, NpuContext(chip="A3"))

@@ -245,9 +245,19 @@ def test_extract_custom_ops_joins_cpp_string_literals():
             "int layout=2"
         ") -> ()"
     );
+    ops.def(
+        "npu_vllm_quant_lightning_indexer("
+            "Tensor query, str layout_key=\\"BSND\\", int cmp_ratio=1"
+        ") -> (Tensor sparse_indices, Tensor sparse_values)"
+    );
+    ops.def(
+        "npu_vllm_quant_lightning_indexer_metadata(int num_heads_q, str device=\\"npu\\") -> (Tensor metadata)"
+    );
 }
 '''
     out = rec.extract_custom_ops(cpp, "abc123")
+    v = out["torch.ops._C_ascend.npu_vllm_quant_lightning_indexer"]["params"]
+    assert v[1]["default"] == "BSND" and v[2]["default"] == 1  # C++ escaped quotes undone
     assert out["torch.ops._C_ascend.indexer_compress_epilog_v2"]["params"][1]["default"] == 2
     k = out["torch.ops._C_ascend.kv_compress_epilog"]
     assert k["schema"] == "kv_compress_epilog(Tensor(a!) kv_compress_cache, int layout) -> ()"

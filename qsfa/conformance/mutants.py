@@ -1081,13 +1081,43 @@ def _pad_scratch():
 _BUILT = False
 
 
+def _indexer_v4():
+    V = _m("indexer_v4")
+    VQLI = "vllm_quant_lightning_indexer"
+
+    def compress_first(orig):
+        def f(rows, act_kv_orig, sparse_mode, cmp_ratio):
+            if sparse_mode != 3:
+                return orig(rows, act_kv_orig, sparse_mode, cmp_ratio)
+            akv = act_kv_orig[rows.batch] // cmp_ratio
+            n = np.minimum(akv - rows.act_q[rows.batch] + rows.pos + 1, akv)
+            return np.where(rows.valid, np.clip(n, 0, None), 0).astype(np.int64)
+
+        return f
+
+    _add(f"{VQLI}.causal_offset_on_compressed_length", VQLI,
+         "causal visibility actKV // cmp_ratio - actQ + i + 1 (the offset applied after compressing the key length)",
+         _patch((V, "visible_compressed", compress_first)))
+
+    def ties_high(orig):
+        def f(scores, k, n_valid):
+            s = scores.shape[1]
+            idx, val = orig(scores[:, ::-1], k, n_valid)
+            return np.where(idx >= 0, s - 1 - idx, -1).astype(np.int32), val
+
+        return f
+
+    _add(f"{VQLI}.ties_by_higher_index", VQLI, "equal scores are ordered by higher compressed-token index first",
+         _patch((V, "top_k_desc", ties_high)))
+
+
 def _build():
     global _BUILT
     if _BUILT:
         return
     _BUILT = True
     for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
-              _indexer_batches, _chip_cells, _pad_scratch):
+              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

@@ -12,6 +12,10 @@ expectation is derived independently of the reference (a float64 model or a rela
   step of the input (a float64 model).
 * The lightning indexers (``docs/numerics/indexer.md``): shape invariance - every batch of a BSND query run alone
   (its query rows, weights, lengths and its keys or block-table row) selects the same indices as inside the batch.
+* vllm_quant_lightning_indexer (``docs/numerics/indexer.md#vllm_quant_lightning_indexer``): the same batch
+  invariance over its paged compressed key, and shape invariance over query rows (vLLM-Ascend #15053): rows
+  ``[a, b)`` of a batch run as their own request (``actQ' = b - a``, original key length ``actKV - actQ + b``
+  under the causal rule) select what they select inside the whole call.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ M1Q = "layouts.flashmla_model1_quantize"
 M1D = "layouts.flashmla_model1_dequantize"
 KCEV = "kv_compress_epilog_vllm"
 LI, QLI = "lightning_indexer", "quant_lightning_indexer"
+VQLI = "vllm_quant_lightning_indexer"
 
 
 def _m1_round_trip(P, examples):
@@ -190,6 +195,59 @@ def _indexer_batch_slices(op: str, P, examples):
              examples(op, pins), check, pins)
 
 
+def _vqli_batch_slices(P, examples):
+    pins = {"layout_query": "BSND", "batch": (2, 3)}
+
+    def check(ex, backend: str):
+        a = ex.args
+        full = call(VQLI, a, backend)
+        for b in range(a["query"].shape[0]):
+            one = _one_batch(VQLI, a, b)
+            one["metadata"] = None  # a tiling belongs to its own call's shapes
+            alone = call(VQLI, one, backend)
+            if alone["sparse_indices"].tobytes() != np.ascontiguousarray(full["sparse_indices"][b:b + 1]).tobytes():
+                fail(f"batch {b} run alone selects other compressed tokens than inside the batch of "
+                     f"{a['query'].shape[0]} (cmp_ratio {a['cmp_ratio']})")
+
+    return P(f"{VQLI}.batch_slices", (VQLI,), "metamorphic",
+             "Batch invariance: each batch of a BSND query run alone (its query rows, weights, scales, lengths and "
+             "block-table row over the shared paged compressed key) gives byte-identical indices to the same batch "
+             "inside the whole call.", examples(VQLI, pins), check, pins)
+
+
+def _vqli_row_slices(P, examples):
+    pins = {"layout_query": "BSND"}
+
+    def check(ex, backend: str):
+        a = ex.args
+        s1 = a["query"].shape[1]
+        if s1 < 2:
+            return
+        full = call(VQLI, a, backend)["sparse_indices"]
+        act_q = (np.full(a["query"].shape[0], s1, np.int64) if a["actual_seq_lengths_query"] is None
+                 else np.asarray(a["actual_seq_lengths_query"], np.int64))
+        act_kv = np.asarray(a["actual_seq_lengths_key"], np.int64)
+        for lo, hi in ((0, s1 // 2), (s1 // 2, s1)):
+            q2 = np.clip(np.minimum(act_q, hi) - lo, 0, hi - lo)
+            kv2 = act_kv - act_q + lo + q2 if a["sparse_mode"] == 3 else act_kv
+            if (kv2 < 0).any():
+                continue  # that slice is no request of its own
+            part = dict(a, metadata=None, actual_seq_lengths_query=q2.astype(np.int32),
+                        actual_seq_lengths_key=kv2.astype(np.int32))
+            for p in ("query", "weights", "query_dequant_scale"):
+                part[p] = np.ascontiguousarray(a[p][:, lo:hi])
+            got = call(VQLI, part, backend)["sparse_indices"]
+            want = np.ascontiguousarray(full[:, lo:hi])
+            if got.tobytes() != want.tobytes():
+                fail(f"query rows [{lo}, {hi}) run as their own request select other compressed tokens than inside "
+                     f"the whole call (cmp_ratio {a['cmp_ratio']}, sparse_mode {a['sparse_mode']})")
+
+    return P(f"{VQLI}.row_slices", (VQLI,), "metamorphic",
+             "Shape invariance (vLLM-Ascend #15053): query rows [a, b) of every batch run as a request of their own "
+             "(actQ' = rows of the slice, original key length actKV - actQ + a + actQ' under the causal rule) give "
+             "byte-identical indices to the same rows inside the whole call.", examples(VQLI, pins), check, pins)
+
+
 def more_properties(have: set, P, examples) -> list:
     """The properties of this module whose operators are all in ``have``. ``P`` is the Property class and
     ``examples(op)`` the example-strategy builder of :mod:`.properties` (passed in to avoid an import cycle)."""
@@ -201,4 +259,6 @@ def more_properties(have: set, P, examples) -> list:
     for op in (LI, QLI):
         if op in have:
             out.append(_indexer_batch_slices(op, P, examples))
+    if VQLI in have:
+        out += [_vqli_batch_slices(P, examples), _vqli_row_slices(P, examples)]
     return out

@@ -338,6 +338,34 @@ register_set("scatter-pa-kv-cache-with-k-scale", "cann_ops_transformer.scatter_p
              "FP8 K / V and per-head fp32 K scales into BNBD caches", scatter_pa_kv_cache_with_k_scale_cases)
 
 
+VQLI = "vllm_quant_lightning_indexer"
+
+
+def vllm_quant_lightning_indexer_cases() -> list[Case]:
+    pa = dict(layout_key="PA_BSND")
+    return [
+        _case("vqli-a3-c4-decode", VQLI, VQLI, "A2/A3 int8, cmp_ratio 4, decode (B 4, one row), 40 compressed tokens, "
+              "original lengths with remainders 0..3", fmt="int8", cmp_ratio=4, batch=4, q_s=1, kv_s=40,
+              act_kv_orig=[160, 131, 97, 4], sparse_count=16, block_size=16, **pa),
+        _case("vqli-a3-c4-mtp-tnd", VQLI, VQLI, "A2/A3 int8, cmp_ratio 4, TND with 3 rows per request (speculative "
+              "decoding): the causal rule at 3 offsets", fmt="int8", cmp_ratio=4, batch=2, q_s=3, kv_s=24,
+              act_kv_orig=[94, 61], sparse_count=12, layout_query="TND", **pa),
+        _case("vqli-a3-c128", VQLI, VQLI, "A2/A3 int8, cmp_ratio 128 (HCA): a request below one compressed token",
+              fmt="int8", cmp_ratio=128, batch=3, q_s=2, kv_s=6, act_kv_orig=[700, 127, 256], sparse_count=4,
+              block_size=32, **pa),
+        _case("vqli-950-c4", VQLI, VQLI, "Ascend 950 FP8 E4M3FN with float32 weights and scales, cmp_ratio 4: scores "
+              "sorted as bfloat16 (CAST_ROUND)", fmt="float8_e4m3fn", cmp_ratio=4, batch=2, q_s=2, kv_s=32,
+              act_kv_orig=[128, 77], sparse_count=16, **pa),
+        _case("vqli-950-c128", VQLI, VQLI, "Ascend 950 FP8 E4M3FN, cmp_ratio 128", fmt="float8_e4m3fn", cmp_ratio=128,
+              batch=2, q_s=1, kv_s=8, act_kv_orig=[1024, 300], sparse_count=8, **pa),
+    ]
+
+
+register_set("vllm-quant-lightning-indexer", "vLLM-Ascend npu_vllm_quant_lightning_indexer (DeepSeek-V4): int8 (A2/A3) "
+             "and FP8 (950) indexers over a paged compressed key, cmp_ratio 4 and 128, decode, speculative rows, "
+             "a request without a compressed token", vllm_quant_lightning_indexer_cases)
+
+
 # --------------------------------------------------------------------------------------------------
 # KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 

@@ -63,7 +63,8 @@ TORCH_NPU_FUNCTIONS = (
 )
 
 #: vLLM-Ascend custom ops (namespace ``_C_ascend``) the npu backend maps to.
-CUSTOM_OPS = ("npu_kv_quant_sparse_flash_attention", "kv_compress_epilog", "indexer_compress_epilog_v2")
+CUSTOM_OPS = ("npu_kv_quant_sparse_flash_attention", "kv_compress_epilog", "indexer_compress_epilog_v2",
+              "npu_vllm_quant_lightning_indexer", "npu_vllm_quant_lightning_indexer_metadata")
 
 META_FILE = "op_plugin/meta/_meta_registrations.py"
 SCHEMA_FILE = "csrc/aten/npu_native_functions_by_codegen.yaml"
@@ -265,7 +266,8 @@ def extract_torch_npu(root, wheel_name: str = DEFAULT_WHEEL, names=TORCH_NPU_FUN
 
 
 def _cpp_string_concat(text: str) -> str:
-    return "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', text))
+    # C++ escapes inside the literals (\" around a string default) are undone
+    return re.sub(r"\\(.)", r"\1", "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', text)))
 
 
 def extract_custom_ops(binding_source: str, commit: str, names=CUSTOM_OPS,

@@ -18,7 +18,8 @@ from . import device, mapping
 
 __all__ = ["resolve", "context", "run_call", "registered"]
 
-_CUSTOM = (mapping.QSFA_CUSTOM_NAME, mapping.KCE_VLLM_CUSTOM_NAME, mapping.ICE2_CUSTOM_NAME)
+_CUSTOM = (mapping.QSFA_CUSTOM_NAME, mapping.KCE_VLLM_CUSTOM_NAME, mapping.ICE2_CUSTOM_NAME,
+           mapping.VQLI_CUSTOM_NAME)
 
 
 def resolve(target: str):
@@ -35,7 +36,9 @@ def context() -> mapping.NpuContext:
 
 
 def run_call(call: mapping.NpuCall):
-    result = resolve(call.target)(*call.args, **call.kwargs)
+    # a keyword value that is itself a call (a metadata operator) runs first and passes its output
+    kwargs = {k: run_call(v) if isinstance(v, mapping.NpuCall) else v for k, v in call.kwargs.items()}
+    result = resolve(call.target)(*call.args, **kwargs)
     for index, dst in call.writeback:
         src = result[index]
         if src.data_ptr() != dst.data_ptr():

@@ -218,6 +218,14 @@ def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[
             check=lambda a: "custom op absent" if not loaded("indexer_compress_epilog_v2") else None,
             violate=lambda d: dict(d), source="vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp",
         ))
+    if op == "vllm_quant_lightning_indexer":
+        out.append(Constraint(
+            id="npu.vllm_quant_lightning_indexer.needs_custom_op", param="query", kind="value",
+            reason=f"runs only through torch.ops.{CUSTOM_OP_NAMESPACE}.npu_vllm_quant_lightning_indexer, which is "
+                   f"not loaded: {_HOW_TO_LOAD}",
+            check=lambda a: "custom op absent" if not loaded("npu_vllm_quant_lightning_indexer") else None,
+            violate=lambda d: dict(d), source="vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp",
+        ))
     if op == "kv_rmsnorm_rope_cache" and chip != "950":
         def needs_code(a):
             for p in ("k_cache_dtype", "ckv_cache_dtype"):

@@ -68,6 +68,9 @@ KCE_VLLM_CUSTOM_NAME = "kv_compress_epilog"
 KCE_VLLM_CUSTOM_OP = "torch.ops._C_ascend.kv_compress_epilog"
 ICE2_CUSTOM_NAME = "indexer_compress_epilog_v2"
 ICE2_CUSTOM_OP = "torch.ops._C_ascend.indexer_compress_epilog_v2"
+VQLI_CUSTOM_NAME = "npu_vllm_quant_lightning_indexer"
+VQLI_CUSTOM_OP = "torch.ops._C_ascend.npu_vllm_quant_lightning_indexer"
+VQLI_META_CUSTOM_OP = "torch.ops._C_ascend.npu_vllm_quant_lightning_indexer_metadata"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -506,6 +509,55 @@ def map_indexer_compress_epilog_v2(a: Mapping, ctx: NpuContext) -> NpuCall:
     return NpuCall(ICE2_CUSTOM_OP, args, {}, unpack=lambda r: (a["indexer_compress_cache"],))
 
 
+# --------------------------------------------------------------------------- vllm_quant_lightning_indexer
+
+_VQLI_PARAMS = (
+    "query", "key", "weights", "query_dequant_scale", "key_dequant_scale", "query_quant_mode", "key_quant_mode",
+    "actual_seq_lengths_query", "actual_seq_lengths_key", "block_table", "metadata", "layout_query", "layout_key",
+    "sparse_count", "sparse_mode", "pre_tokens", "next_tokens", "cmp_ratio", "return_value",
+)
+
+
+def vqli_metadata_call(a: Mapping) -> NpuCall:
+    """``torch.ops._C_ascend.npu_vllm_quant_lightning_indexer_metadata`` for the indexer arguments ``a`` (the
+    op_host refuses a missing metadata; vLLM-Ascend computes it per step the same way, dsa_v1.py)."""
+    q, lq, lk = a["query"], a.get("actual_seq_lengths_query"), a["actual_seq_lengths_key"]
+    tnd = str(a.get("layout_query", "BSND")) == "TND"
+    if tnd:
+        max_q = int((lq[1:] - lq[:-1]).max().item()) if lq.numel() > 1 else int(lq[0].item())
+        max_q = max(max_q, int(lq[0].item()))
+    else:
+        max_q = int(lq.max().item()) if lq is not None else int(q.shape[1])
+    kw = dict(actual_seq_lengths_query=lq, actual_seq_lengths_key=lk, batch_size=int(lk.numel()),
+              max_seqlen_q=max_q, max_seqlen_k=int(lk.max().item()), layout_query=str(a.get("layout_query", "BSND")),
+              layout_key=str(a.get("layout_key", "PA_BSND")), sparse_count=int(a.get("sparse_count", 2048)),
+              sparse_mode=int(a.get("sparse_mode", 3)), pre_tokens=int(a.get("pre_tokens", 2**63 - 1)),
+              next_tokens=int(a.get("next_tokens", 2**63 - 1)), cmp_ratio=int(a.get("cmp_ratio", 1)),
+              device=str(q.device).split(":")[0])
+    args = (int(q.shape[-2]), int(a["key"].shape[-2]), int(q.shape[-1]), int(a.get("query_quant_mode", 0)),
+            int(a.get("key_quant_mode", 0)))
+    return NpuCall(VQLI_META_CUSTOM_OP, args, kw, unpack=lambda r: (r,))
+
+
+def map_vllm_quant_lightning_indexer(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """vLLM-Ascend's ``torch.ops._C_ascend.npu_vllm_quant_lightning_indexer``. A ``metadata`` of None becomes
+    the :func:`vqli_metadata_call` (an NpuCall as a keyword value: the backend runs it first)."""
+    _check_params("vllm_quant_lightning_indexer", a, _VQLI_PARAMS)
+    if VQLI_CUSTOM_NAME not in ctx.custom_ops:
+        raise ValueError(f"vllm_quant_lightning_indexer needs {VQLI_CUSTOM_OP}, which is not loaded")
+    meta = a.get("metadata")
+    kw = dict(actual_seq_lengths_query=a.get("actual_seq_lengths_query"),
+              actual_seq_lengths_key=a.get("actual_seq_lengths_key"), block_table=a.get("block_table"),
+              metadata=vqli_metadata_call(a) if meta is None else meta,
+              layout_query=str(a.get("layout_query", "BSND")), layout_key=str(a.get("layout_key", "PA_BSND")),
+              sparse_count=int(a.get("sparse_count", 2048)), sparse_mode=int(a.get("sparse_mode", 3)),
+              pre_tokens=int(a.get("pre_tokens", 2**63 - 1)), next_tokens=int(a.get("next_tokens", 2**63 - 1)),
+              cmp_ratio=int(a.get("cmp_ratio", 1)), return_value=bool(a.get("return_value", False)))
+    args = (a["query"], a["key"], a["weights"], a["query_dequant_scale"], a["key_dequant_scale"],
+            int(a.get("query_quant_mode", 0)), int(a.get("key_quant_mode", 0)))
+    return NpuCall(VQLI_CUSTOM_OP, args, kw, unpack=lambda r: tuple(r))
+
+
 #: operator name -> mapping function
 MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_quant_sparse_flash_attention": map_kv_quant_sparse_flash_attention,
@@ -517,6 +569,7 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "scatter_by_slot": map_scatter_by_slot,
     "kv_compress_epilog_vllm": map_kv_compress_epilog_vllm,
     "indexer_compress_epilog_v2": map_indexer_compress_epilog_v2,
+    "vllm_quant_lightning_indexer": map_vllm_quant_lightning_indexer,
 }
 
 

@@ -60,6 +60,7 @@ from ._common import Bounds, bounds, INT64_MAX, InvalidArgs, poison_bytes, slot_
 from .indexer_cache import (
     indexer_compress_epilog_v2_args, indexer_quant_cache_args, scatter_pa_kv_cache_with_k_scale_args,
 )
+from .indexer_v4 import vllm_quant_lightning_indexer_args
 from .formats import decode_args, encode_args, pack_fp4_args, unpack_fp4_args
 from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_args
 from .quant import dynamic_block_quant_args
@@ -98,6 +99,7 @@ __all__ = [
     "kv_compress_epilog_vllm_args",
     "MORE_STRATEGIES",
     "indexer_quant_cache_args",
+    "vllm_quant_lightning_indexer_args",
     "indexer_compress_epilog_v2_args",
     "scatter_pa_kv_cache_with_k_scale_args",
 ]
@@ -222,6 +224,7 @@ MORE_STRATEGIES = {
     "indexer_quant_cache": indexer_quant_cache_args,
     "indexer_compress_epilog_v2": indexer_compress_epilog_v2_args,
     "scatter_pa_kv_cache_with_k_scale": scatter_pa_kv_cache_with_k_scale_args,
+    "vllm_quant_lightning_indexer": vllm_quant_lightning_indexer_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):

@@ -118,6 +118,12 @@ CHIP_RULES: dict[str, tuple] = {
     "scatter_pa_kv_cache_with_k_scale": (
         (_A2A3, "a2a3_unsupported", ABSENT, "scatter_pa_kv_cache_with_k_scale runs on Ascend 950 only"),
     ),
+    "vllm_quant_lightning_indexer": (
+        (_A2A3, "a2a3_dtypes", _const({"format": "int8"}),
+         "Atlas A2/A3 support int8 query/key with float16 weights and dequant scales only"),
+        (("950",), "950_dtypes", _const({"format": "float8_e4m3fn"}),
+         "Ascend 950 supports float8_e4m3fn query/key with float32 weights and dequant scales only"),
+    ),
 }
 
 
