@@ -114,6 +114,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.lse",
     "qsfa.ops.layouts",
     "qsfa.ops.kv_compress_epilog_vllm",
+    "qsfa.ops.sharedkv",
 )
 
 
