@@ -84,9 +84,10 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
                                                             kv_s=cmp.shape[1])
     if scenario == "CSA":
         idx = np.full((batch, s1, 1, k), -1, np.int32)
-        for b in range(batch):
-            for i in range(s1):
-                idx[b, i, 0, : s3] = rng.permutation(s3)
+        for i in range(s1):  # as an indexer gives: distinct tokens below the row's causal bound, then -1
+            bound = min(max((s2 - s1 + i + 1) // ratio, 0), s3, k)
+            for b in range(batch):
+                idx[b, i, 0, :bound] = rng.permutation(bound)
         a["cmp_sparse_indices"] = idx if layout_q == "BSND" else np.ascontiguousarray(idx.reshape(-1, 1, k))
     lens = np.full(batch, s2, np.int32)
     if op == SFM:
