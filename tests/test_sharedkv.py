@@ -16,6 +16,7 @@ import pytest
 import qsfa
 from qsfa.compare import compare_float
 from qsfa.ops.sharedkv import sas_case, sfm_case
+from qsfa.reference.formats import round_to
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 D = 512
@@ -84,8 +85,17 @@ def _rn32(x):
     return np.float32(x)
 
 
-def _loop_faithful(q, ori, cmp, idx, sinks, scale, tile=512, **sel):
-    """The documented recipe, one row and head at a time, every fp32 value correctly rounded (fsum / float64)."""
+def _round16(x, qdt, mode):
+    return round_to(np.asarray(x, np.float32), "bfloat16" if qdt == BF16 else "float16",
+                    rounding=mode).astype(qdt)
+
+
+def _loop_faithful(q, ori, cmp, idx, sinks, scale, chip="A2", **sel):
+    """The documented recipe, one row and head at a time, every fp32 value correctly rounded (fsum / float64);
+    S2 tile and rounding modes of ``chip`` (docs/numerics/chips.md#deepseek-v4-shared-kv-attention)."""
+    tile = 512 if chip in ("A2", "A3") else 128
+    p_mode = "round"
+    out_mode = "rint" if chip in ("A2", "A3") and q.dtype == BF16 else "round"
     bsz, s1, n, _ = q.shape
     out = np.zeros(q.shape, q.dtype)
     sc = np.float32(scale)
@@ -109,11 +119,11 @@ def _loop_faithful(q, ori, cmp, idx, sinks, scale, tile=512, **sel):
                     a = np.float32(0) if m == -np.inf else _rn32(math.exp(float(np.float32(m - m_new))))
                     e = np.array([_rn32(math.exp(float(np.float32(v - m_new)))) for v in s], np.float32)
                     l_ = np.float32(a * l_) + _rn32(math.fsum(e.astype(np.float64)))
-                    p = e.astype(BF16).astype(np.float64)
+                    p = _round16(e, q.dtype, p_mode).astype(np.float64)
                     pv = np.array([_rn32(math.fsum(p * k[:, c])) for c in range(D)], np.float32)
                     acc = (a * acc).astype(np.float32) + pv
                     m = m_new
-                out[b, i, h] = (acc / l_).astype(q.dtype)
+                out[b, i, h] = _round16(acc / l_, q.dtype, out_mode)
     return out
 
 
@@ -149,20 +159,27 @@ def test_exact_matches_the_loop(scenario, wl, mode_o, sinks):
 @pytest.mark.parametrize("scenario", ["SWA", "CSA", "HCA"])
 def test_faithful_matches_the_fp32_loop_bytes(scenario):
     a = sfm_case(scenario=scenario, batch=1, s1=2, s2=13, n1=2, k=6, ratio={"SWA": 1, "CSA": 4, "HCA": 4}[scenario])
+    chip = qsfa.resolve_chip("sparse_flash_mla", **a)
+    # the chip the call models (HCA with cmp_ratio 4 breaks an A2/A3 limit only: the 950, 128-token tiles)
+    assert chip == {"SWA": "A2", "CSA": "A2", "HCA": "950"}[scenario]
     o, _ = _front(a)
     want = _loop_faithful(a["q"], a["ori_kv"], a["cmp_kv"], a["cmp_sparse_indices"], a["sinks"],
-                          a["softmax_scale"], **_sel(a))
+                          a["softmax_scale"], chip=chip, **_sel(a))
     assert o.dtype == BF16
     assert o.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
 
 
-def test_faithful_two_tiles_matches_the_fp32_loop_bytes():
-    """A 600-token window: two S2 tiles, the second rescaling the first with the running max."""
-    a = sfm_case(scenario="HCA", batch=1, s1=1, s2=600, n1=1, ratio=128)
-    a.update(ori_win_left=-1, sinks=np.array([-np.inf], np.float32))
-    a["ori_kv"][0, 550:, 0] = (a["ori_kv"][0, 550:, 0].astype(np.float32) * 3).astype(BF16)  # later tile: larger max
+@pytest.mark.parametrize("chip,qdtype", [("A2", "bfloat16"), ("A3", "float16"), ("950", "bfloat16")])
+def test_faithful_several_tiles_match_the_fp32_loop_bytes(chip, qdtype):
+    """Several S2 tiles: A2/A3 the 128-token window, then the 4 compressed tokens in a tile of their own; 950 a
+    600-token window (4 x 128 + 88) and the compressed tile. Tokens 550+ are scaled up so a later tile raises the
+    running max and rescales O and l; the chip's P and output modes."""
+    a = sfm_case(scenario="HCA", batch=1, s1=1, s2=600, n1=2, ratio=128, qdtype=qdtype)
+    a.update(ori_win_left=127 if chip != "950" else -1, chip=chip)  # A2/A3 allow only the 128-token window
+    a["ori_kv"][0, 550:, 0] = (a["ori_kv"][0, 550:, 0].astype(np.float32) * 3).astype(a["q"].dtype)
     o, _ = _front(a)
-    want = _loop_faithful(a["q"], a["ori_kv"], a["cmp_kv"], None, a["sinks"], a["softmax_scale"], **_sel(a))
+    want = _loop_faithful(a["q"], a["ori_kv"], a["cmp_kv"], None, a["sinks"], a["softmax_scale"], chip=chip,
+                          **_sel(a))
     assert o.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
 
 

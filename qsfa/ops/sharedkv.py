@@ -18,6 +18,7 @@ import numpy as np
 
 from .._arrays import dtype_name
 from .._checks import dtype_in, is_array
+from .. import chips as _chips
 from .._contract import Contract, one_of, params
 from .._dispatch import define_operator, run
 from ..reference import sharedkv as _ref
@@ -459,8 +460,10 @@ def _sas_reference(q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, me
 
 
 define_operator(SFM, SFM_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_sfm_reference,
+                numerics=_chips.sharedkv_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention (SWA / CSA / HCA), aclnnSparseFlashMla.")
 define_operator(SAS, SAS_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_sas_reference,
+                numerics=_chips.sharedkv_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention, npu_sparse_attn_sharedkv conventions.")
 
 

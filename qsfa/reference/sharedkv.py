@@ -25,12 +25,16 @@ The sink is one more logit per head in the denominator only (None or -inf: no si
 ``precision="exact"``: float64, no rounding (the definition above; float64 outputs).
 
 ``precision="faithful"``: the kernel's online softmax (docs ``aclnnSparseFlashMla.md`` formulas and the golden's
-``RUN_MODE = 1``). The row's selected tokens are cut into S2 tiles of ``s2_tile`` (512) tokens: the window's tokens
+``RUN_MODE = 1``; the kernels' vector stages). The row's selected tokens are cut into S2 tiles of ``s2_tile`` tokens
+(A2/A3 512, 950 128; qsfa.chips.SHAREDKV_NUMERICS): the window's tokens
 from the window start, then - starting a new tile - the compressed tokens in index order. State (fp32) starts at
 ``m = sink``, ``l = 1``, ``O = 0``; per tile ``S = RN32(q . k) * fp32(softmax_scale)``, ``m' = max(m, max S)``,
 ``a = RN32(exp(m - m'))``, ``E = RN32(exp(S - m'))``, ``l = a * l + RN32(sum E)``, ``P = round(E)`` to the query dtype
-(against the running max ``m'``, ``p_rounding``), ``O = a * O + RN32(P @ K)``; finally ``out = round(O / l)``
-(``out_rounding``) and ``lse = m + RN32(log l)``. Every RN32 is the correctly rounded fp32 value of the exact result,
+(against the running max ``m'``, ``p_rounding``: ROUND on every chip), ``O = a * O + RN32(P @ K)``; finally
+``out = round(O / l)`` (``out_rounding``: A2/A3 bf16 RINT, fp16 ROUND; 950 ROUND) and ``lse = m + RN32(log l)``.
+The public golden rounds P half to even (``torch .to``); the kernels cast with ``CAST_ROUND`` - qsfa follows the
+kernels (docs/numerics/chips.md#deepseek-v4-shared-kv-attention). A kernel that splits one row's S2 range over
+cores (flash decode, chosen by the metadata) merges partial results in another order; that path is not modelled. Every RN32 is the correctly rounded fp32 value of the exact result,
 as in :mod:`qsfa.reference.attention` (same helpers), so the bytes do not depend on the BLAS; the kernel's
 accumulation order lands within a few fp32 ulps (docs/numerics/comparison.md#float-criterion).
 
@@ -148,10 +152,11 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
                        seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None, sinks=None,
                        softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
                        ori_win_right=-1, layout_q="BSND", layout_kv="BSND", return_softmax_lse=False,
-                       precision="faithful", s2_tile=S2_TILE, p_rounding="rint", out_rounding="rint"):
+                       precision="faithful", s2_tile=S2_TILE, p_rounding="round", out_rounding="rint"):
     """The shared-KV attention core (module docstring). Arguments as ``aclnnSparseFlashMla`` (N2 = 1); the
     layout ``"PA_ND"`` is taken as ``"PA_BBND"``. A PA compressed cache without ``seqused_cmp_kv`` has
-    ``S3 = floor(S2 / cmp_ratio)``. Returns ``(attention_out like q, softmax_lse)``; softmax_lse is float32
+    ``S3 = floor(S2 / cmp_ratio)``. ``s2_tile``, ``p_rounding``, ``out_rounding`` ("rint" / "round"): the chip's
+    (qsfa.chips.SHAREDKV_NUMERICS; the defaults are Atlas A2/A3's for a bfloat16 query). Returns ``(attention_out like q, softmax_lse)``; softmax_lse is float32
     (float64 exact) ``[B, 1, S1, N1]`` (BSND) / ``[1, T1, N1]`` (TND), or an empty ``[0]`` array when not
     requested."""
     assert precision in PRECISIONS, precision
