@@ -60,6 +60,7 @@ _LAZY = {
     # DeepSeek-V4 shared-KV attention
     "sparse_flash_mla": "qsfa.ops.sharedkv",
     "sparse_attn_sharedkv": "qsfa.ops.sharedkv",
+    "mixed_quant_sparse_flash_mla": "qsfa.ops.sharedkv",
 }
 
 _SUBMODULES = {

@@ -141,7 +141,9 @@ _V4_EDGES = ("first_rows", "no_cmp_token", "topk_all_minus1", "topk_at_bound", "
              "sinks:huge", "block_size:1024", "one_token", "long_rows")
 EDGES["sparse_flash_mla"] = _V4_EDGES + ("residual:0", "residual:max")
 EDGES["sparse_attn_sharedkv"] = _V4_EDGES
-for _op, _pa in (("sparse_flash_mla", "PA_BBND"), ("sparse_attn_sharedkv", "PA_ND")):
+EDGES["mixed_quant_sparse_flash_mla"] = _V4_EDGES + ("quant_mode:1", "quant_mode:2")
+for _op, _pa in (("sparse_flash_mla", "PA_BBND"), ("sparse_attn_sharedkv", "PA_ND"),
+                 ("mixed_quant_sparse_flash_mla", "PA_BBND")):
     _PINS[(_op, "first_rows")] = dict(ori_mask_mode=4, layout_q="BSND", s1=4, s2=2)
     _PINS[(_op, "no_cmp_token")] = dict(scenario="HCA", cmp_ratio=16, s1=2, s2=5)
     _PINS[(_op, "topk_all_minus1")] = dict(scenario="CSA", topk="all_minus1")
@@ -153,6 +155,9 @@ for _op, _pa in (("sparse_flash_mla", "PA_BBND"), ("sparse_attn_sharedkv", "PA_N
     _PINS[(_op, "one_token")] = dict(scenario="SWA", batch=1, s1=1, s2=1)
     _PINS[(_op, "long_rows")] = dict(scenario="HCA", cmp_ratio=16, ori_mask_mode=4, ori_win_left=-1, batch=1, s1=1,
                                      s2=600, precision="faithful")
+_PINS[("mixed_quant_sparse_flash_mla", "quant_mode:1")] = dict(quant_mode=1, scenario="CSA", s2=24)
+_PINS[("mixed_quant_sparse_flash_mla", "quant_mode:2")] = dict(quant_mode=2, layout_kv="PA_BBND", scenario="HCA",
+                                                               cmp_ratio=4, s2=40)
 _PINS[("sparse_flash_mla", "residual:0")] = dict(scenario=("CSA", "HCA"), residual="zero", cmp_mask_mode=3, s2=30)
 _PINS[("sparse_flash_mla", "residual:max")] = dict(scenario=("CSA", "HCA"), residual="max", cmp_mask_mode=3, s2=30)
 

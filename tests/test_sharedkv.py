@@ -378,3 +378,55 @@ def test_chip_limits():
     b = sas_case(scenario="SWA")
     with pytest.raises(qsfa.InvalidArgument, match="A3 only"):
         qsfa.sparse_attn_sharedkv(b.pop("q"), chip="950", **b)
+
+
+# --------------------------------------------------------------------------------------------------
+# mixed_quant_sparse_flash_mla: dequantisation in front of the same core
+
+
+def test_mode1_dequantisation_is_code_times_scale_rounded_half_even():
+    """Every E4M3FN code (NaN codes aside) times bf16 scales around 1: decode * scale in fp32, rounded half to even
+    to bf16 - computed here with ml_dtypes' casts, independently of qsfa.reference.formats."""
+    from qsfa.reference.sharedkv import dequant_mode1
+
+    codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], np.uint8)
+    scales = np.array([1.0, 1.0078125, 1.0234375, 1.5, 0.0078125, 3.0], np.float32).astype(BF16)
+    rows = np.zeros((scales.size, codes.size // 448 + 1, 608), np.uint8)
+    vals = np.resize(codes, (scales.size, rows.shape[1], 448))
+    rows[..., 128:576] = vals
+    rows[..., 576:590] = np.repeat(scales[:, None, None], 7, axis=2).view(np.uint8).reshape(scales.size, 1, 14)
+    got = dequant_mode1(rows)
+    want = (vals.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            * scales.astype(np.float32)[:, None, None]).astype(BF16)
+    assert got[..., :448].view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+    assert not got[..., 448:].astype(np.float32).any()  # the RoPE bytes (zero here) copied
+
+
+@pytest.mark.parametrize("quant_mode,layout_kv", [(1, "BSND"), (1, "PA_BBND"), (2, "PA_BBND")])
+def test_mixed_quant_equals_sparse_flash_mla_on_the_dequantised_rows(quant_mode, layout_kv):
+    from qsfa.ops.sharedkv import mq_case
+    from qsfa.reference.sharedkv import dequant_mode1, dequant_mode2
+
+    a = mq_case(scenario="CSA", s2=40, n1=64, quant_mode=quant_mode, layout_kv=layout_kv)
+    q = a.pop("q")
+    got = qsfa.mixed_quant_sparse_flash_mla(q, **a)[0]
+    deq = dequant_mode1 if quant_mode == 1 else dequant_mode2
+    b = {k: v for k, v in a.items() if k not in ("quant_mode", "rope_head_dim")}
+    b.update(ori_kv=deq(a["ori_kv"]), cmp_kv=deq(a["cmp_kv"]))
+    if layout_kv != "PA_BBND":
+        b["seqused_ori_kv"] = b["seqused_cmp_kv"] = None
+    want = qsfa.sparse_flash_mla(q, chip="950", **b)[0]
+    assert got.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+
+
+def test_mixed_quant_mode2_is_the_model1_layout():
+    """A MODEL1 cache written by qsfa.layouts.flashmla_model1_quantize, cut to its unpadded blocks, is a valid
+    quant_mode 2 cache holding the same values."""
+    from qsfa.reference.sharedkv import dequant_mode2
+
+    rng = np.random.default_rng(3)
+    k = rng.uniform(-1, 1, (2, 16, 1, 512)).astype(BF16)
+    cache = qsfa.layouts.flashmla_model1_quantize(k)
+    blocks = np.ascontiguousarray(cache[:, : 16 * 584]).reshape(2, 16, 1, 584)
+    back = qsfa.layouts.flashmla_model1_dequantize(cache, block_size=16)
+    assert dequant_mode2(blocks).view(np.uint16).tobytes() == back.view(np.uint16).tobytes()

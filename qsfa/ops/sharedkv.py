@@ -14,6 +14,7 @@ list) is scheduling, not numerics: the reference ignores it. Tests: tests/test_s
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .._arrays import dtype_name
@@ -31,21 +32,28 @@ __all__ = [
     "sparse_attn_sharedkv",
     "sfm_case",
     "sas_case",
+    "mq_case",
+    "mixed_quant_sparse_flash_mla",
+    "MQ_CONTRACT",
     "SFM_CONTRACT",
     "SAS_CONTRACT",
 ]
 
 SFM = "sparse_flash_mla"
 SAS = "sparse_attn_sharedkv"
+MQ = "mixed_quant_sparse_flash_mla"
 SFM_SOURCE = ("docs/numerics/attention-v4.md#sparse_flash_mla; cannmirror/ops-transformer "
               "attention/sparse_flash_mla/docs/aclnnSparseFlashMla.md")
+MQ_SOURCE = ("docs/numerics/attention-v4.md#mixed_quant_sparse_flash_mla; cannmirror/ops-transformer "
+             "attention/mixed_quant_sparse_flash_mla/README.md")
 SAS_SOURCE = ("docs/numerics/attention-v4.md#sparse_attn_sharedkv; cannmirror/ops-transformer "
               "experimental/attention/sparse_attn_sharedkv/README.md")
 HEAD_DIM = 512
 TOPK_SIZES = (512, 1024)
 MAX_HEADS = 128
 _POW2_HEADS = tuple(2 ** i for i in range(8))
-_PA = {SFM: "PA_BBND", SAS: "PA_ND"}
+_PA = {SFM: "PA_BBND", SAS: "PA_ND", MQ: "PA_BBND"}
+_KV_BYTES = {1: _ref.MODE1_BYTES, 2: _ref.MODE2_BYTES}
 
 
 # ==================================================================================================
@@ -57,9 +65,10 @@ def _cu(per_batch):
 
 
 def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat16", batch=2, s1=2, s2=9, n1=2,
-          k=512, block_size=16, ratio=None, seed=0):
+          k=512, block_size=16, ratio=None, seed=0, quant_mode=None):
     pa = _PA[op]
     layout_kv = layout_kv or ("BSND" if op == SFM else pa)
+    quant_mode = quant_mode or (2 if layout_kv == pa else 1)
     ratio = ratio if ratio is not None else {"SWA": 1, "CSA": 4, "HCA": 128}[scenario]
     rng = np.random.default_rng(seed)
     qdt = _Q_DTYPES[qdtype]
@@ -91,7 +100,11 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
                 idx[b, i, 0, :bound] = rng.permutation(bound)
         a["cmp_sparse_indices"] = idx if layout_q == "BSND" else np.ascontiguousarray(idx.reshape(-1, 1, k))
     lens = np.full(batch, s2, np.int32)
-    if op == SFM:
+    if op == MQ:  # quantised rows of the same values
+        for p in ("ori_kv", "cmp_kv"):
+            if a[p] is not None:
+                a[p] = (_ref.pack_mode1(a[p]) if quant_mode == 1 else _pack_mode2(a[p])).view(_FP8)
+    if op in (SFM, MQ):
         a.update(seqused_ori_kv=lens if layout_kv == pa else None,
                  seqused_cmp_kv=np.full(batch, s3, np.int32) if has_cmp and layout_kv == pa else None,
                  cmp_residual_kv=np.full(batch, s2 % ratio, np.int32) if has_cmp else None,
@@ -101,15 +114,35 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
     a.update(sinks=rng.uniform(-1, 1, n1).astype(np.float32), metadata=np.zeros(1024, np.int32),
              softmax_scale=HEAD_DIM ** -0.5, cmp_ratio=ratio, ori_mask_mode=4, cmp_mask_mode=3 if has_cmp else 0,
              ori_win_left=127, ori_win_right=0, layout_q=layout_q, layout_kv=layout_kv)
-    if op == SFM:
+    if op in (SFM, MQ):
         a["topk_value_mode"] = 1
+    if op == MQ:
+        a.update(quant_mode=quant_mode, rope_head_dim=64)
     a.update(return_softmax_lse=False, precision="faithful")
     return a
+
+
+_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _pack_mode2(blocks):
+    """bf16 ``[block_num, block_size, 1, 512]`` -> quant_mode 2 blocks ``[block_num, block_size, 1, 584]``."""
+    from ..reference import flashmla_model1 as m1
+
+    nb, bs = blocks.shape[0], blocks.shape[1]
+    return np.ascontiguousarray(m1.quantize(blocks)[:, : bs * _ref.MODE2_BYTES]).reshape(nb, bs, 1, _ref.MODE2_BYTES)
 
 
 def sfm_case(**kw):
     """A small valid ``sparse_flash_mla`` argument set: scenario "SWA" / "CSA" / "HCA", layouts, dtype, sizes."""
     return _case(SFM, **kw)
+
+
+def mq_case(**kw):
+    """A small valid ``mixed_quant_sparse_flash_mla`` argument set (as :func:`sfm_case`; default layout_kv PA_BBND,
+    quant_mode 2 = the MODEL1 blocks, 64 query heads; quant_mode=1 gives 608-byte rows)."""
+    kw.setdefault("n1", 64)
+    return _case(MQ, **kw)
 
 
 def sas_case(**kw):
@@ -149,10 +182,11 @@ def _len_rule(n, p, size, reason):
 
 
 def _rules(op):
-    sfm = op == SFM
-    src = SFM_SOURCE if sfm else SAS_SOURCE
+    mq = op == MQ
+    sfm = op in (SFM, MQ)  # the sparse_flash_mla parameter set (seqused_ori_kv / _cmp_kv, cmp_residual_kv, ...)
+    src = {SFM: SFM_SOURCE, SAS: SAS_SOURCE, MQ: MQ_SOURCE}[op]
     pa = _PA[op]
-    n = Names(op, sfm_case if sfm else sas_case, source=src)
+    n = Names(op, {SFM: sfm_case, SAS: sas_case, MQ: mq_case}[op], source=src)
     lens_kv = "seqused_ori_kv" if sfm else "seqused_kv"
     arrays = ["ori_sparse_indices", "cmp_sparse_indices", "ori_block_table", "cmp_block_table", "cu_seqlens_q",
               "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", lens_kv, "metadata"]
@@ -160,14 +194,24 @@ def _rules(op):
         arrays += ["seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length", "cmp_topk_length"]
     r = [is_array(op, "q", source=src)]
     r += [is_array(op, p, optional=True, source=src) for p in ["ori_kv", "cmp_kv", "sinks"] + arrays]
-    required = ["ori_kv"] + ([] if sfm else ["softmax_scale", "cmp_ratio"])
+    required = ["ori_kv"] + ([] if op == SFM else ["softmax_scale", "cmp_ratio"]) + (
+        ["quant_mode", "rope_head_dim"] if mq else [])
     for p in required:
         r.append(rule(n, f"{p}_required", p, "value",
                       "must be given (every scenario reads ori_kv)" if p == "ori_kv" else
                       "must be given (the public signature defaults to None but names no value for it)",
                       (lambda p_: lambda a: None if a.get(p_) is not None else "None")(p), edit(n, setting(**{p: None}))))
-    r.append(dtype_in(op, "q", ("float16", "bfloat16"), source=src))
-    for p in ("ori_kv", "cmp_kv"):
+    r.append(dtype_in(op, "q", ("bfloat16",) if mq else ("float16", "bfloat16"), source=src))
+    for p in ("ori_kv", "cmp_kv") if mq else ():
+        r.append(dtype_in(op, p, ("float8_e4m3fn", "uint8", "int8"), source=src))
+    if mq:
+        r.append(rule(n, "cmp_kv_dtype_same", "cmp_kv", "dtype", "must have ori_kv's dtype",
+                      lambda a: None if a.get("cmp_kv") is None or a.cmp_kv.dtype == a.ori_kv.dtype
+                      else dtype_name(a.cmp_kv), edit(n, lambda a: a.update(cmp_kv=a["cmp_kv"].view(np.uint8))),
+                      dtype=True))
+        r.append(choice_rule(n, "quant_mode", _ref.QUANT_MODES, bad=3))
+        r.append(choice_rule(n, "rope_head_dim", (64,), bad=32))
+    for p in ("ori_kv", "cmp_kv") if not mq else ():
         def same(a, p=p):
             v = a.get(p)
             return None if v is None or v.dtype == a.q.dtype else dtype_name(v)
@@ -184,6 +228,12 @@ def _rules(op):
                   f"without PageAttention ({pa}) layout_kv must equal layout_q",
                   lambda a: None if a.layout_kv in (pa, a.layout_q) else f"{a.layout_kv} with layout_q {a.layout_q}",
                   edit(n, setting(layout_kv="TND"))))
+    if mq:
+        r.append(rule(n, "quant_mode_layout", "quant_mode", "value",
+                      "quant_mode 2 (MODEL1 blocks: every token's data, then every token's scales) needs layout_kv "
+                      "PA_BBND", lambda a: None if a.quant_mode != 2 or a.layout_kv == "PA_BBND"
+                      else f"2 with layout_kv {a.layout_kv}",
+                      edit(n, setting(quant_mode=2), quant_mode=1, layout_kv="BSND")))
     # attributes
     r.append(rule(n, "softmax_scale_value", "softmax_scale", "value", "must be a finite real number",
                   lambda a: None if is_real(a.softmax_scale) and np.isfinite(a.softmax_scale) else a.softmax_scale,
@@ -210,7 +260,13 @@ def _rules(op):
 
         r.append(rule(n, f"{p}_nonempty", p, "shape", "empty tensors are not supported", empty,
                       edit(n, (lambda p_: lambda a: a.update({p_: a[p_][:0]}))(p))))
-    for p in ("q", "ori_kv", "cmp_kv"):
+    for p in ("ori_kv", "cmp_kv") if mq else ():
+        r.append(rule(n, f"{p}_row_bytes", p, "shape",
+                      f"the last dimension must be {_ref.MODE1_BYTES} (quant_mode 1) or {_ref.MODE2_BYTES} (quant_mode 2)",
+                      (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape[-1] == _KV_BYTES[a.quant_mode]
+                       else tuple(a[p_].shape))(p),
+                      edit(n, (lambda p_: lambda a: a.update({p_: np.ascontiguousarray(a[p_][..., :512])}))(p))))
+    for p in ("q",) if mq else ("q", "ori_kv", "cmp_kv"):
         r.append(rule(n, f"{p}_head_dim", p, "shape", f"D (the last dimension) must be {HEAD_DIM}",
                       (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape[-1] == HEAD_DIM
                        else tuple(a[p_].shape))(p),
@@ -341,14 +397,25 @@ def _rules(op):
     r.append(choice_rule(n, "precision", _ref.PRECISIONS,
                          source="docs/numerics/attention-v4.md#precision (qsfa's parameter)"))
     r.append(finite_rule(n, "q"))
-    r.append(finite_rule(n, "ori_kv"))
-    r.append(finite_rule(n, "cmp_kv"))
+    if not mq:
+        r.append(finite_rule(n, "ori_kv"))
+        r.append(finite_rule(n, "cmp_kv"))
+    else:
+        r.append(rule(n, "lengths_consistent", "cmp_residual_kv", "value",
+                      "with seqused_ori_kv, seqused_cmp_kv and cmp_residual_kv all given, seqused_ori_kv must equal "
+                      "seqused_cmp_kv * cmp_ratio + cmp_residual_kv", lambda a: None if any(
+                          a.get(p) is None for p in ("seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv")) or (
+                          np.asarray(a.seqused_ori_kv, np.int64) == np.asarray(a.seqused_cmp_kv, np.int64) * a.cmp_ratio
+                          + np.asarray(a.cmp_residual_kv, np.int64)).all() else "inconsistent lengths",
+                      edit(n, lambda a: a.update(seqused_ori_kv=a["seqused_ori_kv"] - 1))))
     # chip limits
     r += _chip_rules(n, op, sfm)
     return r
 
 
 def _chip_rules(n, op, sfm):
+    if op == MQ:
+        return _mq_chip_rules(n)
     a23 = ("A2", "A3") if sfm else ("A3",)
     out = []
     if not sfm:
@@ -393,6 +460,28 @@ def _chip_rules(n, op, sfm):
     return out
 
 
+def _mq_chip_rules(n):
+    c = ("950",)
+    return [
+        rule(n, "chip_supported", "q", "value", "mixed_quant_sparse_flash_mla runs on Ascend 950 only (README)",
+             lambda a: "this chip", edit(n), chips=("A2", "A3")),
+        rule(n, "chip_q_heads", "q", "shape", "N1 must be 64 or 128", lambda a: None if a.q.shape[-2] in (64, 128)
+             else tuple(a.q.shape), edit(n, n1=2), chips=c),
+        rule(n, "chip_topk", "cmp_sparse_indices", "shape", f"K must be {one_of(TOPK_SIZES)}",
+             lambda a: None if a.get("cmp_sparse_indices") is None or a.cmp_sparse_indices.shape[-1] in TOPK_SIZES
+             else tuple(a.cmp_sparse_indices.shape), edit(n, k=8), chips=c),
+        rule(n, "chip_mask_modes", "ori_mask_mode", "value", "ori_mask_mode must be 4 and, with cmp_kv, cmp_mask_mode 3",
+             lambda a: None if a.ori_mask_mode == 4 and (a.get("cmp_kv") is None or a.cmp_mask_mode == 3)
+             else a.ori_mask_mode, edit(n, setting(ori_mask_mode=3)), chips=c),
+        rule(n, "chip_window", "ori_win_left", "value", "ori_win_left must be 127 and ori_win_right 0",
+             lambda a: None if a.ori_win_left == 127 and a.ori_win_right == 0 else a.ori_win_left,
+             edit(n, setting(ori_win_left=63)), chips=c),
+        rule(n, "chip_return_softmax_lse", "return_softmax_lse", "value",
+             "softmax_lse is reserved (its output is invalid): pass False", lambda a: None
+             if not a.return_softmax_lse else True, edit(n, setting(return_softmax_lse=True)), chips=c),
+    ]
+
+
 def _prefix_ok(v, total, le=False):
     v = np.asarray(v, np.int64).reshape(-1)
     if v.size < 2 or v[0] != 0 or (np.diff(v) < 0).any():
@@ -431,6 +520,10 @@ _COMMON_PARAMS = (
 SFM_CONTRACT = Contract(op=SFM, constraints=_rules(SFM), example=lambda rng: sfm_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array? cmp_residual_kv:array? ori_topk_length:array?"
     " cmp_topk_length:array? topk_value_mode:int"))
+MQ_CONTRACT = Contract(op=MQ, constraints=_rules(MQ), example=lambda rng: mq_case(), params=params(
+    _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_ori_kv:array? seqused_cmp_kv:array?"
+    " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
+    " rope_head_dim:int?"))
 SAS_CONTRACT = Contract(op=SAS, constraints=_rules(SAS), example=lambda rng: sas_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array?"))
 
@@ -459,6 +552,33 @@ def _sas_reference(q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, me
                                    seqused_cmp_kv=cmp_used, cmp_residual_kv=residual, cmp_ratio=cmp_ratio, **kw)
 
 
+def _mq_reference(q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, metadata, ori_topk_length,
+                  cmp_topk_length, topk_value_mode, quant_mode, rope_head_dim, seqused_cmp_kv, **kw):
+    """Dequantise every stored row (quant_mode 1: ``decode(code) * bf16 scale`` rounded to bf16 with the chip's
+    ``k_rounding``; 2: MODEL1, exact) and run the shared core; seqused_cmp_kv defaults to
+    floor(seqused_ori_kv / cmp_ratio) (README)."""
+    k_rounding = kw.pop("k_rounding", "rint")
+
+    def deq(x):
+        if x is None:
+            return None
+        return _ref.dequant_mode1(x, k_rounding) if quant_mode == 1 else _ref.dequant_mode2(x)
+
+    if seqused_cmp_kv is None and cmp_kv is not None and kw.get("seqused_ori_kv") is not None:
+        seqused_cmp_kv = np.asarray(kw["seqused_ori_kv"], np.int64) // kw["cmp_ratio"]
+    return _ref.sharedkv_attention(q, deq(ori_kv), deq(cmp_kv), cmp_sparse_indices, seqused_cmp_kv=seqused_cmp_kv,
+                                   **kw)
+
+
+def _mq_numerics(chip, args):
+    """The 950's V4 numerics plus the quant_mode 1 K rounding (RINT, as the golden's bf16 multiply; OPEN for the
+    kernel: docs/numerics/open-facts.md#mixed-quant-k-rounding)."""
+    return {**_chips.sharedkv_numerics(chip, args), "k_rounding": "rint"}
+
+
+define_operator(MQ, MQ_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_mq_reference,
+                numerics=_mq_numerics,
+                doc="DeepSeek-V4 shared-KV sparse attention over per-token-group FP8 KV, aclnnMixedQuantSparseFlashMla.")
 define_operator(SFM, SFM_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_sfm_reference,
                 numerics=_chips.sharedkv_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention (SWA / CSA / HCA), aclnnSparseFlashMla.")
@@ -533,3 +653,32 @@ def sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None
                 cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right,
                 layout_q=layout_q, layout_kv=layout_kv, return_softmax_lse=return_softmax_lse, precision=precision)
     return run(SAS, args, backend, chip=chip)
+
+
+def mixed_quant_sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
+                                 ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                                 cu_seqlens_cmp_kv=None, seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None,
+                                 cmp_residual_kv=None, ori_topk_length=None, cmp_topk_length=None, sinks=None,
+                                 metadata=None, quant_mode=None, rope_head_dim=None, softmax_scale=None,
+                                 cmp_ratio=None, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1, ori_win_right=-1,
+                                 layout_q="BSND", layout_kv="BSND", topk_value_mode=1, return_softmax_lse=False,
+                                 chip=None, backend="reference", precision="faithful"):
+    """:func:`sparse_flash_mla` over quantised KV rows (aclnnMixedQuantSparseFlashMla, Ascend 950;
+    docs/numerics/attention-v4.md#mixed_quant_sparse_flash_mla). q is bfloat16 ``[..., N1, 512]`` ordered
+    [NoPE 448, RoPE 64]; ori_kv / cmp_kv are float8_e4m3fn (or uint8) rows: quant_mode 1 ``[..., 1, 608]`` (bf16
+    RoPE 64, 448 FP8 E4M3FN NoPE codes, 7 bf16 tile scales, pad), quant_mode 2 ``[block_num, block_size, 1, 584]``
+    MODEL1 blocks (PA_BBND). Every row is dequantised to bf16 ([NoPE, RoPE]) and the shared core runs.
+    quant_mode, rope_head_dim (64), softmax_scale and cmp_ratio default to None in the public signature and must
+    be given. seqused_cmp_kv defaults to floor(seqused_ori_kv / cmp_ratio). Returns ``(attention_out,
+    softmax_lse)``."""
+    args = dict(q=q, ori_kv=ori_kv, cmp_kv=cmp_kv, ori_sparse_indices=ori_sparse_indices,
+                cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,
+                cmp_block_table=cmp_block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_ori_kv=cu_seqlens_ori_kv,
+                cu_seqlens_cmp_kv=cu_seqlens_cmp_kv, seqused_q=seqused_q, seqused_ori_kv=seqused_ori_kv,
+                seqused_cmp_kv=seqused_cmp_kv, cmp_residual_kv=cmp_residual_kv, ori_topk_length=ori_topk_length,
+                cmp_topk_length=cmp_topk_length, sinks=sinks, metadata=metadata, quant_mode=quant_mode,
+                rope_head_dim=rope_head_dim, softmax_scale=softmax_scale, cmp_ratio=cmp_ratio,
+                ori_mask_mode=ori_mask_mode, cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left,
+                ori_win_right=ori_win_right, layout_q=layout_q, layout_kv=layout_kv, topk_value_mode=topk_value_mode,
+                return_softmax_lse=return_softmax_lse, precision=precision)
+    return run(MQ, args, backend, chip=chip)

@@ -278,3 +278,70 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tile, p_rounding, ou
         o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
         lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, np.float32(1))), -np.inf).astype(np.float32)
     return round_q16(o.astype(np.float32), qdtype, out_rounding), lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# mixed_quant_sparse_flash_mla: the two quantised row layouts, dequantised in front of the same core
+#
+# quant_mode 1 (608 bytes per token; cannmirror/ops-transformer attention/mixed_quant_sparse_flash_mla/README.md):
+#   [0, 128) RoPE, 64 values of the query dtype (bf16) | [128, 576) NoPE, 448 FP8 E4M3FN codes |
+#   [576, 590) 7 bf16 scales, one per 64-value tile | [590, 608) pad (never read).
+# quant_mode 2 (584 bytes per token, PA_BBND only): FlashMLA's MODEL1 block - every token's 448 NoPE codes + 64
+#   bf16 RoPE values (576 bytes) first, then every token's 7 E8M0 tile scales + 1 pad byte
+#   (qsfa.reference.flashmla_model1; a [block_num, block_size, 1, 584] tensor is one unpadded MODEL1 block per
+#   block_num).
+# The dequantised K row is [NoPE 448, RoPE 64] (the golden's concat([nope, rope])); q is ordered the same way.
+
+MODE1_BYTES = 608
+MODE2_BYTES = 584
+QUANT_MODES = (1, 2)
+_NOPE, _ROPE, _TILE = 448, 64, 64
+
+
+def pack_mode1(k: np.ndarray) -> np.ndarray:
+    """bf16 K rows ``[..., 512]`` ([NoPE 448, RoPE 64]) -> quant_mode 1 rows, uint8 ``[..., 608]``: per 64-value
+    tile ``scale = bf16(amax / 448)`` (an all-zero tile: 1), codes ``E4M3FN_RINT(x / scale)`` (fp32 divide,
+    saturating). A writer for test data; the operator only reads rows."""
+    from .formats import encode
+
+    k = np.asarray(k)
+    lead = k.shape[:-1]
+    x = k.reshape(-1, 512).astype(np.float32)
+    nope = x[:, :_NOPE].reshape(-1, _NOPE // _TILE, _TILE)
+    amax = np.abs(nope).max(axis=-1)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(_QDT["bfloat16"])
+    codes = encode((nope / scale.astype(np.float32)[..., None]).reshape(-1, _NOPE), "float8_e4m3fn",
+                   saturate=True, rounding="rint")
+    out = np.zeros((x.shape[0], MODE1_BYTES), np.uint8)
+    out[:, :128] = np.ascontiguousarray(k.reshape(-1, 512)[:, _NOPE:].astype(_QDT["bfloat16"])).view(np.uint8)
+    out[:, 128:576] = codes
+    out[:, 576:590] = np.ascontiguousarray(scale).view(np.uint8)
+    return out.reshape(lead + (MODE1_BYTES,))
+
+
+def dequant_mode1(rows: np.ndarray, k_rounding: str = "rint") -> np.ndarray:
+    """quant_mode 1 rows ``[..., 608]`` (any one-byte dtype) -> bf16 ``[..., 512]``: ``decode(code) * scale``
+    (exact in fp32: 4 x 8 significant bits) rounded once to bf16 with ``k_rounding``; RoPE copied."""
+    from .formats import decode
+
+    b = np.ascontiguousarray(rows).view(np.uint8)
+    lead = b.shape[:-1]
+    b = b.reshape(-1, MODE1_BYTES)
+    vals = decode(b[:, 128:576], "float8_e4m3fn").reshape(-1, _NOPE // _TILE, _TILE)
+    scale = np.ascontiguousarray(b[:, 576:590]).view(_QDT["bfloat16"]).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = (vals * scale[..., None]).reshape(-1, _NOPE)
+    out = np.empty((b.shape[0], 512), _QDT["bfloat16"])
+    out[:, :_NOPE] = round_q16(prod, "bfloat16", k_rounding)
+    out[:, _NOPE:] = np.ascontiguousarray(b[:, :128]).view(_QDT["bfloat16"])
+    return out.reshape(lead + (512,))
+
+
+def dequant_mode2(blocks: np.ndarray) -> np.ndarray:
+    """quant_mode 2 blocks ``[block_num, block_size, 1, 584]`` -> bf16 ``[block_num, block_size, 1, 512]``
+    ([NoPE 448, RoPE 64]; qsfa.reference.flashmla_model1.dequantize: exact power-of-two scaling)."""
+    from .flashmla_model1 import dequantize
+
+    b = np.ascontiguousarray(blocks).view(np.uint8)
+    nb, bs = b.shape[0], b.shape[1]
+    return dequantize(b.reshape(nb, bs * MODE2_BYTES), bs)

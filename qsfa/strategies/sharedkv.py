@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from .. import _edges as _E
 from ._common import _b, _choose, _QDT, _rng, Bounds, ints
 
-__all__ = ["sparse_flash_mla_args", "sparse_attn_sharedkv_args"]
+__all__ = ["sparse_flash_mla_args", "sparse_attn_sharedkv_args", "mixed_quant_sparse_flash_mla_args"]
 
 _D = 512
 _JUNK = 300.0
@@ -58,11 +58,12 @@ def _store(rows_per_batch, layout, block_size, rng, qdt, pa_name):
 
 
 def _build(draw, op, bounds, pins):
-    sfm = op == "sparse_flash_mla"
+    mq = op == "mixed_quant_sparse_flash_mla"
+    sfm = op in ("sparse_flash_mla", "mixed_quant_sparse_flash_mla")
     b = _b(bounds)
     pins, edge = _E.take(draw, op, pins)
     rng = _rng(draw)
-    qname = _choose(draw, pins, "dtype", ("bfloat16", "float16"))
+    qname = _choose(draw, pins, "dtype", ("bfloat16",) if mq else ("bfloat16", "float16"))
     qdt = _QDT[qname]
     scenario = _choose(draw, pins, "scenario", ("SWA", "CSA", "HCA"))
     pa = "PA_BBND" if sfm else "PA_ND"
@@ -89,13 +90,22 @@ def _build(draw, op, bounds, pins):
     ori_rows = [rng.uniform(-1, 1, (n, _D)) for n in s2]
     s3 = [n // ratio for n in s2] if scenario != "SWA" else [0] * bsz
     residual = [n % ratio for n in s2]
-    if sfm and scenario != "SWA" and residual_kind != "exact":
+    if sfm and not mq and scenario != "SWA" and residual_kind != "exact":
         residual = [0 if residual_kind == "zero" else ratio - 1] * bsz
     cmp_rows = [rng.uniform(-1, 1, (n, _D)) for n in s3]
     ori, ori_bt, cu_ori = _store(ori_rows, layout_kv, block_size, rng, qdt, pa)
     cmp = cmp_bt = cu_cmp = None
     if scenario != "SWA":
         cmp, cmp_bt, cu_cmp = _store(cmp_rows, layout_kv, block_size, rng, qdt, pa)
+    quant_mode = None
+    if mq:  # the same values as quantised rows (pack_mode1 / the MODEL1 writer)
+        from ..ops.sharedkv import _FP8, _pack_mode2
+        from ..reference.sharedkv import pack_mode1
+
+        quant_mode = _choose(draw, pins, "quant_mode", (1, 2) if layout_kv == pa else (1,))
+        pack = pack_mode1 if quant_mode == 1 else _pack_mode2
+        ori = pack(ori).view(_FP8)
+        cmp = None if cmp is None else pack(cmp).view(_FP8)
     rows = sum(s1)
     q = rng.uniform(-1, 1, (rows, n1, _D)).astype(qdt)
     if layout_q == "BSND":
@@ -145,6 +155,8 @@ def _build(draw, op, bounds, pins):
         a["metadata"] = np.zeros(1024, np.int32)
     if sfm:
         a["topk_value_mode"] = 1
+    if mq:
+        a.update(quant_mode=quant_mode, rope_head_dim=64)
     a.update(return_softmax_lse=bool(_choose(draw, pins, "return_softmax_lse", (False, True))),
              precision=_choose(draw, pins, "precision", ("faithful", "faithful", "exact")))
     return a
@@ -164,3 +176,10 @@ def sparse_attn_sharedkv_args(draw, bounds: Bounds | None = None, **pins) -> dic
     """``sparse_attn_sharedkv``: as :func:`sparse_flash_mla_args` with its conventions (seqused_kv, no residual,
     layout PA_ND)."""
     return _build(draw, "sparse_attn_sharedkv", bounds, pins)
+
+
+@st.composite
+def mixed_quant_sparse_flash_mla_args(draw, bounds: Bounds | None = None, **pins) -> dict:
+    """``mixed_quant_sparse_flash_mla``: as :func:`sparse_flash_mla_args` with bfloat16 queries and the cache rows
+    quantised - quant_mode 1 (608-byte rows, every layout) or 2 (MODEL1 blocks, PA_BBND); pin ``quant_mode``."""
+    return _build(draw, "mixed_quant_sparse_flash_mla", bounds, pins)
