@@ -519,3 +519,23 @@ def gen_kv_rmsnorm_rope_cache(params, rng):
     known = set(inspect.signature(example).parameters) - {"rng"}
     args = example(rng, **{k: v for k, v in params.items() if k in known})
     return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md)
+
+
+@register_generator("sharedkv")
+def gen_sharedkv(params, rng):
+    """The arrays of ``qsfa.ops.sharedkv._case(params["v4_op"], **builder params)`` (scenario, layout_q, layout_kv,
+    qdtype, batch, s1, s2, n1, k, block_size, ratio, quant_mode), seeded from ``rng``; ``sinks_kind`` "-inf" /
+    "zero" / "huge" replaces the sinks. The scalar arguments are case params (qsfa.golden.catalogue)."""
+    from ..ops.sharedkv import _case
+
+    keys = ("scenario", "layout_q", "layout_kv", "qdtype", "batch", "s1", "s2", "n1", "k", "block_size", "ratio",
+            "quant_mode")
+    a = _case(params["v4_op"], seed=int(rng.integers(0, 2**31 - 1)), **{k: params[k] for k in keys if k in params})
+    kind = params.get("sinks_kind")
+    if kind is not None:
+        a["sinks"] = np.full(a["sinks"].shape, {"-inf": -np.inf, "zero": 0.0, "huge": 1e30}[kind], np.float32)
+    return {k: v for k, v in a.items() if isinstance(v, np.ndarray)}
