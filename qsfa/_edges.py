@@ -137,13 +137,15 @@ _PINS[("merge_attention_lse", "empty_shards")] = dict(parts=(2, 3))
 _PINS[("merge_attention_lse", "large_max")] = dict(parts=(2, 3), stat_dtype="float32")
 
 # DeepSeek-V4 shared-KV attention (qsfa.strategies.sharedkv)
-_V4_EDGES = ("first_rows", "no_cmp_token", "topk_all_minus1", "topk_at_bound", "sinks:-inf", "sinks:0",
+_V4_EDGES = ("window_band", "first_rows", "no_cmp_token", "topk_all_minus1", "topk_at_bound", "sinks:-inf", "sinks:0",
              "sinks:huge", "block_size:1024", "one_token", "long_rows")
 EDGES["sparse_flash_mla"] = _V4_EDGES + ("residual:0", "residual:max")
 EDGES["sparse_attn_sharedkv"] = _V4_EDGES
 EDGES["mixed_quant_sparse_flash_mla"] = _V4_EDGES + ("quant_mode:1", "quant_mode:2")
 for _op, _pa in (("sparse_flash_mla", "PA_BBND"), ("sparse_attn_sharedkv", "PA_ND"),
                  ("mixed_quant_sparse_flash_mla", "PA_BBND")):
+    _PINS[(_op, "window_band")] = dict(ori_mask_mode=4, ori_win_left=3, ori_win_right=0, s1=3, s2=12,
+                                       sinks="none")  # a 4-token band: its first and last tokens matter
     _PINS[(_op, "first_rows")] = dict(ori_mask_mode=4, layout_q="BSND", s1=4, s2=2)
     _PINS[(_op, "no_cmp_token")] = dict(scenario="HCA", cmp_ratio=16, s1=2, s2=5)
     _PINS[(_op, "topk_all_minus1")] = dict(scenario="CSA", topk="all_minus1")

@@ -5,7 +5,7 @@ A draw: scenario SWA / CSA / HCA, both query layouts, every KV layout (paged cac
 spare), per-batch lengths, the three ori mask modes and windows (-1 = unlimited included), cmp_ratio, cmp mask
 modes, indexer-like top-k lists (distinct tokens below each row's bound, then -1), sinks (None, -inf, values),
 both precisions and the LSE. Cache rows no token maps to hold 300 (a stray read would dominate the row).
-Edges (qsfa._edges.EDGES): the window's first rows (queries before the first cached token), a row that sees no
+Edges (qsfa._edges.EDGES): a 4-token band window, the window's first rows (queries before the first cached token), a row that sees no
 compressed token, top-k all -1, top-k entries at the bound, cmp_residual_kv 0 and cmp_ratio - 1, sinks -inf /
 0 / huge, block size 1024, one token, rows longer than one S2 tile.
 """
