@@ -142,8 +142,9 @@ _V4_EDGES = ("window_band", "first_rows", "no_cmp_token", "topk_all_minus1", "to
 EDGES["sparse_flash_mla"] = _V4_EDGES + ("residual:0", "residual:max")
 EDGES["sparse_attn_sharedkv"] = _V4_EDGES
 EDGES["mixed_quant_sparse_flash_mla"] = _V4_EDGES + ("quant_mode:1", "quant_mode:2")
+EDGES["kv_quant_sparse_attn_sharedkv"] = _V4_EDGES
 for _op, _pa in (("sparse_flash_mla", "PA_BBND"), ("sparse_attn_sharedkv", "PA_ND"),
-                 ("mixed_quant_sparse_flash_mla", "PA_BBND")):
+                 ("mixed_quant_sparse_flash_mla", "PA_BBND"), ("kv_quant_sparse_attn_sharedkv", "PA_ND")):
     _PINS[(_op, "window_band")] = dict(ori_mask_mode=4, ori_win_left=3, ori_win_right=0, s1=3, s2=12,
                                        sinks="none")  # a 4-token band: its first and last tokens matter
     _PINS[(_op, "first_rows")] = dict(ori_mask_mode=4, layout_q="BSND", s1=4, s2=2)

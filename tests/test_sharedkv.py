@@ -430,3 +430,56 @@ def test_mixed_quant_mode2_is_the_model1_layout():
     blocks = np.ascontiguousarray(cache[:, : 16 * 584]).reshape(2, 16, 1, 584)
     back = qsfa.layouts.flashmla_model1_dequantize(cache, block_size=16)
     assert dequant_mode2(blocks).view(np.uint16).tobytes() == back.view(np.uint16).tobytes()
+
+
+# --------------------------------------------------------------------------------------------------
+# kv_quant_sparse_attn_sharedkv: 640-byte rows
+
+
+def test_640_rows_dequantise_exactly():
+    """Every E4M3FN code (NaN codes aside) times 2^(byte - 127) for a few scale bytes: exact in bf16 (ml_dtypes'
+    casts computed here), RoPE bytes copied, pad bytes never read."""
+    from qsfa.reference.sharedkv import dequant_640
+
+    codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], np.uint8)
+    rows = np.zeros((4, 2, 640), np.uint8)
+    rows[..., 128:576] = np.resize(codes, (4, 2, 448))
+    for i, e in enumerate((127, 120, 130, 100)):
+        rows[i, :, 576:583] = e
+    rows[..., 583:] = 0xFF  # pad: junk
+    rows[..., :128] = np.arange(128, dtype=np.uint8)  # RoPE bytes
+    got = dequant_640(rows)
+    want = (rows[..., 128:576].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+            * np.exp2(rows[..., 576:577].astype(np.float64) - 127)).astype(BF16)
+    assert got[..., :448].view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+    assert got[..., 448:].view(np.uint8).tobytes() == rows[..., :128].tobytes()
+
+
+@pytest.mark.parametrize("scenario", ["SWA", "CSA", "HCA"])
+def test_kv_quant_sharedkv_equals_sharedkv_on_the_dequantised_rows(scenario):
+    from qsfa.ops.sharedkv import kqs_case
+    from qsfa.reference.sharedkv import dequant_640
+
+    ratio = {"SWA": 1, "CSA": 4, "HCA": 128}[scenario]
+    a = kqs_case(scenario=scenario, s2=300, ratio=ratio)
+    q, mode = a.pop("q"), a.pop("kv_quant_mode")
+    got = qsfa.kv_quant_sparse_attn_sharedkv(q, mode, chip="950", **a)[0]
+    b = {k: v for k, v in a.items() if k not in ("tile_size", "rope_head_dim")}
+    b.update(ori_kv=dequant_640(a["ori_kv"]), cmp_kv=None if a["cmp_kv"] is None else dequant_640(a["cmp_kv"]))
+    want = qsfa.sparse_attn_sharedkv(q, **b)[0]  # resolves to A3 (the sharedkv kernel's chip)
+    assert got.dtype == BF16 and got.shape == q.shape
+    from qsfa.chips import sharedkv_numerics
+    from qsfa.reference.sharedkv import sharedkv_attention
+
+    # the same core on the dequantised rows with the 950 numerics gives the same bytes
+
+    num = sharedkv_numerics("950", {"q": q})
+    cmp_len = None if scenario == "SWA" else np.asarray(a["seqused_kv"], np.int64) // ratio
+    res = None if scenario == "SWA" else np.asarray(a["seqused_kv"], np.int64) % ratio
+    ref = sharedkv_attention(q, b["ori_kv"], b["cmp_kv"], a["cmp_sparse_indices"], ori_block_table=a["ori_block_table"],
+                  cmp_block_table=a["cmp_block_table"], seqused_ori_kv=a["seqused_kv"], seqused_cmp_kv=cmp_len,
+                  cmp_residual_kv=res, sinks=a["sinks"], softmax_scale=a["softmax_scale"], cmp_ratio=ratio,
+                  ori_mask_mode=4, cmp_mask_mode=a["cmp_mask_mode"], ori_win_left=127, ori_win_right=0,
+                  layout_kv="PA_ND", **num)[0]
+    assert got.view(np.uint16).tobytes() == ref.view(np.uint16).tobytes()
+    assert compare_float(got, want, dtype="bfloat16").passed  # A3 tiles / rounding: within the criterion

@@ -20,7 +20,7 @@ from ._support import call, fail
 
 __all__ = ["v4_properties"]
 
-V4_OPS = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla")
+V4_OPS = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv")
 
 
 def _same(a, b, what):

@@ -33,6 +33,9 @@ __all__ = [
     "sfm_case",
     "sas_case",
     "mq_case",
+    "kqs_case",
+    "kv_quant_sparse_attn_sharedkv",
+    "KQS_CONTRACT",
     "mixed_quant_sparse_flash_mla",
     "MQ_CONTRACT",
     "SFM_CONTRACT",
@@ -42,17 +45,20 @@ __all__ = [
 SFM = "sparse_flash_mla"
 SAS = "sparse_attn_sharedkv"
 MQ = "mixed_quant_sparse_flash_mla"
+KQS = "kv_quant_sparse_attn_sharedkv"
 SFM_SOURCE = ("docs/numerics/attention-v4.md#sparse_flash_mla; cannmirror/ops-transformer "
               "attention/sparse_flash_mla/docs/aclnnSparseFlashMla.md")
 MQ_SOURCE = ("docs/numerics/attention-v4.md#mixed_quant_sparse_flash_mla; cannmirror/ops-transformer "
              "attention/mixed_quant_sparse_flash_mla/README.md")
+KQS_SOURCE = ("docs/numerics/attention-v4.md#kv_quant_sparse_attn_sharedkv; vllm-project/vllm-ascend "
+              "csrc/attention/kv_quant_sparse_attn_sharedkv/README.md")
 SAS_SOURCE = ("docs/numerics/attention-v4.md#sparse_attn_sharedkv; cannmirror/ops-transformer "
               "experimental/attention/sparse_attn_sharedkv/README.md")
 HEAD_DIM = 512
 TOPK_SIZES = (512, 1024)
 MAX_HEADS = 128
 _POW2_HEADS = tuple(2 ** i for i in range(8))
-_PA = {SFM: "PA_BBND", SAS: "PA_ND", MQ: "PA_BBND"}
+_PA = {SFM: "PA_BBND", SAS: "PA_ND", MQ: "PA_BBND", KQS: "PA_ND"}
 _KV_BYTES = {1: _ref.MODE1_BYTES, 2: _ref.MODE2_BYTES}
 
 
@@ -104,6 +110,10 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
         for p in ("ori_kv", "cmp_kv"):
             if a[p] is not None:
                 a[p] = (_ref.pack_mode1(a[p]) if quant_mode == 1 else _pack_mode2(a[p])).view(_FP8)
+    if op == KQS:
+        for p in ("ori_kv", "cmp_kv"):
+            if a[p] is not None:
+                a[p] = _ref.pack_640(a[p]).view(_FP8)
     if op in (SFM, MQ):
         a.update(seqused_ori_kv=lens if layout_kv == pa else None,
                  seqused_cmp_kv=np.full(batch, s3, np.int32) if has_cmp and layout_kv == pa else None,
@@ -118,6 +128,8 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
         a["topk_value_mode"] = 1
     if op == MQ:
         a.update(quant_mode=quant_mode, rope_head_dim=64)
+    if op == KQS:
+        a.update(kv_quant_mode=1, tile_size=64, rope_head_dim=64)
     a.update(return_softmax_lse=False, precision="faithful")
     return a
 
@@ -143,6 +155,13 @@ def mq_case(**kw):
     quant_mode 2 = the MODEL1 blocks, 64 query heads; quant_mode=1 gives 608-byte rows)."""
     kw.setdefault("n1", 64)
     return _case(MQ, **kw)
+
+
+def kqs_case(**kw):
+    """A small valid ``kv_quant_sparse_attn_sharedkv`` argument set (sharedkv conventions, 640-byte rows,
+    layout PA_ND, 64 query heads)."""
+    kw.setdefault("n1", 64)
+    return _case(KQS, **kw)
 
 
 def sas_case(**kw):
@@ -183,10 +202,12 @@ def _len_rule(n, p, size, reason):
 
 def _rules(op):
     mq = op == MQ
+    kqs = op == KQS
+    quant = mq or kqs
     sfm = op in (SFM, MQ)  # the sparse_flash_mla parameter set (seqused_ori_kv / _cmp_kv, cmp_residual_kv, ...)
-    src = {SFM: SFM_SOURCE, SAS: SAS_SOURCE, MQ: MQ_SOURCE}[op]
+    src = {SFM: SFM_SOURCE, SAS: SAS_SOURCE, MQ: MQ_SOURCE, KQS: KQS_SOURCE}[op]
     pa = _PA[op]
-    n = Names(op, {SFM: sfm_case, SAS: sas_case, MQ: mq_case}[op], source=src)
+    n = Names(op, {SFM: sfm_case, SAS: sas_case, MQ: mq_case, KQS: kqs_case}[op], source=src)
     lens_kv = "seqused_ori_kv" if sfm else "seqused_kv"
     arrays = ["ori_sparse_indices", "cmp_sparse_indices", "ori_block_table", "cmp_block_table", "cu_seqlens_q",
               "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", lens_kv, "metadata"]
@@ -195,23 +216,28 @@ def _rules(op):
     r = [is_array(op, "q", source=src)]
     r += [is_array(op, p, optional=True, source=src) for p in ["ori_kv", "cmp_kv", "sinks"] + arrays]
     required = ["ori_kv"] + ([] if op == SFM else ["softmax_scale", "cmp_ratio"]) + (
-        ["quant_mode", "rope_head_dim"] if mq else [])
+        ["quant_mode", "rope_head_dim"] if mq else []) + (["tile_size"] if kqs else [])
     for p in required:
         r.append(rule(n, f"{p}_required", p, "value",
                       "must be given (every scenario reads ori_kv)" if p == "ori_kv" else
                       "must be given (the public signature defaults to None but names no value for it)",
                       (lambda p_: lambda a: None if a.get(p_) is not None else "None")(p), edit(n, setting(**{p: None}))))
-    r.append(dtype_in(op, "q", ("bfloat16",) if mq else ("float16", "bfloat16"), source=src))
-    for p in ("ori_kv", "cmp_kv") if mq else ():
+    r.append(dtype_in(op, "q", ("bfloat16",) if quant else ("float16", "bfloat16"), source=src))
+    for p in ("ori_kv", "cmp_kv") if quant else ():
         r.append(dtype_in(op, p, ("float8_e4m3fn", "uint8", "int8"), source=src))
-    if mq:
+    if kqs:
+        r.append(choice_rule(n, "kv_quant_mode", (1,), bad=2))
+        r.append(choice_rule(n, "tile_size", (64,), bad=32))
+        r.append(choice_rule(n, "rope_head_dim", (64,), bad=0))
+    if quant:
         r.append(rule(n, "cmp_kv_dtype_same", "cmp_kv", "dtype", "must have ori_kv's dtype",
                       lambda a: None if a.get("cmp_kv") is None or a.cmp_kv.dtype == a.ori_kv.dtype
                       else dtype_name(a.cmp_kv), edit(n, lambda a: a.update(cmp_kv=a["cmp_kv"].view(np.uint8))),
                       dtype=True))
+    if mq:
         r.append(choice_rule(n, "quant_mode", _ref.QUANT_MODES, bad=3))
         r.append(choice_rule(n, "rope_head_dim", (64,), bad=32))
-    for p in ("ori_kv", "cmp_kv") if not mq else ():
+    for p in ("ori_kv", "cmp_kv") if not quant else ():
         def same(a, p=p):
             v = a.get(p)
             return None if v is None or v.dtype == a.q.dtype else dtype_name(v)
@@ -260,13 +286,18 @@ def _rules(op):
 
         r.append(rule(n, f"{p}_nonempty", p, "shape", "empty tensors are not supported", empty,
                       edit(n, (lambda p_: lambda a: a.update({p_: a[p_][:0]}))(p))))
+    for p in ("ori_kv", "cmp_kv") if kqs else ():
+        r.append(rule(n, f"{p}_row_bytes", p, "shape", f"the last dimension must be {_ref.KVQ_BYTES}",
+                      (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape[-1] == _ref.KVQ_BYTES
+                       else tuple(a[p_].shape))(p),
+                      edit(n, (lambda p_: lambda a: a.update({p_: np.ascontiguousarray(a[p_][..., :512])}))(p))))
     for p in ("ori_kv", "cmp_kv") if mq else ():
         r.append(rule(n, f"{p}_row_bytes", p, "shape",
                       f"the last dimension must be {_ref.MODE1_BYTES} (quant_mode 1) or {_ref.MODE2_BYTES} (quant_mode 2)",
                       (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape[-1] == _KV_BYTES[a.quant_mode]
                        else tuple(a[p_].shape))(p),
                       edit(n, (lambda p_: lambda a: a.update({p_: np.ascontiguousarray(a[p_][..., :512])}))(p))))
-    for p in ("q",) if mq else ("q", "ori_kv", "cmp_kv"):
+    for p in ("q",) if quant else ("q", "ori_kv", "cmp_kv"):
         r.append(rule(n, f"{p}_head_dim", p, "shape", f"D (the last dimension) must be {HEAD_DIM}",
                       (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape[-1] == HEAD_DIM
                        else tuple(a[p_].shape))(p),
@@ -397,10 +428,10 @@ def _rules(op):
     r.append(choice_rule(n, "precision", _ref.PRECISIONS,
                          source="docs/numerics/attention-v4.md#precision (qsfa's parameter)"))
     r.append(finite_rule(n, "q"))
-    if not mq:
+    if not quant:
         r.append(finite_rule(n, "ori_kv"))
         r.append(finite_rule(n, "cmp_kv"))
-    else:
+    elif mq:
         r.append(rule(n, "lengths_consistent", "cmp_residual_kv", "value",
                       "with seqused_ori_kv, seqused_cmp_kv and cmp_residual_kv all given, seqused_ori_kv must equal "
                       "seqused_cmp_kv * cmp_ratio + cmp_residual_kv", lambda a: None if any(
@@ -416,6 +447,8 @@ def _rules(op):
 def _chip_rules(n, op, sfm):
     if op == MQ:
         return _mq_chip_rules(n)
+    if op == KQS:
+        return _kqs_chip_rules(n)
     a23 = ("A2", "A3") if sfm else ("A3",)
     out = []
     if not sfm:
@@ -482,6 +515,36 @@ def _mq_chip_rules(n):
     ]
 
 
+def _kqs_chip_rules(n):
+    c = ("950",)
+    return [
+        rule(n, "chip_supported", "q", "value", "kv_quant_sparse_attn_sharedkv runs on Ascend 950 only (vLLM-Ascend "
+             "routes it from its A5 adaptor)", lambda a: "this chip", edit(n), chips=("A2", "A3")),
+        rule(n, "chip_layout_kv", "layout_kv", "value", "only PA_ND is supported",
+             lambda a: None if a.layout_kv == "PA_ND" else a.layout_kv, edit(n, layout_kv="BSND"), chips=c),
+        rule(n, "chip_q_heads", "q", "shape", "N1 must be 64 or 128", lambda a: None if a.q.shape[-2] in (64, 128)
+             else tuple(a.q.shape), edit(n, n1=2), chips=c),
+        rule(n, "chip_topk", "cmp_sparse_indices", "shape", f"K must be {one_of(TOPK_SIZES)}",
+             lambda a: None if a.get("cmp_sparse_indices") is None or a.cmp_sparse_indices.shape[-1] in TOPK_SIZES
+             else tuple(a.cmp_sparse_indices.shape), edit(n, k=8), chips=c),
+        rule(n, "chip_mask_modes", "ori_mask_mode", "value", "ori_mask_mode must be 4 and, with cmp_kv, cmp_mask_mode 3",
+             lambda a: None if a.ori_mask_mode == 4 and (a.get("cmp_kv") is None or a.cmp_mask_mode == 3)
+             else a.ori_mask_mode, edit(n, setting(ori_mask_mode=3)), chips=c),
+        rule(n, "chip_window", "ori_win_left", "value", "ori_win_left must be 127 and ori_win_right 0",
+             lambda a: None if a.ori_win_left == 127 and a.ori_win_right == 0 else a.ori_win_left,
+             edit(n, setting(ori_win_left=63)), chips=c),
+        rule(n, "chip_cmp_ratio", "cmp_ratio", "value", "cmp_ratio must be 1 (SWA), 4 or 128",
+             lambda a: None if a.cmp_ratio == (1 if a.get("cmp_kv") is None else a.cmp_ratio) and
+             (a.get("cmp_kv") is None or a.cmp_ratio in (4, 128)) else a.cmp_ratio,
+             edit(n, setting(cmp_ratio=8)), chips=c),
+        rule(n, "chip_sinks", "sinks", "value", "sinks must be given", lambda a: None
+             if a.get("sinks") is not None else "None", edit(n, setting(sinks=None)), chips=c),
+        rule(n, "chip_return_softmax_lse", "return_softmax_lse", "value",
+             "softmax_lse is documented as invalid: pass False", lambda a: None
+             if not a.return_softmax_lse else True, edit(n, setting(return_softmax_lse=True)), chips=c),
+    ]
+
+
 def _prefix_ok(v, total, le=False):
     v = np.asarray(v, np.int64).reshape(-1)
     if v.size < 2 or v[0] != 0 or (np.diff(v) < 0).any():
@@ -524,6 +587,9 @@ MQ_CONTRACT = Contract(op=MQ, constraints=_rules(MQ), example=lambda rng: mq_cas
     _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_ori_kv:array? seqused_cmp_kv:array?"
     " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
     " rope_head_dim:int?"))
+KQS_CONTRACT = Contract(op=KQS, constraints=_rules(KQS), example=lambda rng: kqs_case(), params=params(
+    _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array? kv_quant_mode:int tile_size:int?"
+    " rope_head_dim:int"))
 SAS_CONTRACT = Contract(op=SAS, constraints=_rules(SAS), example=lambda rng: sas_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array?"))
 
@@ -579,6 +645,15 @@ def _mq_numerics(chip, args):
 define_operator(MQ, MQ_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_mq_reference,
                 numerics=_mq_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention over per-token-group FP8 KV, aclnnMixedQuantSparseFlashMla.")
+def _kqs_reference(q, ori_kv, cmp_kv, kv_quant_mode, tile_size, rope_head_dim, **kw):
+    """640-byte rows dequantised (exact E8M0 scaling) in front of the sharedkv conventions."""
+    deq = (lambda x: None if x is None else _ref.dequant_640(x))
+    return _sas_reference(q, deq(ori_kv), deq(cmp_kv), **kw)
+
+
+define_operator(KQS, KQS_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_kqs_reference,
+                numerics=_chips.sharedkv_numerics,
+                doc="DeepSeek-V4 shared-KV sparse attention over 640-byte FP8 rows (vLLM-Ascend, Ascend 950).")
 define_operator(SFM, SFM_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_sfm_reference,
                 numerics=_chips.sharedkv_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention (SWA / CSA / HCA), aclnnSparseFlashMla.")
@@ -682,3 +757,27 @@ def mixed_quant_sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indi
                 ori_win_right=ori_win_right, layout_q=layout_q, layout_kv=layout_kv, topk_value_mode=topk_value_mode,
                 return_softmax_lse=return_softmax_lse, precision=precision)
     return run(MQ, args, backend, chip=chip)
+
+
+def kv_quant_sparse_attn_sharedkv(q, kv_quant_mode, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None,
+                                  cmp_sparse_indices=None, ori_block_table=None, cmp_block_table=None,
+                                  cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None, seqused_q=None,
+                                  seqused_kv=None, sinks=None, metadata=None, tile_size=None, rope_head_dim=0,
+                                  softmax_scale=None, cmp_ratio=None, ori_mask_mode=4, cmp_mask_mode=3,
+                                  ori_win_left=127, ori_win_right=0, layout_q="BSND", layout_kv="PA_ND",
+                                  return_softmax_lse=False, chip=None, backend="reference", precision="faithful"):
+    """:func:`sparse_attn_sharedkv` over 640-byte FP8 rows (vLLM-Ascend ``npu_kv_quant_sparse_attn_sharedkv``,
+    Ascend 950; docs/numerics/attention-v4.md#kv_quant_sparse_attn_sharedkv): per token 64 bf16 RoPE values,
+    448 FP8 E4M3FN NoPE codes, 7 E8M0 tile scales (tile_size 64), pad to 640 bytes; the dequantisation is exact.
+    kv_quant_mode 1, tile_size 64 and rope_head_dim 64 are the only values (the README's defaults None / 0 must
+    be overridden, as vLLM-Ascend does: ``kv_quant_mode=1, tile_size=64, rope_head_dim=64``); softmax_scale and
+    cmp_ratio are required. Returns ``(attention_out, softmax_lse)``."""
+    args = dict(q=q, kv_quant_mode=kv_quant_mode, ori_kv=ori_kv, cmp_kv=cmp_kv, ori_sparse_indices=ori_sparse_indices,
+                cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,
+                cmp_block_table=cmp_block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_ori_kv=cu_seqlens_ori_kv,
+                cu_seqlens_cmp_kv=cu_seqlens_cmp_kv, seqused_q=seqused_q, seqused_kv=seqused_kv, sinks=sinks,
+                metadata=metadata, tile_size=tile_size, rope_head_dim=rope_head_dim, softmax_scale=softmax_scale,
+                cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode, cmp_mask_mode=cmp_mask_mode,
+                ori_win_left=ori_win_left, ori_win_right=ori_win_right, layout_q=layout_q, layout_kv=layout_kv,
+                return_softmax_lse=return_softmax_lse, precision=precision)
+    return run(KQS, args, backend, chip=chip)

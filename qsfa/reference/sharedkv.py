@@ -345,3 +345,47 @@ def dequant_mode2(blocks: np.ndarray) -> np.ndarray:
     b = np.ascontiguousarray(blocks).view(np.uint8)
     nb, bs = b.shape[0], b.shape[1]
     return dequantize(b.reshape(nb, bs * MODE2_BYTES), bs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# kv_quant_sparse_attn_sharedkv (vLLM-Ascend, Ascend 950): 640-byte rows
+#
+# vllm-project/vllm-ascend@182b75e csrc/attention/kv_quant_sparse_attn_sharedkv/README.md: per token
+#   [0, 128) RoPE, 64 bf16 values | [128, 576) NoPE, 448 FP8 E4M3FN codes | [576, 583) 7 E8M0 tile scales
+#   (tile_size 64) | [583, 640) pad (never read). K NoPE = decode(code) * 2^(byte - 127): exact.
+
+KVQ_BYTES = 640
+
+
+def pack_640(k: np.ndarray) -> np.ndarray:
+    """bf16 K rows ``[..., 512]`` ([NoPE 448, RoPE 64]) -> 640-byte rows (uint8): per tile the MODEL1 scale
+    ``2^ceil(log2(max(amax / 448, 1e-4)))`` and E4M3FN RINT codes (qsfa.reference.flashmla_model1). Test data."""
+    from .flashmla_model1 import quantize, unpack
+
+    k = np.asarray(k)
+    lead = k.shape[:-1]
+    rows = k.reshape(-1, 1, 1, 512)
+    codes, rope, scales = unpack(quantize(rows), 1)  # one token per block
+    out = np.zeros((rows.shape[0], KVQ_BYTES), np.uint8)
+    out[:, :128] = np.ascontiguousarray(rope.reshape(-1, 64)).view(np.uint8)
+    out[:, 128:576] = codes.reshape(-1, 448)
+    out[:, 576:583] = scales.reshape(-1, 7)
+    return out.reshape(lead + (KVQ_BYTES,))
+
+
+def dequant_640(rows: np.ndarray) -> np.ndarray:
+    """640-byte rows ``[..., 640]`` (any one-byte dtype) -> bf16 ``[..., 512]`` ([NoPE 448, RoPE 64]):
+    ``decode(code) * 2^(byte - 127)`` (exact; NaN codes / the NaN scale byte give NaN, overflow inf)."""
+    from .formats import decode, encode
+
+    b = np.ascontiguousarray(rows).view(np.uint8)
+    lead = b.shape[:-1]
+    b = b.reshape(-1, KVQ_BYTES)
+    vals = decode(b[:, 128:576], "float8_e4m3fn").reshape(-1, 7, 64)
+    s = decode(b[:, 576:583], "float8_e8m0")[..., None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = (vals * s).reshape(-1, 448)
+    out = np.empty((b.shape[0], 512), np.uint16)
+    out[:, :448] = np.where(np.isnan(prod), np.uint16(0x7FC0), encode(prod, "bfloat16", rounding="rint"))
+    out[:, 448:] = np.ascontiguousarray(b[:, :128]).view(np.uint16)
+    return out.view(_QDT["bfloat16"]).reshape(lead + (512,))

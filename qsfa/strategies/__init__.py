@@ -60,7 +60,10 @@ from ._common import Bounds, bounds, INT64_MAX, InvalidArgs, poison_bytes, slot_
 from .formats import decode_args, encode_args, pack_fp4_args, unpack_fp4_args
 from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_args
 from .quant import dynamic_block_quant_args
-from .sharedkv import mixed_quant_sparse_flash_mla_args, sparse_attn_sharedkv_args, sparse_flash_mla_args
+from .sharedkv import (
+    kv_quant_sparse_attn_sharedkv_args, mixed_quant_sparse_flash_mla_args, sparse_attn_sharedkv_args,
+    sparse_flash_mla_args,
+)
 
 __all__ = [
     "Bounds",
@@ -98,6 +101,7 @@ __all__ = [
     "sparse_flash_mla_args",
     "sparse_attn_sharedkv_args",
     "mixed_quant_sparse_flash_mla_args",
+    "kv_quant_sparse_attn_sharedkv_args",
 ]
 
 
@@ -206,6 +210,7 @@ MORE_STRATEGIES = {
     "sparse_flash_mla": sparse_flash_mla_args,
     "sparse_attn_sharedkv": sparse_attn_sharedkv_args,
     "mixed_quant_sparse_flash_mla": mixed_quant_sparse_flash_mla_args,
+    "kv_quant_sparse_attn_sharedkv": kv_quant_sparse_attn_sharedkv_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):

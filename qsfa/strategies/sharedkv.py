@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from .. import _edges as _E
 from ._common import _b, _choose, _QDT, _rng, Bounds, ints
 
-__all__ = ["sparse_flash_mla_args", "sparse_attn_sharedkv_args", "mixed_quant_sparse_flash_mla_args"]
+__all__ = ["sparse_flash_mla_args", "sparse_attn_sharedkv_args", "mixed_quant_sparse_flash_mla_args",
+           "kv_quant_sparse_attn_sharedkv_args"]
 
 _D = 512
 _JUNK = 300.0
@@ -59,11 +60,12 @@ def _store(rows_per_batch, layout, block_size, rng, qdt, pa_name):
 
 def _build(draw, op, bounds, pins):
     mq = op == "mixed_quant_sparse_flash_mla"
+    kqs = op == "kv_quant_sparse_attn_sharedkv"
     sfm = op in ("sparse_flash_mla", "mixed_quant_sparse_flash_mla")
     b = _b(bounds)
     pins, edge = _E.take(draw, op, pins)
     rng = _rng(draw)
-    qname = _choose(draw, pins, "dtype", ("bfloat16",) if mq else ("bfloat16", "float16"))
+    qname = _choose(draw, pins, "dtype", ("bfloat16",) if (mq or kqs) else ("bfloat16", "float16"))
     qdt = _QDT[qname]
     scenario = _choose(draw, pins, "scenario", ("SWA", "CSA", "HCA"))
     pa = "PA_BBND" if sfm else "PA_ND"
@@ -106,6 +108,12 @@ def _build(draw, op, bounds, pins):
         pack = pack_mode1 if quant_mode == 1 else _pack_mode2
         ori = pack(ori).view(_FP8)
         cmp = None if cmp is None else pack(cmp).view(_FP8)
+    if kqs:  # 640-byte rows of the same values
+        from ..ops.sharedkv import _FP8
+        from ..reference.sharedkv import pack_640
+
+        ori = pack_640(ori).view(_FP8)
+        cmp = None if cmp is None else pack_640(cmp).view(_FP8)
     rows = sum(s1)
     q = rng.uniform(-1, 1, (rows, n1, _D)).astype(qdt)
     if layout_q == "BSND":
@@ -157,6 +165,8 @@ def _build(draw, op, bounds, pins):
         a["topk_value_mode"] = 1
     if mq:
         a.update(quant_mode=quant_mode, rope_head_dim=64)
+    if kqs:
+        a.update(kv_quant_mode=1, tile_size=64, rope_head_dim=64)
     a.update(return_softmax_lse=bool(_choose(draw, pins, "return_softmax_lse", (False, True))),
              precision=_choose(draw, pins, "precision", ("faithful", "faithful", "exact")))
     return a
@@ -183,3 +193,10 @@ def mixed_quant_sparse_flash_mla_args(draw, bounds: Bounds | None = None, **pins
     """``mixed_quant_sparse_flash_mla``: as :func:`sparse_flash_mla_args` with bfloat16 queries and the cache rows
     quantised - quant_mode 1 (608-byte rows, every layout) or 2 (MODEL1 blocks, PA_BBND); pin ``quant_mode``."""
     return _build(draw, "mixed_quant_sparse_flash_mla", bounds, pins)
+
+
+@st.composite
+def kv_quant_sparse_attn_sharedkv_args(draw, bounds: Bounds | None = None, **pins) -> dict:
+    """``kv_quant_sparse_attn_sharedkv``: as :func:`sparse_attn_sharedkv_args` with bfloat16 queries and the cache
+    rows as 640-byte FP8 rows (E8M0 tile scales)."""
+    return _build(draw, "kv_quant_sparse_attn_sharedkv", bounds, pins)
