@@ -446,6 +446,7 @@ register_set("smoke", "a handful of tiny cases over several operators: generated
 
 SFM = "sparse_flash_mla"
 MQ = "mixed_quant_sparse_flash_mla"
+KQS = "kv_quant_sparse_attn_sharedkv"
 
 
 def _v4_case(name, op, description, *, scenario, layout_q="BSND", layout_kv="BSND", qdtype="bfloat16", batch=2,
@@ -461,6 +462,8 @@ def _v4_case(name, op, description, *, scenario, layout_q="BSND", layout_kv="BSN
         p["sinks_kind"] = sinks_kind
     if op == MQ:
         p.update(quant_mode=quant_mode or (2 if layout_kv == "PA_BBND" else 1), rope_head_dim=64)
+    if op == KQS:
+        p.update(kv_quant_mode=1, tile_size=64, rope_head_dim=64)
     return _case(name, op, "sharedkv", description, **p)
 
 
@@ -505,3 +508,20 @@ def v4_mixed_quant_cases() -> list[Case]:
 
 register_set("v4-mixed-quant", "mixed_quant_sparse_flash_mla (Ascend 950): quant_mode 1 (608-byte rows) and 2 "
              "(MODEL1 blocks), SWA / CSA / HCA, decode and prefill", v4_mixed_quant_cases)
+
+
+def v4_kv_quant_sharedkv_cases() -> list[Case]:
+    out = []
+    for scenario in ("SWA", "CSA", "HCA"):
+        for s1, phase in ((1, "decode"), (5, "prefill")):
+            for lq, bs in (("BSND", 16), ("TND", 128)):
+                out.append(_v4_case(f"v4-kvq-{scenario.lower()}-{phase}-{lq}-bs{bs}", KQS,
+                                    f"kv_quant_sparse_attn_sharedkv (640-byte rows, E8M0 scales), {scenario} {phase}, "
+                                    f"q {lq}, PA_ND blocks of {bs}", scenario=scenario, layout_q=lq, layout_kv="PA_ND",
+                                    s1=s1, block_size=bs))
+    return out
+
+
+register_set("v4-kv-quant-sharedkv", "kv_quant_sparse_attn_sharedkv (vLLM-Ascend, Ascend 950): 640-byte FP8 rows, "
+             "SWA / CSA / HCA, decode and prefill, BSND / TND queries, PA_ND blocks 16 / 128",
+             v4_kv_quant_sharedkv_cases)
