@@ -139,7 +139,8 @@ def valid_args(op: str, bounds: Bounds | None = None, *, chip: str | None = None
         make = STRATEGIES[op]
     except KeyError:
         raise KeyError(f"no strategy for operator {op!r}; known: {sorted(STRATEGIES)}") from None
-    s = make(bounds, **pins)
+    # a strategy marked ``chip_aware`` draws within the chip's limits itself (the filter below then rarely rejects)
+    s = make(bounds, chip=chip, **pins) if getattr(make, "chip_aware", False) else make(bounds, **pins)
     if chip is not None:
         from .._dispatch import operator
 

@@ -13,6 +13,7 @@ compressed token, top-k all -1, top-k entries at the bound, cmp_residual_kv 0 an
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import assume
 from hypothesis import strategies as st
 
 from .. import _edges as _E
@@ -63,7 +64,27 @@ def _build(draw, op, bounds, pins):
     kqs = op == "kv_quant_sparse_attn_sharedkv"
     sfm = op in ("sparse_flash_mla", "mixed_quant_sparse_flash_mla")
     b = _b(bounds)
+    chip = pins.pop("chip", None)
     pins, edge = _E.take(draw, op, pins)
+    # a chip the operator does not run on: reject before building anything (the runner reports "skipped")
+    runs_on = {"sparse_flash_mla": ("A2", "A3", "950"), "sparse_attn_sharedkv": ("A3",),
+               "mixed_quant_sparse_flash_mla": ("950",), "kv_quant_sparse_attn_sharedkv": ("950",)}[op]
+    assume(chip is None or chip in runs_on)
+    if chip is not None:  # draw within the chip's documented values (qsfa/ops/sharedkv.py chip rules)
+        limited = dict(k=512, ori_win_left=127, ori_win_right=0, ori_mask_mode=4, cmp_mask_mode=3)
+        if chip != "950" or op != "sparse_flash_mla":
+            limited.update(residual="exact")
+        if op != "sparse_flash_mla" or chip != "950":
+            limited["sinks"] = ("values", "-inf", "zero")
+        if op == "sparse_flash_mla" and chip == "950":
+            limited["n1"] = (2, 4, 8, 16, 64)
+        if op != "sparse_flash_mla":
+            limited.update(n1=64, return_softmax_lse=False)
+        if op in ("sparse_attn_sharedkv", "kv_quant_sparse_attn_sharedkv"):
+            limited["layout_kv"] = "PA_ND"
+        if op in ("sparse_attn_sharedkv", "kv_quant_sparse_attn_sharedkv") or chip != "950":
+            limited["cmp_ratio_by_scenario"] = True
+        pins = {**limited, **pins}
     rng = _rng(draw)
     qname = _choose(draw, pins, "dtype", ("bfloat16",) if (mq or kqs) else ("bfloat16", "float16"))
     qdt = _QDT[qname]
@@ -72,7 +93,10 @@ def _build(draw, op, bounds, pins):
     layout_q = _choose(draw, pins, "layout_q", ("BSND", "TND"))
     layout_kv = _choose(draw, pins, "layout_kv", (layout_q, pa))
     block_size = _choose(draw, pins, "block_size", (16, 32))
-    ratio = 1 if scenario == "SWA" else _choose(draw, pins, "cmp_ratio", (2, 4) if scenario == "CSA" else (4, 8, 16))
+    if pins.get("cmp_ratio_by_scenario"):
+        ratio = {"SWA": 1, "CSA": 4, "HCA": 128}[scenario]
+    else:
+        ratio = 1 if scenario == "SWA" else _choose(draw, pins, "cmp_ratio", (2, 4) if scenario == "CSA" else (4, 8, 16))
     bsz = _choose(draw, pins, "batch", tuple(range(1, b.max_batch + 1)))
     n1 = _choose(draw, pins, "n1", tuple(h for h in (1, 2, 4, 8, 16, 64) if h <= max(b.max_heads, 1)) or (1,))
     s1_max = _choose(draw, pins, "s1", tuple(range(1, b.max_q_tokens + 1)))
@@ -200,3 +224,8 @@ def kv_quant_sparse_attn_sharedkv_args(draw, bounds: Bounds | None = None, **pin
     """``kv_quant_sparse_attn_sharedkv``: as :func:`sparse_attn_sharedkv_args` with bfloat16 queries and the cache
     rows as 640-byte FP8 rows (E8M0 tile scales)."""
     return _build(draw, "kv_quant_sparse_attn_sharedkv", bounds, pins)
+
+
+for _f in (sparse_flash_mla_args, sparse_attn_sharedkv_args, mixed_quant_sparse_flash_mla_args,
+           kv_quant_sparse_attn_sharedkv_args):
+    _f.chip_aware = True  # qsfa.strategies.valid_args passes chip=
