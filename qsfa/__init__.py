@@ -61,6 +61,11 @@ _LAZY = {
     "merge_attention_lse": "qsfa.ops.lse",
     "attention_error_budget": "qsfa.ops.attention",
     "c8_pipeline": "qsfa.ops.attention",
+    # DeepSeek-V4 shared-KV attention
+    "sparse_flash_mla": "qsfa.ops.sharedkv",
+    "sparse_attn_sharedkv": "qsfa.ops.sharedkv",
+    "mixed_quant_sparse_flash_mla": "qsfa.ops.sharedkv",
+    "kv_quant_sparse_attn_sharedkv": "qsfa.ops.sharedkv",
 }
 
 _SUBMODULES = {

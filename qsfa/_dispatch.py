@@ -118,6 +118,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.indexer_cache",
     "qsfa.ops.k_scale_cache",
     "qsfa.ops.indexer_v4",
+    "qsfa.ops.sharedkv",
 )
 
 

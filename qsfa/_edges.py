@@ -149,6 +149,34 @@ for _op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention", "lightn
 _PINS[("merge_attention_lse", "empty_shards")] = dict(parts=(2, 3))
 _PINS[("merge_attention_lse", "large_max")] = dict(parts=(2, 3), stat_dtype="float32")
 
+# DeepSeek-V4 shared-KV attention (qsfa.strategies.sharedkv)
+_V4_EDGES = ("window_band", "first_rows", "no_cmp_token", "topk_all_minus1", "topk_at_bound", "sinks:-inf", "sinks:0",
+             "sinks:huge", "block_size:1024", "one_token", "long_rows")
+EDGES["sparse_flash_mla"] = _V4_EDGES + ("residual:0", "residual:max")
+EDGES["sparse_attn_sharedkv"] = _V4_EDGES
+EDGES["mixed_quant_sparse_flash_mla"] = _V4_EDGES + ("quant_mode:1", "quant_mode:2")
+EDGES["kv_quant_sparse_attn_sharedkv"] = _V4_EDGES
+for _op, _pa in (("sparse_flash_mla", "PA_BBND"), ("sparse_attn_sharedkv", "PA_ND"),
+                 ("mixed_quant_sparse_flash_mla", "PA_BBND"), ("kv_quant_sparse_attn_sharedkv", "PA_ND")):
+    _PINS[(_op, "window_band")] = dict(ori_mask_mode=4, ori_win_left=3, ori_win_right=0, s1=3, s2=12,
+                                       sinks="none")  # a 4-token band: its first and last tokens matter
+    _PINS[(_op, "first_rows")] = dict(ori_mask_mode=4, layout_q="BSND", s1=4, s2=2)
+    _PINS[(_op, "no_cmp_token")] = dict(scenario="HCA", cmp_ratio=16, s1=2, s2=5)
+    _PINS[(_op, "topk_all_minus1")] = dict(scenario="CSA", topk="all_minus1")
+    _PINS[(_op, "topk_at_bound")] = dict(scenario="CSA", topk="at_bound", k=(4, 8), s2=24)
+    _PINS[(_op, "sinks:-inf")] = dict(sinks="-inf", return_softmax_lse=True)
+    _PINS[(_op, "sinks:0")] = dict(sinks="zero", return_softmax_lse=True)
+    _PINS[(_op, "sinks:huge")] = dict(sinks="huge")
+    _PINS[(_op, "block_size:1024")] = dict(layout_kv=_pa, block_size=1024, s2=40)
+    _PINS[(_op, "one_token")] = dict(scenario="SWA", batch=1, s1=1, s2=1)
+    _PINS[(_op, "long_rows")] = dict(scenario="HCA", cmp_ratio=16, ori_mask_mode=4, ori_win_left=-1, batch=1, s1=1,
+                                     s2=600, precision="faithful")
+_PINS[("mixed_quant_sparse_flash_mla", "quant_mode:1")] = dict(quant_mode=1, scenario="CSA", s2=24)
+_PINS[("mixed_quant_sparse_flash_mla", "quant_mode:2")] = dict(quant_mode=2, layout_kv="PA_BBND", scenario="HCA",
+                                                               cmp_ratio=4, s2=40)
+_PINS[("sparse_flash_mla", "residual:0")] = dict(scenario=("CSA", "HCA"), residual="zero", cmp_mask_mode=3, s2=30)
+_PINS[("sparse_flash_mla", "residual:max")] = dict(scenario=("CSA", "HCA"), residual="max", cmp_mask_mode=3, s2=30)
+
 
 #: False turns the edges off (no edge draws, no edge phase): the catalogue as it was before them, for measuring
 #: their effect (``python -m qsfa.conformance.campaign --without-edges``)

@@ -50,6 +50,8 @@ __all__ = [
     "resolve_chip",
     "chip_violation",
     "front_door",
+    "SHAREDKV_NUMERICS",
+    "sharedkv_numerics",
 ]
 
 #: rounding modes of an fp32 -> 16-bit cast: "rint" = round half to even (AscendC CAST_RINT), "round" = round
@@ -84,6 +86,28 @@ DYNAMIC_BLOCK_QUANT_ORDER = {"A2": "reciprocal", "A3": "reciprocal", "950": "div
 #: c8_cache_write / c8_rmsnorm_rope_cache: vllm-ascend's C8 writer quantises the NoPE with the chip's
 #: npu_dynamic_block_quant, so the writers take its order. Sources: docs/numerics/chips.md#c8-cache-writers.
 C8_SCALE_ORDER = DYNAMIC_BLOCK_QUANT_ORDER
+
+#: DeepSeek-V4 shared-KV attention (sparse_flash_mla, sparse_attn_sharedkv): chip -> "s2_tile" (tokens per online-
+#: softmax step), "p" / "out" (query dtype -> mode of the P and output casts). Sources: docs/numerics/chips.md
+#: #deepseek-v4-shared-kv-attention (A2/A3: attention/sparse_flash_mla/op_kernel/arch22/
+#: sparse_flash_mla_scfa_block_vector.h; 950: .../arch35/sparse_flash_mla_csa_block_vector.h).
+SHAREDKV_NUMERICS = {
+    "A2": {"s2_tile": 512, "p": {"bfloat16": "round", "float16": "round"},
+           "out": {"bfloat16": "rint", "float16": "round"}},
+    "950": {"s2_tile": 128, "p": {"bfloat16": "round", "float16": "round"},
+            "out": {"bfloat16": "round", "float16": "round"}},
+}
+SHAREDKV_NUMERICS["A3"] = SHAREDKV_NUMERICS["A2"]
+
+
+def sharedkv_numerics(chip: str, args: Mapping) -> dict:
+    """``Operator.numerics`` of the V4 shared-KV attention: S2 tile and the P / output rounding modes."""
+    from ._arrays import dtype_name
+
+    t = SHAREDKV_NUMERICS[chip]
+    q = dtype_name(args["q"])
+    return {"s2_tile": t["s2_tile"], "p_rounding": t["p"][q], "out_rounding": t["out"][q]}
+
 
 #: the chip whose numerics the bare reference functions use when no mode is passed
 DEFAULT_CHIP = "A2"

@@ -526,3 +526,52 @@ def test_c8_rmsnorm_rope_cache_takes_the_chips_order():
     for chip in (None, "A2", "A3"):
         assert write(chip=chip).tobytes() == reciprocal.tobytes(), chip
     assert write(chip="950").tobytes() == divide.tobytes()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# DeepSeek-V4 shared-KV attention (docs/numerics/chips.md#deepseek-v4-shared-kv-attention)
+
+
+def _v4_args(qdtype, k_rows, scale, q_lane0):
+    """SWA over two tokens (K = V), two query heads, sinks -inf: valid on every chip."""
+    from qsfa.reference.attention import _QDT
+
+    qdt = _QDT[qdtype]
+    q = np.zeros((1, 1, 2, 512), np.float32)
+    q[..., 0] = q_lane0
+    kv = np.zeros((1, 2, 1, 512), np.float32)
+    for j, row in enumerate(k_rows):
+        for lane, v in row.items():
+            kv[0, j, 0, lane] = v
+    return dict(ori_kv=kv.astype(qdt), sinks=np.full(2, -np.inf, np.float32), metadata=np.zeros(1024, np.int32),
+                softmax_scale=scale, cmp_ratio=1, ori_mask_mode=4, cmp_mask_mode=0, ori_win_left=127,
+                ori_win_right=0), q.astype(qdt)
+
+
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("chip", ["A2", "A3", "950"])
+def test_sharedkv_probability_rounding(qdtype, chip):
+    """Token 0: K = 0 (score 0, the max); token 1: K lane 0 = 1 (score = softmax_scale = x), lane 1 = 100: the
+    QSFA tie with K = V - P_1 is a midpoint of the query dtype and CAST_ROUND rounds it up on every chip."""
+    x = X_BF16_TIE if qdtype == "bfloat16" else X_FP16_TIE
+    a, q = _v4_args(qdtype, [{}, {0: 1.0, 1: 100.0}], x, 1.0)
+    out = qsfa.sparse_flash_mla(q, chip=chip, **a)[0]
+    assert float(out.astype(np.float32)[0, 0, 0, 1]) == P_EXPECT[qdtype][0]
+    from qsfa.reference.sharedkv import sharedkv_attention
+
+    half_even = sharedkv_attention(q, a["ori_kv"], sinks=a["sinks"], softmax_scale=x, ori_mask_mode=4,
+                                   ori_win_left=127, ori_win_right=0, p_rounding="rint")[0]
+    assert float(half_even.astype(np.float32)[0, 0, 0, 1]) == P_EXPECT[qdtype][1]
+
+
+@pytest.mark.parametrize("chip", ["A2", "A3", "950"])
+def test_sharedkv_output_rounding(chip):
+    """q = 0: P = (1, 1), l = 2, out = (K_0 + K_1) / 2 = 1.00390625 (bf16 midpoint of 1 and 1.0078125):
+    A2/A3 bf16 RINT -> 1.0, 950 ROUND -> 1.0078125. fp16: (1 + (1 + 2^-10)) / 2 is the fp16 midpoint 1 + 2^-11:
+    ROUND on every chip -> 1 + 2^-10."""
+    a, q = _v4_args("bfloat16", [{0: 1.0}, {0: 1.0078125}], 1.0, 0.0)
+    out = float(qsfa.sparse_flash_mla(q, chip=chip, **a)[0].astype(np.float32)[0, 0, 0, 0])
+    assert out == (1.0078125 if chip == "950" else 1.0)
+    a, q = _v4_args("float16", [{0: 1.0}, {0: 1.0 + 2.0 ** -10}], 1.0, 0.0)
+    out = float(qsfa.sparse_flash_mla(q, chip=chip, **a)[0].astype(np.float32)[0, 0, 0, 0])
+    assert out == 1.0 + 2.0 ** -10

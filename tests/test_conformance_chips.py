@@ -13,7 +13,12 @@ import pytest
 from qsfa.conformance import catalogue, run_property
 from qsfa.conformance.pytest_plugin import check_result
 
-PROPS = catalogue()
+# The DeepSeek-V4 attention operators are left out here: their draws (head dim 512, 64 heads and K = 512 within
+# the chips' limits) cost seconds each, too much for CI's budget at two chips x every property; their per-chip
+# numerics are checked by tests/test_sharedkv.py (fp32 loop per chip, bytes) and tests/test_chips.py (ties), and
+# `qsfa conformance --backend reference --chip 950 --ops sparse_flash_mla ...` runs them in full.
+_V4 = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv")
+PROPS = [p for p in catalogue() if p.op not in _V4]
 
 
 @pytest.mark.parametrize("chip", ["A2", "950"])

@@ -1076,6 +1076,46 @@ def _pad_scratch():
     _add("kv_compress_epilog_vllm.scale_pad_scratch", "kv_compress_epilog_vllm",
          "control: layout-2 scale padding copied from scratch (the kernel's behaviour)",
          scratch_writer("kv_compress_epilog_vllm", "kv_compress_cache"), "950", control=True)
+def _v4():
+    """DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md)."""
+    from ..reference import sharedkv as skv
+
+    sfm = "sparse_flash_mla"
+
+    def window_off_by_one(orig):
+        def sel(*a, **k):  # the band starts one token late: thr - ori_win_left instead of thr - ori_win_left - 1
+            wl = k["ori_win_left"]
+            return orig(*a, **{**k, "ori_win_left": wl - 1 if wl > 0 else wl})
+
+        return sel
+
+    _add(f"{sfm}.window_off_by_one", sfm, "the band window starts at thr - ori_win_left (one token late)",
+         _patch((skv, "select_tokens", window_off_by_one)))
+
+    def no_residual(orig):
+        def sel(bat, pos, s1, valid, ori_len, cmp_len, cmp_residual_kv, *a, **k):
+            return orig(bat, pos, s1, valid, ori_len, cmp_len, None, *a, **k)
+
+        return sel
+
+    _add(f"{sfm}.bound_without_residual", sfm,
+         "the compressed causal bound uses the window cache's length instead of S3 * cmp_ratio + cmp_residual_kv",
+         _patch((skv, "select_tokens", no_residual)))
+
+    def sink_numerator(ref):
+        def impl(**kw):  # the sink joins the row as one more key whose value is the row's first selected key
+            out, lse = ref(**kw)
+            if kw.get("sinks") is None:
+                return out, lse
+            plain, _ = ref(**{**kw, "sinks": None, "return_softmax_lse": False})
+            return ((out.astype(np.float64) + (plain.astype(np.float64) - out.astype(np.float64)) * 0.5)
+                    .astype(out.dtype)), lse
+
+        return impl
+
+    _add(f"{sfm}.sink_weight_halved", sfm,
+         "the sink's share of the denominator is half what it should be (out halfway to the sink-free output)",
+         sink_numerator)
 
 
 _BUILT = False
@@ -1117,7 +1157,7 @@ def _build():
         return
     _BUILT = True
     for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
-              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4):
+              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

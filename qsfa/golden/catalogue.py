@@ -558,3 +558,86 @@ register_set("v32-layer-prefill", "DeepSeek-V3.2 MLA layer chain v32-mla-c8, pre
              "chunked one over a cached prefix): every intermediate per link; A3 int8 and 950 FP8 caches",
              lambda: _v32_layer_cases("v32-layer-prefill", (
                  ("prefill", {"q_lens": [20, 13], "kv_lens": [20, 29], "sparse_count": 8}),)))
+# DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md)
+
+SFM = "sparse_flash_mla"
+MQ = "mixed_quant_sparse_flash_mla"
+KQS = "kv_quant_sparse_attn_sharedkv"
+
+
+def _v4_case(name, op, description, *, scenario, layout_q="BSND", layout_kv="BSND", qdtype="bfloat16", batch=2,
+             s1=1, s2=300, n1=64, k=512, block_size=16, quant_mode=None, sinks_kind=None, lse=False):
+    """A V4 case: the generator builds the arrays, the scalars (A2/A3's only values: window 127 / 0, band and
+    causal masks, cmp_ratio 1 / 4 / 128) are params."""
+    ratio = {"SWA": 1, "CSA": 4, "HCA": 128}[scenario]
+    p = dict(v4_op=op, scenario=scenario, layout_q=layout_q, layout_kv=layout_kv, qdtype=qdtype, batch=batch, s1=s1,
+             s2=s2, n1=n1, k=k, block_size=block_size, ratio=ratio, softmax_scale=512 ** -0.5, cmp_ratio=ratio,
+             ori_mask_mode=4, cmp_mask_mode=0 if scenario == "SWA" else 3, ori_win_left=127, ori_win_right=0,
+             return_softmax_lse=lse)
+    if sinks_kind:
+        p["sinks_kind"] = sinks_kind
+    if op == MQ:
+        p.update(quant_mode=quant_mode or (2 if layout_kv == "PA_BBND" else 1), rope_head_dim=64)
+    if op == KQS:
+        p.update(kv_quant_mode=1, tile_size=64, rope_head_dim=64)
+    return _case(name, op, "sharedkv", description, **p)
+
+
+def _v4_cases(scenario) -> list[Case]:
+    tag = scenario.lower()
+    out = []
+    for lq, lk, bs in (("BSND", "BSND", 16), ("TND", "TND", 16), ("BSND", "PA_BBND", 16), ("TND", "PA_BBND", 128),
+                       ("BSND", "PA_BBND", 1024)):
+        for s1, phase in ((1, "decode"), (5, "prefill")):
+            for qd in ("bfloat16", "float16"):
+                name = f"v4-{tag}-{phase}-{lq}-{lk}{'' if lk != 'PA_BBND' else f'-bs{bs}'}-{qd}"
+                out.append(_v4_case(name, SFM, f"sparse_flash_mla {scenario}, {phase} (S1 {s1}), q {lq} / KV {lk}"
+                                    f"{f' block {bs}' if lk == 'PA_BBND' else ''}, {qd}, 64 heads, 300 original tokens "
+                                    "(two S2 tiles on A2/A3 with the compressed part)", scenario=scenario,
+                                    layout_q=lq, layout_kv=lk, qdtype=qd, s1=s1, block_size=bs, lse=lq == "TND"))
+    out.append(_v4_case(f"v4-{tag}-first-rows", SFM, f"{scenario}: S1 6 > S2 4, the first rows see no token (zero)",
+                        scenario=scenario, s1=6, s2=4, batch=1, lse=True))
+    for kind in ("-inf", "zero", "huge"):
+        out.append(_v4_case(f"v4-{tag}-sinks-{kind}", SFM, f"{scenario} decode with every sink {kind}",
+                            scenario=scenario, s1=1, sinks_kind=kind, lse=True))
+    return out
+
+
+for _sc in ("SWA", "CSA", "HCA"):
+    register_set(f"v4-{_sc.lower()}", f"sparse_flash_mla {_sc} (DeepSeek-V4): decode and prefill, BSND / TND / "
+                 "PA_BBND (blocks 16 / 128 / 1024), bf16 / fp16, 64 heads, first rows, sinks -inf / 0 / huge",
+                 (lambda sc: lambda: _v4_cases(sc))(_sc))
+
+
+def v4_mixed_quant_cases() -> list[Case]:
+    out = []
+    for mode, lk in ((1, "BSND"), (1, "PA_BBND"), (2, "PA_BBND")):
+        for scenario in ("SWA", "CSA", "HCA"):
+            for s1, phase in ((1, "decode"), (5, "prefill")):
+                out.append(_v4_case(f"v4-mq{mode}-{scenario.lower()}-{phase}-{lk}", MQ,
+                                    f"mixed_quant_sparse_flash_mla quant_mode {mode} "
+                                    f"({'608-byte rows, bf16 scales' if mode == 1 else 'MODEL1 blocks, E8M0 scales'}), "
+                                    f"{scenario} {phase}, KV {lk}", scenario=scenario, layout_kv=lk, s1=s1,
+                                    quant_mode=mode))
+    return out
+
+
+register_set("v4-mixed-quant", "mixed_quant_sparse_flash_mla (Ascend 950): quant_mode 1 (608-byte rows) and 2 "
+             "(MODEL1 blocks), SWA / CSA / HCA, decode and prefill", v4_mixed_quant_cases)
+
+
+def v4_kv_quant_sharedkv_cases() -> list[Case]:
+    out = []
+    for scenario in ("SWA", "CSA", "HCA"):
+        for s1, phase in ((1, "decode"), (5, "prefill")):
+            for lq, bs in (("BSND", 16), ("TND", 128)):
+                out.append(_v4_case(f"v4-kvq-{scenario.lower()}-{phase}-{lq}-bs{bs}", KQS,
+                                    f"kv_quant_sparse_attn_sharedkv (640-byte rows, E8M0 scales), {scenario} {phase}, "
+                                    f"q {lq}, PA_ND blocks of {bs}", scenario=scenario, layout_q=lq, layout_kv="PA_ND",
+                                    s1=s1, block_size=bs))
+    return out
+
+
+register_set("v4-kv-quant-sharedkv", "kv_quant_sparse_attn_sharedkv (vLLM-Ascend, Ascend 950): 640-byte FP8 rows, "
+             "SWA / CSA / HCA, decode and prefill, BSND / TND queries, PA_ND blocks 16 / 128",
+             v4_kv_quant_sharedkv_cases)

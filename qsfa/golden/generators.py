@@ -665,3 +665,20 @@ def gen_vllm_quant_lightning_indexer(params, rng):
     args = vqli_case(seed=int(rng.integers(2**31)), explicit_lengths=True,
                      **{k: params[k] for k in keys if k in params})
     return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+# DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md)
+
+
+@register_generator("sharedkv")
+def gen_sharedkv(params, rng):
+    """The arrays of ``qsfa.ops.sharedkv._case(params["v4_op"], **builder params)`` (scenario, layout_q, layout_kv,
+    qdtype, batch, s1, s2, n1, k, block_size, ratio, quant_mode), seeded from ``rng``; ``sinks_kind`` "-inf" /
+    "zero" / "huge" replaces the sinks. The scalar arguments are case params (qsfa.golden.catalogue)."""
+    from ..ops.sharedkv import _case
+
+    keys = ("scenario", "layout_q", "layout_kv", "qdtype", "batch", "s1", "s2", "n1", "k", "block_size", "ratio",
+            "quant_mode")
+    a = _case(params["v4_op"], seed=int(rng.integers(0, 2**31 - 1)), **{k: params[k] for k in keys if k in params})
+    kind = params.get("sinks_kind")
+    if kind is not None:
+        a["sinks"] = np.full(a["sinks"].shape, {"-inf": -np.inf, "zero": 0.0, "huge": 1e30}[kind], np.float32)
+    return {k: v for k, v in a.items() if isinstance(v, np.ndarray)}

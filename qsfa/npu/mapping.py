@@ -159,6 +159,25 @@ NOT_MAPPED = {
     "formats.decode": "no torch_npu function decodes raw format codes to float32",
     "formats.pack_fp4": "no torch_npu function packs FP4 codes",
     "formats.unpack_fp4": "no torch_npu function unpacks FP4 codes",
+    "sparse_attn_sharedkv": (
+        "mapping not written yet: the target is torch.ops._C_ascend.npu_sparse_attn_sharedkv (vllm-project/"
+        "vllm-ascend@182b75e csrc/torch_binding.cpp l.2276-2303, keyword-only after q, returns (out, softmax_lse); "
+        "its registered defaults softmax_scale=0, cmp_ratio=0, ori_win_left=128 differ from the ops-transformer "
+        "README's None / None / 127), preceded by npu_sparse_attn_sharedkv_metadata (l.2305-2332) when metadata "
+        "is None; neither schema is recorded in signatures.json yet"),
+    "sparse_flash_mla": (
+        "mapping not written yet: the public callable is cann_ops_transformer.ops.sparse_flash_mla (ops-transformer "
+        "torch_extension docs/zh/sparse_flash_mla.md), not torch_npu or vLLM-Ascend at the recorded commits; its "
+        "signature is not recorded in signatures.json"),
+    "kv_quant_sparse_attn_sharedkv": (
+        "mapping not written yet: the target is torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv "
+        "(vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp l.2408-2439: q and kv_quant_mode positional; "
+        "vllm_ascend/device/device_op.py passes kv_quant_mode=1, tile_size=64, rope_head_dim=64), preceded by "
+        "npu_kv_quant_sparse_attn_sharedkv_metadata when metadata is None; schemas not recorded yet"),
+    "mixed_quant_sparse_flash_mla": (
+        "mapping not written yet: the callable is npu_ops_transformer's npu_mixed_quant_sparse_flash_mla "
+        "(ops-transformer torch_extension/npu_ops_transformer/ops/mixed_quant_sparse_flash_mla.py), not torch_npu "
+        "or vLLM-Ascend at the recorded commits; its signature is not recorded in signatures.json"),
 }
 
 

@@ -64,6 +64,10 @@ from .indexer_v4 import vllm_quant_lightning_indexer_args
 from .formats import decode_args, encode_args, pack_fp4_args, unpack_fp4_args
 from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_args
 from .quant import dynamic_block_quant_args
+from .sharedkv import (
+    kv_quant_sparse_attn_sharedkv_args, mixed_quant_sparse_flash_mla_args, sparse_attn_sharedkv_args,
+    sparse_flash_mla_args,
+)
 
 __all__ = [
     "Bounds",
@@ -102,6 +106,10 @@ __all__ = [
     "vllm_quant_lightning_indexer_args",
     "indexer_compress_epilog_v2_args",
     "scatter_pa_kv_cache_with_k_scale_args",
+    "sparse_flash_mla_args",
+    "sparse_attn_sharedkv_args",
+    "mixed_quant_sparse_flash_mla_args",
+    "kv_quant_sparse_attn_sharedkv_args",
 ]
 
 
@@ -225,6 +233,10 @@ MORE_STRATEGIES = {
     "indexer_compress_epilog_v2": indexer_compress_epilog_v2_args,
     "scatter_pa_kv_cache_with_k_scale": scatter_pa_kv_cache_with_k_scale_args,
     "vllm_quant_lightning_indexer": vllm_quant_lightning_indexer_args,
+    "sparse_flash_mla": sparse_flash_mla_args,
+    "sparse_attn_sharedkv": sparse_attn_sharedkv_args,
+    "mixed_quant_sparse_flash_mla": mixed_quant_sparse_flash_mla_args,
+    "kv_quant_sparse_attn_sharedkv": kv_quant_sparse_attn_sharedkv_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):

@@ -50,6 +50,12 @@ def _const(pins: dict) -> Callable:
 #: a chip rule an operator does not run under at all (every draw would break it)
 ABSENT = None
 
+# the V4 attention strategy's pins (qsfa.strategies.sharedkv) that keep it within the kernels' chip rules
+_V4_WINDOW = {"k": 512, "ori_win_left": 127, "ori_win_right": 0, "ori_mask_mode": 4, "cmp_mask_mode": 3}
+_V4_SINKS = ("values", "-inf", "zero")
+_V4_SHAREDKV = {"residual": "exact", "sinks": _V4_SINKS, "n1": 64, "return_softmax_lse": False,
+                "layout_kv": "PA_ND", "cmp_ratio_by_scenario": True}
+
 #: operator -> ``(chips, rule id, pins(bounds) | ABSENT, reason)``: the pins that keep a draw within the contract
 #: rule ``<op>.<rule id>`` on those chips (reason: the rule's own words)
 CHIP_RULES: dict[str, tuple] = {
@@ -117,6 +123,31 @@ CHIP_RULES: dict[str, tuple] = {
     ),
     "scatter_pa_kv_cache_with_k_scale": (
         (_A2A3, "a2a3_unsupported", ABSENT, "scatter_pa_kv_cache_with_k_scale runs on Ascend 950 only"),
+    ),
+    # DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md): every chip runs the band window 127 / 0,
+    # mask modes 4 / 3, top-k 512 and sinks given; the compressed ratio follows the scenario (1 / 4 / 128) except
+    # on the 950's sparse_flash_mla, which also takes free residuals
+    "sparse_flash_mla": (
+        (_A2A3, "chip_window", _const({**_V4_WINDOW, "residual": "exact", "sinks": _V4_SINKS,
+                                        "cmp_ratio_by_scenario": True}),
+         "Atlas A2/A3: band window 127 / 0, mask modes 4 / 3, top-k 512, cmp_ratio 1 / 4 / 128"),
+        (("950",), "chip_q_heads_950", _const({**_V4_WINDOW, "n1": (2, 4, 8, 16, 64), "sinks": _V4_SINKS}),
+         "Ascend 950: N1 of 2 to 64 (not 1), band window 127 / 0, mask modes 4 / 3, top-k 512"),
+    ),
+    "sparse_attn_sharedkv": (
+        (("A2", "950"), "chip_supported", ABSENT, "sparse_attn_sharedkv runs on Atlas A3 only"),
+        (("A3",), "chip_window", _const({**_V4_WINDOW, **_V4_SHAREDKV}),
+         "Atlas A3: PA_ND, 64 heads, no LSE, band window 127 / 0, mask modes 4 / 3, top-k 512"),
+    ),
+    "mixed_quant_sparse_flash_mla": (
+        (_A2A3, "chip_supported", ABSENT, "mixed_quant_sparse_flash_mla runs on Ascend 950 only"),
+        (("950",), "chip_window", _const({**_V4_WINDOW, "sinks": _V4_SINKS, "n1": 64, "return_softmax_lse": False}),
+         "Ascend 950: 64 heads, no LSE, band window 127 / 0, mask modes 4 / 3, top-k 512"),
+    ),
+    "kv_quant_sparse_attn_sharedkv": (
+        (_A2A3, "chip_supported", ABSENT, "kv_quant_sparse_attn_sharedkv runs on Ascend 950 only"),
+        (("950",), "chip_window", _const({**_V4_WINDOW, **_V4_SHAREDKV}),
+         "Ascend 950: PA_ND, 64 heads, no LSE, band window 127 / 0, mask modes 4 / 3, top-k 512"),
     ),
     "vllm_quant_lightning_indexer": (
         (_A2A3, "a2a3_dtypes", _const({"format": "int8"}),

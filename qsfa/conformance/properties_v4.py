@@ -1,0 +1,107 @@
+"""Metamorphic properties of the DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md).
+
+:func:`v4_properties` is called by :func:`qsfa.conformance.properties.catalogue` (beside
+:func:`qsfa.conformance.properties_more.more_properties`); each expectation is a relation between two calls of
+the backend, not a result of the reference:
+
+* ``minus_inf_sinks``: sinks of -inf are no sinks - the call with ``sinks=None`` gives the same bytes;
+* ``topk_permutation``: permuting a CSA row's top-k entries (an indexer's list: distinct tokens below the bound,
+  then -1; K no larger than the S2 tile) changes no byte (faithful: every fp32 sum is the correctly rounded
+  exact sum, so the order does not matter; exact mode's float64 BLAS sums do depend on it);
+* ``split_merge`` (sparse_flash_mla, exact, BSND): the window part with the sinks and the compressed part without
+  them, merged by their LSE (float64), equal the whole call within the float criterion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._support import call, fail
+
+__all__ = ["v4_properties"]
+
+V4_OPS = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv")
+
+
+def _same(a, b, what):
+    if a.shape != b.shape or a.tobytes() != b.tobytes():
+        n = int((np.asarray(a).view(np.uint8) != np.asarray(b).view(np.uint8)).sum()) if a.shape == b.shape else -1
+        fail(f"{what}: outputs differ ({n} bytes)")
+
+
+def _minus_inf(op, P, examples):
+    def check(ex, backend: str):
+        a = ex.args
+        n1 = a["q"].shape[-2]
+        x = call(op, {**a, "sinks": np.full(n1, -np.inf, np.float32)}, backend)
+        y = call(op, {**a, "sinks": None}, backend)
+        _same(x["attention_out"], y["attention_out"], "sinks of -inf vs no sinks")
+        _same(x["softmax_lse"], y["softmax_lse"], "sinks of -inf vs no sinks (softmax_lse)")
+
+    return P(f"{op}.minus_inf_sinks", (op,), "metamorphic",
+             "Sinks of -inf add exp(-inf) = 0 to every denominator: the call equals the call with sinks=None, "
+             "byte for byte (output and LSE).", examples(op, {"return_softmax_lse": True}), check,
+             {"return_softmax_lse": True})
+
+
+def _permutation(op, P, examples):
+    def check(ex, backend: str):
+        a = ex.args
+        idx = a.get("cmp_sparse_indices")
+        if idx is None:
+            return
+        rng = np.random.default_rng(ex.seed)
+        flat = np.array(idx, copy=True).reshape(-1, idx.shape[-1])
+        for r in range(flat.shape[0]):
+            n = int(np.argmin(np.append(flat[r] != -1, False)))  # the valid prefix
+            flat[r, :n] = rng.permutation(flat[r, :n])
+        x = call(op, a, backend)
+        y = call(op, {**a, "cmp_sparse_indices": flat.reshape(idx.shape)}, backend)
+        _same(x["attention_out"], y["attention_out"], "top-k entries permuted")
+
+    pins = {"scenario": "CSA", "topk": "indexer", "precision": "faithful"}  # exact: float64 sums follow the order
+    return P(f"{op}.topk_permutation", (op,), "metamorphic",
+             "Permuting the valid entries of every CSA top-k row (distinct tokens below the bound, K within one S2 "
+             "tile) changes no output byte: the selected set, and so every tile's sums, stay the same.",
+             examples(op, pins), check, pins)
+
+
+def _split_merge(P, examples):
+    op = "sparse_flash_mla"
+
+    def check(ex, backend: str):
+        from ..compare import compare_float
+
+        a = {**ex.args, "precision": "exact", "return_softmax_lse": True}
+        whole = call(op, a, backend)
+        ori = call(op, {**a, "cmp_kv": None, "cmp_sparse_indices": None, "cmp_residual_kv": None,
+                        "seqused_cmp_kv": None, "cmp_block_table": None, "cu_seqlens_cmp_kv": None,
+                        "cmp_mask_mode": 0}, backend)
+        bsz = a["q"].shape[0]
+        cmp = call(op, {**a, "ori_mask_mode": 0, "seqused_ori_kv": np.zeros(bsz, np.int32), "sinks": None}, backend)
+        lo, lc = ori["softmax_lse"].astype(np.float64), cmp["softmax_lse"].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            lse = np.logaddexp(lo, lc)
+            wo = np.where(np.isneginf(lo), 0.0, np.exp(lo - lse))[:, 0, :, :, None]
+            wc = np.where(np.isneginf(lc), 0.0, np.exp(lc - lse))[:, 0, :, :, None]
+        merged = ori["attention_out"].astype(np.float64) * wo + cmp["attention_out"].astype(np.float64) * wc
+        r = compare_float(merged, whole["attention_out"].astype(np.float64), dtype="float32")
+        if not r.passed:
+            fail(f"window part and compressed part merged by their LSE differ from the whole call: {r.message}")
+
+    pins = {"scenario": ("CSA", "HCA"), "layout_q": "BSND", "layout_kv": "BSND", "ori_mask_mode": (3, 4),
+            "cmp_mask_mode": 3, "residual": "exact", "precision": "exact"}
+    return P(f"{op}.split_merge", (op,), "metamorphic",
+             "The window part (with the sinks) and the compressed part (ori_mask_mode 0 over zero window tokens, no "
+             "sinks), merged by their LSE in float64, equal the whole exact call within the float criterion.",
+             examples(op, pins), check, pins)
+
+
+def v4_properties(have: set, P, examples) -> list:
+    out = []
+    for op in V4_OPS:
+        if op in have:
+            out += [_minus_inf(op, P, examples), _permutation(op, P, examples)]
+    if "sparse_flash_mla" in have:
+        out.append(_split_merge(P, examples))
+    return out

@@ -1,0 +1,391 @@
+"""DeepSeek-V4 shared-KV sparse attention (SWA / CSA / HCA): one core for every V4 entry point.
+docs/numerics/attention-v4.md.
+
+For every valid query row ``i`` of batch ``b`` and query head ``h`` (one KV head: K = V)::
+
+    out = sum_j exp(s_j) K_j / (sum_j exp(s_j) + exp(sink_h)),   s_j = softmax_scale * q . K_j
+
+over the tokens ``K_j`` the row selects (``S1`` = the batch's query length, ``S2`` its ``ori_kv`` length):
+
+* the window over ``ori_kv`` (``thr = S2 - S1 + i + 1``, the right-down causal diagonal): ``ori_mask_mode`` 4 (band)
+  ``[max(thr - ori_win_left - 1, 0), thr + ori_win_right)``, 3 (causal) ``[0, thr + ori_win_right)``, 0 (no mask)
+  ``[0, S2)``; a window bound of -1 is unlimited; clipped to ``[0, S2)``;
+* the compressed part over ``cmp_kv`` (length ``S3``), when given: the pre-compression length is
+  ``L = S3 * cmp_ratio + cmp_residual_kv[b]`` (``S2`` when ``cmp_residual_kv`` is None), the bound
+  ``thr_c = floor((L - S1 + i + 1) / cmp_ratio)`` (``cmp_mask_mode`` 3) or ``floor(L / cmp_ratio)`` (0), clipped to
+  ``[0, S3]``. HCA (no indices): the tokens ``[0, thr_c)``. CSA: of the row's ``cmp_sparse_indices`` only the first
+  ``min(K, thr_c)`` positions are read, reading stops at the first -1, and an entry ``>= thr_c`` is skipped
+  (ops-transformer attention/sparse_flash_mla/tests/pytest/sparse_flash_mla_golden.py ``gather_kv``);
+* with ``ori_mask_mode`` 3 or 4 the rows ``i < S1 - S2`` (``thr <= 0``) are zero, and so is their LSE.
+
+The sink is one more logit per head in the denominator only (None or -inf: no sink). The LSE is
+``log(sum_j exp(s_j) + exp(sink))`` - it includes the sink, as the public golden's ``row_max + log(row_sum)`` whose
+``row_sum`` starts at 1 against ``row_max = sink``. A row with no token and no sink gives ``out = 0``, ``lse = -inf``.
+
+``precision="exact"``: float64, no rounding (the definition above; float64 outputs).
+
+``precision="faithful"``: the kernel's online softmax (docs ``aclnnSparseFlashMla.md`` formulas and the golden's
+``RUN_MODE = 1``; the kernels' vector stages). The row's selected tokens are cut into S2 tiles of ``s2_tile`` tokens
+(A2/A3 512, 950 128; qsfa.chips.SHAREDKV_NUMERICS): the window's tokens
+from the window start, then - starting a new tile - the compressed tokens in index order. State (fp32) starts at
+``m = sink``, ``l = 1``, ``O = 0``; per tile ``S = RN32(q . k) * fp32(softmax_scale)``, ``m' = max(m, max S)``,
+``a = RN32(exp(m - m'))``, ``E = RN32(exp(S - m'))``, ``l = a * l + RN32(sum E)``, ``P = round(E)`` to the query dtype
+(against the running max ``m'``, ``p_rounding``: ROUND on every chip), ``O = a * O + RN32(P @ K)``; finally
+``out = round(O / l)`` (``out_rounding``: A2/A3 bf16 RINT, fp16 ROUND; 950 ROUND) and ``lse = m + RN32(log l)``.
+The public golden rounds P half to even (``torch .to``); the kernels cast with ``CAST_ROUND`` - qsfa follows the
+kernels (docs/numerics/chips.md#deepseek-v4-shared-kv-attention). A kernel that splits one row's S2 range over
+cores (flash decode, chosen by the metadata) merges partial results in another order; that path is not modelled. Every RN32 is the correctly rounded fp32 value of the exact result,
+as in :mod:`qsfa.reference.attention` (same helpers), so the bytes do not depend on the BLAS; the kernel's
+accumulation order lands within a few fp32 ulps (docs/numerics/comparison.md#float-criterion).
+
+Vectorised over rows, heads and tokens; Python loops only over chunks of rows and over S2 tiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import (
+    _dot_f32, _QDT, _qdt_name, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16, row_facts,
+)
+
+__all__ = ["sharedkv_attention", "select_tokens", "S2_TILE", "PRECISIONS", "KV_LAYOUTS"]
+
+#: the kernel's S2 tile (aclnnSparseFlashMla.md: "S2方向按512分块循环"; golden ``s2_base_size = 512``)
+S2_TILE = 512
+PRECISIONS = ("faithful", "exact")
+KV_LAYOUTS = ("BSND", "TND", "PA_BBND")
+#: float64 bytes of gathered K a chunk of rows may hold
+_CHUNK_BYTES = 48 << 20
+
+
+def _ints(a):
+    return None if a is None else np.asarray(a, np.int64).reshape(-1)
+
+
+def _query_rows(q, layout_q, cu_seqlens_q, seqused_q):
+    """(q rows [R, N, D], batch [R], position i [R], S1 [R], valid [R], B)."""
+    if layout_q == "BSND":
+        b_, s1 = q.shape[0], q.shape[1]
+        rows = q.reshape(b_ * s1, q.shape[2], q.shape[3])
+        bat = np.repeat(np.arange(b_, dtype=np.int64), s1)
+        pos = np.tile(np.arange(s1, dtype=np.int64), b_)
+        s1_act = np.full(b_ * s1, s1, np.int64)
+        used = _ints(seqused_q)
+        valid = np.ones(b_ * s1, bool) if used is None else pos < used[bat]
+        return rows, bat, pos, s1_act, valid, b_
+    cu = _ints(cu_seqlens_q)
+    b_ = cu.size - 1
+    t = q.shape[0]
+    r = np.arange(t, dtype=np.int64)
+    bat = np.clip(np.searchsorted(cu, r, side="right") - 1, 0, b_ - 1)
+    pos = r - cu[bat]
+    s1_act = (cu[1:] - cu[:-1])[bat]
+    valid = r < cu[-1]
+    return q, bat, pos, s1_act, valid, b_
+
+
+def _kv_source(kv, layout_kv, block_table, cu, seqused, b_):
+    """(flat rows [n, D], lengths [B] or None, row_of(batch, token) -> flat row index)."""
+    d = kv.shape[-1]
+    if layout_kv == "BSND":
+        s = kv.shape[1]
+        lens = _ints(seqused)
+        return kv.reshape(-1, d), (np.full(b_, s, np.int64) if lens is None else lens), lambda b, j: b * s + j
+    if layout_kv == "TND":
+        c = _ints(cu)
+        lens = c[1:] - c[:-1] if seqused is None else _ints(seqused)
+        return kv.reshape(-1, d), lens, lambda b, j: c[b] + j
+    bs = kv.shape[1]
+    bt = np.asarray(block_table, np.int64)
+    lens = _ints(seqused)
+    return kv.reshape(-1, d), lens, lambda b, j: bt[b, j // bs] * bs + j % bs
+
+
+def select_tokens(bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, cmp_sparse_indices, *, has_cmp,
+                  cmp_ratio, ori_mask_mode, cmp_mask_mode, ori_win_left, ori_win_right):
+    """Per query row: (zero_row [R], ori start [R], ori count [R], cmp tokens [R, Kc] (-1 padded, in order),
+    cmp count [R]). ``cmp_sparse_indices``: [R, K] or None (HCA)."""
+    s2 = ori_len[bat]
+    thr = s2 - s1_act + pos + 1
+    zero = ~valid
+    if ori_mask_mode in (3, 4):
+        zero = zero | (thr <= 0)
+    if ori_mask_mode == 0:
+        start, end = np.zeros_like(thr), s2
+    else:
+        start = np.zeros_like(thr) if (ori_mask_mode == 3 or ori_win_left == -1) else thr - ori_win_left - 1
+        end = s2 if ori_win_right == -1 else thr + ori_win_right
+    start = np.clip(start, 0, s2)
+    end = np.clip(end, start, s2)
+    n_ori = np.where(zero, 0, end - start)
+    if not has_cmp:
+        return zero, start, n_ori, np.full((bat.size, 0), -1, np.int64), np.zeros_like(n_ori)
+    s3 = cmp_len[bat]
+    big = s3 * cmp_ratio + _ints(cmp_residual_kv)[bat] if cmp_residual_kv is not None else s2
+    thr_c = np.floor_divide(big - s1_act + pos + 1, cmp_ratio) if cmp_mask_mode == 3 else big // cmp_ratio
+    thr_c = np.where(zero, 0, np.clip(thr_c, 0, s3))
+    if cmp_sparse_indices is None:
+        width = int(thr_c.max(initial=0))
+        j = np.arange(width, dtype=np.int64)[None, :]
+        keep = j < thr_c[:, None]
+        toks = np.where(keep, j, -1)
+        return zero, start, n_ori, toks, thr_c
+    idx = np.asarray(cmp_sparse_indices, np.int64)
+    k = idx.shape[1]
+    p = np.arange(k, dtype=np.int64)[None, :]
+    before_end = np.cumprod(idx != -1, axis=1).astype(bool)  # reading stops at the first -1
+    keep = before_end & (p < np.minimum(k, thr_c)[:, None]) & (idx >= 0) & (idx < thr_c[:, None])
+    order = np.argsort(~keep, axis=1, kind="stable")  # kept entries first, in index order
+    toks = np.where(np.take_along_axis(keep, order, 1), np.take_along_axis(idx, order, 1), -1)
+    n_cmp = keep.sum(axis=1)
+    return zero, start, n_ori, toks[:, : int(n_cmp.max(initial=0))], n_cmp
+
+
+def _facts_cols(x64, bits, qdtype):
+    """(max |entry|, lq) per column of [c, w, D] ([c, D] each), for P @ V."""
+    return np.abs(x64).max(axis=1), min_lq(np.ascontiguousarray(bits.transpose(0, 2, 1)), qdtype)
+
+
+def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_block_table=None,
+                       cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None,
+                       seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None, sinks=None,
+                       softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
+                       ori_win_right=-1, layout_q="BSND", layout_kv="BSND", return_softmax_lse=False,
+                       precision="faithful", s2_tile=S2_TILE, p_rounding="round", out_rounding="rint"):
+    """The shared-KV attention core (module docstring). Arguments as ``aclnnSparseFlashMla`` (N2 = 1); the
+    layout ``"PA_ND"`` is taken as ``"PA_BBND"``. A PA compressed cache without ``seqused_cmp_kv`` has
+    ``S3 = floor(S2 / cmp_ratio)``. ``s2_tile``, ``p_rounding``, ``out_rounding`` ("rint" / "round"): the chip's
+    (qsfa.chips.SHAREDKV_NUMERICS; the defaults are Atlas A2/A3's for a bfloat16 query). Returns ``(attention_out like q, softmax_lse)``; softmax_lse is float32
+    (float64 exact) ``[B, 1, S1, N1]`` (BSND) / ``[1, T1, N1]`` (TND), or an empty ``[0]`` array when not
+    requested."""
+    assert precision in PRECISIONS, precision
+    exact = precision == "exact"
+    layout_kv = "PA_BBND" if layout_kv == "PA_ND" else layout_kv
+    qdtype = _qdt_name(q)
+    rows, bat, pos, s1_act, valid, b_ = _query_rows(q, layout_q, cu_seqlens_q, seqused_q)
+    n_heads, d = rows.shape[1], rows.shape[2]
+    ori_flat, ori_len, ori_row = _kv_source(ori_kv, layout_kv, ori_block_table, cu_seqlens_ori_kv, seqused_ori_kv, b_)
+    has_cmp = cmp_kv is not None
+    cmp_flat = cmp_len = cmp_row = None
+    if has_cmp:
+        cmp_flat, cmp_len, cmp_row = _kv_source(cmp_kv, layout_kv, cmp_block_table, cu_seqlens_cmp_kv,
+                                                 seqused_cmp_kv, b_)
+        if cmp_len is None:  # PA without seqused_cmp_kv
+            cmp_len = ori_len // cmp_ratio
+    idx = None
+    if cmp_sparse_indices is not None:
+        idx = np.asarray(cmp_sparse_indices).reshape(rows.shape[0], -1)
+    zero, start, n_ori, cmp_toks, n_cmp = select_tokens(
+        bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, idx, has_cmp=has_cmp, cmp_ratio=int(cmp_ratio),
+        ori_mask_mode=int(ori_mask_mode), cmp_mask_mode=int(cmp_mask_mode), ori_win_left=int(ori_win_left),
+        ori_win_right=int(ori_win_right))
+    tile = int(s2_tile)
+    ori_slots = -(-n_ori // tile) * tile  # the compressed part starts a new tile
+    width_all = ori_slots + n_cmp
+    sink = np.full(n_heads, -np.inf, np.float32) if sinks is None else np.asarray(sinks, np.float32)
+    fdt = np.float64 if exact else np.float32
+    out = np.zeros((rows.shape[0], n_heads, d), np.float64 if exact else _QDT[qdtype])
+    lse = np.zeros((rows.shape[0], n_heads), fdt)
+    live = np.nonzero(~zero)[0]
+    per_row = max(int(width_all.max(initial=0)), 1) * d * 8 * 2
+    step = max(1, _CHUNK_BYTES // per_row)
+    for c0 in range(0, live.size, step):
+        r = live[c0:c0 + step]
+        w = max(int(width_all[r].max(initial=0)), 1)
+        slot = np.arange(w, dtype=np.int64)[None, :]
+        in_ori = slot < n_ori[r, None]
+        cpos = slot - ori_slots[r, None]
+        in_cmp = (cpos >= 0) & (cpos < n_cmp[r, None])
+        sel = in_ori | in_cmp
+        b2 = np.broadcast_to(bat[r, None], sel.shape)
+        k16 = np.zeros((r.size, w, d), rows.dtype)
+        oj = np.where(in_ori, start[r, None] + slot, 0)
+        k16[in_ori] = ori_flat[ori_row(b2[in_ori], oj[in_ori])]
+        if has_cmp and in_cmp.any():
+            cj = np.take_along_axis(cmp_toks[r], np.clip(cpos, 0, max(cmp_toks.shape[1] - 1, 0)), 1) \
+                if cmp_toks.shape[1] else np.zeros_like(cpos)
+            k16[in_cmp] = cmp_flat[cmp_row(b2[in_cmp], cj[in_cmp])]
+        k64 = k16.astype(np.float64)
+        q64 = rows[r].astype(np.float64)
+        if exact:
+            o, l_ = _exact(q64, k64, sel, float(softmax_scale), sink.astype(np.float64))
+        else:
+            o, l_ = _faithful(q64, rows[r], k64, k16, sel, np.float32(softmax_scale), sink, qdtype, tile,
+                              p_rounding, out_rounding)
+        out[r] = o
+        lse[r] = l_
+    out = out.reshape(q.shape)
+    if not return_softmax_lse:
+        return out, np.zeros((0,), fdt)
+    if layout_q == "BSND":
+        lse = lse.reshape(q.shape[0], 1, q.shape[1], n_heads)
+    else:
+        lse = lse.reshape(1, q.shape[0], n_heads)
+    return out, lse
+
+
+def _exact(q64, k64, sel, scale, sink):
+    s = np.matmul(q64, k64.transpose(0, 2, 1)) * scale  # [c, N, w]
+    s[~np.broadcast_to(sel[:, None, :], s.shape)] = -np.inf
+    m = np.maximum(s.max(axis=-1), sink[None, :])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m0 = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m0[..., None])
+        den = e.sum(axis=-1) + np.exp(sink[None, :] - m0)
+        o = np.matmul(e, k64) / np.where(den > 0, den, 1.0)[..., None]
+        lse = m0 + np.log(den)
+    return o, np.where(den > 0, lse, -np.inf)
+
+
+def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tile, p_rounding, out_rounding):
+    c, n = q64.shape[:2]
+    d = k64.shape[-1]
+    w = k64.shape[1]
+    qf = row_facts(q64, q16.view(np.uint16), qdtype)
+    kbits = k16.view(np.uint16)
+    kf = row_facts(k64, kbits, qdtype)
+    m = np.broadcast_to(sink[None, :], (c, n)).astype(np.float32)
+    l = np.ones((c, n), np.float32)
+    acc = np.zeros((c, n, d), np.float32)
+    for t0 in range(0, w, tile):
+        sl = slice(t0, min(t0 + tile, w))
+        vt = sel[:, sl]
+        any_t = vt.any(axis=1)  # [c]
+        if not any_t.any():
+            continue
+        s = _dot_f32(q64, k64[:, sl].transpose(0, 2, 1), qf, (kf[0][:, sl], kf[1][:, sl]))  # RN32(q . k)
+        s *= scale  # fp32 multiply
+        s[~np.broadcast_to(vt[:, None, :], s.shape)] = -np.inf
+        m_new = np.maximum(m, s.max(axis=-1))
+        m_use = np.where(any_t[:, None], m_new, np.float32(0))
+        with np.errstate(invalid="ignore"):
+            a = np.where(np.isneginf(m), np.float32(0), exp_f32((m - m_use).astype(np.float32)))
+            e = exp_f32((s - m_use[..., None]).astype(np.float32))  # masked -inf -> 0
+        e = np.where(np.isfinite(s), e, np.float32(0)).astype(np.float32)
+        tsum = exact_sum_f32(e.reshape(-1, e.shape[-1]).astype(np.float64)).reshape(c, n)
+        p16 = round_q16(e, qdtype, p_rounding)  # P against the running max
+        p64 = p16.astype(np.float64)
+        pbits = p16.view(np.uint16)
+        p_facts = (p64.sum(axis=-1) * (1 + 2.0 ** -40), min_lq(pbits, qdtype))
+        v_facts = _facts_cols(k64[:, sl], kbits[:, sl], qdtype)
+        pv = _dot_f32(p64, k64[:, sl], p_facts, v_facts)  # RN32(P @ V)  [c, n, d]
+        upd = any_t[:, None]
+        l = np.where(upd, a * l + tsum, l).astype(np.float32)
+        acc = np.where(upd[..., None], a[..., None] * acc + pv, acc).astype(np.float32)
+        m = np.where(upd, m_new, m).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
+        lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, np.float32(1))), -np.inf).astype(np.float32)
+    return round_q16(o.astype(np.float32), qdtype, out_rounding), lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# mixed_quant_sparse_flash_mla: the two quantised row layouts, dequantised in front of the same core
+#
+# quant_mode 1 (608 bytes per token; cannmirror/ops-transformer attention/mixed_quant_sparse_flash_mla/README.md):
+#   [0, 128) RoPE, 64 values of the query dtype (bf16) | [128, 576) NoPE, 448 FP8 E4M3FN codes |
+#   [576, 590) 7 bf16 scales, one per 64-value tile | [590, 608) pad (never read).
+# quant_mode 2 (584 bytes per token, PA_BBND only): FlashMLA's MODEL1 block - every token's 448 NoPE codes + 64
+#   bf16 RoPE values (576 bytes) first, then every token's 7 E8M0 tile scales + 1 pad byte
+#   (qsfa.reference.flashmla_model1; a [block_num, block_size, 1, 584] tensor is one unpadded MODEL1 block per
+#   block_num).
+# The dequantised K row is [NoPE 448, RoPE 64] (the golden's concat([nope, rope])); q is ordered the same way.
+
+MODE1_BYTES = 608
+MODE2_BYTES = 584
+QUANT_MODES = (1, 2)
+_NOPE, _ROPE, _TILE = 448, 64, 64
+
+
+def pack_mode1(k: np.ndarray) -> np.ndarray:
+    """bf16 K rows ``[..., 512]`` ([NoPE 448, RoPE 64]) -> quant_mode 1 rows, uint8 ``[..., 608]``: per 64-value
+    tile ``scale = bf16(amax / 448)`` (an all-zero tile: 1), codes ``E4M3FN_RINT(x / scale)`` (fp32 divide,
+    saturating). A writer for test data; the operator only reads rows."""
+    from .formats import encode
+
+    k = np.asarray(k)
+    lead = k.shape[:-1]
+    x = k.reshape(-1, 512).astype(np.float32)
+    nope = x[:, :_NOPE].reshape(-1, _NOPE // _TILE, _TILE)
+    amax = np.abs(nope).max(axis=-1)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(_QDT["bfloat16"])
+    codes = encode((nope / scale.astype(np.float32)[..., None]).reshape(-1, _NOPE), "float8_e4m3fn",
+                   saturate=True, rounding="rint")
+    out = np.zeros((x.shape[0], MODE1_BYTES), np.uint8)
+    out[:, :128] = np.ascontiguousarray(k.reshape(-1, 512)[:, _NOPE:].astype(_QDT["bfloat16"])).view(np.uint8)
+    out[:, 128:576] = codes
+    out[:, 576:590] = np.ascontiguousarray(scale).view(np.uint8)
+    return out.reshape(lead + (MODE1_BYTES,))
+
+
+def dequant_mode1(rows: np.ndarray, k_rounding: str = "rint") -> np.ndarray:
+    """quant_mode 1 rows ``[..., 608]`` (any one-byte dtype) -> bf16 ``[..., 512]``: ``decode(code) * scale``
+    (exact in fp32: 4 x 8 significant bits) rounded once to bf16 with ``k_rounding``; RoPE copied."""
+    from .formats import decode
+
+    b = np.ascontiguousarray(rows).view(np.uint8)
+    lead = b.shape[:-1]
+    b = b.reshape(-1, MODE1_BYTES)
+    vals = decode(b[:, 128:576], "float8_e4m3fn").reshape(-1, _NOPE // _TILE, _TILE)
+    scale = np.ascontiguousarray(b[:, 576:590]).view(_QDT["bfloat16"]).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = (vals * scale[..., None]).reshape(-1, _NOPE)
+    out = np.empty((b.shape[0], 512), _QDT["bfloat16"])
+    out[:, :_NOPE] = round_q16(prod, "bfloat16", k_rounding)
+    out[:, _NOPE:] = np.ascontiguousarray(b[:, :128]).view(_QDT["bfloat16"])
+    return out.reshape(lead + (512,))
+
+
+def dequant_mode2(blocks: np.ndarray) -> np.ndarray:
+    """quant_mode 2 blocks ``[block_num, block_size, 1, 584]`` -> bf16 ``[block_num, block_size, 1, 512]``
+    ([NoPE 448, RoPE 64]; qsfa.reference.flashmla_model1.dequantize: exact power-of-two scaling)."""
+    from .flashmla_model1 import dequantize
+
+    b = np.ascontiguousarray(blocks).view(np.uint8)
+    nb, bs = b.shape[0], b.shape[1]
+    return dequantize(b.reshape(nb, bs * MODE2_BYTES), bs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# kv_quant_sparse_attn_sharedkv (vLLM-Ascend, Ascend 950): 640-byte rows
+#
+# vllm-project/vllm-ascend@182b75e csrc/attention/kv_quant_sparse_attn_sharedkv/README.md: per token
+#   [0, 128) RoPE, 64 bf16 values | [128, 576) NoPE, 448 FP8 E4M3FN codes | [576, 583) 7 E8M0 tile scales
+#   (tile_size 64) | [583, 640) pad (never read). K NoPE = decode(code) * 2^(byte - 127): exact.
+
+KVQ_BYTES = 640
+
+
+def pack_640(k: np.ndarray) -> np.ndarray:
+    """bf16 K rows ``[..., 512]`` ([NoPE 448, RoPE 64]) -> 640-byte rows (uint8): per tile the MODEL1 scale
+    ``2^ceil(log2(max(amax / 448, 1e-4)))`` and E4M3FN RINT codes (qsfa.reference.flashmla_model1). Test data."""
+    from .flashmla_model1 import quantize, unpack
+
+    k = np.asarray(k)
+    lead = k.shape[:-1]
+    rows = k.reshape(-1, 1, 1, 512)
+    codes, rope, scales = unpack(quantize(rows), 1)  # one token per block
+    out = np.zeros((rows.shape[0], KVQ_BYTES), np.uint8)
+    out[:, :128] = np.ascontiguousarray(rope.reshape(-1, 64)).view(np.uint8)
+    out[:, 128:576] = codes.reshape(-1, 448)
+    out[:, 576:583] = scales.reshape(-1, 7)
+    return out.reshape(lead + (KVQ_BYTES,))
+
+
+def dequant_640(rows: np.ndarray) -> np.ndarray:
+    """640-byte rows ``[..., 640]`` (any one-byte dtype) -> bf16 ``[..., 512]`` ([NoPE 448, RoPE 64]):
+    ``decode(code) * 2^(byte - 127)`` (exact; NaN codes / the NaN scale byte give NaN, overflow inf)."""
+    from .formats import decode, encode
+
+    b = np.ascontiguousarray(rows).view(np.uint8)
+    lead = b.shape[:-1]
+    b = b.reshape(-1, KVQ_BYTES)
+    vals = decode(b[:, 128:576], "float8_e4m3fn").reshape(-1, 7, 64)
+    s = decode(b[:, 576:583], "float8_e8m0")[..., None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = (vals * s).reshape(-1, 448)
+    out = np.empty((b.shape[0], 512), np.uint16)
+    out[:, :448] = np.where(np.isnan(prod), np.uint16(0x7FC0), encode(prod, "bfloat16", rounding="rint"))
+    out[:, 448:] = np.ascontiguousarray(b[:, :128]).view(np.uint16)
+    return out.view(_QDT["bfloat16"]).reshape(lead + (512,))
