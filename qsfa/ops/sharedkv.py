@@ -493,11 +493,10 @@ def _chip_rules(n, op, sfm):
     return out
 
 
-def _mq_chip_rules(n):
-    c = ("950",)
+def _quant_950_rules(n, c):
+    """The 950 limits both quantised front doors share: 64 or 128 heads, top-k 512, mask modes 4 / 3, the
+    127 / 0 band window."""
     return [
-        rule(n, "chip_supported", "q", "value", "mixed_quant_sparse_flash_mla runs on Ascend 950 only (README)",
-             lambda a: "this chip", edit(n), chips=("A2", "A3")),
         rule(n, "chip_q_heads", "q", "shape", "N1 must be 64 or 128", lambda a: None if a.q.shape[-2] in (64, 128)
              else tuple(a.q.shape), edit(n, n1=2), chips=c),
         rule(n, "chip_topk", "cmp_sparse_indices", "shape", f"K must be {one_of(TOPK_SIZES)}",
@@ -509,6 +508,15 @@ def _mq_chip_rules(n):
         rule(n, "chip_window", "ori_win_left", "value", "ori_win_left must be 127 and ori_win_right 0",
              lambda a: None if a.ori_win_left == 127 and a.ori_win_right == 0 else a.ori_win_left,
              edit(n, setting(ori_win_left=63)), chips=c),
+    ]
+
+
+def _mq_chip_rules(n):
+    c = ("950",)
+    return [
+        rule(n, "chip_supported", "q", "value", "mixed_quant_sparse_flash_mla runs on Ascend 950 only (README)",
+             lambda a: "this chip", edit(n), chips=("A2", "A3")),
+        *_quant_950_rules(n, c),
         rule(n, "chip_return_softmax_lse", "return_softmax_lse", "value",
              "softmax_lse is reserved (its output is invalid): pass False", lambda a: None
              if not a.return_softmax_lse else True, edit(n, setting(return_softmax_lse=True)), chips=c),
@@ -522,17 +530,7 @@ def _kqs_chip_rules(n):
              "routes it from its A5 adaptor)", lambda a: "this chip", edit(n), chips=("A2", "A3")),
         rule(n, "chip_layout_kv", "layout_kv", "value", "only PA_ND is supported",
              lambda a: None if a.layout_kv == "PA_ND" else a.layout_kv, edit(n, layout_kv="BSND"), chips=c),
-        rule(n, "chip_q_heads", "q", "shape", "N1 must be 64 or 128", lambda a: None if a.q.shape[-2] in (64, 128)
-             else tuple(a.q.shape), edit(n, n1=2), chips=c),
-        rule(n, "chip_topk", "cmp_sparse_indices", "shape", f"K must be {one_of(TOPK_SIZES)}",
-             lambda a: None if a.get("cmp_sparse_indices") is None or a.cmp_sparse_indices.shape[-1] in TOPK_SIZES
-             else tuple(a.cmp_sparse_indices.shape), edit(n, k=8), chips=c),
-        rule(n, "chip_mask_modes", "ori_mask_mode", "value", "ori_mask_mode must be 4 and, with cmp_kv, cmp_mask_mode 3",
-             lambda a: None if a.ori_mask_mode == 4 and (a.get("cmp_kv") is None or a.cmp_mask_mode == 3)
-             else a.ori_mask_mode, edit(n, setting(ori_mask_mode=3)), chips=c),
-        rule(n, "chip_window", "ori_win_left", "value", "ori_win_left must be 127 and ori_win_right 0",
-             lambda a: None if a.ori_win_left == 127 and a.ori_win_right == 0 else a.ori_win_left,
-             edit(n, setting(ori_win_left=63)), chips=c),
+        *_quant_950_rules(n, c),
         rule(n, "chip_cmp_ratio", "cmp_ratio", "value", "cmp_ratio must be 1 (SWA), 4 or 128",
              lambda a: None if a.cmp_ratio == (1 if a.get("cmp_kv") is None else a.cmp_ratio) and
              (a.get("cmp_kv") is None or a.cmp_ratio in (4, 128)) else a.cmp_ratio,
