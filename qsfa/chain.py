@@ -20,8 +20,9 @@ between a cache writer and an indexer). Tensors are named ``input.<name>`` and `
   chain's edges; :func:`compare_chain` walks a directory of another backend's tensors (the same names, e.g. dumped
   from an NPU run) link by link, each output with its own criterion (:func:`qsfa.compare.compare`: bytes for
   integer and 8-bit outputs, the float criterion otherwise), reports whether each link's inputs still matched, and
-  runs the link again on the golden inputs (``rerun_backend``) so that a link's own error is told apart from one
-  it inherited. ``qsfa golden compare DIR --actual ADIR --chain`` is the command line.
+  runs the link again on the golden inputs (``rerun_backend``: the backend under test; never the reference, whose
+  re-run on golden inputs reproduces the golden by construction) so that a link's own error is told apart from one
+  it inherited; without one a failing link whose inputs already differed is "undecided". ``qsfa golden compare DIR --actual ADIR --chain`` is the command line.
 
 Bad chains and missing tensors raise :class:`ChainError` (a ``qsfa.InvalidArgument``) naming the link and the field,
 before anything is run or written.
@@ -41,7 +42,7 @@ from ._errors import InvalidArgument, InvalidDtype
 
 __all__ = ["ChainError", "Link", "Chain", "chain_from_dict", "load_chain", "run_chain", "write_chain_golden",
            "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs", "register_chain",
-           "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence", "run_link"]
+           "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence", "run_link", "check_rerun_backend"]
 
 _REF = re.compile(r"^\$([A-Za-z_][\w-]*)\.([A-Za-z_]\w*)$")
 _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -291,8 +292,10 @@ class LinkReport:
             return "PASS"
         if self.inputs_matched or self.rerun_passed is False:
             return "FAIL (own error: its inputs matched)" if self.inputs_matched else "FAIL (own error)"
-        return "FAIL (propagated: its inputs already differed" + (
-            "; fed with the golden inputs it passes)" if self.rerun_passed else ")")
+        if self.rerun_passed is None:
+            return ("FAIL (undecided: its inputs already differed; re-run it on the backend under test, "
+                    "rerun_backend / --backend, to tell)")
+        return "FAIL (propagated: its inputs already differed; fed with the golden inputs it passes)"
 
 
 @dataclass
@@ -328,11 +331,34 @@ def _like(a: np.ndarray, g: np.ndarray) -> np.ndarray:
     return a
 
 
+def check_rerun_backend(backend: str | None, field_: str = "rerun_backend") -> None:
+    """Refuse a re-run backend that cannot tell a link's own error from an inherited one: the reference (fed with
+    the golden inputs it reproduces the golden outputs by construction, so every failure would read
+    "propagated"), or a name that is not a string."""
+    if backend is None:
+        return
+    if not isinstance(backend, str):
+        raise ChainError(field_, backend, "must be a backend name (a string) or None")
+    if backend == "reference":
+        raise ChainError(field_, backend, "a re-run on the reference fed with the golden inputs reproduces the "
+                         "golden by construction, so it cannot tell own from propagated; name the backend under "
+                         "test (or none: such links are undecided)")
+    from ._dispatch import get_backend
+
+    try:
+        get_backend(backend)
+    except Exception as e:  # noqa: BLE001 - unknown / unusable backend: bad input, said before any comparison
+        raise ChainError(field_, backend, str(e)) from None
+
+
 def compare_chain(chain: Chain, golden: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray], *,
-                  rerun_backend: str | None = "reference") -> ChainReport:
-    """Compare ``actual`` tensors with ``golden`` ones link by link (see the module docstring)."""
+                  rerun_backend: str | None = None) -> ChainReport:
+    """Compare ``actual`` tensors with ``golden`` ones link by link (see the module docstring). ``rerun_backend``:
+    the backend under test, on which each failing link is re-run fed with the golden inputs (None: not re-run;
+    the reference is refused, see :func:`check_rerun_backend`)."""
     from .compare import compare
 
+    check_rerun_backend(rerun_backend)
     for link in chain.links:  # every needed tensor first: a missing one is bad input, nothing is compared
         spec = _spec(link.op)
         for o in spec.outputs:
@@ -357,8 +383,9 @@ def compare_chain(chain: Chain, golden: Mapping[str, np.ndarray], actual: Mappin
     return ChainReport(chain.name, reports)
 
 
-def compare_chain_dirs(golden_dir: str, actual_dir: str, *, rerun_backend: str | None = "reference") -> ChainReport:
+def compare_chain_dirs(golden_dir: str, actual_dir: str, *, rerun_backend: str | None = None) -> ChainReport:
     """:func:`compare_chain` on a golden directory (``chain.json`` + tensors) and a directory of actual tensors."""
+    check_rerun_backend(rerun_backend)
     path = os.path.join(golden_dir, "chain.json")
     if not os.path.isfile(path):
         raise ChainError("golden directory", golden_dir, "holds no chain.json (write it with write_chain_golden)")

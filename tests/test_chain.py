@@ -62,7 +62,7 @@ def test_identical_tensors_pass_and_the_manifest_records_the_edges(tmp_path):
     assert rep.passed and rep.first_failure is None
 
 
-def test_a_kernel_bug_is_told_apart_from_its_propagation(tmp_path):
+def test_a_kernel_bug_is_told_apart_from_its_propagation(tmp_path, mirror_backend):
     g = _golden(tmp_path)
 
     def buggy_encode(name, a):  # the device's encode got one code wrong; every later link saw it
@@ -75,11 +75,15 @@ def test_a_kernel_bug_is_told_apart_from_its_propagation(tmp_path):
             a[1, 1, 0] = a[1, 1, 0] * np.float32(1.125) if a[1, 1, 0] else np.float32(1)
         return a
 
-    rep = compare_chain_dirs(g, _actual(tmp_path, g, buggy_encode))
+    act = _actual(tmp_path, g, buggy_encode)
+    rep = compare_chain_dirs(g, act)  # no backend under test to re-run on: the inherited failures are undecided
     enc, dec, put = rep.links
     assert not enc.passed and enc.inputs_matched and "own error" in enc.verdict
-    assert not dec.passed and not dec.inputs_matched and dec.rerun_passed and "propagated" in dec.verdict
+    assert not dec.passed and not dec.inputs_matched and dec.rerun_passed is None and "undecided" in dec.verdict
     assert rep.first_failure.link == "enc"
+    rep = compare_chain_dirs(g, act, rerun_backend=mirror_backend("chain-test-right-device"))
+    enc, dec, put = rep.links
+    assert not dec.passed and not dec.inputs_matched and dec.rerun_passed and "propagated" in dec.verdict
 
 
 def test_a_links_own_error_with_matching_inputs(tmp_path):
@@ -196,8 +200,8 @@ def test_cli_backend_reruns_a_failing_link_on_that_backend(tmp_path, capsys):
 
     act = _actual(tmp_path, g, bad_codes)
     assert main(["golden", "compare", g, "--actual", act, "--chain"]) == 1
-    assert "FAIL (propagated: its inputs already differed; fed with the golden inputs it passes)" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out  # no re-run on the reference (it reproduces the golden): undecided, not propagated
+    assert "dec " in out and "FAIL (undecided: its inputs already differed" in out and "propagated" not in out, out
 
     class Buggy(_dispatch.Backend):
         name = "chain-test-buggy-dec"
@@ -217,3 +221,17 @@ def test_cli_backend_reruns_a_failing_link_on_that_backend(tmp_path, capsys):
         _dispatch.unregister_backend("chain-test-buggy-dec")
     out = capsys.readouterr().out
     assert "first failing link 'enc'" in out and "dec " in out and out.count("FAIL (own error)") == 1, out
+
+
+def test_rerun_on_the_reference_is_refused(tmp_path, capsys):
+    """Fed with the golden inputs the reference reproduces the golden: as a re-run backend it would call every
+    inherited failure "propagated", a planted bug in the link included."""
+    g = _golden(tmp_path)
+    act = _actual(tmp_path, g, lambda n, a: a)
+    with pytest.raises(ChainError, match="rerun_backend.*reproduces the golden"):
+        compare_chain_dirs(g, act, rerun_backend="reference")
+    with pytest.raises(ChainError, match="unknown backend"):
+        compare_chain_dirs(g, act, rerun_backend="no-such-backend")
+    assert main(["golden", "compare", g, "--actual", act, "--chain", "--backend", "reference"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend reference" in err and err.count("\n") == 1, err

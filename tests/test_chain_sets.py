@@ -177,7 +177,7 @@ def test_planted_divergence_in_one_link_is_its_own(decode_set, tmp_path, capsys)
     assert rep["instances"][0]["first_failing"] == "attention"
 
 
-def test_planted_divergence_upstream_is_propagated(decode_set, tmp_path, capsys):
+def test_planted_divergence_upstream_is_propagated(decode_set, tmp_path, capsys, mirror_backend):
     """The indexer's indices changed (so the attention that read them differs too): the indexer is the first failing
     link, its own error; the attention's inputs already differed and its re-run on the golden inputs passes on
     the backend, so its failure is propagated. Without --backend it is undecided."""
@@ -189,8 +189,8 @@ def test_planted_divergence_upstream_is_propagated(decode_set, tmp_path, capsys)
     flip(a / "decode-a3-int8.attention/out.attention_out.bin", np.uint16, slice(0, 8), 0x0040)
     rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain")
     assert rc == 1 and "first failing link: indexer (own)" in out and "re-run it with --backend" in out, out
-    rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--backend", "reference", "--json",
-                     tmp_path / "r.json")
+    rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--backend",
+                     mirror_backend("chain-test-right-device"), "--json", tmp_path / "r.json")
     assert rc == 1, out
     links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
     assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "own", "propagated"]
@@ -249,6 +249,8 @@ def test_compare_chain_usage_errors(decode_set, tmp_path, capsys):
     assert rc == 2 and "holds no layer chain" in err, err
     rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--backend", "reference")
     assert rc == 2 and "needs --chain" in err, err
+    rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain", "--backend", "reference")
+    assert rc == 2 and "--backend reference" in err and "cannot tell" in err and err.count("\n") == 1, err
     rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain", "--backend", "nope")
     assert rc == 2 and "--backend nope" in err, err
     rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain", "--case", "prefill-*")

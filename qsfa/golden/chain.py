@@ -156,6 +156,9 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
     from .compare import CompareReport, compare_dir
     from .manifest import load_manifest
 
+    if backend == "reference":
+        raise GoldenInputError("--backend reference: fed with the golden inputs the reference reproduces the golden "
+                               "by construction, so it cannot tell own from propagated; name the backend under test")
     if backend is not None:
         from .._dispatch import get_backend
 

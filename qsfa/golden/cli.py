@@ -172,12 +172,17 @@ def _cmd_compare_chain(args) -> int:
     if unsupported:
         raise _usage_error(GoldenInputError(f"--chain judges every output of every link: {unsupported[0]} "
                                             "does not apply (compare one link's case without --chain)"))
+    if args.backend == "reference":
+        raise _usage_error(GoldenInputError(
+            "--backend reference: fed with the golden inputs the reference reproduces the golden by construction, "
+            "so it cannot tell a link's own error from a propagated one; name the backend under test (without "
+            "--backend such links are undecided)"))
     if os.path.isfile(os.path.join(args.dir, "chain.json")):
         if args.json or args.case:
             raise _usage_error(GoldenInputError("--json and --case apply to a chain set (a golden directory with a "
                                                 "manifest); this is a chain folder (chain.json)"))
         try:
-            rep = compare_chain_dirs(args.dir, args.actual, rerun_backend=args.backend or "reference")
+            rep = compare_chain_dirs(args.dir, args.actual, rerun_backend=args.backend)
         except (ChainError, OSError, ValueError) as e:
             raise _usage_error(e) from None
         text = str(rep)
@@ -331,8 +336,9 @@ def register(subparsers):
                         "qsfa.chain): compare link by link in chain order and name the first failing link, own error "
                         "or propagated (--case selects a set's instances)")
     p.add_argument("--backend", metavar="NAME",
-                   help="with --chain: re-run each failing link on this backend fed with the golden inputs (a chain "
-                        "set: not re-run without it; a chain folder: the reference by default)")
+                   help="with --chain: re-run each failing link on this backend (the one under test, not the "
+                        "reference) fed with the golden inputs; without it a failing link whose inputs already "
+                        "differed is undecided")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("list", help="the case sets (or the cases of one set)")
