@@ -509,3 +509,35 @@ def test_first_divergence_a_byte_differing_input_is_told_propagated():
         _dispatch.unregister_backend("chain-test-nudge")
     assert d == {"link": "enc", "op": "formats.encode", "outputs": ["codes"],
                  "differing_inputs": ["x = merge.attention_out"], "rerun_passed": True, "verdict": "propagated"}, d
+
+
+def test_chain_set_manifest_with_malformed_chains_is_exit_2(decode_set, tmp_path, capsys):
+    g = actual_copy(decode_set, tmp_path)
+    man = json.loads((g / "manifest.json").read_text())
+    man["chains"] = "x"
+    (g / "manifest.json").write_text(json.dumps(man))
+    rc, _, err = cli(capsys, "compare", g, "--actual", g, "--chain")
+    assert rc == 2 and '"chains" must be a list' in err and err.count("\n") == 1, err
+
+
+def test_a_backend_that_raises_in_the_rerun_is_an_error_exit_3(decode_set, tmp_path, capsys, mirror_backend):
+    """As qsfa conformance: the backend under test raised, so the re-run link has no verdict (ERROR, exit 3)."""
+    a = actual_copy(decode_set, tmp_path)
+    idx = a / "decode-a3-int8.indexer/out.sparse_indices.bin"
+    s = np.fromfile(idx, np.int32)
+    s[[0, 16]] = s[[16, 0]]
+    s.tofile(idx)
+    flip(a / "decode-a3-int8.attention/out.attention_out.bin", np.uint16, slice(0, 8), 0x0040)
+
+    def raising(_ref):
+        def impl(*args, **kw):
+            raise RuntimeError("device lost")
+        return impl
+
+    be = mirror_backend("chain-test-raising", {"kv_quant_sparse_flash_attention": raising})
+    rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--backend", be, "--json",
+                     tmp_path / "r.json")
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 3 and rep["verdict"] == "ERROR" and "verdict: ERROR" in out, out
+    links = rep["instances"][0]["links"]
+    assert links[3]["verdict"] == "error" and "device lost" in links[3]["rerun_error"]

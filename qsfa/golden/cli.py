@@ -3,7 +3,8 @@
 Exit status: 0 success (generate wrote the set; verify: OK; compare: PASS), 1 a verdict of FAIL (values
 differ: compare found a mismatch, verify --recompute found an output that no longer holds), 2 the tool's
 input is unusable - bad usage, a missing, unreadable or changed file, a malformed or empty manifest, nothing
-to generate - reported as one line on stderr.
+to generate - reported as one line on stderr, 3 ERROR (compare --chain: the backend under test raised when
+a failing link was re-run on it, so that link has no verdict; as ``qsfa conformance``).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def _cmd_compare_chain(args) -> int:
             raise _usage_error(e) from None
         text = str(rep)
         print(text.rsplit("\n", 1)[-1] if args.quiet else text)
-        return 0 if rep.passed else 1
+        return 0 if rep.passed else 3 if rep.errored else 1
     try:
         if args.json:
             _check_destination("--json", args.json)
@@ -202,7 +203,7 @@ def _cmd_compare_chain(args) -> int:
         raise _usage_error(e) from None
     text = format_chain_report(rep)
     print(text.rsplit("\n", 1)[-1] if args.quiet else text)
-    return 0 if rep.passed else 1
+    return 0 if rep.passed else 3 if rep.errored else 1
 
 
 def _cmd_compare(args) -> int:
