@@ -103,7 +103,7 @@ class CompareResult:
 
 def standard_line(s: dict) -> str:
     """One line for a standard's verdict and its scalar figures (nested sub-standards by their own verdict)."""
-    head = "n/a" if s.get("skipped") else ("PASS" if s.get("passed") else "FAIL")
+    head = "n/a" if s.get("skipped") or s.get("missing") else ("PASS" if s.get("passed") else "FAIL")
     parts = []
     for k, v in s.items():
         if k in ("passed", "source", "skipped"):

@@ -559,6 +559,19 @@ def resolve(names) -> list[str]:
     return out
 
 
+def needed_references(name: str) -> list[str]:
+    """The references (``exact`` / ``benchmark``) without which standard ``name`` judges nothing (atk-dual): asked
+    of the rule itself on a one-element float32 pair. A golden directory and a conformance run hold neither, so
+    such a standard cannot give their verdict (``--verdict-by``)."""
+    (name,) = resolve([name])
+    x = np.ones(1, np.float32)
+    try:
+        r = STANDARDS[name].function(x, x, dtype="float32")
+    except InvalidArgument:  # a rule for other dtypes (quant-codes): it needs no reference
+        return []
+    return list(r.get("missing") or [])
+
+
 def applicable(name: str, dtype: str) -> bool:
     """Whether a standard judges outputs of ``dtype`` ("all" skips the others)."""
     if name == "quant-codes":
