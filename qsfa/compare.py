@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from ._arrays import dtype_name, is_ml_dtype, is_torch, to_numpy
-from ._errors import InvalidArgument
+from ._errors import InvalidArgument, Raw
 from ._public import checked, nonnegative_int, one_of_values
 
 __all__ = [
@@ -335,6 +335,25 @@ def add_standards(res: CompareResult, actual, golden, standard, *, dtype: str, e
 TOPK_RTOL = 1e-4
 
 
+def _integer_indices(v, a=None) -> bool:
+    return _host(v).dtype.kind in "iu"
+
+
+def _golden_indices_in_range(v, a) -> bool:
+    """Every golden index is -1 (padding) or inside [0, S), S = scores.shape[-1]: the golden picked them."""
+    g, s_len = _host(v), np.shape(_host(a["scores"]))
+    if not s_len or g.dtype.kind not in "iu":
+        return True  # a scalar score array is the shape report's to judge; float indices have their own rule
+    valid = g[g != -1]
+    return valid.size == 0 or (int(valid.min()) >= 0 and int(valid.max()) < s_len[-1])
+
+
+@checked("actual:values golden:values scores:values rtol:float name:str max_report:int",
+         actual=(_integer_indices, "top-k indices must be an integer array (float indices are not truncated)"),
+         golden=(_integer_indices, "top-k indices must be an integer array (float indices are not truncated)"),
+         scores=(lambda v, a: _host(v).dtype.kind != "b", "must be numeric scores, not bool"),
+         rtol=(lambda v, a: np.isfinite(v) and v >= 0, "must be a finite number >= 0"),
+         max_report=(nonnegative_int, "must be >= 0"))
 def compare_topk(actual, golden, scores, *, rtol: float = TOPK_RTOL, name: str = "",
                  max_report: int = 10) -> CompareResult:
     """Top-k index sets, fair to ties (docs/numerics/comparison.md#top-k-criterion).
@@ -350,6 +369,10 @@ def compare_topk(actual, golden, scores, *, rtol: float = TOPK_RTOL, name: str =
     a = _host(actual).astype(np.int64)
     g = _host(golden).astype(np.int64)
     sc = _host(scores).astype(np.float64)
+    if not _golden_indices_in_range(g, {"scores": sc}):
+        raise InvalidArgument("value", "golden", Raw(f"indices in [{int(g.min())}, {int(g.max())}]"),
+                              f"the golden's indices must be -1 (padding) or inside [0, {sc.shape[-1]}) "
+                              "(scores.shape[-1] candidates)")
     res = CompareResult(name, "topk", False, tuple(g.shape), dtype_name(_host(golden)), 0, 0,
                         tolerance={"rtol": float(rtol)})
     if a.shape != g.shape or g.ndim == 0 or sc.shape[:-1] != g.shape[:-1]:
