@@ -291,11 +291,14 @@ def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tole
     each one's verdict and figures land in ``result.standards[name]``, beside (never instead of) qsfa's verdict.
     "all" applies the standards that judge the output's dtype (the others are listed as skipped).
     exact / benchmark: the high-precision golden (``precision="exact"``) and the third-party benchmark
-    (``precision="benchmark"``) the benchmark standards read. standard_params: {name: {param: value}}.
+    (``precision="benchmark"``) the benchmark standards read. standard_params: {name: {param: value}}, names among
+    the requested standards, parameters the standard's rule takes (:func:`qsfa.standards.check_standard_params`
+    refuses others by name; ``floor`` a finite number > 0).
     """
     from . import standards as S
 
     S.resolve(standard)  # unknown names are refused before anything is compared
+    S.check_standard_params(standard, standard_params)
     g = _host(golden)
     dt = dtype_name(g)
     if dt in _CRITERION_DTYPES or (dtype is not None and dtype in _CRITERION_DTYPES):

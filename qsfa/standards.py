@@ -559,6 +559,55 @@ def resolve(names) -> list[str]:
     return out
 
 
+_FIXED_ARGS = ("actual", "golden", "dtype", "exact", "benchmark")
+
+
+def standard_parameters(name: str) -> list[str]:
+    """The parameters ``standard_params[name]`` may set (the rule function's keyword arguments)."""
+    import inspect
+
+    (name,) = resolve([name])
+    return [p for p in inspect.signature(STANDARDS[name].function).parameters if p not in _FIXED_ARGS]
+
+
+def check_standard_params(standard, standard_params) -> None:
+    """Refuse, by name, ``standard_params`` that are not ``{requested standard: {parameter: value}}``: a key that is
+    not a requested standard, a value that is not a dict, a parameter the standard does not have, a ``floor`` that
+    is not a finite number > 0, a ``level`` / ``method`` the standard does not know."""
+    from collections.abc import Mapping
+
+    if standard_params is None:
+        return
+    names = resolve(standard)
+    if not isinstance(standard_params, Mapping):
+        raise InvalidArgument("type", "standard_params", type(standard_params).__name__,
+                              "must be a dict {standard name: {parameter: value}}")
+    for k, v in standard_params.items():
+        if k not in names:
+            raise InvalidArgument("value", "standard_params", k, f"its keys must be requested standards "
+                                  f"(standard=...: {names})")
+        if not isinstance(v, Mapping):
+            raise InvalidArgument("type", f"standard_params[{k!r}]", type(v).__name__,
+                                  "must be a dict {parameter: value}")
+        allowed = standard_parameters(k)
+        unknown = sorted(str(p) for p in v if p not in allowed)
+        if unknown:
+            raise InvalidArgument("value", f"standard_params[{k!r}]", unknown,
+                                  f"{k} has no such parameter(s); its parameters: {allowed}")
+        if v.get("floor") is not None:
+            f = v["floor"]
+            if isinstance(f, bool) or not isinstance(f, (int, float, np.integer, np.floating)) or not (
+                    math.isfinite(float(f)) and float(f) > 0):
+                raise InvalidArgument("value", f"standard_params[{k!r}]['floor']", f, "must be a finite number > 0")
+        levels = {"atk-dual": ATK_LEVELS, "msprobe": MSPROBE["benchmark_levels"]}.get(k)
+        if "level" in v and levels is not None and v["level"] not in levels:
+            raise InvalidArgument("value", f"standard_params[{k!r}]['level']", v["level"],
+                                  f"must be one of {sorted(levels)}")
+        if k == "msprobe" and "method" in v and v["method"] not in MSPROBE_METHODS:
+            raise InvalidArgument("value", "standard_params['msprobe']['method']", v["method"],
+                                  f"must be one of {list(MSPROBE_METHODS)}")
+
+
 def needed_references(name: str) -> list[str]:
     """The references (``exact`` / ``benchmark``) without which standard ``name`` judges nothing (atk-dual): asked
     of the rule itself on a one-element float32 pair. A golden directory and a conformance run hold neither, so
