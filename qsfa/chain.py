@@ -244,9 +244,18 @@ def run_chain(chain: Chain, inputs: Mapping[str, np.ndarray], backend: str = "re
     """Run every link in order; returns every tensor: ``input.<name>`` and ``<link>.<output>``. ``chip``: passed to
     every link whose operator takes one (and whose args do not name one). ``until``: stop before this link (its
     inputs are then all present)."""
+    if not isinstance(inputs, Mapping):
+        raise ChainError("inputs", type(inputs).__name__, "must be a dict {input name: array}")
     missing = [i for i in chain.inputs if i not in inputs]
     if missing:
         raise ChainError("inputs", missing, "the chain declares these inputs and they were not given")
+    for k in chain.inputs:
+        v = inputs[k]
+        if v is None or isinstance(v, (str, bytes)):
+            raise ChainError(f"inputs[{k!r}]", v, "must be an array", kind="type")
+        if isinstance(v, np.ma.MaskedArray):
+            raise ChainError(f"inputs[{k!r}]", "a masked array (np.ma.MaskedArray)", "the operators would read the "
+                             "data under the mask; pass .filled(x) or .data", kind="type")
     if until is not None and until not in [ln.name for ln in chain.links]:
         raise ChainError("until", until, f"no such link; links: {', '.join(ln.name for ln in chain.links)}")
     tensors = {f"input.{k}": np.asarray(v) for k, v in inputs.items() if k in chain.inputs}
@@ -548,14 +557,21 @@ def register_chain(name: str, builder, *, replace: bool = False):
     return builder
 
 
-def get_chain(name: str, params: Mapping | None = None) -> Chain:
-    """The registered chain ``name`` built with the ``params`` its builder takes (others are ignored)."""
+def get_chain(name: str, params: Mapping | None = None, *, ignore_unknown: bool = False) -> Chain:
+    """The registered chain ``name`` built with ``params`` (a dict of the builder's parameters; one it does not take
+    is refused by name, or ignored with ``ignore_unknown=True``: a golden case's or a strategy's parameters, which
+    also hold its input generator's)."""
     import inspect
 
-    if name not in _CHAINS:
+    if not isinstance(name, str) or name not in _CHAINS:
         raise ChainError("chain", name, f"no such chain; known: {', '.join(sorted(_CHAINS))}")
+    if params is not None and not isinstance(params, Mapping):
+        raise ChainError("params", type(params).__name__, "must be a dict of the chain builder's parameters or None")
     builder = _CHAINS[name]
-    known = set(inspect.signature(builder).parameters)
+    known = list(inspect.signature(builder).parameters)
+    unknown = sorted(str(k) for k in (params or {}) if k not in known)
+    if unknown and not ignore_unknown:
+        raise ChainError("params", unknown, f"chain {name!r} takes no such parameter(s); its parameters: {known}")
     return builder(**{k: v for k, v in (params or {}).items() if k in known})
 
 

@@ -331,3 +331,26 @@ def test_a_backend_that_raises_in_the_rerun_is_an_error_exit_3(tmp_path, capsys,
     rc, out, err = _cli(capsys, g, "--actual", act, "--chain", "--backend", be)
     assert rc == 3 and "ERROR (the re-run raised: RuntimeError: device lost)" in out, (out, err)
     assert out.rstrip().splitlines()[-1].startswith("ERROR chain"), out
+
+
+@pytest.mark.parametrize("bad,expect", [
+    (None, "for inputs['x'], actual: None"),
+    (np.ma.masked_array(np.zeros((4, 8), np.float32)), "for inputs['x'], actual: 'a masked array"),
+])
+def test_run_chain_refuses_bad_inputs_by_name(bad, expect):
+    with pytest.raises(ChainError) as ei:
+        run_chain(chain_from_dict(CHAIN), {**_inputs(), "x": bad})
+    assert expect in str(ei.value), str(ei.value)
+    with pytest.raises(ChainError, match="for inputs, actual: 'list'"):
+        run_chain(chain_from_dict(CHAIN), [1, 2])
+
+
+def test_load_chain_on_a_missing_file_or_a_directory_is_one_clear_error(tmp_path):
+    from qsfa.chain import load_chain
+
+    with pytest.raises(ChainError, match="no such file"):
+        load_chain(str(tmp_path / "nope.json"))
+    with pytest.raises(ChainError, match="is a directory"):
+        load_chain(str(tmp_path))
+    (tmp_path / "c.json").write_text(json.dumps(CHAIN))
+    assert load_chain(str(tmp_path / "c.json")).name == CHAIN["name"]

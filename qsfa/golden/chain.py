@@ -34,7 +34,7 @@ def chain_cases(chain_name: str, instance: str, params: dict, *, seed: int, desc
     ``<instance>.<link>``, all with ``seed``, the chain parameters ``params`` and the link's literal arguments."""
     from ..chain import get_chain
 
-    ch = get_chain(chain_name, params)
+    ch = get_chain(chain_name, params, ignore_unknown=True)
     out = []
     for lk in ch.links:
         lits = {k: v for k, v in lk.args.items() if k not in lk.refs()}
@@ -56,7 +56,7 @@ def chain_records(entries: list) -> list:
             continue
         inst = e["name"][: -len(p["link"]) - 1] if e["name"].endswith("." + p["link"]) else e["name"]
         if inst not in recs:
-            ch = get_chain(p["chain"], p)
+            ch = get_chain(p["chain"], p, ignore_unknown=True)
             recs[inst] = {"instance": inst, "chain": {**ch.to_dict(), "edges": ch.edges()},
                           "params": {k: v for k, v in p.items() if k not in ("chain", "link")}, "cases": {}}
         recs[inst]["cases"][p["link"]] = e["name"]
