@@ -263,7 +263,14 @@ class Contract:
         typed += [c for name in self.inplace for c in inplace_rules(self.op, name)]
         generated = {c.id for c in typed}
         declared = {p.name for p in self.params.values() if p.type != "any"}
-        # a hand-written type rule of a declared parameter is superseded by the generic one
+        # Only a hand-written *type* rule is superseded by a generated one (same id, or any chip-independent type
+        # rule of a declared parameter). Any other hand-written rule that shares a generated id would be dropped
+        # silently - e.g. a "<param>_size" entry-count rule shadowed by the generic memory-size rule, which let a
+        # too-long lengths tensor through - so that is refused when the contract is built.
+        clash = sorted(c.id for c in self.constraints if c.id in generated and c.kind != "type")
+        if clash:
+            raise RuntimeError(f"contract {self.op!r}: hand-written constraint ids {clash} collide with generated "
+                               "ones (qsfa/_buffers.py, qsfa/_contract.py) and would be dropped; rename them")
         self.constraints = typed + [c for c in self.constraints if c.id not in generated
                                     and not (c.kind == "type" and c.chips is None and c.param in declared)]
         ids = [c.id for c in self.constraints]

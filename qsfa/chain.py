@@ -20,8 +20,9 @@ between a cache writer and an indexer). Tensors are named ``input.<name>`` and `
   chain's edges; :func:`compare_chain` walks a directory of another backend's tensors (the same names, e.g. dumped
   from an NPU run) link by link, each output with its own criterion (:func:`qsfa.compare.compare`: bytes for
   integer and 8-bit outputs, the float criterion otherwise), reports whether each link's inputs still matched, and
-  runs the link again on the golden inputs (``rerun_backend``) so that a link's own error is told apart from one
-  it inherited. ``qsfa golden compare DIR --actual ADIR --chain`` is the command line.
+  runs the link again on the golden inputs (``rerun_backend``: the backend under test; never the reference, whose
+  re-run on golden inputs reproduces the golden by construction) so that a link's own error is told apart from one
+  it inherited; without one a failing link whose inputs already differed is "undecided". ``qsfa golden compare DIR --actual ADIR --chain`` is the command line.
 
 Bad chains and missing tensors raise :class:`ChainError` (a ``qsfa.InvalidArgument``) naming the link and the field,
 before anything is run or written.
@@ -41,7 +42,8 @@ from ._errors import InvalidArgument, InvalidDtype
 
 __all__ = ["ChainError", "Link", "Chain", "chain_from_dict", "load_chain", "run_chain", "write_chain_golden",
            "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs", "register_chain",
-           "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence", "run_link"]
+           "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence", "run_link", "check_rerun_backend",
+           "check_link"]
 
 _REF = re.compile(r"^\$([A-Za-z_][\w-]*)\.([A-Za-z_]\w*)$")
 _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -147,6 +149,9 @@ def chain_from_dict(d: Mapping) -> Chain:
                         isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
                     raise ChainError(f"{where} args.{p}", dict(v), "a view is {\"from\": \"$<link>.<output>\", "
                                      "\"reshape\": [int, ...]}")
+                if any(n < -1 or n >= 1 << 62 for n in shape) or shape.count(-1) > 1:
+                    raise ChainError(f"{where} args.{p} reshape", shape, "each dimension is an int in [0, 2**62) "
+                                     "or -1 (at most one -1)")
             elif isinstance(v, str) and v.startswith("$") and p not in link.refs():
                 raise ChainError(f"{where} args.{p}", v, "a reference is '$input.<name>' or '$<link>.<output>'")
         names.add(lname)
@@ -157,11 +162,18 @@ def chain_from_dict(d: Mapping) -> Chain:
 
 def load_chain(path: str) -> Chain:
     """A chain from its JSON file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ChainError("chain file", path, "must be a path (str or os.PathLike)")
+    if not os.path.isfile(path):
+        raise ChainError("chain file", os.fspath(path), "is a directory, not a chain's JSON file" if os.path.isdir(path)
+                         else "no such file")
     try:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
     except json.JSONDecodeError as e:
-        raise ChainError("chain file", path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise ChainError("chain file", os.fspath(path), f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChainError("chain file", os.fspath(path), f"cannot be read ({e})") from None
     return chain_from_dict(d)
 
 
@@ -178,15 +190,40 @@ def _link_args(link: Link, spec, tensors: Mapping[str, np.ndarray], where: str) 
         if isinstance(v, Mapping):
             try:
                 a = a.reshape(v["reshape"])
-            except ValueError:
+            except (ValueError, OverflowError, TypeError):
                 raise ChainError(f"link {link.name!r} args.{p}", f"{src} {tuple(a.shape)}",
                                  f"cannot be reshaped to {v['reshape']}") from None
         args[p] = np.array(a, copy=True) if p in spec.inplace else a  # an earlier tensor keeps its value
     return args
 
 
+def _missing_required(link: Link, spec, args: Mapping) -> None:
+    missing = sorted(set(spec.required) - set(args))
+    if missing:
+        raise ChainError(f"link {link.name!r} ({link.op}) args", missing, "required argument(s) of the operator "
+                         "are not given")
+
+
+def check_link(link: Link, tensors: Mapping[str, np.ndarray], where: str = "golden") -> None:
+    """Everything the link's operator would check before computing (its contract, the chip, required arguments,
+    each view's reshape), on ``tensors``, without computing: :func:`compare_chain` runs it on every link first, so
+    a recorded chain that could never have run is bad input, not a verdict."""
+    from ._dispatch import check_call
+
+    spec = _spec(link.op)
+    args = _link_args(link, spec, tensors, where)
+    _missing_required(link, spec, args)
+    full = {**spec.defaults, **args}
+    chip = full.pop("chip", None)
+    try:
+        check_call(link.op, full, "reference", chip)
+    except (InvalidArgument, InvalidDtype) as e:
+        raise ChainError(f"link {link.name!r} ({link.op})", "its arguments", f"the operator refused them: {e}") from None
+
+
 def _call(link: Link, args: dict, backend: str) -> dict[str, np.ndarray]:
     spec = _spec(link.op)
+    _missing_required(link, spec, args)
     try:
         res = spec.call(args, backend)
     except (InvalidArgument, InvalidDtype) as e:
@@ -207,9 +244,18 @@ def run_chain(chain: Chain, inputs: Mapping[str, np.ndarray], backend: str = "re
     """Run every link in order; returns every tensor: ``input.<name>`` and ``<link>.<output>``. ``chip``: passed to
     every link whose operator takes one (and whose args do not name one). ``until``: stop before this link (its
     inputs are then all present)."""
+    if not isinstance(inputs, Mapping):
+        raise ChainError("inputs", type(inputs).__name__, "must be a dict {input name: array}")
     missing = [i for i in chain.inputs if i not in inputs]
     if missing:
         raise ChainError("inputs", missing, "the chain declares these inputs and they were not given")
+    for k in chain.inputs:
+        v = inputs[k]
+        if v is None or isinstance(v, (str, bytes)):
+            raise ChainError(f"inputs[{k!r}]", v, "must be an array", kind="type")
+        if isinstance(v, np.ma.MaskedArray):
+            raise ChainError(f"inputs[{k!r}]", "a masked array (np.ma.MaskedArray)", "the operators would read the "
+                             "data under the mask; pass .filled(x) or .data", kind="type")
     if until is not None and until not in [ln.name for ln in chain.links]:
         raise ChainError("until", until, f"no such link; links: {', '.join(ln.name for ln in chain.links)}")
     tensors = {f"input.{k}": np.asarray(v) for k, v in inputs.items() if k in chain.inputs}
@@ -263,15 +309,31 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
     dtypes = {}
     mpath = os.path.join(folder, "manifest.json")
     if os.path.isfile(mpath):
-        with open(mpath, encoding="utf-8") as f:
-            dtypes = {n: t.get("dtype") for n, t in json.load(f).get("tensors", {}).items()}
+        try:
+            with open(mpath, encoding="utf-8") as f:
+                man = json.load(f)
+        except (ValueError, OSError) as e:
+            raise ChainError("manifest", mpath, f"cannot be read as JSON ({e})") from None
+        tensors = man.get("tensors", {}) if isinstance(man, dict) else None
+        if not isinstance(tensors, dict) or not all(isinstance(t, dict) for t in tensors.values()):
+            raise ChainError("manifest", mpath, "must be a JSON object whose 'tensors' maps each tensor name to "
+                             "{'shape': [...], 'dtype': name} (write it with write_chain_golden)")
+        dtypes = {n: t.get("dtype") for n, t in tensors.items()}
     out = {}
     for fn in sorted(os.listdir(folder)):
         if fn.endswith(".npy"):
-            a = np.load(os.path.join(folder, fn), allow_pickle=False)
+            path = os.path.join(folder, fn)
+            try:
+                a = np.load(path, allow_pickle=False)
+            except (ValueError, OSError, EOFError) as e:
+                raise ChainError("tensor file", path, f"not a readable .npy file ({e})") from None
             dt = dtypes.get(fn[:-4])
             if dt and dt != str(a.dtype):
-                a = a.view(numpy_dtype(dt))
+                try:
+                    a = a.view(numpy_dtype(dt))
+                except (ValueError, TypeError, KeyError) as e:
+                    raise ChainError("tensor file", path, f"cannot be viewed as the manifest's dtype {dt!r} "
+                                     f"({e})") from None
             out[fn[:-4]] = a
     return out
 
@@ -284,15 +346,20 @@ class LinkReport:
     inputs_matched: bool
     rerun_passed: bool | None  # the link fed with the golden inputs on rerun_backend (None: not rerun)
     results: list = field(default_factory=list)  # qsfa.compare.CompareResult per output
+    rerun_error: str = ""  # the re-run backend raised (no verdict: ERROR)
 
     @property
     def verdict(self) -> str:
         if self.passed:
             return "PASS"
+        if self.rerun_error:
+            return f"ERROR (the re-run raised: {self.rerun_error})"
         if self.inputs_matched or self.rerun_passed is False:
             return "FAIL (own error: its inputs matched)" if self.inputs_matched else "FAIL (own error)"
-        return "FAIL (propagated: its inputs already differed" + (
-            "; fed with the golden inputs it passes)" if self.rerun_passed else ")")
+        if self.rerun_passed is None:
+            return ("FAIL (undecided: its inputs already differed; re-run it on the backend under test, "
+                    "rerun_backend / --backend, to tell)")
+        return "FAIL (propagated: its inputs already differed; fed with the golden inputs it passes)"
 
 
 @dataclass
@@ -303,6 +370,11 @@ class ChainReport:
     @property
     def passed(self) -> bool:
         return all(r.passed for r in self.links)
+
+    @property
+    def errored(self) -> bool:
+        """A re-run raised: the backend under test could not run a link, so the chain has no verdict (ERROR)."""
+        return any(r.rerun_error for r in self.links)
 
     @property
     def first_failure(self) -> LinkReport | None:
@@ -316,23 +388,52 @@ class ChainReport:
                 if not c.passed:
                     lines.append(f"    {c}".replace("\n", "\n    "))
         f = self.first_failure
-        lines.append(f"{'PASS' if f is None else 'FAIL'} chain {self.chain}: {len(self.links)} links"
+        lines.append(f"{'PASS' if f is None else 'ERROR' if self.errored else 'FAIL'} chain {self.chain}: "
+                     f"{len(self.links)} links"
                      + ("" if f is None else f"; first failing link {f.link!r}: {f.verdict}"))
         return "\n".join(lines)
 
 
 def _like(a: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """``a`` seen with ``g``'s dtype when both have the same width (ml_dtypes arrays read back from .npy as void)."""
-    if a.dtype != g.dtype and a.dtype.itemsize == g.dtype.itemsize:
+    """``a`` seen with ``g``'s dtype where ``a`` holds its raw bytes: the same width and ``a`` read back from .npy as
+    void, or as the unsigned integers :func:`write_chain_golden` stores an ml_dtypes tensor as. Any other dtype is
+    left as it is (a dump of another dtype is refused, not reinterpreted)."""
+    from ._arrays import is_ml_dtype
+
+    if a.dtype != g.dtype and a.dtype.itemsize == g.dtype.itemsize and (
+            a.dtype.kind == "V" or (a.dtype.kind == "u" and is_ml_dtype(g.dtype))):
         return np.ascontiguousarray(a).view(g.dtype)
     return a
 
 
+def check_rerun_backend(backend: str | None, field_: str = "rerun_backend") -> None:
+    """Refuse a re-run backend that cannot tell a link's own error from an inherited one: the reference (fed with
+    the golden inputs it reproduces the golden outputs by construction, so every failure would read
+    "propagated"), or a name that is not a string."""
+    if backend is None:
+        return
+    if not isinstance(backend, str):
+        raise ChainError(field_, backend, "must be a backend name (a string) or None")
+    if backend == "reference":
+        raise ChainError(field_, backend, "a re-run on the reference fed with the golden inputs reproduces the "
+                         "golden by construction, so it cannot tell own from propagated; name the backend under "
+                         "test (or none: such links are undecided)")
+    from ._dispatch import get_backend
+
+    try:
+        get_backend(backend)
+    except Exception as e:  # noqa: BLE001 - unknown / unusable backend: bad input, said before any comparison
+        raise ChainError(field_, backend, str(e)) from None
+
+
 def compare_chain(chain: Chain, golden: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray], *,
-                  rerun_backend: str | None = "reference") -> ChainReport:
-    """Compare ``actual`` tensors with ``golden`` ones link by link (see the module docstring)."""
+                  rerun_backend: str | None = None) -> ChainReport:
+    """Compare ``actual`` tensors with ``golden`` ones link by link (see the module docstring). ``rerun_backend``:
+    the backend under test, on which each failing link is re-run fed with the golden inputs (None: not re-run;
+    the reference is refused, see :func:`check_rerun_backend`)."""
     from .compare import compare
 
+    check_rerun_backend(rerun_backend)
     for link in chain.links:  # every needed tensor first: a missing one is bad input, nothing is compared
         spec = _spec(link.op)
         for o in spec.outputs:
@@ -341,6 +442,12 @@ def compare_chain(chain: Chain, golden: Mapping[str, np.ndarray], actual: Mappin
                 raise ChainError(f"link {link.name!r} output {o!r}", t, "missing from the actual tensors")
             if t not in golden:
                 raise ChainError(f"link {link.name!r} output {o!r}", t, "missing from the golden tensors")
+        check_link(link, golden)  # the recorded call itself: one the operator refuses is bad input, not a verdict
+        for t in [f"{link.name}.{o}" for o in spec.outputs] + [s_ for s_ in link.refs().values() if s_ in actual]:
+            a, g = _like(actual[t], golden[t]), golden[t]
+            if a.dtype != g.dtype:
+                raise ChainError(f"tensor {t}", str(actual[t].dtype), f"the golden's dtype is {g.dtype}: a dump of "
+                                 "another dtype cannot be compared", kind="dtype")
     reports = []
     for link in chain.links:
         spec = _spec(link.op)
@@ -349,16 +456,21 @@ def compare_chain(chain: Chain, golden: Mapping[str, np.ndarray], actual: Mappin
         srcs = [s for s in link.refs().values() if s in actual and s in golden]
         inputs_ok = all(compare(_like(actual[s], golden[s]), golden[s], name=s).passed for s in srcs)
         passed = all(r.passed for r in results)
-        rerun = None
+        rerun, error = None, ""
         if not passed and rerun_backend is not None:
-            got = _call(link, _link_args(link, spec, golden, "golden"), rerun_backend)
-            rerun = all(compare(_like(got[t], golden[t]), golden[t], name=t).passed for t in outs)
-        reports.append(LinkReport(link.name, link.op, passed, inputs_ok, rerun, results))
+            try:
+                got = _call(link, _link_args(link, spec, golden, "golden"), rerun_backend)
+            except Exception as e:  # noqa: BLE001 - the backend under test raised: no verdict (ERROR), not fatal
+                error = f"{type(e).__name__}: {e}"
+            else:
+                rerun = all(compare(_like(got[t], golden[t]), golden[t], name=t).passed for t in outs)
+        reports.append(LinkReport(link.name, link.op, passed, inputs_ok, rerun, results, error))
     return ChainReport(chain.name, reports)
 
 
-def compare_chain_dirs(golden_dir: str, actual_dir: str, *, rerun_backend: str | None = "reference") -> ChainReport:
+def compare_chain_dirs(golden_dir: str, actual_dir: str, *, rerun_backend: str | None = None) -> ChainReport:
     """:func:`compare_chain` on a golden directory (``chain.json`` + tensors) and a directory of actual tensors."""
+    check_rerun_backend(rerun_backend)
     path = os.path.join(golden_dir, "chain.json")
     if not os.path.isfile(path):
         raise ChainError("golden directory", golden_dir, "holds no chain.json (write it with write_chain_golden)")
@@ -445,14 +557,21 @@ def register_chain(name: str, builder, *, replace: bool = False):
     return builder
 
 
-def get_chain(name: str, params: Mapping | None = None) -> Chain:
-    """The registered chain ``name`` built with the ``params`` its builder takes (others are ignored)."""
+def get_chain(name: str, params: Mapping | None = None, *, ignore_unknown: bool = False) -> Chain:
+    """The registered chain ``name`` built with ``params`` (a dict of the builder's parameters; one it does not take
+    is refused by name, or ignored with ``ignore_unknown=True``: a golden case's or a strategy's parameters, which
+    also hold its input generator's)."""
     import inspect
 
-    if name not in _CHAINS:
+    if not isinstance(name, str) or name not in _CHAINS:
         raise ChainError("chain", name, f"no such chain; known: {', '.join(sorted(_CHAINS))}")
+    if params is not None and not isinstance(params, Mapping):
+        raise ChainError("params", type(params).__name__, "must be a dict of the chain builder's parameters or None")
     builder = _CHAINS[name]
-    known = set(inspect.signature(builder).parameters)
+    known = list(inspect.signature(builder).parameters)
+    unknown = sorted(str(k) for k in (params or {}) if k not in known)
+    if unknown and not ignore_unknown:
+        raise ChainError("params", unknown, f"chain {name!r} takes no such parameter(s); its parameters: {known}")
     return builder(**{k: v for k, v in (params or {}).items() if k in known})
 
 

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from ._arrays import dtype_name, is_ml_dtype, is_torch, to_numpy
-from ._errors import InvalidArgument
+from ._errors import InvalidArgument, Raw
 from ._public import checked, nonnegative_int, one_of_values
 
 __all__ = [
@@ -103,7 +103,7 @@ class CompareResult:
 
 def standard_line(s: dict) -> str:
     """One line for a standard's verdict and its scalar figures (nested sub-standards by their own verdict)."""
-    head = "n/a" if s.get("skipped") else ("PASS" if s.get("passed") else "FAIL")
+    head = "n/a" if s.get("skipped") or s.get("missing") else ("PASS" if s.get("passed") else "FAIL")
     parts = []
     for k, v in s.items():
         if k in ("passed", "source", "skipped"):
@@ -185,7 +185,12 @@ def cos_diff(actual, golden) -> float:
     r = _host(golden).astype(np.float64)
     fin = np.isfinite(a) & np.isfinite(r)
     a, r = a[fin], r[fin]
-    den = float((a * a + r * r).sum())
+    with np.errstate(over="ignore"):
+        den = float((a * a + r * r).sum())
+    if not np.isfinite(den):  # squares beyond float64 (|x| > ~1e154): the same ratio on values scaled to <= 1
+        s = max(float(np.abs(a).max()), float(np.abs(r).max()))
+        a, r = a / s, r / s
+        den = float((a * a + r * r).sum())
     if den == 0.0:
         return 0.0
     return 1.0 - 2.0 * float((a * r).sum()) / den
@@ -235,8 +240,9 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     fin_a, fin_g = np.isfinite(a), np.isfinite(g)
     mask_bad = (fin_a != fin_g) | (~fin_g & ~fin_a & ~((np.isnan(a) & np.isnan(g)) | (a == g)))
     both = fin_a & fin_g
-    abs_err = np.where(both, np.abs(a - g), 0.0)
-    rel_err = np.where(both, abs_err / (np.abs(g) + 1e-6), 0.0)
+    with np.errstate(over="ignore"):  # two finite values of opposite sign near float64's max: an error of inf
+        abs_err = np.where(both, np.abs(a - g), 0.0)
+        rel_err = np.where(both, abs_err / (np.abs(g) + 1e-6), 0.0)
     elem_fail = mask_bad | (both & ~(abs_err <= tol.atol + tol.rtol * np.abs(np.where(both, g, 0.0))))
     res.n_fail = int(elem_fail.sum())
     res.max_abs = float(abs_err.max()) if abs_err.size else 0.0
@@ -291,11 +297,14 @@ def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tole
     each one's verdict and figures land in ``result.standards[name]``, beside (never instead of) qsfa's verdict.
     "all" applies the standards that judge the output's dtype (the others are listed as skipped).
     exact / benchmark: the high-precision golden (``precision="exact"``) and the third-party benchmark
-    (``precision="benchmark"``) the benchmark standards read. standard_params: {name: {param: value}}.
+    (``precision="benchmark"``) the benchmark standards read. standard_params: {name: {param: value}}, names among
+    the requested standards, parameters the standard's rule takes (:func:`qsfa.standards.check_standard_params`
+    refuses others by name; ``floor`` a finite number > 0).
     """
     from . import standards as S
 
     S.resolve(standard)  # unknown names are refused before anything is compared
+    S.check_standard_params(standard, standard_params)
     g = _host(golden)
     dt = dtype_name(g)
     if dt in _CRITERION_DTYPES or (dtype is not None and dtype in _CRITERION_DTYPES):
@@ -335,6 +344,25 @@ def add_standards(res: CompareResult, actual, golden, standard, *, dtype: str, e
 TOPK_RTOL = 1e-4
 
 
+def _integer_indices(v, a=None) -> bool:
+    return _host(v).dtype.kind in "iu"
+
+
+def _golden_indices_in_range(v, a) -> bool:
+    """Every golden index is -1 (padding) or inside [0, S), S = scores.shape[-1]: the golden picked them."""
+    g, s_len = _host(v), np.shape(_host(a["scores"]))
+    if not s_len or g.dtype.kind not in "iu":
+        return True  # a scalar score array is the shape report's to judge; float indices have their own rule
+    valid = g[g != -1]
+    return valid.size == 0 or (int(valid.min()) >= 0 and int(valid.max()) < s_len[-1])
+
+
+@checked("actual:values golden:values scores:values rtol:float name:str max_report:int",
+         actual=(_integer_indices, "top-k indices must be an integer array (float indices are not truncated)"),
+         golden=(_integer_indices, "top-k indices must be an integer array (float indices are not truncated)"),
+         scores=(lambda v, a: _host(v).dtype.kind != "b", "must be numeric scores, not bool"),
+         rtol=(lambda v, a: np.isfinite(v) and v >= 0, "must be a finite number >= 0"),
+         max_report=(nonnegative_int, "must be >= 0"))
 def compare_topk(actual, golden, scores, *, rtol: float = TOPK_RTOL, name: str = "",
                  max_report: int = 10) -> CompareResult:
     """Top-k index sets, fair to ties (docs/numerics/comparison.md#top-k-criterion).
@@ -350,6 +378,10 @@ def compare_topk(actual, golden, scores, *, rtol: float = TOPK_RTOL, name: str =
     a = _host(actual).astype(np.int64)
     g = _host(golden).astype(np.int64)
     sc = _host(scores).astype(np.float64)
+    if not _golden_indices_in_range(g, {"scores": sc}):
+        raise InvalidArgument("value", "golden", Raw(f"indices in [{int(g.min())}, {int(g.max())}]"),
+                              f"the golden's indices must be -1 (padding) or inside [0, {sc.shape[-1]}) "
+                              "(scores.shape[-1] candidates)")
     res = CompareResult(name, "topk", False, tuple(g.shape), dtype_name(_host(golden)), 0, 0,
                         tolerance={"rtol": float(rtol)})
     if a.shape != g.shape or g.ndim == 0 or sc.shape[:-1] != g.shape[:-1]:

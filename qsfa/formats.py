@@ -122,11 +122,6 @@ def _known_fmt(a) -> bool:
 # formats.encode
 
 
-def _check_saturate(a):
-    v = a.get("saturate")
-    return None if isinstance(v, (bool, np.bool_)) else v
-
-
 def _check_rounding_supported(a):
     r = a.get("rounding")
     modes = rounding_modes(a["fmt"])
@@ -197,10 +192,6 @@ ENCODE_CONTRACT = Contract(
         value_in("formats.encode", "fmt", FORMAT_NAMES, source=_SRC),
         is_array("formats.encode", "x", source=_SRC),
         dtype_in("formats.encode", "x", _INPUT_DTYPES, source=_SRC),
-        Constraint(
-            id="formats.encode.saturate_type", param="saturate", kind="value", reason="must be True or False",
-            check=_check_saturate, violate=set_param("saturate", "yes"), source=_SRC,
-        ),
         value_in("formats.encode", "rounding", ROUNDING_MODES + (None,), bad="nearest", source=_SRC),
         Constraint(
             id="formats.encode.rounding_supported", param="rounding", kind="value",

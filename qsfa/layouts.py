@@ -108,15 +108,25 @@ UNSPECIFIED = {
 def unspecified_bytes(op: str, args: dict) -> dict:
     """``{output name: bool array of the output's shape}``, True where the layout of ``op``'s output leaves the byte
     unspecified (a kernel may leave scratch there; the reference writes 0), for a call with ``args`` (valid
-    arguments, NumPy arrays; one-byte outputs, so one element is one byte). Operators without such bytes: {}."""
-    f = UNSPECIFIED.get(op)
-    if f is None:
-        return {}
+    arguments: NumPy arrays or torch tensors, as the operator takes them; one-byte outputs, so one element is one
+    byte). Operators without such bytes: {}. An unknown operator name or ``args`` that is not a dict: InvalidArgument.
+    """
+    from collections.abc import Mapping
+
+    from ._arrays import is_torch, to_numpy
     from ._contract import Args
-    from ._dispatch import operator
+    from ._dispatch import operator, operators
     from ._errors import InvalidArgument
     from .chips import _bind
 
+    if not isinstance(op, str) or op not in operators():
+        raise InvalidArgument("value", "op", op, "not an operator of this build of qsfa (qsfa.operators())")
+    if not isinstance(args, Mapping):
+        raise InvalidArgument("type", "args", type(args).__name__, f"must be a dict of {op}'s arguments")
+    f = UNSPECIFIED.get(op)
+    if f is None:
+        return {}
+    args = {k: to_numpy(v) if is_torch(v) else v for k, v in args.items()}  # host views, bits preserved
     try:  # the call's arguments with the front door's defaults
         full = _bind(op, (), {k: v for k, v in dict(args).items() if k not in ("chip", "backend")})
     except TypeError as e:

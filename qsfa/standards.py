@@ -103,7 +103,7 @@ def ops_transformer(actual, golden, *, dtype, exact=None, benchmark=None) -> dic
     elif a_in.dtype.itemsize == 1:
         a, g = a_in.view(np.uint8).astype(np.float32), g_in.view(np.uint8).astype(np.float32)
     else:
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):  # float64 beyond float32's range: inf, judged as such
             a, g = a_in.astype(np.float32).reshape(-1), g_in.astype(np.float32).reshape(-1)
     a, g = a.reshape(-1), g.reshape(-1)
     n = int(g.size)
@@ -557,6 +557,68 @@ def resolve(names) -> list[str]:
         else:
             raise InvalidArgument("value", "standard", n, f"must be one of {list(STANDARD_NAMES)} or 'all'")
     return out
+
+
+_FIXED_ARGS = ("actual", "golden", "dtype", "exact", "benchmark")
+
+
+def standard_parameters(name: str) -> list[str]:
+    """The parameters ``standard_params[name]`` may set (the rule function's keyword arguments)."""
+    import inspect
+
+    (name,) = resolve([name])
+    return [p for p in inspect.signature(STANDARDS[name].function).parameters if p not in _FIXED_ARGS]
+
+
+def check_standard_params(standard, standard_params) -> None:
+    """Refuse, by name, ``standard_params`` that are not ``{requested standard: {parameter: value}}``: a key that is
+    not a requested standard, a value that is not a dict, a parameter the standard does not have, a ``floor`` that
+    is not a finite number > 0, a ``level`` / ``method`` the standard does not know."""
+    from collections.abc import Mapping
+
+    if standard_params is None:
+        return
+    names = resolve(standard)
+    if not isinstance(standard_params, Mapping):
+        raise InvalidArgument("type", "standard_params", type(standard_params).__name__,
+                              "must be a dict {standard name: {parameter: value}}")
+    for k, v in standard_params.items():
+        if k not in names:
+            raise InvalidArgument("value", "standard_params", k, f"its keys must be requested standards "
+                                  f"(standard=...: {names})")
+        if not isinstance(v, Mapping):
+            raise InvalidArgument("type", f"standard_params[{k!r}]", type(v).__name__,
+                                  "must be a dict {parameter: value}")
+        allowed = standard_parameters(k)
+        unknown = sorted(str(p) for p in v if p not in allowed)
+        if unknown:
+            raise InvalidArgument("value", f"standard_params[{k!r}]", unknown,
+                                  f"{k} has no such parameter(s); its parameters: {allowed}")
+        if v.get("floor") is not None:
+            f = v["floor"]
+            if isinstance(f, bool) or not isinstance(f, (int, float, np.integer, np.floating)) or not (
+                    math.isfinite(float(f)) and float(f) > 0):
+                raise InvalidArgument("value", f"standard_params[{k!r}]['floor']", f, "must be a finite number > 0")
+        levels = {"atk-dual": ATK_LEVELS, "msprobe": MSPROBE["benchmark_levels"]}.get(k)
+        if "level" in v and levels is not None and v["level"] not in levels:
+            raise InvalidArgument("value", f"standard_params[{k!r}]['level']", v["level"],
+                                  f"must be one of {sorted(levels)}")
+        if k == "msprobe" and "method" in v and v["method"] not in MSPROBE_METHODS:
+            raise InvalidArgument("value", "standard_params['msprobe']['method']", v["method"],
+                                  f"must be one of {list(MSPROBE_METHODS)}")
+
+
+def needed_references(name: str) -> list[str]:
+    """The references (``exact`` / ``benchmark``) without which standard ``name`` judges nothing (atk-dual): asked
+    of the rule itself on a one-element float32 pair. A golden directory and a conformance run hold neither, so
+    such a standard cannot give their verdict (``--verdict-by``)."""
+    (name,) = resolve([name])
+    x = np.ones(1, np.float32)
+    try:
+        r = STANDARDS[name].function(x, x, dtype="float32")
+    except InvalidArgument:  # a rule for other dtypes (quant-codes): it needs no reference
+        return []
+    return list(r.get("missing") or [])
 
 
 def applicable(name: str, dtype: str) -> bool:

@@ -29,3 +29,30 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("golden") / "golden-out"
     assert main(["golden", "generate", "--set", "smoke", "--out", str(out), "-q"]) == 0
     return out
+
+
+@pytest.fixture
+def mirror_backend():
+    """``make(name, patch=None)``: register a backend ``name`` that runs every operator's reference implementation,
+    ``patch`` = ``{op: f(reference_impl) -> impl}`` replacing some (a device under test that is right, or has one
+    planted bug); unregistered after the test. A correct device is not the reference: a chain re-run on it is a
+    real check (the reference itself is refused as a re-run backend)."""
+    from qsfa import _dispatch
+
+    made = []
+
+    def make(name, patch=None):
+        class Mirror(_dispatch.Backend):
+            pass
+
+        Mirror.name = name
+        _dispatch.register_backend(Mirror())
+        made.append(name)
+        for op_name, op in _dispatch.operators().items():
+            ref = op.impls["reference"]
+            _dispatch.register_impl(name, op_name, (patch or {}).get(op_name, lambda r: r)(ref))
+        return name
+
+    yield make
+    for name in made:
+        _dispatch.unregister_backend(name)

@@ -62,7 +62,7 @@ def test_identical_tensors_pass_and_the_manifest_records_the_edges(tmp_path):
     assert rep.passed and rep.first_failure is None
 
 
-def test_a_kernel_bug_is_told_apart_from_its_propagation(tmp_path):
+def test_a_kernel_bug_is_told_apart_from_its_propagation(tmp_path, mirror_backend):
     g = _golden(tmp_path)
 
     def buggy_encode(name, a):  # the device's encode got one code wrong; every later link saw it
@@ -75,11 +75,15 @@ def test_a_kernel_bug_is_told_apart_from_its_propagation(tmp_path):
             a[1, 1, 0] = a[1, 1, 0] * np.float32(1.125) if a[1, 1, 0] else np.float32(1)
         return a
 
-    rep = compare_chain_dirs(g, _actual(tmp_path, g, buggy_encode))
+    act = _actual(tmp_path, g, buggy_encode)
+    rep = compare_chain_dirs(g, act)  # no backend under test to re-run on: the inherited failures are undecided
     enc, dec, put = rep.links
     assert not enc.passed and enc.inputs_matched and "own error" in enc.verdict
-    assert not dec.passed and not dec.inputs_matched and dec.rerun_passed and "propagated" in dec.verdict
+    assert not dec.passed and not dec.inputs_matched and dec.rerun_passed is None and "undecided" in dec.verdict
     assert rep.first_failure.link == "enc"
+    rep = compare_chain_dirs(g, act, rerun_backend=mirror_backend("chain-test-right-device"))
+    enc, dec, put = rep.links
+    assert not dec.passed and not dec.inputs_matched and dec.rerun_passed and "propagated" in dec.verdict
 
 
 def test_a_links_own_error_with_matching_inputs(tmp_path):
@@ -196,8 +200,8 @@ def test_cli_backend_reruns_a_failing_link_on_that_backend(tmp_path, capsys):
 
     act = _actual(tmp_path, g, bad_codes)
     assert main(["golden", "compare", g, "--actual", act, "--chain"]) == 1
-    assert "FAIL (propagated: its inputs already differed; fed with the golden inputs it passes)" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out  # no re-run on the reference (it reproduces the golden): undecided, not propagated
+    assert "dec " in out and "FAIL (undecided: its inputs already differed" in out and "propagated" not in out, out
 
     class Buggy(_dispatch.Backend):
         name = "chain-test-buggy-dec"
@@ -217,3 +221,136 @@ def test_cli_backend_reruns_a_failing_link_on_that_backend(tmp_path, capsys):
         _dispatch.unregister_backend("chain-test-buggy-dec")
     out = capsys.readouterr().out
     assert "first failing link 'enc'" in out and "dec " in out and out.count("FAIL (own error)") == 1, out
+
+
+def test_rerun_on_the_reference_is_refused(tmp_path, capsys):
+    """Fed with the golden inputs the reference reproduces the golden: as a re-run backend it would call every
+    inherited failure "propagated", a planted bug in the link included."""
+    g = _golden(tmp_path)
+    act = _actual(tmp_path, g, lambda n, a: a)
+    with pytest.raises(ChainError, match="rerun_backend.*reproduces the golden"):
+        compare_chain_dirs(g, act, rerun_backend="reference")
+    with pytest.raises(ChainError, match="unknown backend"):
+        compare_chain_dirs(g, act, rerun_backend="no-such-backend")
+    assert main(["golden", "compare", g, "--actual", act, "--chain", "--backend", "reference"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend reference" in err and err.count("\n") == 1, err
+
+
+def _cli(capsys, *argv):
+    capsys.readouterr()
+    rc = main(["golden", "compare", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _edit_chain(g, change):
+    path = os.path.join(g, "chain.json")
+    with open(path) as f:
+        d = json.load(f)
+    change(d)
+    with open(path, "w") as f:
+        json.dump(d, f)
+
+
+def _link(d, name):
+    return next(ln for ln in d["links"] if ln["name"] == name)
+
+
+@pytest.mark.parametrize("tamper,expect", [
+    (lambda d: _link(d, "enc")["args"].update(chip="bogus"), "chip"),
+    (lambda d: _link(d, "enc")["args"].update(saturate="yes"), "saturate"),
+    (lambda d: _link(d, "dec")["args"].pop("fmt"), "required argument"),
+    (lambda d: _link(d, "put")["args"].update(rows={"from": "$dec.values", "reshape": [-1]}), "rows"),
+    (lambda d: _link(d, "put")["args"].update(rows={"from": "$dec.values", "reshape": [2 ** 70]}), "reshape"),
+    (lambda d: d.update(inputs=[*d["inputs"], "gone"]) or _link(d, "put")["args"].update(slot_mapping="$input.gone"),
+     "missing"),
+])
+def test_a_recorded_call_the_operator_refuses_is_bad_input_before_any_verdict(tmp_path, capsys, tamper, expect):
+    """Identical tensors used to pass (exit 0) whatever chain.json said: its links were only checked when one failed
+    and was re-run. Every link's recorded call is now checked against its operator's contract first."""
+    g = _golden(tmp_path)
+    act = _actual(tmp_path, g, lambda n, a: a)
+    _edit_chain(g, tamper)
+    rc, out, err = _cli(capsys, g, "--actual", act, "--chain")
+    assert rc == 2 and expect in err and err.count("\n") == 1 and not out, (rc, out, err)
+
+
+def test_a_deleted_golden_input_is_bad_input(tmp_path, capsys):
+    g = _golden(tmp_path)
+    act = _actual(tmp_path, g, lambda n, a: a)
+    os.remove(os.path.join(g, "input.slots.npy"))
+    rc, _, err = _cli(capsys, g, "--actual", act, "--chain")
+    assert rc == 2 and "input.slots" in err and "missing" in err and err.count("\n") == 1, err
+
+
+def test_broken_chain_folder_files_are_one_line_exit_2(tmp_path, capsys):
+    g = _golden(tmp_path)
+    act = _actual(tmp_path, g, lambda n, a: a)
+    with open(os.path.join(g, "manifest.json"), "w") as f:
+        f.write("[1]")
+    rc, _, err = _cli(capsys, g, "--actual", act, "--chain")
+    assert rc == 2 and "manifest" in err and err.count("\n") == 1, err
+    (tmp_path / "2").mkdir()
+    g = _golden(tmp_path / "2")
+    with open(os.path.join(act, "dec.values.npy"), "wb") as f:
+        f.write(b"not an npy file")
+    rc, _, err = _cli(capsys, g, "--actual", act, "--chain")
+    assert rc == 2 and "dec.values.npy" in err and err.count("\n") == 1, err
+
+
+def test_a_dump_of_another_dtype_is_bad_input_not_a_verdict(tmp_path, capsys):
+    g = _golden(tmp_path)
+    act = _actual(tmp_path, g, lambda n, a: a.astype(np.float64) if n == "dec.values" else a)
+    rc, out, err = _cli(capsys, g, "--actual", act, "--chain")
+    assert rc == 2 and "Invalid dtype for tensor dec.values" in err and "float64" in err, (out, err)
+    (tmp_path / "2").mkdir()
+    act2 = _actual(tmp_path / "2", g, lambda n, a: a.view(np.int32) if n == "dec.values" else a)
+    rc, out, err = _cli(capsys, g, "--actual", act2, "--chain")  # same width: still refused, not reinterpreted
+    assert rc == 2 and "int32" in err, (out, err)
+
+
+def test_a_backend_that_raises_in_the_rerun_is_an_error_exit_3(tmp_path, capsys, mirror_backend):
+    g = _golden(tmp_path)
+
+    def bad_codes(name, a):
+        a = a.copy()
+        if name == "enc.codes":
+            a[0, 0] ^= 1
+        if name == "dec.values":
+            a[0, 0] = a[0, 0] + np.float32(1)
+        return a
+
+    def raising(_ref):
+        def impl(*args, **kw):
+            raise RuntimeError("device lost")
+        return impl
+
+    act = _actual(tmp_path, g, bad_codes)
+    be = mirror_backend("chain-test-raising", {"formats.decode": raising})
+    rc, out, err = _cli(capsys, g, "--actual", act, "--chain", "--backend", be)
+    assert rc == 3 and "ERROR (the re-run raised: RuntimeError: device lost)" in out, (out, err)
+    assert out.rstrip().splitlines()[-1].startswith("ERROR chain"), out
+
+
+@pytest.mark.parametrize("bad,expect", [
+    (None, "for inputs['x'], actual: None"),
+    (np.ma.masked_array(np.zeros((4, 8), np.float32)), "for inputs['x'], actual: 'a masked array"),
+])
+def test_run_chain_refuses_bad_inputs_by_name(bad, expect):
+    with pytest.raises(ChainError) as ei:
+        run_chain(chain_from_dict(CHAIN), {**_inputs(), "x": bad})
+    assert expect in str(ei.value), str(ei.value)
+    with pytest.raises(ChainError, match="for inputs, actual: 'list'"):
+        run_chain(chain_from_dict(CHAIN), [1, 2])
+
+
+def test_load_chain_on_a_missing_file_or_a_directory_is_one_clear_error(tmp_path):
+    from qsfa.chain import load_chain
+
+    with pytest.raises(ChainError, match="no such file"):
+        load_chain(str(tmp_path / "nope.json"))
+    with pytest.raises(ChainError, match="is a directory"):
+        load_chain(str(tmp_path))
+    (tmp_path / "c.json").write_text(json.dumps(CHAIN))
+    assert load_chain(str(tmp_path / "c.json")).name == CHAIN["name"]

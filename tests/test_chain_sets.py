@@ -38,7 +38,7 @@ def test_chain_equals_the_hard_coded_c8_pipeline():
     p = dict(q_lens=[20, 13], kv_lens=[20, 29], key_dtype="int8", sparse_count=8, scale_value=576 ** -0.5,
              return_softmax_lse=True)
     x = inputs(p, seed=3)
-    v = C.run_chain(C.get_chain("v32-mla-c8", p), x)
+    v = C.run_chain(C.get_chain("v32-mla-c8", p, ignore_unknown=True), x)
     kv_cache, index_cache = x["kv_cache"].copy(), x["index_cache"].copy()
     out, mx, sm, idx = qsfa.c8_pipeline(
         x["query"], x["kv"], x["gamma"], x["cos"], x["sin"], x["index_query"], x["index_key"], x["weights"],
@@ -56,7 +56,7 @@ def test_chain_equals_the_hard_coded_c8_pipeline():
 def test_unknown_chain_and_unknown_until_are_named():
     with pytest.raises(C.ChainError, match="Invalid value for chain, actual: 'v9-layer'.*v32-mla-c8"):
         C.get_chain("v9-layer")
-    ch = C.get_chain("v32-mla-c8", DECODE)
+    ch = C.get_chain("v32-mla-c8", DECODE, ignore_unknown=True)
     with pytest.raises(C.ChainError, match="Invalid value for until, actual: 'attn'.*links: cache, index_cache"):
         C.run_chain(ch, inputs(DECODE), until="attn")
 
@@ -89,7 +89,7 @@ def test_chain_set_stores_every_intermediate_and_the_edges(decode_set, capsys):
     assert ["indexer.sparse_indices", "attention", "sparse_indices"] in rec["chain"]["edges"]
     # the stored intermediates are the chain's own, and each link's input is the upstream link's output file
     p = {k: v for k, v in man["cases"][0]["params"].items() if k not in ("chain", "link")}
-    v = C.run_chain(C.get_chain("v32-mla-c8", p), inputs(p, seed=man["cases"][0]["seed"]), chip=p["chip"])
+    v = C.run_chain(C.get_chain("v32-mla-c8", p, ignore_unknown=True), inputs(p, seed=man["cases"][0]["seed"]), chip=p["chip"])
     d = decode_set
     assert (d / "decode-a3-int8.cache/out.kv_cache.bin").read_bytes() == u8(v["cache.kv_cache"]).tobytes()
     assert (d / "decode-a3-int8.attention/in.key.bin").read_bytes() == u8(v["cache.kv_cache"]).tobytes()
@@ -125,7 +125,7 @@ def test_generating_a_chain_whose_edge_is_refused_is_exit_2_and_writes_nothing(t
     from qsfa.golden.chain import chain_cases as link_cases
 
     def bad_chain(**p):  # the indexer reads the packed C8 cache instead of the indexer keys
-        d = C.get_chain("v32-mla-c8", p).to_dict()
+        d = C.get_chain("v32-mla-c8", p, ignore_unknown=True).to_dict()
         d["name"] = "test-bad-edge"
         d["links"][2]["args"]["key"] = "$cache.kv_cache"
         return C.chain_from_dict(d)
@@ -177,7 +177,7 @@ def test_planted_divergence_in_one_link_is_its_own(decode_set, tmp_path, capsys)
     assert rep["instances"][0]["first_failing"] == "attention"
 
 
-def test_planted_divergence_upstream_is_propagated(decode_set, tmp_path, capsys):
+def test_planted_divergence_upstream_is_propagated(decode_set, tmp_path, capsys, mirror_backend):
     """The indexer's indices changed (so the attention that read them differs too): the indexer is the first failing
     link, its own error; the attention's inputs already differed and its re-run on the golden inputs passes on
     the backend, so its failure is propagated. Without --backend it is undecided."""
@@ -189,8 +189,8 @@ def test_planted_divergence_upstream_is_propagated(decode_set, tmp_path, capsys)
     flip(a / "decode-a3-int8.attention/out.attention_out.bin", np.uint16, slice(0, 8), 0x0040)
     rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain")
     assert rc == 1 and "first failing link: indexer (own)" in out and "re-run it with --backend" in out, out
-    rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--backend", "reference", "--json",
-                     tmp_path / "r.json")
+    rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--backend",
+                     mirror_backend("chain-test-right-device"), "--json", tmp_path / "r.json")
     assert rc == 1, out
     links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
     assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "own", "propagated"]
@@ -249,6 +249,8 @@ def test_compare_chain_usage_errors(decode_set, tmp_path, capsys):
     assert rc == 2 and "holds no layer chain" in err, err
     rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--backend", "reference")
     assert rc == 2 and "needs --chain" in err, err
+    rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain", "--backend", "reference")
+    assert rc == 2 and "--backend reference" in err and "cannot tell" in err and err.count("\n") == 1, err
     rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain", "--backend", "nope")
     assert rc == 2 and "--backend nope" in err, err
     rc, _, err = cli(capsys, "compare", decode_set, "--actual", decode_set, "--chain", "--case", "prefill-*")
@@ -339,7 +341,7 @@ def test_scores_table_ranks_to_the_indexers_indices():
 
     p = dict(DECODE, key_dtype="int8")
     x = inputs(p, seed=4)
-    v = C.run_chain(C.get_chain("v32-mla-c8", p), x)
+    v = C.run_chain(C.get_chain("v32-mla-c8", p, ignore_unknown=True), x)
     args = dict(query=x["index_query"], key=v["index_cache.cache"], weights=x["weights"],
                 actual_seq_lengths_query=x["actual_seq_lengths_query"],
                 actual_seq_lengths_key=x["actual_seq_lengths_kv"], block_table=x["block_table"], layout_query="TND",
@@ -376,7 +378,7 @@ def request_alone(x, params, r):
 
 
 def assert_alone_equals_batched(x, p, r, chip=None):
-    ch = C.get_chain("v32-mla-c8", p)
+    ch = C.get_chain("v32-mla-c8", p, ignore_unknown=True)
     batch = C.run_chain(ch, x, chip=chip)
     alone_in, rows = request_alone(x, p, r)
     alone = C.run_chain(ch, alone_in, chip=chip)
@@ -410,7 +412,7 @@ def test_batch_invariance_property(case, r):
 @given(chain_cases())
 def test_every_drawn_chain_is_valid_and_the_reference_conforms(case):
     """Every drawn case passes every link's contract on its chip, and the reference conforms to itself."""
-    ch = C.get_chain(case["chain"], case["params"])
+    ch = C.get_chain(case["chain"], case["params"], ignore_unknown=True)
     assert C.first_divergence(ch, case["inputs"], backend="reference", chip=case["chip"]) is None
 
 
@@ -453,7 +455,7 @@ def buggy_backend():
 
 def test_a_failing_chain_shrinks_to_a_minimal_one(buggy_backend):
     def fails(case):
-        d = C.first_divergence(C.get_chain(case["chain"], case["params"]), case["inputs"], backend=buggy_backend[0],
+        d = C.first_divergence(C.get_chain(case["chain"], case["params"], ignore_unknown=True), case["inputs"], backend=buggy_backend[0],
                                chip=case["chip"])
         return d is not None and d["link"] == "attention" and d["verdict"] == "own"
 
@@ -466,7 +468,7 @@ def test_first_divergence_tells_own_from_propagated(buggy_backend):
     """The indexer's wrong indices are its own error (its inputs matched); the attention that read them differs
     too, but that is not reported: the first failing link is the indexer."""
     p = dict(DECODE)
-    ch = C.get_chain("v32-mla-c8", p)
+    ch = C.get_chain("v32-mla-c8", p, ignore_unknown=True)
     d = C.first_divergence(ch, inputs(p, seed=6), backend=buggy_backend[1], chip="A3")
     assert d == {"link": "indexer", "op": "lightning_indexer", "outputs": ["sparse_indices"], "differing_inputs": [],
                  "rerun_passed": None, "verdict": "own"}, d
@@ -507,3 +509,43 @@ def test_first_divergence_a_byte_differing_input_is_told_propagated():
         _dispatch.unregister_backend("chain-test-nudge")
     assert d == {"link": "enc", "op": "formats.encode", "outputs": ["codes"],
                  "differing_inputs": ["x = merge.attention_out"], "rerun_passed": True, "verdict": "propagated"}, d
+
+
+def test_chain_set_manifest_with_malformed_chains_is_exit_2(decode_set, tmp_path, capsys):
+    g = actual_copy(decode_set, tmp_path)
+    man = json.loads((g / "manifest.json").read_text())
+    man["chains"] = "x"
+    (g / "manifest.json").write_text(json.dumps(man))
+    rc, _, err = cli(capsys, "compare", g, "--actual", g, "--chain")
+    assert rc == 2 and '"chains" must be a list' in err and err.count("\n") == 1, err
+
+
+def test_a_backend_that_raises_in_the_rerun_is_an_error_exit_3(decode_set, tmp_path, capsys, mirror_backend):
+    """As qsfa conformance: the backend under test raised, so the re-run link has no verdict (ERROR, exit 3)."""
+    a = actual_copy(decode_set, tmp_path)
+    idx = a / "decode-a3-int8.indexer/out.sparse_indices.bin"
+    s = np.fromfile(idx, np.int32)
+    s[[0, 16]] = s[[16, 0]]
+    s.tofile(idx)
+    flip(a / "decode-a3-int8.attention/out.attention_out.bin", np.uint16, slice(0, 8), 0x0040)
+
+    def raising(_ref):
+        def impl(*args, **kw):
+            raise RuntimeError("device lost")
+        return impl
+
+    be = mirror_backend("chain-test-raising", {"kv_quant_sparse_flash_attention": raising})
+    rc, out, _ = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--backend", be, "--json",
+                     tmp_path / "r.json")
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 3 and rep["verdict"] == "ERROR" and "verdict: ERROR" in out, out
+    links = rep["instances"][0]["links"]
+    assert links[3]["verdict"] == "error" and "device lost" in links[3]["rerun_error"]
+
+
+def test_get_chain_refuses_unknown_and_non_dict_params():
+    with pytest.raises(C.ChainError, match=r"for params, actual: \['batch'\]"):
+        C.get_chain("v32-mla-c8", {"batch": 2})
+    with pytest.raises(C.ChainError, match="for params, actual: 'list'"):
+        C.get_chain("v32-mla-c8", [("key_dtype", "int8")])
+    assert C.get_chain("v32-mla-c8", {"batch": 2, "key_dtype": "int8"}, ignore_unknown=True).name == "v32-mla-c8"

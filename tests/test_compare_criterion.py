@@ -129,3 +129,20 @@ def test_message_puts_what_the_verdict_rests_on_before_the_diagnostics():
     verdict, diagnostics = res.message.split(" | diagnostics, not judged: ")
     assert verdict.startswith("PASS: 0 of 4 elements outside atol=") and "cos_diff=" in verdict and "<=" in verdict
     assert "max_rel" not in verdict and diagnostics.startswith("max_abs=") and "max_rel=" in diagnostics
+
+
+def test_extreme_finite_values_warn_nothing_and_cos_diff_stays_defined():
+    """Opposite values near float64's max: |a - g| and a^2 overflow to inf; no RuntimeWarning leaks, and cos_diff
+    is computed on scaled values (the vectors are opposite in their dominant element: cos_diff ~ 2, not NaN)."""
+    import warnings
+
+    from qsfa.compare import compare, cos_diff
+
+    m = np.finfo(np.float64).max
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = compare(np.array([m, 1.0]), np.array([-m, 1.0]), standard="all")
+        assert not r.passed and r.max_abs == float("inf")
+        assert cos_diff(np.array([m, 1.0]), np.array([-m, 1.0])) == 2.0
+        assert cos_diff(np.array([1e200, 1e200]), np.array([1e200, 1e200])) == 0.0
+        compare(np.array([np.inf, 1.0]), np.array([m, 1.0]), standard="all")

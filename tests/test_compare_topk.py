@@ -85,3 +85,34 @@ def test_agrees_with_a_brute_force_statement(k):
             continue
         a[0, -1] = other
         assert not compare_topk(a, g, sc).passed
+
+
+GOLD = np.array([[0, 2, 4]])
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(actual=np.array([[0.9, 2.0, 4.0]])), "actual"),  # a float index 0.9 was truncated to 0: a false PASS
+    (dict(golden=np.array([[0.0, 2.0, 4.0]])), "golden"),
+    (dict(actual=np.ma.masked_array([[0, 2, 4]], mask=[[0, 0, 1]])), "actual"),
+    (dict(actual=None), "actual"),
+    (dict(golden="0 2 4"), "golden"),
+    (dict(scores=None), "scores"),
+    (dict(rtol=float("nan")), "rtol"),
+    (dict(rtol=float("inf")), "rtol"),
+    (dict(rtol=-1e-4), "rtol"),
+    (dict(golden=np.array([[0, 2, 6]])), "golden"),  # outside [0, 6)
+    (dict(golden=np.array([[0, -2, 4]])), "golden"),
+    (dict(max_report=-1), "max_report"),
+])
+def test_bad_arguments_are_refused_by_name(kw, param):
+    from qsfa import InvalidArgument, InvalidDtype
+
+    args = dict(actual=np.array([[0, 2, 4]]), golden=GOLD, scores=SCORES)
+    args.update(kw)
+    with pytest.raises((InvalidArgument, InvalidDtype)) as ei:
+        compare_topk(args.pop("actual"), args.pop("golden"), args.pop("scores"), **args)
+    assert f" for {param}, actual: " in str(ei.value), str(ei.value)
+
+
+def test_padding_in_the_golden_is_accepted():
+    assert compare_topk(np.array([[0, 2, -1]]), np.array([[2, 0, -1]]), SCORES).passed

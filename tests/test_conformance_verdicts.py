@@ -62,6 +62,8 @@ def test_a_backend_that_raises_is_an_error_not_a_failure(raiser, tmp_path):
     r = run_property(get(f"{ENC}.vs_reference"), raiser, cases_dir=str(tmp_path), max_examples=3)
     assert r.status == "error", (r.status, r.message)
     assert "raised RuntimeError in formats.encode: kernel launch failed" in r.message
+    # the calls that raised are errors, not failed examples (the table showed every example as failed)
+    assert r.errors >= 1 and r.failed == 0 and r.examples == r.passed + r.errors
     assert r.falsifying_example["fmt"] == "hifloat8" and r.case_file  # shrunk and saved like a failure
     holds, msg = replay_case(r.case_file)
     assert holds is None and "ERROR" in msg
@@ -74,7 +76,12 @@ def test_error_exit_status_and_reports(raiser, wrong, tmp_path, capsys):
     out = [str(tmp_path / f"r.{e}") for e in ("json", "md", "xml")]
     args = ["--ops", ENC, "--properties", "vs_reference", "--cases-dir", str(tmp_path / "c"), "-q", "--max-examples", "3"]
     assert main(["conformance", "--backend", raiser, *args, "--report", *out]) == 3
-    assert "ERROR" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "ERROR" in table
+    head = next(ln for ln in table.splitlines() if ln.startswith("operator"))
+    row = next(ln for ln in table.splitlines() if ln.rstrip().endswith("ERROR"))
+    cols = dict(zip(head.split(), row.split()))  # one row: it names its operator
+    assert head.split()[5:7] == ["failed", "errors"] and cols["failed"] == "0" and int(cols["errors"]) >= 1, table
     data = json.loads(open(out[0]).read())
     assert data["summary"]["error"] == 1 and data["summary"]["failed"] == 0 and data["ok"] is False
     assert "## Failures" in open(out[1]).read() and "(ERROR)" in open(out[1]).read()

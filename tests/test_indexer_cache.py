@@ -353,3 +353,27 @@ def test_a_request_alone_equals_the_same_request_inside_an_uneven_batch(mode):
     first_skipped[:12] = -1
     assert write(x[12:], slots[12:]) == write(x, first_skipped)
     assert both != write(x[12:], slots[12:])  # the first request's slots were written too
+
+
+@pytest.mark.parametrize("bad", [1e300, -1e39, float("inf"), float("nan"), 2 ** 1100])
+def test_x_scale_is_a_float32_attribute(bad):
+    """x_scale is a float32 kernel attribute like the other kernels' float ones: a magnitude float32 cannot hold
+    is refused by name before anything is written."""
+    x = np.ones((1, 32), BF16)
+    cache, cs = np.zeros((1, 1, 1, 32), np.uint8), np.zeros((1, 1, 1, 1), F32)
+    with pytest.raises((qsfa.InvalidArgument, qsfa.InvalidDtype), match="for x_scale, actual: "):
+        qsfa.indexer_quant_cache(cache, cs, x, np.array([0], np.int32), quant_mode="hifloat8", x_scale=bad)
+    assert not cache.any()
+
+
+def test_a_large_integer_x_scale_is_its_float32_value():
+    """2**64 is a float32 value (it raised a bare TypeError from np.isfinite): it scales like 2.0**64."""
+    x = np.full((1, 32), 2.0 ** -70, BF16)
+    outs = []
+    for s in (2 ** 64, 2.0 ** 64):
+        cache, cs = np.zeros((1, 1, 1, 32), np.uint8), np.zeros((1, 1, 1, 1), F32)
+        qsfa.indexer_quant_cache(cache, cs, x, np.array([0], np.int32), quant_mode="hifloat8", x_scale=s)
+        outs.append(cache.copy())
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0][0, 0, 0], encode(np.full(32, 2.0 ** -6, F32), "hifloat8", saturate=True,
+                                                           rounding="round"))

@@ -326,3 +326,33 @@ def test_precision_benchmark_is_refused_by_the_device_backends():
 
     c = _precision_faithful()
     assert c.check({"precision": "benchmark"}) == "benchmark" and c.check({"precision": "faithful"}) is None
+
+
+@pytest.mark.parametrize("params,where", [
+    ({"atk-single": {}}, "for standard_params, actual: 'atk-single'"),  # not a requested standard
+    ({"nope": {}}, "for standard_params, actual: 'nope'"),
+    ({"atk-dual": 1.0}, "for standard_params['atk-dual'], actual: 'float'"),
+    ({"atk-dual": {"flor": 1e-3}}, "for standard_params['atk-dual'], actual: ['flor']"),
+    ({"atk-dual": {"floor": float("nan")}}, "for standard_params['atk-dual']['floor']"),
+    ({"atk-dual": {"floor": 0.0}}, "for standard_params['atk-dual']['floor']"),
+    ({"atk-dual": {"floor": float("inf")}}, "for standard_params['atk-dual']['floor']"),
+    ({"atk-dual": {"floor": True}}, "for standard_params['atk-dual']['floor']"),
+    ({"atk-dual": {"level": "L9"}}, "for standard_params['atk-dual']['level']"),
+    ([("atk-dual", {})], "for standard_params, actual: 'list'"),
+])
+def test_standard_params_are_checked_by_name(params, where):
+    from qsfa import InvalidArgument
+    from qsfa.compare import compare
+
+    x = np.ones(8, np.float32)
+    with pytest.raises(InvalidArgument) as ei:
+        compare(x, x, standard="atk-dual", exact=x, benchmark=x, standard_params=params)
+    assert where in str(ei.value), str(ei.value)
+
+
+def test_standard_params_for_a_requested_standard_apply():
+    from qsfa.compare import compare
+
+    x = np.ones(8, np.float32)
+    r = compare(x, x, standard=["atk-dual"], exact=x, benchmark=x, standard_params={"atk-dual": {"floor": 0.25}})
+    assert r.standards["atk-dual"]["floor"] == 0.25

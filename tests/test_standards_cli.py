@@ -149,3 +149,33 @@ def test_conformance_repeat_finds_a_backend_that_is_not_deterministic(toys, tmp_
 def test_conformance_repeat_must_be_positive(capsys):
     assert main(["conformance", "--properties", "formats.encode.vs_reference", "--repeat", "0"]) == 2
     assert "Invalid value for --repeat, actual: 0" in capsys.readouterr().err
+
+
+def test_verdict_by_a_standard_that_judges_nothing_is_bad_usage(smoke, tmp_path, capsys):
+    """atk-dual needs exact and benchmark outputs: on a golden directory (or a conformance run) it judges no output,
+    so identical data used to give "by atk-dual: FAIL", exit 1."""
+    base = ("golden", "compare", smoke, "--actual", smoke, "--case", ATT, "--output", "attention_out")
+    capsys.readouterr()
+    rc = main([str(a) for a in (*base, "--verdict-by", "atk-dual")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "--verdict-by" in err and "needs exact and benchmark" in err and err.count("\n") == 1, err
+    capsys.readouterr()
+    rc = main([str(a) for a in (*base, "--verdict-by", "quant-codes")])  # no rule for bfloat16 outputs
+    out, err = capsys.readouterr()
+    assert rc == 2 and "no rule for any of the 1 selected outputs" in err, err
+    capsys.readouterr()
+    rc = main(["conformance", "--ops", "formats.encode", "--max-examples", "1", "--cases-dir", str(tmp_path / "c"),
+               "-q", "--verdict-by", "atk-dual"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "needs exact and benchmark" in err and not (tmp_path / "c").exists(), err
+
+
+def test_a_standard_na_on_every_output_is_na_overall(smoke, tmp_path, capsys):
+    base = ("golden", "compare", smoke, "--actual", smoke, "--case", ATT, "--output", "attention_out")
+    for std in ("all", "atk-dual"):
+        rc, out = _run(capsys, *base, "--standard", std, "--json", tmp_path / f"{std}.json")
+        assert rc == 0 and "  atk-dual: n/a" in out and "  atk-dual: PASS" not in out, out
+        d = json.loads((tmp_path / f"{std}.json").read_text())
+        assert d["standards"]["atk-dual"] == "n/a", d["standards"]
+    assert d["standards"] == {"atk-dual": "n/a"}
+    assert json.loads((tmp_path / "all.json").read_text())["standards"]["ops-transformer"] == "PASS"

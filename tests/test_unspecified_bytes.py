@@ -106,3 +106,21 @@ def test_golden_compare_and_verify_ignore_exactly_the_unspecified_bytes(tmp_path
         report = VerifyReport(str(g))
         _recompute(str(g), made, stored, report)
         assert (report.problems == []) == (shift == 0), report.problems
+
+
+def test_unspecified_bytes_refuses_unknown_ops_and_non_dict_args_by_name():
+    with pytest.raises(qsfa.InvalidArgument, match="for op, actual: 'no_such_op'"):
+        unspecified_bytes("no_such_op", {})
+    with pytest.raises(qsfa.InvalidArgument, match="for args, actual: 'NoneType'"):
+        unspecified_bytes(M1Q, None)
+    with pytest.raises(qsfa.InvalidArgument, match="for args"):
+        unspecified_bytes("formats.encode", None)  # an operator without such bytes checks its args too
+
+
+def test_unspecified_bytes_takes_torch_tensors_like_the_operator():
+    torch = pytest.importorskip("torch")
+    k = np.zeros((3, 2, 1, 512), ml_dtypes.bfloat16)
+    want = unspecified_bytes(M1Q, dict(k=k))["cache"]
+    got = unspecified_bytes(M1Q, dict(k=torch.zeros((3, 2, 1, 512), dtype=torch.bfloat16)))["cache"]
+    assert isinstance(got, np.ndarray) and got.dtype == bool
+    np.testing.assert_array_equal(got, want)

@@ -176,6 +176,14 @@ def _main(args) -> int:
         raise _usage(f"Invalid value for --max-examples, actual: {args.max_examples}, reason: must be >= 1.")
     if args.seed is not None and args.seed < 0:
         raise _usage(f"Invalid value for --seed, actual: {args.seed}, reason: must be >= 0.")
+    if args.verdict_by is not None:
+        from ..standards import needed_references
+
+        need = needed_references(args.verdict_by)
+        if need:
+            raise _usage(f"Invalid value for --verdict-by, actual: {args.verdict_by!r}, reason: it needs "
+                         f"{' and '.join(need)} outputs, which a conformance run does not have, so it would judge "
+                         "no output.")
     shard = None
     if args.shard:
         try:

@@ -58,11 +58,11 @@ def _rows(report: ConformanceReport):
 
 def format_table(report: ConformanceReport) -> str:
     """The per-operator, per-property table printed at the end of a run."""
-    head = ("operator", "property", "kind", "examples", "passed", "failed", "seconds", "status")
-    rows = [(op, fam, r.kind, str(r.examples), str(r.passed), str(r.failed), f"{r.seconds:.2f}", _status_word(r))
-            for op, fam, r in _rows(report)]
+    head = ("operator", "property", "kind", "examples", "passed", "failed", "errors", "seconds", "status")
+    rows = [(op, fam, r.kind, str(r.examples), str(r.passed), str(r.failed), str(getattr(r, "errors", 0)),
+             f"{r.seconds:.2f}", _status_word(r)) for op, fam, r in _rows(report)]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    right = {3, 4, 5, 6}
+    right = {3, 4, 5, 6, 7}
 
     def fmt(row):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -137,10 +137,10 @@ def to_markdown(report: ConformanceReport) -> str:
                f"{s['error']} errors** "
                f"({s['properties']} properties, {s['examples']} examples).")
     out.append("")
-    out.append("| operator | property | kind | examples | passed | failed | seconds | status |")
-    out.append("|---|---|---|---:|---:|---:|---:|---|")
+    out.append("| operator | property | kind | examples | passed | failed | errors | seconds | status |")
+    out.append("|---|---|---|---:|---:|---:|---:|---:|---|")
     for op, fam, r in _rows(report):
-        out.append(f"| `{op}` | `{fam}` | {r.kind} | {r.examples} | {r.passed} | {r.failed} | {r.seconds:.2f} | "
+        out.append(f"| `{op}` | `{fam}` | {r.kind} | {r.examples} | {r.passed} | {r.failed} | {r.errors} | {r.seconds:.2f} | "
                    f"{_status_word(r)} |")
     bad = [r for r in report.results if r.status in ("failed", "error")]
     if bad:
@@ -196,7 +196,7 @@ def to_junit(report: ConformanceReport) -> str:
         ET.SubElement(tc, "properties")
         tprops = tc.find("properties")
         for k, v in (("kind", r.kind), ("examples", r.examples), ("passed", r.passed), ("failed", r.failed),
-                     ("case_file", r.case_file)):
+                     ("errors", r.errors), ("case_file", r.case_file)):
             if v is not None:
                 ET.SubElement(tprops, "property", name=k, value=str(v))
         if r.status == "failed":

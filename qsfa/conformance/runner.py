@@ -60,8 +60,9 @@ class PropertyResult:
     backend lacks an operator, the chip cannot run the property - ``not_applicable``, decided before anything is
     drawn - or no drawn example fits the backend's limits) or "error" (no verdict: the backend raised instead of
     returning - the example is saved like a failure's - or the run itself broke; docs/conformance.md#verdicts).
-    examples: calls of the check (passed + failed; shrinking steps included); rejected: draws the backend
-    declined (UnsupportedByBackend) or that did not fit its limits.
+    examples: calls of the check (passed + failed + errors; shrinking steps included); errors: calls where the
+    backend raised (no verdict; counted apart from failed); rejected: draws the backend declined
+    (UnsupportedByBackend) or that did not fit its limits.
     """
 
     property: str
@@ -84,6 +85,7 @@ class PropertyResult:
     edge_examples: int = 0  # explicit edge examples (qsfa._edges) run before the max_examples random ones
     standards: dict = field(default_factory=dict)  # --standard: {name: {"judged", "failed", "first_failure"}}
     not_applicable: bool = False  # skipped before drawing: the chip cannot run it (qsfa.strategies.chips)
+    errors: int = 0  # calls where the backend raised (BackendRaised): no verdict, not counted as failed
 
     @property
     def op(self) -> str:
@@ -220,7 +222,7 @@ SHRINK_SECONDS = 20.0
 
 class _State:
     def __init__(self):
-        self.passed = self.failed = self.rejected = 0
+        self.passed = self.failed = self.rejected = self.errors = 0
         self.final: list = []
         self.first_failure: float | None = None  # perf_counter() of the first failure (shrinking starts)
         self.shrink_skipped = 0
@@ -316,7 +318,10 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
             state.rejected += 1
             reject()
         except Exception as e:
-            state.failed += 1
+            if isinstance(e, BackendRaised):
+                state.errors += 1
+            else:
+                state.failed += 1
             if state.first_failure is None:
                 state.first_failure = time.perf_counter()
             if final:
@@ -368,8 +373,8 @@ def run_property(prop: Property, backend: str = "reference", *, profile: str | N
         else:
             res.status = "error"
             res.message = f"{type(e).__name__}: {e}"
-    res.passed, res.failed, res.rejected = state.passed, state.failed, state.rejected
-    res.examples = state.passed + state.failed
+    res.passed, res.failed, res.rejected, res.errors = state.passed, state.failed, state.rejected, state.errors
+    res.examples = state.passed + state.failed + state.errors
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -153,6 +153,7 @@ def merge(task_results: list, seed: int | None):
     r, t = rs[pick], tasks[pick]
     merged = replace(r, seed=seed, examples=sum(x.examples for x in rs), passed=sum(x.passed for x in rs),
                      failed=sum(x.failed for x in rs), rejected=sum(x.rejected for x in rs),
+                     errors=sum(x.errors for x in rs),
                      seconds=sum(x.seconds for x in rs), edge_examples=sum(x.edge_examples for x in rs))
     if r.status in ("failed", "error"):
         merged.message = (f"seed shard {t.shard}/{t.shards} (--seed {t.seed} --max-examples {t.max_examples}): "

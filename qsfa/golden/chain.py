@@ -34,7 +34,7 @@ def chain_cases(chain_name: str, instance: str, params: dict, *, seed: int, desc
     ``<instance>.<link>``, all with ``seed``, the chain parameters ``params`` and the link's literal arguments."""
     from ..chain import get_chain
 
-    ch = get_chain(chain_name, params)
+    ch = get_chain(chain_name, params, ignore_unknown=True)
     out = []
     for lk in ch.links:
         lits = {k: v for k, v in lk.args.items() if k not in lk.refs()}
@@ -56,7 +56,7 @@ def chain_records(entries: list) -> list:
             continue
         inst = e["name"][: -len(p["link"]) - 1] if e["name"].endswith("." + p["link"]) else e["name"]
         if inst not in recs:
-            ch = get_chain(p["chain"], p)
+            ch = get_chain(p["chain"], p, ignore_unknown=True)
             recs[inst] = {"instance": inst, "chain": {**ch.to_dict(), "edges": ch.edges()},
                           "params": {k: v for k, v in p.items() if k not in ("chain", "link")}, "cases": {}}
         recs[inst]["cases"][p["link"]] = e["name"]
@@ -81,10 +81,12 @@ class LinkResult:
     @property
     def verdict(self) -> str:
         """PASS, or for a failing link: own (its inputs matched, or its re-run on golden inputs fails too),
-        propagated (its inputs differed and its re-run on golden inputs passes), or undecided (inputs differed,
-        not re-run)."""
+        propagated (its inputs differed and its re-run on golden inputs passes), undecided (inputs differed,
+        not re-run) or error (the re-run raised: no verdict)."""
         if self.passed:
             return "PASS"
+        if self.rerun_error:
+            return "error"
         if not self.differing_inputs or self.rerun_passed is False:
             return "own"
         return "propagated" if self.rerun_passed else "undecided"
@@ -106,6 +108,11 @@ class ChainReport:
     def passed(self) -> bool:
         return all(lr.passed for _, _, links in self.instances for lr in links)
 
+    @property
+    def errored(self) -> bool:
+        """A failing link's re-run raised on the backend: that link has no verdict, the report's verdict is ERROR."""
+        return any(lr.rerun_error for _, _, links in self.instances for lr in links)
+
     def first_failing(self, instance: str) -> LinkResult | None:
         for inst, _, links in self.instances:
             if inst == instance:
@@ -116,7 +123,7 @@ class ChainReport:
         from .compare import _json_safe
 
         return _json_safe({"golden": self.golden, "actual": self.actual, "backend": self.backend,
-                           "verdict": "PASS" if self.passed else "FAIL",
+                           "verdict": "PASS" if self.passed else "ERROR" if self.errored else "FAIL",
                            "instances": [{"instance": i, "chain": c,
                                           "first_failing": (self.first_failing(i).link if self.first_failing(i)
                                                             else None),
@@ -132,7 +139,7 @@ def _rerun(golden: str, entry: dict, backend: str) -> tuple[bool | None, str]:
     case = case_from_entry(golden, entry)
     try:
         outs = case.run(backend)
-    except Exception as e:  # noqa: BLE001 - a backend that cannot run the link: said, not fatal
+    except Exception as e:  # noqa: BLE001 - a backend that raises: that link's verdict is error (exit 3)
         return None, f"{type(e).__name__}: {e}"
     with tempfile.TemporaryDirectory(prefix="qsfa-chain-rerun-") as tmp:
         os.mkdir(os.path.join(tmp, entry["name"]))
@@ -156,6 +163,9 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
     from .compare import CompareReport, compare_dir
     from .manifest import load_manifest
 
+    if backend == "reference":
+        raise GoldenInputError("--backend reference: fed with the golden inputs the reference reproduces the golden "
+                               "by construction, so it cannot tell own from propagated; name the backend under test")
     if backend is not None:
         from .._dispatch import get_backend
 
@@ -168,6 +178,11 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
                                "(<instance>.<link>/out.<output>.bin or .npy)")
     man = load_manifest(golden)
     recs = man.get("chains") or []
+    if not isinstance(recs, list) or not all(isinstance(r, dict) and isinstance(r.get("chain"), dict)
+                                             and isinstance(r.get("instance"), str)
+                                             and isinstance(r.get("cases", {}), dict) for r in recs):
+        raise GoldenInputError(f"{golden}: the manifest's \"chains\" must be a list of objects with \"instance\", "
+                               "\"chain\" and \"cases\" (regenerate the set)")
     if instances:
         recs = [r for r in recs if any(fnmatch.fnmatchcase(r.get("instance", ""), p) for p in instances)]
     if not recs:
@@ -264,7 +279,7 @@ def format_chain_report(rep: ChainReport) -> str:
                 ins = ("inputs matched" if not lr.differing_inputs
                        else "inputs already differed: " + "; ".join(lr.differing_inputs))
                 if lr.rerun_passed is None:
-                    rr = ("re-run failed: " + lr.rerun_error) if lr.rerun_error else "not re-run"
+                    rr = ("re-run raised: " + lr.rerun_error) if lr.rerun_error else "not re-run"
                 else:
                     rr = f"re-run on golden inputs {'passes' if lr.rerun_passed else 'fails'}"
                     if lr.rerun_passed and not lr.differing_inputs:
@@ -272,9 +287,10 @@ def format_chain_report(rep: ChainReport) -> str:
                 line += f"\n       {ins}; {rr} -> " + {
                     "own": "its own error (a kernel bug in this link)",
                     "propagated": "propagated from upstream (the link is right on golden inputs)",
-                    "undecided": "own or propagated: re-run it with --backend to tell"}[lr.verdict]
+                    "undecided": "own or propagated: re-run it with --backend to tell",
+                    "error": "ERROR: no verdict (the backend under test raised)"}[lr.verdict]
             lines.append(line)
         first = next((lr for lr in links if not lr.passed), None)
         lines.append(f"  first failing link: {first.link} ({first.verdict})" if first else "  every link passes")
-    lines.append(f"verdict: {'PASS' if rep.passed else 'FAIL'}")
+    lines.append(f"verdict: {'PASS' if rep.passed else 'ERROR' if rep.errored else 'FAIL'}")
     return "\n".join(lines)

@@ -3,7 +3,8 @@
 Exit status: 0 success (generate wrote the set; verify: OK; compare: PASS), 1 a verdict of FAIL (values
 differ: compare found a mismatch, verify --recompute found an output that no longer holds), 2 the tool's
 input is unusable - bad usage, a missing, unreadable or changed file, a malformed or empty manifest, nothing
-to generate - reported as one line on stderr.
+to generate - reported as one line on stderr, 3 ERROR (compare --chain: the backend under test raised when
+a failing link was re-run on it, so that link has no verdict; as ``qsfa conformance``).
 """
 
 from __future__ import annotations
@@ -172,17 +173,22 @@ def _cmd_compare_chain(args) -> int:
     if unsupported:
         raise _usage_error(GoldenInputError(f"--chain judges every output of every link: {unsupported[0]} "
                                             "does not apply (compare one link's case without --chain)"))
+    if args.backend == "reference":
+        raise _usage_error(GoldenInputError(
+            "--backend reference: fed with the golden inputs the reference reproduces the golden by construction, "
+            "so it cannot tell a link's own error from a propagated one; name the backend under test (without "
+            "--backend such links are undecided)"))
     if os.path.isfile(os.path.join(args.dir, "chain.json")):
         if args.json or args.case:
             raise _usage_error(GoldenInputError("--json and --case apply to a chain set (a golden directory with a "
                                                 "manifest); this is a chain folder (chain.json)"))
         try:
-            rep = compare_chain_dirs(args.dir, args.actual, rerun_backend=args.backend or "reference")
+            rep = compare_chain_dirs(args.dir, args.actual, rerun_backend=args.backend)
         except (ChainError, OSError, ValueError) as e:
             raise _usage_error(e) from None
         text = str(rep)
         print(text.rsplit("\n", 1)[-1] if args.quiet else text)
-        return 0 if rep.passed else 1
+        return 0 if rep.passed else 3 if rep.errored else 1
     try:
         if args.json:
             _check_destination("--json", args.json)
@@ -197,7 +203,7 @@ def _cmd_compare_chain(args) -> int:
         raise _usage_error(e) from None
     text = format_chain_report(rep)
     print(text.rsplit("\n", 1)[-1] if args.quiet else text)
-    return 0 if rep.passed else 1
+    return 0 if rep.passed else 3 if rep.errored else 1
 
 
 def _cmd_compare(args) -> int:
@@ -331,8 +337,9 @@ def register(subparsers):
                         "qsfa.chain): compare link by link in chain order and name the first failing link, own error "
                         "or propagated (--case selects a set's instances)")
     p.add_argument("--backend", metavar="NAME",
-                   help="with --chain: re-run each failing link on this backend fed with the golden inputs (a chain "
-                        "set: not re-run without it; a chain folder: the reference by default)")
+                   help="with --chain: re-run each failing link on this backend (the one under test, not the "
+                        "reference) fed with the golden inputs; without it a failing link whose inputs already "
+                        "differed is undecided")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("list", help="the case sets (or the cases of one set)")

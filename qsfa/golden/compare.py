@@ -82,6 +82,18 @@ class CompareReport:
             return r.result.passed if s is None or s.get("skipped") else bool(s.get("passed"))
         return bool(self.results) and all(one(r) for r in self.results)
 
+    def judged(self, name: str) -> int:
+        """How many outputs standard ``name`` judged (not n/a: no rule for the dtype - skipped, or refused with an
+        error when named explicitly - or references it lacks)."""
+        return sum(1 for r in self.results if (s := r.result.standards.get(name)) is not None
+                   and not s.get("skipped") and not s.get("missing") and not s.get("error"))
+
+    def standard_verdict(self, name: str) -> str:
+        """PASS / FAIL of one standard over the outputs it judged; n/a when it judged none."""
+        if not self.judged(name):
+            return "n/a"
+        return "PASS" if self.passed_by(name) else "FAIL"
+
     @property
     def final_passed(self) -> bool:
         """The verdict that sets the exit status: qsfa's strict one, or ``verdict_by``'s."""
@@ -90,7 +102,7 @@ class CompareReport:
     def to_dict(self) -> dict:
         extra = {}
         if self.standards:
-            extra["standards"] = {n: "PASS" if self.passed_by(n) else "FAIL" for n in self.standards}
+            extra["standards"] = {n: self.standard_verdict(n) for n in self.standards}
         if self.verdict_by:
             extra["verdict_by"] = self.verdict_by
             extra["final_verdict"] = "PASS" if self.final_passed else "FAIL"
@@ -298,6 +310,11 @@ def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_repor
     names = S.resolve(standards)
     if verdict_by is not None:
         S.resolve(verdict_by)
+        need = S.needed_references(verdict_by)
+        if need:
+            raise GoldenInputError(f"Invalid value for --verdict-by, actual: {verdict_by!r}, reason: it needs "
+                                   f"{' and '.join(need)} outputs, which a golden directory does not hold, so it "
+                                   "would judge no output.")
         if verdict_by not in names:
             names.append(verdict_by)
 
@@ -345,6 +362,10 @@ def compare_dir(golden: str, actual: str, *, cases=None, outputs=None, max_repor
             err = err[np.isfinite(err) & (err > 0)]
             out.log10_err = np.log10(err)
         report.results.append(out)
+    if verdict_by is not None and not report.judged(verdict_by):
+        raise GoldenInputError(f"Invalid value for --verdict-by, actual: {verdict_by!r}, reason: it has no rule for "
+                               f"any of the {len(report.results)} selected outputs (dtypes "
+                               f"{sorted({e['dtype'] for _, e, _ in sel})}), so it judged none.")
     return report
 
 
@@ -447,7 +468,7 @@ def format_report(report: CompareReport, max_worst: int = 5) -> str:
             for name, s in r.result.standards.items():
                 lines.append(f"  {r.case}/{r.output} {name}: {qcompare.standard_line(s)}")
         for name in report.standards:
-            lines.append(f"  {name}: {'PASS' if report.passed_by(name) else 'FAIL'}")
+            lines.append(f"  {name}: {report.standard_verdict(name)}")
     n_fail = len(failing)
     lines.append("")
     by = (f"; by {report.verdict_by}: {'PASS' if report.final_passed else 'FAIL'} (the exit status)"

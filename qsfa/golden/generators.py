@@ -645,7 +645,7 @@ def gen_chain_link(params, rng):
     from chain inputs and intermediates (views reshaped)."""
     from .. import chain as qchain
 
-    ch = qchain.get_chain(params["chain"], params)
+    ch = qchain.get_chain(params["chain"], params, ignore_unknown=True)
     inputs = get_generator(params["chain"])(params, rng)
     tensors = qchain.run_chain(ch, inputs, chip=params.get("chip"), until=params["link"])
     lk = next(ln for ln in ch.links if ln.name == params["link"])

@@ -425,7 +425,7 @@ def length_rules(n: Names, kv_seq_dim_name="KV_S"):
              "must be given (prefix sums) when layout_query is TND", q_required, edit(n, setting(**{lq: None}), **tnd)),
         rule(n, "actual_seq_lengths_query_ndim", lq, "dim", "must be a 1-D tensor of length B", ndim1(lq),
              edit(n, to2d(lq), explicit_lengths=True)),
-        rule(n, "actual_seq_lengths_query_size", lq, "shape",
+        rule(n, "actual_seq_lengths_query_entries", lq, "shape",
              "must have B entries (B = query.shape[0]) for BSND; at least one prefix sum for TND", q_size,
              edit(n, q_bad_size, explicit_lengths=True)),
         rule(n, "actual_seq_lengths_query_range", lq, "value",
@@ -451,7 +451,7 @@ def length_rules(n: Names, kv_seq_dim_name="KV_S"):
              k_required, edit(n, setting(**{lk: None}), **pa)),
         rule(n, f"{lk}_ndim", lk, "dim", "must be a 1-D tensor of length B", ndim1(lk),
              edit(n, to2d(lk), explicit_lengths=True)),
-        rule(n, f"{lk}_size", lk, "shape", "must have B entries (one per batch)", k_size,
+        rule(n, f"{lk}_entries", lk, "shape", "must have B entries (one per batch)", k_size,
              edit(n, k_bad_size, explicit_lengths=True)),
         rule(n, f"{lk}_range", lk, "value",
              f"lengths must be >= 0 and at most {kv_seq_dim_name} (BSND), the last prefix sum at most KV_T (TND), "

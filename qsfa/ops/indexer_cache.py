@@ -166,7 +166,7 @@ IQC_CONTRACT = Contract(
              lambda a: None if is_bool(a.round_scale) else a.round_scale, set_param("round_scale", 1),
              dtype=True, source=IQC_SRC),
         rule(IQC, "x_scale_finite", "x_scale", "value", "must be a finite number",
-             lambda a: None if is_num(a.x_scale) and np.isfinite(a.x_scale) else a.x_scale,
+             lambda a: None if is_num(a.x_scale) and np.isfinite(float(a.x_scale)) else a.x_scale,
              set_param("x_scale", float("inf")), source=IQC_SRC),
         _iqc_dtype("cache", IQC_CACHE_DTYPES),
         _iqc_dtype("cache_scale", IQC_SCALE_DTYPES),
@@ -198,7 +198,7 @@ IQC_CONTRACT = Contract(
     example=_iqc_example,
     inplace=("cache", "cache_scale"),
     params=params("cache:array cache_scale:array x:array slot_mapping:array quant_mode:str round_scale:bool"
-                  " x_scale:float"),
+                  " x_scale:float32"),
 )
 
 
