@@ -63,7 +63,9 @@ def test_scratch_in_unspecified_bytes_passes_one_byte_away_fails(op, out, chip, 
         m = Mutant(f"test.scratch{shift}", op, "scratch", scratch_writer(op, out, shift=shift), chip)
         name = register_mutant(m)
         try:
-            for fam in props:
+            # one byte away on a written token is judged by vs_reference; skip_slots_untouched looks at the slots a
+            # call skips (and at two runs agreeing), which a deterministic wrong byte in a written token leaves alone
+            for fam in (props if shift == 0 or op == M1Q else props[:1]):
                 r = run_property(get(f"{op}.{fam}"), name, max_examples=6)
                 assert r.status == want, (fam, shift, r.message)
         finally:

@@ -1076,6 +1076,8 @@ def _pad_scratch():
     _add("kv_compress_epilog_vllm.scale_pad_scratch", "kv_compress_epilog_vllm",
          "control: layout-2 scale padding copied from scratch (the kernel's behaviour)",
          scratch_writer("kv_compress_epilog_vllm", "kv_compress_cache"), "950", control=True)
+
+
 def _v4():
     """DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md)."""
     from ..reference import sharedkv as skv

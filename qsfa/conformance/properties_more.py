@@ -230,6 +230,9 @@ def _vqli_row_slices(P, examples):
         for lo, hi in ((0, s1 // 2), (s1 // 2, s1)):
             q2 = np.clip(np.minimum(act_q, hi) - lo, 0, hi - lo)
             kv2 = act_kv - act_q + lo + q2 if a["sparse_mode"] == 3 else act_kv
+            # a batch with no row in the slice (actQ <= lo) has no causal anchor there: its key length stays
+            # actKV (actKV - actQ + lo would reach past the keys its block table holds)
+            kv2 = np.where(q2 > 0, kv2, act_kv)
             if (kv2 < 0).any():
                 continue  # that slice is no request of its own
             part = dict(a, metadata=None, actual_seq_lengths_query=q2.astype(np.int32),

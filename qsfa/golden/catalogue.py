@@ -558,6 +558,9 @@ register_set("v32-layer-prefill", "DeepSeek-V3.2 MLA layer chain v32-mla-c8, pre
              "chunked one over a cached prefix): every intermediate per link; A3 int8 and 950 FP8 caches",
              lambda: _v32_layer_cases("v32-layer-prefill", (
                  ("prefill", {"q_lens": [20, 13], "kv_lens": [20, 29], "sparse_count": 8}),)))
+
+
+# --------------------------------------------------------------------------------------------------
 # DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md)
 
 SFM = "sparse_flash_mla"

@@ -654,6 +654,9 @@ def gen_chain_link(params, rng):
     # the link itself once through the chain, so that an edge its operator refuses is reported with the chain's
     # names (the link and the field) rather than as a bare case error
     qchain._call(lk, qchain.with_chip(lk, args, params.get("chip")), "reference")
+    return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+
+
 @register_generator("vllm_quant_lightning_indexer")
 def gen_vllm_quant_lightning_indexer(params, rng):
     """The arrays of :func:`qsfa.ops.indexer_v4.vqli_case` for ``params`` (fmt, cmp_ratio, batch, q_s, kv_s compressed
@@ -665,6 +668,9 @@ def gen_vllm_quant_lightning_indexer(params, rng):
     args = vqli_case(seed=int(rng.integers(2**31)), explicit_lengths=True,
                      **{k: params[k] for k in keys if k in params})
     return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+
+
+# --------------------------------------------------------------------------------------------------
 # DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md)
 
 
