@@ -8,25 +8,30 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_quick_benchmarks_run_and_write_their_outputs(tmp_path, capsys):
+def _benchmarks():
     sys.path.insert(0, str(ROOT))
     try:
-        from benchmarks.__main__ import BENCHMARKS, main
+        from benchmarks import __main__ as bm
     finally:
         sys.path.remove(str(ROOT))
-    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    return bm
+
+
+@pytest.mark.parametrize("name", sorted(_benchmarks().BENCHMARKS))
+def test_quick_benchmark_runs_and_writes_its_outputs(name, tmp_path, capsys):
+    """One test per benchmark (``--only NAME``), so no single test runs them all."""
+    bm = _benchmarks()
+    assert bm.main(["--quick", "--only", name, "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["quick"] is True and data["failures"] == []
-    by_name = {}
-    for r in data["rows"]:
-        by_name.setdefault(r["benchmark"], []).append(r)
-    assert set(by_name) == set(BENCHMARKS)
-    for name, rows in by_name.items():
-        if all("skipped" in r for r in rows):  # e.g. the GPU benchmark on a machine without CUDA
-            continue
+    rows = data["rows"]
+    assert rows and {r["benchmark"] for r in rows} == {name}
+    if not all("skipped" in r for r in rows):  # e.g. the GPU benchmark on a machine without CUDA
         assert any("ratio" in r and r["baseline_s"] > 0 for r in rows), name
     md = (tmp_path / "results.md").read_text()
     assert "| benchmark | case |" in md
