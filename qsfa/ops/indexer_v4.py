@@ -20,7 +20,7 @@ from ..reference import indexer_v4 as _ref
 from ..reference.indexer import TIE_BREAKS
 from ._attention_rules import (
     _kv_storage, _lengths, _nope_codes, _query_store, choice_rule, edit, finite_rule, fixed_value,
-    INT64_MAX, is_int, length_rules, mode_rules, n_batch, Names, nonempty_rules, rank_rules, rule, setting,
+    INT64_MAX, is_int, length_rules, mode_rules, Names, nonempty_rules, rank_rules, rule, setting,
 )
 from ._attention_rules import _head_dim_and_kv_head_rules, _ndim_rule
 
@@ -65,19 +65,6 @@ _N = Names(VQLI, vqli_case, layout_kv="layout_key", lens_kv="actual_seq_lengths_
 # generic length rules that cannot apply to a key that is always paged, or that must count compressed tokens
 _DROPPED = {f"{VQLI}.{c}" for c in ("block_table_unused", "key_batch", "actual_seq_lengths_key_prefix",
                                     "actual_seq_lengths_key_range", "block_table_values")}
-
-
-def _doubled(p):
-    def change(a):
-        a[p] = np.concatenate([a[p], a[p]]).astype(np.int32)
-    return change
-
-
-def _count_q(a):
-    size = int(np.asarray(a.actual_seq_lengths_query).size)
-    if a.layout_query == "BSND":
-        return None if size == a.query.shape[0] else size
-    return None if size >= 1 else size
 
 
 def _compressed(a):
@@ -132,19 +119,6 @@ def _vqli_rules():
                   edit(n, setting(cmp_ratio=3))))
     r += mode_rules(n)
     lengths = [c for c in length_rules(n, kv_seq_dim_name="S2") if c.id not in _DROPPED]
-    # the generic *_size ids are taken by the contract's generated size rules: count the entries here, before
-    # any rule that indexes per batch
-    at = next(i for i, c in enumerate(lengths) if c.id.endswith(".actual_seq_lengths_query_range"))
-    lengths.insert(at, rule(
-        n, "actual_seq_lengths_query_count", "actual_seq_lengths_query", "shape",
-        "must have B entries (B = query.shape[0]) for BSND; at least one prefix sum for TND",
-        lambda a: None if a.get("actual_seq_lengths_query") is None else _count_q(a),
-        edit(n, _doubled("actual_seq_lengths_query"), explicit_lengths=True)))
-    at = next(i for i, c in enumerate(lengths) if c.id.endswith(".actual_seq_lengths_key_ndim")) + 1
-    lengths.insert(at, rule(
-        n, "actual_seq_lengths_key_count", "actual_seq_lengths_key", "shape", "must have B entries (one per batch)",
-        lambda a: None if np.asarray(a.actual_seq_lengths_key).size == n_batch(a)
-        else int(np.asarray(a.actual_seq_lengths_key).size), edit(n, _doubled("actual_seq_lengths_key"))))
     r += lengths
     r.append(rule(n, "key_dequant_scale_shape", "key_dequant_scale", "shape",
                   "must be key.shape[:-1] ([block_count, block_size, 1])",
