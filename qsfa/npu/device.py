@@ -157,6 +157,15 @@ def _precision_faithful(op: str) -> Constraint:
     )
 
 
+#: operators that run only through a vLLM-Ascend custom op: operator -> (the parameter the refusal names, the
+#: custom op's name under torch.ops.<CUSTOM_OP_NAMESPACE>)
+_NEEDS_CUSTOM_OP = {
+    "kv_compress_epilog_vllm": ("kv_compress_cache", "kv_compress_epilog"),
+    "indexer_compress_epilog_v2": ("indexer_compress_cache", "indexer_compress_epilog_v2"),
+    "vllm_quant_lightning_indexer": ("query", "npu_vllm_quant_lightning_indexer"),
+}
+
+
 def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[Constraint]:
     """Constraints of the npu call path for ``op`` (checked after the operator's contract).
 
@@ -202,28 +211,12 @@ def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[
                 violate=lambda d: {**d, "key_dtype": "hifloat8", "return_softmax_lse": True}, source=src,
             ),
         ]
-    if op == "kv_compress_epilog_vllm":
+    if op in _NEEDS_CUSTOM_OP:
+        param, custom = _NEEDS_CUSTOM_OP[op]
         out.append(Constraint(
-            id="npu.kv_compress_epilog_vllm.needs_custom_op", param="kv_compress_cache", kind="value",
-            reason=f"runs only through torch.ops.{CUSTOM_OP_NAMESPACE}.kv_compress_epilog, which is not loaded: "
-                   f"{_HOW_TO_LOAD}",
-            check=lambda a: "custom op absent" if not loaded("kv_compress_epilog") else None,
-            violate=lambda d: dict(d), source="vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp",
-        ))
-    if op == "indexer_compress_epilog_v2":
-        out.append(Constraint(
-            id="npu.indexer_compress_epilog_v2.needs_custom_op", param="indexer_compress_cache", kind="value",
-            reason=f"runs only through torch.ops.{CUSTOM_OP_NAMESPACE}.indexer_compress_epilog_v2, which is not "
-                   f"loaded: {_HOW_TO_LOAD}",
-            check=lambda a: "custom op absent" if not loaded("indexer_compress_epilog_v2") else None,
-            violate=lambda d: dict(d), source="vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp",
-        ))
-    if op == "vllm_quant_lightning_indexer":
-        out.append(Constraint(
-            id="npu.vllm_quant_lightning_indexer.needs_custom_op", param="query", kind="value",
-            reason=f"runs only through torch.ops.{CUSTOM_OP_NAMESPACE}.npu_vllm_quant_lightning_indexer, which is "
-                   f"not loaded: {_HOW_TO_LOAD}",
-            check=lambda a: "custom op absent" if not loaded("npu_vllm_quant_lightning_indexer") else None,
+            id=f"npu.{op}.needs_custom_op", param=param, kind="value",
+            reason=f"runs only through torch.ops.{CUSTOM_OP_NAMESPACE}.{custom}, which is not loaded: {_HOW_TO_LOAD}",
+            check=lambda a, custom=custom: "custom op absent" if not loaded(custom) else None,
             violate=lambda d: dict(d), source="vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp",
         ))
     if op == "kv_rmsnorm_rope_cache" and chip != "950":
