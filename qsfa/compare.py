@@ -240,8 +240,8 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     fin_a, fin_g = np.isfinite(a), np.isfinite(g)
     mask_bad = (fin_a != fin_g) | (~fin_g & ~fin_a & ~((np.isnan(a) & np.isnan(g)) | (a == g)))
     both = fin_a & fin_g
-    with np.errstate(over="ignore"):  # two finite values of opposite sign near float64's max: an error of inf
-        abs_err = np.where(both, np.abs(a - g), 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf - inf where not both finite (masked out by `both`);
+        abs_err = np.where(both, np.abs(a - g), 0.0)  # opposite signs near float64's max: an error of inf
         rel_err = np.where(both, abs_err / (np.abs(g) + 1e-6), 0.0)
     elem_fail = mask_bad | (both & ~(abs_err <= tol.atol + tol.rtol * np.abs(np.where(both, g, 0.0))))
     res.n_fail = int(elem_fail.sum())

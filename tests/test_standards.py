@@ -222,6 +222,22 @@ def test_torch_npu_bf16_allclose():
     assert not S.torch_npu(a, g, dtype="bfloat16")["passed"]
 
 
+def test_torch_npu_fails_identical_specials_as_the_original_does():
+    # assertRtolEqual: an identical +inf gives inf - inf = NaN, which is neither <= prec absolute nor relative, so
+    # it counts against both limits; bf16 goes through torch.allclose, whose equal_nan is False. qsfa's own verdict
+    # passes identical specials (docs/numerics/comparison.md#standards).
+    inf16 = np.array([1, np.inf, 2, 3], np.float16)
+    nan_bf = np.array([1, np.nan, 2, 3], np.float32).astype(BF16)
+    inf_bf = np.array([1, np.inf, 2, 3], np.float32).astype(BF16)
+    nan16 = np.array([1, np.nan, 2, 3], np.float16)
+    assert not S.torch_npu(inf16, inf16.copy(), dtype="float16")["passed"]
+    assert not S.torch_npu(nan_bf, nan_bf.copy(), dtype="bfloat16")["passed"]
+    assert S.torch_npu(inf_bf, inf_bf.copy(), dtype="bfloat16")["passed"]  # allclose: equal infinities are close
+    assert S.torch_npu(nan16, nan16.copy(), dtype="float16")["passed"]  # NaN positions match, their diff is zeroed
+    for a in (inf16, nan_bf):
+        assert compare(a, a.copy()).passed
+
+
 # ---------------------------------------------------------------------------------------------------------- quant-codes
 
 def test_quant_codes_steps():
