@@ -203,15 +203,22 @@ def test_chip_rules(chip, change, cid):
     assert ei.value.constraint_id == f"vllm_quant_lightning_indexer.{cid}"
 
 
-def test_golden_set_files_match_the_plain_model(tmp_path):
+@pytest.fixture(scope="module")
+def vqli_set(tmp_path_factory):
+    from qsfa.cli import main
+
+    out = tmp_path_factory.mktemp("vqli") / "set"
+    assert main(["golden", "generate", "--set", "vllm-quant-lightning-indexer", "--out", str(out), "-q"]) == 0
+    return out
+
+
+def test_golden_set_files_match_the_plain_model(vqli_set):
     """The catalogue's vllm-quant-lightning-indexer set, read back with NumPy and the manifest only."""
     import os
 
-    from qsfa.cli import main
     from qsfa.golden import load_manifest
 
-    out = tmp_path / "vqli"
-    assert main(["golden", "generate", "--set", "vllm-quant-lightning-indexer", "--out", str(out), "-q"]) == 0
+    out = vqli_set
     man = load_manifest(out)
     assert not man["skipped"] and len(man["cases"]) == 5
     starved = 0
@@ -231,3 +238,30 @@ def test_golden_set_files_match_the_plain_model(tmp_path):
         assert (got >= 0).any(), case["name"]
         starved += int((got == -1).all(axis=-1).sum())
     assert starved >= 2  # the c4 decode and c128 cases hold requests that see no compressed token
+
+
+def test_a_dump_without_the_outputs_a_call_does_not_produce_is_complete(vqli_set, tmp_path, capsys):
+    """return_value=False: the golden stores sparse_values with no elements; a device dump holds only the indices.
+    Leaving the indices out is still an error, and so is a non-empty file where the golden has no elements."""
+    import os
+
+    from qsfa.cli import main
+    from qsfa.golden import load_manifest
+
+    man = load_manifest(vqli_set)
+    dump = tmp_path / "dump"
+    for case in man["cases"]:
+        (dump / case["name"]).mkdir(parents=True)
+        for e in case["arrays"]:
+            if e["role"] == "output" and e["name"] == "sparse_indices":
+                a = np.fromfile(os.path.join(vqli_set, e["file"]), dtype=e["storage"]).reshape(e["shape"])
+                np.save(dump / case["name"] / "out.sparse_indices.npy", a)
+    assert main(["golden", "compare", str(vqli_set), "--actual", str(dump)]) == 0
+    assert "not produced" in capsys.readouterr().out
+    first = man["cases"][0]["name"]
+    np.save(dump / first / "out.sparse_values.npy", np.zeros(3, np.float32))
+    assert main(["golden", "compare", str(vqli_set), "--actual", str(dump)]) == 2
+    os.remove(dump / first / "out.sparse_values.npy")
+    os.remove(dump / first / "out.sparse_indices.npy")
+    assert main(["golden", "compare", str(vqli_set), "--actual", str(dump)]) == 2
+    assert "out.sparse_indices" in capsys.readouterr().err
