@@ -687,3 +687,71 @@ def test_vllm_quant_lightning_indexer_computes_its_metadata_first_when_none_is_g
         assert np.array_equal(to_numpy(idx), want) and tuple(vals.shape) == (0,)
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize("op_name", ["sparse_flash_mla", "mixed_quant_sparse_flash_mla", "indexer_quant_cache",
+                                     "scatter_pa_kv_cache_with_k_scale"])
+def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_package(monkeypatch, op_name):
+    fake = FakeNpu(monkeypatch, "950", False, package=False)
+    try:
+        args = _as_torch(_example(op_name))
+        before = {n: args[n].clone() for n in operators()[op_name].contract.inplace}
+        with pytest.raises(UnsupportedByBackend, match=r"the cann_ops_transformer package \(ops-transformer "
+                                                        r"torch_extension/.*failed to import \(ModuleNotFoundError"):
+            run(op_name, args, backend="npu")
+        assert fake.calls == []  # refused before anything ran (the metadata operator included)
+        assert all(torch.equal(args[n].view(torch.uint8), v.view(torch.uint8)) for n, v in before.items())
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("metadata", [None, "given"])
+@pytest.mark.parametrize("op_name,chip", [("kv_quant_sparse_attn_sharedkv", "950"), ("sparse_attn_sharedkv", "A3"),
+                                          ("sparse_flash_mla", "A2"), ("mixed_quant_sparse_flash_mla", "950")])
+def test_v4_attention_runs_its_metadata_operator_first_when_none_is_given(monkeypatch, op_name, chip, metadata):
+    fake = FakeNpu(monkeypatch, chip, True)
+    try:
+        args = _example(op_name)
+        args["metadata"] = None if metadata is None else np.zeros(1024, np.int32)
+        try:  # the LSE output where the chip's contract allows it (reserved on some)
+            operators()[op_name].contract.validate({**args, "return_softmax_lse": True}, chip=chip)
+            args["return_softmax_lse"] = True
+        except InvalidArgument:
+            pass
+        want = run(op_name, copy_args(args), backend="reference")
+        out, lse = run(op_name, _as_torch(args), backend="npu")
+        target = {"kv_quant_sparse_attn_sharedkv": mapping.KQS_CUSTOM_OP, "sparse_attn_sharedkv": mapping.SAS_CUSTOM_OP,
+                  "sparse_flash_mla": mapping.SFM_OP, "mixed_quant_sparse_flash_mla": mapping.MQ_OP}[op_name]
+        meta = [target + "_metadata"] if metadata is None else []
+        assert fake.calls == meta + [target]
+        assert (tuple(out.shape), dtype_name(out)) == (want[0].shape, dtype_name(want[0]))
+        assert (tuple(lse.shape), dtype_name(lse)) == (want[1].shape, "float32")
+        assert (lse.numel() > 0) is args["return_softmax_lse"]
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("mode", ["fp8", "mxfp8", "mxfp4", "hifloat8"])
+def test_indexer_quant_cache_runs_the_package_op_in_place(monkeypatch, mode):
+    fake = FakeNpu(monkeypatch, "950", False)
+    try:
+        import ml_dtypes
+
+        args = _example("indexer_quant_cache")  # mxfp4: packed E2M1 codes, E8M0 scales per 32
+        f8 = np.dtype(ml_dtypes.float8_e4m3fn)
+        cache, scale = {"mxfp4": (None, None), "mxfp8": (f8, (2, np.uint8)), "fp8": (f8, (1, np.float32)),
+                        "hifloat8": (np.uint8, (1, np.float32))}[mode]
+        if cache is not None:
+            args.update(quant_mode=mode, cache=np.zeros((3, 4, 1, 64), np.uint8).view(cache),
+                        cache_scale=np.zeros((3, 4, 1, scale[0]), scale[1]))
+        operators()["indexer_quant_cache"].contract.validate(args, chip="950")
+        expected = run("indexer_quant_cache", copy_args(args), backend="reference")
+        targs = _as_torch(args)
+        cache, scale = run("indexer_quant_cache", targs, backend="npu")
+        assert fake.calls == [mapping.IQC_OP]
+        assert cache is targs["cache"] and scale is targs["cache_scale"]
+        for got, want in zip((cache, scale), expected):
+            assert np.ascontiguousarray(to_numpy(got.view(torch.uint8) if got.element_size() == 1 else got)).view(
+                np.uint8).tobytes() == np.ascontiguousarray(want).view(np.uint8).tobytes()
+    finally:
+        fake.close()
