@@ -690,8 +690,9 @@ def sas_metadata_call(a: Mapping) -> NpuCall:
 
 
 def kqs_metadata_call(a: Mapping) -> NpuCall:
-    """``torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv_metadata`` (vLLM-Ascend passes kv_quant_mode=1 and
-    leaves tile_size / rope_head_dim at 0; qsfa passes the attention call's values: 64 / 64)."""
+    """``torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv_metadata``. vLLM-Ascend's device_op.py passes only
+    kv_quant_mode=1, leaving tile_size / rope_head_dim at the schema's 0; qsfa passes the attention call's values
+    (64 / 64), the only ones csrc/attention/kv_quant_sparse_attn_sharedkv_metadata/README.md supports."""
     kw = _v4_shape_kwargs(a)
     kw.update(seqused_kv=_int32(a.get("seqused_kv")), max_seqlen_kv=_v4_kv_len(a, "ori_kv", "seqused_kv",
                                                                                "cu_seqlens_ori_kv"),
