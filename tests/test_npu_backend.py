@@ -282,6 +282,58 @@ def _vqli_meta(*args, **kwargs):
     return torch.zeros(1024, dtype=torch.int32)
 
 
+def _v4_attention(target):
+    """A V4 shared-KV attention op on the fake device: binds the recorded schema, refuses a missing metadata (the
+    kernels require one), returns q-shaped output and the LSE shaped as ops-transformer's sparse_flash_mla Meta
+    registration computes it ([B, N2, S1, N1 / N2] BSND, [N2, T1, N1 / N2] TND; empty without the switch)."""
+    def impl(*args, **kwargs):
+        a = _bind(target, args, kwargs)
+        assert a["metadata"] is not None and tuple(a["metadata"].shape) == (1024,), "metadata must not be null"
+        q, kv = a["q"], a["ori_kv"]
+        n2 = kv.shape[-2]
+        if not a["return_softmax_lse"]:
+            s = (0,)
+        elif a["layout_q"] == "TND":
+            s = (n2, q.shape[0], q.shape[1] // n2)
+        else:
+            s = (q.shape[0], n2, q.shape[1], q.shape[2] // n2)
+        return q.new_zeros(q.shape), _f32(*s, like=q)
+
+    return impl
+
+
+def _v4_metadata(target):
+    def impl(*args, **kwargs):
+        _bind(target, args, kwargs)
+        return torch.zeros(1024, dtype=torch.int32)
+
+    return impl
+
+
+def _host(v):
+    """A fake device tensor as the reference's NumPy array (E8M0 scale bytes as uint8, as qsfa carries them)."""
+    if not is_torch(v):
+        return v
+    return to_numpy(v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v).copy()
+
+
+def _package_cache_writer(target, op_name):
+    """A cann_ops_transformer cache writer on the fake device: binds the recorded schema, runs the qsfa reference
+    (whose parameter names are the schema's) on host copies and writes the resulting bytes into the caller's caches."""
+    def impl(*args, **kwargs):
+        a = _bind(target, args, kwargs)
+        host = {k: _host(v) for k, v in a.items()}
+        run(op_name, host, backend="reference")
+        for name in operators()[op_name].contract.inplace:
+            dev = a[name]
+            dev.view(torch.uint8).copy_(to_torch(np.ascontiguousarray(host[name]).view(np.uint8)))
+        if op_name == "scatter_pa_kv_cache_with_k_scale":
+            return a["key_cache"], a["value_cache"], a["key_scale_cache"]
+        return None
+
+    return impl
+
+
 _FAKE_IMPLS = {
     "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
     "torch_npu.npu_sparse_flash_attention": _sfa,
@@ -296,23 +348,49 @@ _FAKE_IMPLS = {
     mapping.QSFA_CUSTOM_OP: _qsfa_custom,
     mapping.VQLI_CUSTOM_OP: _vqli,
     mapping.VQLI_META_CUSTOM_OP: _vqli_meta,
+    mapping.SAS_CUSTOM_OP: _v4_attention(mapping.SAS_CUSTOM_OP),
+    mapping.KQS_CUSTOM_OP: _v4_attention(mapping.KQS_CUSTOM_OP),
+    mapping.SFM_OP: _v4_attention(mapping.SFM_OP),
+    mapping.MQ_OP: _v4_attention(mapping.MQ_OP),
+    mapping.SAS_META_CUSTOM_OP: _v4_metadata(mapping.SAS_META_CUSTOM_OP),
+    mapping.KQS_META_CUSTOM_OP: _v4_metadata(mapping.KQS_META_CUSTOM_OP),
+    mapping.SFM_META_OP: _v4_metadata(mapping.SFM_META_OP),
+    mapping.MQ_META_OP: _v4_metadata(mapping.MQ_META_OP),
+    mapping.IQC_OP: _package_cache_writer(mapping.IQC_OP, "indexer_quant_cache"),
+    mapping.SPKS_OP: _package_cache_writer(mapping.SPKS_OP, "scatter_pa_kv_cache_with_k_scale"),
 }
 
 
-class FakeNpu:
-    """Registers the fake torch_npu (and optionally the _C_ascend custom op) and an npu backend on the CPU."""
+_PACKAGE_PREFIX = f"torch.ops.{mapping.PACKAGE}."
 
-    def __init__(self, monkeypatch, chip, custom):
+
+class FakeNpu:
+    """Registers the fake torch_npu (optionally the _C_ascend custom ops, and the cann_ops_transformer package's
+    ops behind a fake importable package) and an npu backend on the CPU. Without ``package`` the package is not
+    importable (``sys.modules[name] = None``)."""
+
+    def __init__(self, monkeypatch, chip, custom, package=True):
         self.calls = []
-        self.libs = [torch.library.Library(_NS, "DEF")]
+        main = torch.library.Library(_NS, "DEF")
+        self.libs = [main]
+        libs = {}
         if custom:
-            self.libs.append(torch.library.Library(device.CUSTOM_OP_NAMESPACE, "DEF"))
+            libs["torch.ops._C_ascend."] = torch.library.Library(device.CUSTOM_OP_NAMESPACE, "DEF")
+        if package:
+            libs[_PACKAGE_PREFIX] = torch.library.Library(mapping.PACKAGE, "DEF")
+            pkg = types.ModuleType(mapping.PACKAGE)
+            pkg.__spec__ = importlib.machinery.ModuleSpec(mapping.PACKAGE, None)
+            monkeypatch.setitem(sys.modules, mapping.PACKAGE, pkg)
+        else:
+            monkeypatch.setitem(sys.modules, mapping.PACKAGE, None)  # import raises ModuleNotFoundError
+        self.libs += list(libs.values())
         module = types.ModuleType("torch_npu")
         module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
         for target in signatures.targets():
-            if target.startswith("torch.ops.") and not custom:
+            prefix = next((p for p in ("torch.ops._C_ascend.", _PACKAGE_PREFIX) if target.startswith(p)), None)
+            if prefix is not None and prefix not in libs:
                 continue
-            lib = self.libs[1] if target.startswith("torch.ops.") else self.libs[0]
+            lib = libs[prefix] if prefix else main
             name = target.rsplit(".", 1)[1]
             lib.define(signatures.record(target)["schema"])
             lib.impl(name, self._recording(target, _FAKE_IMPLS[target]), "CompositeExplicitAutograd")
@@ -342,7 +420,7 @@ class FakeNpu:
 
 def _fake_custom_ops(fake):
     """The custom ops the fake device loads: every recorded _C_ascend op with vllm_ascend, none without."""
-    return frozenset(t.rsplit(".", 1)[1] for t in signatures.targets() if t.startswith("torch.ops.")) \
+    return frozenset(t.rsplit(".", 1)[1] for t in signatures.targets() if t.startswith("torch.ops._C_ascend.")) \
         if fake.custom else frozenset()
 
 
@@ -607,5 +685,73 @@ def test_vllm_quant_lightning_indexer_computes_its_metadata_first_when_none_is_g
         meta = [mapping.VQLI_META_CUSTOM_OP] if metadata is None else []
         assert fake.calls == meta + [mapping.VQLI_CUSTOM_OP]
         assert np.array_equal(to_numpy(idx), want) and tuple(vals.shape) == (0,)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("op_name", ["sparse_flash_mla", "mixed_quant_sparse_flash_mla", "indexer_quant_cache",
+                                     "scatter_pa_kv_cache_with_k_scale"])
+def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_package(monkeypatch, op_name):
+    fake = FakeNpu(monkeypatch, "950", False, package=False)
+    try:
+        args = _as_torch(_example(op_name))
+        before = {n: args[n].clone() for n in operators()[op_name].contract.inplace}
+        with pytest.raises(UnsupportedByBackend, match=r"the cann_ops_transformer package \(ops-transformer "
+                                                        r"torch_extension/.*failed to import \(ModuleNotFoundError"):
+            run(op_name, args, backend="npu")
+        assert fake.calls == []  # refused before anything ran (the metadata operator included)
+        assert all(torch.equal(args[n].view(torch.uint8), v.view(torch.uint8)) for n, v in before.items())
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("metadata", [None, "given"])
+@pytest.mark.parametrize("op_name,chip", [("kv_quant_sparse_attn_sharedkv", "950"), ("sparse_attn_sharedkv", "A3"),
+                                          ("sparse_flash_mla", "A2"), ("mixed_quant_sparse_flash_mla", "950")])
+def test_v4_attention_runs_its_metadata_operator_first_when_none_is_given(monkeypatch, op_name, chip, metadata):
+    fake = FakeNpu(monkeypatch, chip, True)
+    try:
+        args = _example(op_name)
+        args["metadata"] = None if metadata is None else np.zeros(1024, np.int32)
+        try:  # the LSE output where the chip's contract allows it (reserved on some)
+            operators()[op_name].contract.validate({**args, "return_softmax_lse": True}, chip=chip)
+            args["return_softmax_lse"] = True
+        except InvalidArgument:
+            pass
+        want = run(op_name, copy_args(args), backend="reference")
+        out, lse = run(op_name, _as_torch(args), backend="npu")
+        target = {"kv_quant_sparse_attn_sharedkv": mapping.KQS_CUSTOM_OP, "sparse_attn_sharedkv": mapping.SAS_CUSTOM_OP,
+                  "sparse_flash_mla": mapping.SFM_OP, "mixed_quant_sparse_flash_mla": mapping.MQ_OP}[op_name]
+        meta = [target + "_metadata"] if metadata is None else []
+        assert fake.calls == meta + [target]
+        assert (tuple(out.shape), dtype_name(out)) == (want[0].shape, dtype_name(want[0]))
+        assert (tuple(lse.shape), dtype_name(lse)) == (want[1].shape, "float32")
+        assert (lse.numel() > 0) is args["return_softmax_lse"]
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("mode", ["fp8", "mxfp8", "mxfp4", "hifloat8"])
+def test_indexer_quant_cache_runs_the_package_op_in_place(monkeypatch, mode):
+    fake = FakeNpu(monkeypatch, "950", False)
+    try:
+        import ml_dtypes
+
+        args = _example("indexer_quant_cache")  # mxfp4: packed E2M1 codes, E8M0 scales per 32
+        f8 = np.dtype(ml_dtypes.float8_e4m3fn)
+        cache, scale = {"mxfp4": (None, None), "mxfp8": (f8, (2, np.uint8)), "fp8": (f8, (1, np.float32)),
+                        "hifloat8": (np.uint8, (1, np.float32))}[mode]
+        if cache is not None:
+            args.update(quant_mode=mode, cache=np.zeros((3, 4, 1, 64), np.uint8).view(cache),
+                        cache_scale=np.zeros((3, 4, 1, scale[0]), scale[1]))
+        operators()["indexer_quant_cache"].contract.validate(args, chip="950")
+        expected = run("indexer_quant_cache", copy_args(args), backend="reference")
+        targs = _as_torch(args)
+        cache, scale = run("indexer_quant_cache", targs, backend="npu")
+        assert fake.calls == [mapping.IQC_OP]
+        assert cache is targs["cache"] and scale is targs["cache_scale"]
+        for got, want in zip((cache, scale), expected):
+            assert np.ascontiguousarray(to_numpy(got.view(torch.uint8) if got.element_size() == 1 else got)).view(
+                np.uint8).tobytes() == np.ascontiguousarray(want).view(np.uint8).tobytes()
     finally:
         fake.close()

@@ -463,6 +463,11 @@ def test_every_recorded_signature_is_a_mapping_target():
     vqli = mapping.map_call("vllm_quant_lightning_indexer", _vqli_torch_args(), NpuContext(
         chip="A3", custom_ops=frozenset({mapping.VQLI_CUSTOM_NAME})))
     hit.update({vqli.target, vqli.kwargs["metadata"].target})
+    for op in V4_ATTENTION:
+        call = mapping.map_call(op, _v4_args(op), _V4_CTX)
+        hit.update({call.target, call.kwargs["metadata"].target})
+    for op in ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale"):
+        hit.add(mapping.map_call(op, _torch_example(op), NpuContext(chip="950")).target)
     assert hit == set(signatures.targets())
 
 
@@ -518,8 +523,6 @@ def test_indexer_compress_epilog_v2_mapping_is_the_custom_ops_positional_call():
         mapping.map_call("indexer_compress_epilog_v2", a, NpuContext(chip="950"))
     lim = {c.id: c for c in device.backend_limits("indexer_compress_epilog_v2", chip="950", custom_ops=frozenset())}
     assert "vllm_ascend" in lim["npu.indexer_compress_epilog_v2.needs_custom_op"].reason
-    with pytest.raises(KeyError, match="no npu mapping for indexer_quant_cache: its callable"):
-        mapping.map_call("indexer_quant_cache", {}, NpuContext(chip="950"))
 
 
 def _vqli_torch_args(**kw):
@@ -549,3 +552,181 @@ def test_vllm_quant_lightning_indexer_mapping_calls_the_metadata_operator_when_n
     assert call2.unpack((1, 2)) == (1, 2)
     with pytest.raises(ValueError, match="not loaded"):
         mapping.map_call("vllm_quant_lightning_indexer", a, NpuContext(chip="A3"))
+
+
+# ------------------------------------------------------------------------ DeepSeek-V4 operators
+
+V4_ATTENTION = ("sparse_attn_sharedkv", "kv_quant_sparse_attn_sharedkv", "sparse_flash_mla",
+                "mixed_quant_sparse_flash_mla")
+_V4_CTX = NpuContext(chip="950", custom_ops=frozenset({mapping.SAS_CUSTOM_NAME, mapping.KQS_CUSTOM_NAME}))
+_V4_TARGETS = {"sparse_attn_sharedkv": (mapping.SAS_CUSTOM_OP, mapping.SAS_META_CUSTOM_OP),
+               "kv_quant_sparse_attn_sharedkv": (mapping.KQS_CUSTOM_OP, mapping.KQS_META_CUSTOM_OP),
+               "sparse_flash_mla": (mapping.SFM_OP, mapping.SFM_META_OP),
+               "mixed_quant_sparse_flash_mla": (mapping.MQ_OP, mapping.MQ_META_OP)}
+
+
+def _torch_args(a):
+    """Normalised operator arguments with torch tensors (1-byte arrays as int8 bytes, as a caller may hold them)."""
+    from qsfa._arrays import to_torch
+
+    return {k: (torch.from_numpy(np.ascontiguousarray(v).view(np.int8)) if v.dtype.itemsize == 1 else
+                to_torch(np.ascontiguousarray(v))) if isinstance(v, np.ndarray) else v for k, v in a.items()}
+
+
+def _torch_example(op):
+    from qsfa._dispatch import operators
+
+    c = operators()[op].contract
+    return _torch_args(dict(c.validate(c.example(np.random.default_rng(0)))))
+
+
+def _v4_args(op, **kw):
+    from qsfa._dispatch import operators
+    from qsfa.ops import sharedkv
+
+    build = {"sparse_attn_sharedkv": sharedkv.sas_case, "kv_quant_sparse_attn_sharedkv": sharedkv.kqs_case,
+             "sparse_flash_mla": sharedkv.sfm_case, "mixed_quant_sparse_flash_mla": sharedkv.mq_case}[op]
+    a = dict(operators()[op].contract.validate(build(**kw)))
+    a["metadata"] = None
+    return _torch_args(a)
+
+
+_V4_PA = {"sparse_attn_sharedkv": "PA_ND", "kv_quant_sparse_attn_sharedkv": "PA_ND", "sparse_flash_mla": "PA_BBND",
+          "mixed_quant_sparse_flash_mla": "PA_BBND"}
+_V4_VARIANTS = [(op, dict(scenario=sc, layout_q=lq, layout_kv=lkv or _V4_PA[op]), lse)
+                for op in V4_ATTENTION for sc in ("SWA", "CSA", "HCA") for lq, lkv in
+                (("BSND", None), ("TND", None), ("TND", "TND"), ("BSND", "BSND"))
+                for lse in (False, True)]
+
+
+@pytest.mark.parametrize("op,kw,lse", _V4_VARIANTS,
+                         ids=[f"{op}-{kw['scenario']}-{kw['layout_q']}-{kw['layout_kv']}-lse{int(lse)}"
+                              for op, kw, lse in _V4_VARIANTS])
+def test_v4_attention_mapping_binds_passes_every_value_and_builds_the_metadata(op, kw, lse):
+    kw = dict(kw, quant_mode=1) if op == "mixed_quant_sparse_flash_mla" and kw["layout_kv"] != "PA_BBND" else kw
+    a = _v4_args(op, **kw)
+    a["return_softmax_lse"] = lse
+    target, meta_target = _V4_TARGETS[op]
+    call = mapping.map_call(op, a, _V4_CTX)
+    assert call.target == target
+    meta = call.kwargs["metadata"]
+    assert isinstance(meta, mapping.NpuCall) and meta.target == meta_target
+    _assert_binds(meta)
+    given = torch.zeros(1024, dtype=torch.int32)
+    call = mapping.map_call(op, {**a, "metadata": given}, _V4_CTX)
+    _assert_binds(call)
+    assert call.kwargs["metadata"] is given
+    # every parameter of the schema is passed: no registered default is relied on (they differ from the docs)
+    bound = signatures.signature(target).bind(*call.args, **call.kwargs).arguments
+    assert set(bound) == {p["name"] for p in signatures.record(target)["params"]}
+    for p in ("softmax_scale", "cmp_ratio", "ori_mask_mode", "cmp_mask_mode", "ori_win_left", "ori_win_right",
+              "layout_q", "layout_kv", "return_softmax_lse"):
+        assert bound[p] == a[p], p
+    assert bound["ori_win_left"] == 127 and bound["softmax_scale"] == pytest.approx(512 ** -0.5)
+    for p in ("kv_quant_mode", "tile_size", "rope_head_dim", "quant_mode", "topk_value_mode"):
+        if p in a:
+            assert bound[p] == a[p], p
+    if op in ("kv_quant_sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla"):
+        for p in ("ori_kv", "cmp_kv"):  # float8_e4m3fn views of the caller's bytes
+            assert bound[p] is None if a[p] is None else (bound[p].dtype == torch.float8_e4m3fn
+                                                          and bound[p].data_ptr() == a[p].data_ptr()), p
+    # the metadata operator gets the same shape facts the attention call implies
+    m = signatures.signature(meta_target).bind(*meta.args, **meta.kwargs).arguments
+    q = a["q"]
+    assert (m["num_heads_q"], m["num_heads_kv"], m["head_dim"]) == (q.shape[-2], 1, 512)
+    batch = q.shape[0] if a["layout_q"] == "BSND" else a["cu_seqlens_q"].numel() - 1
+    s1 = q.shape[1] if a["layout_q"] == "BSND" else int((a["cu_seqlens_q"][1:] - a["cu_seqlens_q"][:-1]).max())
+    assert (m["batch_size"], m["max_seqlen_q"]) == (batch, s1)
+    assert m["has_ori_kv"] is True and m["has_cmp_kv"] is (a["cmp_kv"] is not None)
+    idx = a["cmp_sparse_indices"]
+    assert m["ori_topk"] == 0 and m["cmp_topk"] == (0 if idx is None else idx.shape[-1])
+    for p in ("cmp_ratio", "ori_mask_mode", "cmp_mask_mode", "ori_win_left", "ori_win_right", "layout_q", "layout_kv"):
+        assert m[p] == a[p], p
+    s2 = max(int(v) for v in (a.get("seqused_kv", a.get("seqused_ori_kv")) if a.get(
+        "seqused_kv", a.get("seqused_ori_kv")) is not None else [a["ori_kv"].shape[1]])) \
+        if a["layout_kv"] != "TND" else int((a["cu_seqlens_ori_kv"][1:] - a["cu_seqlens_ori_kv"][:-1]).max())
+    assert m.get("max_seqlen_kv", m.get("max_seqlen_ori_kv")) == s2
+    for p in ("kv_quant_mode", "tile_size", "rope_head_dim", "quant_mode"):
+        if p in a:
+            assert m[p] == a[p], p
+    # outputs: (attention_out, softmax_lse); the LSE is qsfa's empty [0] float32 when it was not asked for
+    out, lse_out = torch.zeros(2, 3), torch.ones(4)
+    got = call.unpack((out, lse_out))
+    assert got[0] is out and (got[1] is lse_out if lse else (tuple(got[1].shape), got[1].dtype) == ((0,), torch.float32))
+
+
+@pytest.mark.parametrize("op", V4_ATTENTION + ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale"))
+def test_v4_mappings_consume_every_operator_parameter(op):
+    """Each parameter of the operator's contract reaches the call or is listed in IGNORED (reference-only)."""
+    from qsfa._dispatch import operators
+
+    declared = set(operators()[op].contract.params)
+    assert declared - set(mapping.IGNORED) - {"metadata"}  # the operator has parameters to map
+    a = _v4_args(op) if op in V4_ATTENTION else _torch_example(op)
+    assert set(a) == declared
+    ctx = _V4_CTX
+    mapping.map_call(op, a, ctx)  # raises TypeError for a parameter neither mapped nor ignored
+    with pytest.raises(TypeError, match=r"does not know the parameter\(s\) \['mystery'\]"):
+        mapping.map_call(op, {**a, "mystery": 1}, ctx)
+
+
+def test_recorded_defaults_differ_from_the_docs_and_the_mapping_does_not_use_them():
+    """vLLM-Ascend registers softmax_scale=0, cmp_ratio=0, ori_win_left=128 for npu_sparse_attn_sharedkv (the
+    ops-transformer README: None / None / 127); mixed_quant_sparse_flash_mla declares int quant_mode=None."""
+    sas = {p["name"]: p.get("default") for p in signatures.record(mapping.SAS_CUSTOM_OP)["params"]}
+    assert (sas["softmax_scale"], sas["cmp_ratio"], sas["ori_win_left"]) == (0, 0, 128)
+    kqs = {p["name"]: p.get("default") for p in signatures.record(mapping.KQS_CUSTOM_OP)["params"]}
+    assert (kqs["tile_size"], kqs["rope_head_dim"], kqs["ori_win_left"]) == (0, 0, 127)
+    mq = {p["name"]: p for p in signatures.record(mapping.MQ_OP)["params"]}
+    assert mq["quant_mode"]["type"] == "int" and mq["quant_mode"]["default"] is None
+    a = _v4_args("sparse_attn_sharedkv")
+    kw = mapping.map_call("sparse_attn_sharedkv", a, _V4_CTX).kwargs
+    assert (kw["softmax_scale"], kw["cmp_ratio"], kw["ori_win_left"]) == (a["softmax_scale"], 4, 127)
+
+
+@pytest.mark.parametrize("op", ["sparse_attn_sharedkv", "kv_quant_sparse_attn_sharedkv"])
+def test_sharedkv_custom_op_absent_is_refused_by_the_limits_and_the_mapping(op):
+    a = _v4_args(op)
+    with pytest.raises(ValueError, match="not loaded"):
+        mapping.map_call(op, a, NpuContext(chip="950"))
+    lim = {c.id: c for c in device.backend_limits(op, chip="950", custom_ops=frozenset())}
+    c = lim[f"npu.{op}.needs_custom_op"]
+    assert c.param == "q" and "vllm_ascend" in c.reason and c.check(Args(a)) is not None
+    loaded = {mapping.SAS_CUSTOM_NAME, mapping.KQS_CUSTOM_NAME}
+    assert [c.id for c in device.backend_limits(op, chip="950", custom_ops=loaded) if c.check(Args(a))] == []
+    exact = {**a, "precision": "exact"}
+    assert [c.id for c in device.backend_limits(op, chip="950", custom_ops=loaded) if c.check(Args(exact))] == \
+        [f"npu.{op}.precision"]
+
+
+@pytest.mark.parametrize("mode", ["fp8", "MXFP8", "hifloat8", "mxfp4"])
+def test_indexer_quant_cache_mapping_is_the_packages_in_place_call(mode):
+    from qsfa.ops.indexer_cache import IQC_CONTRACT
+
+    a = _torch_example("indexer_quant_cache")
+    a["quant_mode"] = mode
+    call = mapping.map_call("indexer_quant_cache", a, NpuContext(chip="950"))
+    assert call.target == mapping.IQC_OP
+    _assert_binds(call)
+    cache, scale, x, slots = call.args
+    assert cache is a["cache"] and x is a["x"] and slots.dtype == torch.int32
+    assert scale.data_ptr() == a["cache_scale"].data_ptr()
+    mx = mode.lower() in ("mxfp8", "mxfp4")
+    assert scale.dtype == (torch.float8_e8m0fnu if mx and a["cache_scale"].element_size() == 1
+                           else a["cache_scale"].dtype)
+    assert call.kwargs == dict(quant_mode=mode.lower(), round_scale=a["round_scale"], x_scale=float(a["x_scale"]))
+    got = call.unpack(None)  # the op returns nothing; the caches were written in place
+    assert got[0] is a["cache"] and got[1] is a["cache_scale"]
+    assert IQC_CONTRACT.inplace == ("cache", "cache_scale")
+
+
+def test_scatter_pa_kv_cache_with_k_scale_mapping_is_the_packages_positional_call():
+    a = _torch_example("scatter_pa_kv_cache_with_k_scale")
+    call = mapping.map_call("scatter_pa_kv_cache_with_k_scale", a, NpuContext(chip="950"))
+    assert call.target == mapping.SPKS_OP
+    _assert_binds(call)
+    names = ("key", "value", "key_cache", "value_cache", "slot_mapping", "key_scale", "key_scale_cache")
+    assert all(v is a[n] for v, n in zip(call.args, names)) and call.kwargs == {"cache_layout": a["cache_layout"]}
+    got = call.unpack(tuple(t.clone() for t in call.args[2:4] + call.args[6:7]))
+    assert got == (a["key_cache"], a["value_cache"], a["key_scale_cache"])  # the caller's tensors, not the aliases
+    assert got[0] is a["key_cache"]

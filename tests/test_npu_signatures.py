@@ -49,7 +49,8 @@ def test_recorder_cli_reproduces_the_committed_file(tmp_path):
 
 def test_every_mapping_target_is_recorded():
     expected = {f"torch_npu.{n}" for n in rec.TORCH_NPU_FUNCTIONS} | \
-        {f"torch.ops._C_ascend.{n}" for n in rec.CUSTOM_OPS}
+        {f"torch.ops._C_ascend.{n}" for n in rec.CUSTOM_OPS} | \
+        {f"torch.ops.{rec.PACKAGE_NAMESPACE}.{n}" for n in rec.PACKAGE_OPS}
     assert set(signatures.targets()) == expected
     assert mapping.QSFA_TORCH_NPU in expected and mapping.QSFA_CUSTOM_OP in expected
 
@@ -110,6 +111,67 @@ def test_hand_read_facts_of_the_other_signatures():
     assert list(_params("torch_npu.npu_scatter_nd_update_")) == ["self", "indices", "updates"]
     qli = _params("torch_npu.npu_quant_lightning_indexer")
     assert qli["query_quant_mode"]["kind"] == "positional" and qli["query_dtype"]["type"] == "int?"
+
+
+def test_hand_read_facts_of_the_v4_signatures():
+    """Read by hand from vLLM-Ascend csrc/torch_binding.cpp at 182b75e (l.2276-2472) and ops-transformer
+    torch_extension/cann_ops_transformer/ops/*.py at 25fb6b9 (OpBuilder.schema)."""
+    sas, kqs = _params(mapping.SAS_CUSTOM_OP), _params(mapping.KQS_CUSTOM_OP)
+    assert list(sas)[:2] == ["q", "ori_kv"] and sas["ori_kv"]["kind"] == "keyword_only"
+    assert list(kqs)[:2] == ["q", "kv_quant_mode"] and kqs["kv_quant_mode"]["kind"] == "positional"
+    assert "default" not in kqs["kv_quant_mode"] and kqs["ori_kv"]["kind"] == "positional"
+    assert (sas["softmax_scale"]["default"], sas["cmp_ratio"]["default"], sas["ori_win_left"]["default"]) == (0, 0, 128)
+    assert kqs["ori_win_left"]["default"] == 127 and kqs["layout_kv"]["default"] == "PA_ND"
+    for t in (mapping.SAS_CUSTOM_OP, mapping.KQS_CUSTOM_OP, mapping.SFM_OP, mapping.MQ_OP):
+        assert signatures.record(t)["returns"] == ["Tensor", "Tensor"], t
+        assert _params(t)["metadata"]["type"] == "Tensor?", t
+    sm, km = _params(mapping.SAS_META_CUSTOM_OP), _params(mapping.KQS_META_CUSTOM_OP)
+    assert list(sm)[:3] == ["num_heads_q", "num_heads_kv", "head_dim"] and list(km)[3] == "kv_quant_mode"
+    assert sm["device"]["default"] == "npu" and km["cmp_ratio"]["default"] == -1 and sm["cmp_ratio"]["default"] == 4
+    sfm, mq = _params(mapping.SFM_OP), _params(mapping.MQ_OP)
+    assert sfm["ori_win_left"]["default"] == 127 and sfm["layout_kv"]["default"] == "BSND"
+    assert sfm["cmp_residual_kv"]["kind"] == "keyword_only" and sfm["topk_value_mode"]["default"] == 1
+    assert mq["quant_mode"]["type"] == "int" and mq["quant_mode"]["default"] is None
+    assert mq["key_dtype"]["type"] == "int?" and mq["ori_win_left"]["default"] == -1
+    sfm_meta, mq_meta = _params(mapping.SFM_META_OP), _params(mapping.MQ_META_OP)
+    assert sfm_meta["batch_size"]["type"] == "int?" and "device" not in sfm_meta
+    assert mq_meta["quant_mode"]["kind"] == "positional" and mq_meta["rope_head_dim"]["kind"] == "keyword_only"
+    iqc, spks = _params(mapping.IQC_OP), _params(mapping.SPKS_OP)
+    assert iqc["cache"]["type"] == "Tensor(a!)" and iqc["cache_scale"]["type"] == "Tensor(b!)"
+    assert iqc["quant_mode"] == {"name": "quant_mode", "type": "str", "kind": "keyword_only", "default": "fp8"}
+    assert signatures.record(mapping.IQC_OP)["returns"] == []
+    assert spks["cache_layout"]["default"] == "BNBD" and spks["key_scale_cache"]["type"] == "Tensor(c!)"
+    assert len(signatures.record(mapping.SPKS_OP)["returns"]) == 3
+    for t in (mapping.SFM_OP, mapping.MQ_OP, mapping.IQC_OP, mapping.SPKS_OP):
+        src = signatures.record(t)["source"]
+        assert src["repo"] == "cannmirror/ops-transformer" and src["commit"].startswith("25fb6b9")
+        assert src["file"].startswith("torch_extension/cann_ops_transformer/ops/")
+
+
+def test_extract_package_ops_reads_the_opbuilder_schemas():
+    source = """
+class B(OpBuilder):
+    def sources(self):
+        return ["x.cpp"]
+
+    def schema(self) -> str:
+        return [
+            "toy_metadata(int n, *, "
+            "Tensor? lens=None,int? size=None) -> Tensor",
+            "toy(Tensor q, *,"
+            'str layout="BSND", float scale=1.0) -> (Tensor, Tensor)',
+        ]
+"""
+    out = rec.extract_package_ops({"toy.py": source}, "abc", names={"toy": "toy.py", "toy_metadata": "toy.py"})
+    toy = out["torch.ops.cann_ops_transformer.toy"]
+    assert toy["schema"] == 'toy(Tensor q, *, str layout="BSND", float scale=1.0) -> (Tensor, Tensor)'
+    assert toy["source"]["line"] == 10 and toy["source"]["commit"] == "abc"
+    assert [p["kind"] for p in toy["params"]] == ["positional", "keyword_only", "keyword_only"]
+    meta = out["torch.ops.cann_ops_transformer.toy_metadata"]
+    assert meta["schema"] == "toy_metadata(int n, *, Tensor? lens=None, int? size=None) -> Tensor"
+    assert meta["source"]["line"] == 8 and meta["returns"] == ["Tensor"]
+    with pytest.raises(LookupError, match="no OpBuilder schema"):
+        rec.extract_package_ops({"toy.py": source}, "abc", names={"absent": "toy.py"})
 
 
 def test_dtype_codes_used_by_the_mapping_are_the_wheels():
@@ -255,7 +317,7 @@ def test_extract_custom_ops_joins_cpp_string_literals():
     );
 }
 '''
-    out = rec.extract_custom_ops(cpp, "abc123")
+    out = rec.extract_custom_ops(cpp, "abc123", names=rec.CUSTOM_OPS[:5])
     v = out["torch.ops._C_ascend.npu_vllm_quant_lightning_indexer"]["params"]
     assert v[1]["default"] == "BSND" and v[2]["default"] == 1  # C++ escaped quotes undone
     assert out["torch.ops._C_ascend.indexer_compress_epilog_v2"]["params"][1]["default"] == 2

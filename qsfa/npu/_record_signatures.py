@@ -1,6 +1,7 @@
 """Regenerate ``qsfa/npu/signatures.json`` from an unpacked torch_npu wheel (and, optionally, vLLM-Ascend).
 
-The npu backend calls a handful of torch_npu functions and two vLLM-Ascend custom ops. Their signatures
+The npu backend calls a handful of torch_npu functions, vLLM-Ascend custom ops and ops of ops-transformer's
+``cann_ops_transformer`` package. Their signatures
 are recorded as data so the argument mappings in :mod:`qsfa.npu.mapping` can be checked on machines
 without torch_npu (``inspect.Signature.bind`` on a signature rebuilt from the record).
 
@@ -21,6 +22,11 @@ Procedure (no torch or torch_npu import is needed; the files are parsed as text)
 3. The vLLM-Ascend custom-op part is kept as it is unless ``--vllm-binding FILE --vllm-commit SHA`` is
    given: FILE is ``csrc/torch_binding.cpp`` of a vLLM-Ascend checkout at commit SHA, whose
    ``ops.def("...")`` schema strings are parsed for :data:`CUSTOM_OPS`.
+
+4. The ``cann_ops_transformer`` part (ops-transformer's ``torch_extension`` package) is kept as it is unless
+   ``--ops-transformer DIR --ops-transformer-commit SHA`` is given: DIR is an ops-transformer checkout at SHA;
+   the schema strings returned by each OpBuilder's ``schema()`` in ``torch_extension/cann_ops_transformer/ops/``
+   are parsed for :data:`PACKAGE_OPS`.
 
 ``tests/test_npu_signatures.py`` re-runs step 2 against ``/tmp/npuwheel/torch_npu`` (or
 ``$QSFA_TORCH_NPU_DIR``) when it exists and fails if the recorded data is not current.
@@ -47,6 +53,9 @@ __all__ = [
     "extract_dtype_tables",
     "extract_torch_npu",
     "extract_custom_ops",
+    "extract_package_ops",
+    "PACKAGE_OPS",
+    "PACKAGE_NAMESPACE",
     "main",
 ]
 
@@ -64,7 +73,23 @@ TORCH_NPU_FUNCTIONS = (
 
 #: vLLM-Ascend custom ops (namespace ``_C_ascend``) the npu backend maps to.
 CUSTOM_OPS = ("npu_kv_quant_sparse_flash_attention", "kv_compress_epilog", "indexer_compress_epilog_v2",
-              "npu_vllm_quant_lightning_indexer", "npu_vllm_quant_lightning_indexer_metadata")
+              "npu_vllm_quant_lightning_indexer", "npu_vllm_quant_lightning_indexer_metadata",
+              "npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata", "npu_kv_quant_sparse_attn_sharedkv",
+              "npu_kv_quant_sparse_attn_sharedkv_metadata")
+
+#: namespace of the ops of ops-transformer's separately built ``cann_ops_transformer`` package
+PACKAGE_NAMESPACE = "cann_ops_transformer"
+#: its ops the npu backend maps to: op name -> the file under ``torch_extension/cann_ops_transformer/ops/`` whose
+#: OpBuilder ``schema()`` defines it
+PACKAGE_OPS = {
+    "sparse_flash_mla": "sparse_flash_mla.py",
+    "sparse_flash_mla_metadata": "sparse_flash_mla.py",
+    "mixed_quant_sparse_flash_mla": "mixed_quant_sparse_flash_mla.py",
+    "mixed_quant_sparse_flash_mla_metadata": "mixed_quant_sparse_flash_mla.py",
+    "indexer_quant_cache": "indexer_quant_cache.py",
+    "scatter_pa_kv_cache_with_k_scale": "scatter_pa_kv_cache_with_k_scale.py",
+}
+PACKAGE_OPS_DIR = "torch_extension/cann_ops_transformer/ops"
 
 META_FILE = "op_plugin/meta/_meta_registrations.py"
 SCHEMA_FILE = "csrc/aten/npu_native_functions_by_codegen.yaml"
@@ -294,6 +319,49 @@ def extract_custom_ops(binding_source: str, commit: str, names=CUSTOM_OPS,
     return out
 
 
+# ------------------------------------------------------------------------------ cann_ops_transformer
+
+
+def _schema_strings(py_source: str):
+    """``(line, schema)`` of every string a ``def schema(self)`` method returns (a string or a list of them;
+    Python's implicit concatenation of adjacent literals is resolved by the parser)."""
+    for node in ast.walk(ast.parse(py_source)):
+        if not (isinstance(node, ast.FunctionDef) and node.name == "schema"):
+            continue
+        for ret in (n for n in ast.walk(node) if isinstance(n, ast.Return) and n.value is not None):
+            items = ret.value.elts if isinstance(ret.value, (ast.List, ast.Tuple)) else [ret.value]
+            for item in items:
+                if isinstance(item, ast.Constant) and isinstance(item.value, str):
+                    yield item.lineno, item.value
+
+
+def extract_package_ops(sources: dict, commit: str, names=PACKAGE_OPS) -> dict:
+    """Schemas of the ``cann_ops_transformer`` ops ``names`` (op -> file name) from ``sources`` (file name -> the
+    text of ``torch_extension/cann_ops_transformer/ops/<file>`` at ops-transformer ``commit``)."""
+    out = {}
+    for op, fname in names.items():
+        for line, text in _schema_strings(sources[fname]):
+            schema = re.sub(r"\s+", " ", text).strip()
+            schema = re.sub(r"\(\s+", "(", schema)
+            schema = re.sub(r",(?=\S)", ", ", schema)
+            if schema.split("(", 1)[0].strip() != op:
+                continue
+            parsed = parse_schema(schema)
+            out[f"torch.ops.{PACKAGE_NAMESPACE}.{op}"] = {
+                "source": {"origin": "ops-transformer torch_extension package cann_ops_transformer (OpBuilder.schema)",
+                           "repo": "cannmirror/ops-transformer", "commit": commit,
+                           "file": f"{PACKAGE_OPS_DIR}/{fname}", "line": line},
+                "schema": schema,
+                "params": parsed["params"],
+                "returns": parsed["returns"],
+            }
+            break
+    missing = {f"torch.ops.{PACKAGE_NAMESPACE}.{n}" for n in names} - set(out)
+    if missing:
+        raise LookupError(f"no OpBuilder schema for {sorted(missing)}")
+    return out
+
+
 # ------------------------------------------------------------------------------ command line
 
 
@@ -303,18 +371,31 @@ def main(argv=None) -> int:
     ap.add_argument("--wheel-name", default=DEFAULT_WHEEL, help="file name of the wheel it came from")
     ap.add_argument("--vllm-binding", help="csrc/torch_binding.cpp of a vLLM-Ascend checkout")
     ap.add_argument("--vllm-commit", help="the commit that file was read at")
+    ap.add_argument("--ops-transformer", help="an ops-transformer checkout (for the cann_ops_transformer ops)")
+    ap.add_argument("--ops-transformer-commit", help="the commit that checkout is at")
     ap.add_argument("--out", default=str(JSON_PATH))
     ns = ap.parse_args(argv)
     old = json.loads(Path(ns.out).read_text()) if Path(ns.out).exists() else {}
     rec = extract_torch_npu(ns.torch_npu_dir, ns.wheel_name)
-    custom = {k: v for k, v in old.get("functions", {}).items() if k.startswith("torch.ops.")}
+    kept = old.get("functions", {})
+    custom = {k: v for k, v in kept.items() if k.startswith("torch.ops._C_ascend.")}
+    package = {k: v for k, v in kept.items() if k.startswith(f"torch.ops.{PACKAGE_NAMESPACE}.")}
     if ns.vllm_binding:
         if not ns.vllm_commit:
             ap.error("--vllm-commit is required with --vllm-binding")
         custom = extract_custom_ops(Path(ns.vllm_binding).read_text(encoding="utf-8"), ns.vllm_commit)
+    if ns.ops_transformer:
+        if not ns.ops_transformer_commit:
+            ap.error("--ops-transformer-commit is required with --ops-transformer")
+        root = Path(ns.ops_transformer) / PACKAGE_OPS_DIR
+        package = extract_package_ops({f: (root / f).read_text(encoding="utf-8") for f in set(PACKAGE_OPS.values())},
+                                      ns.ops_transformer_commit)
     if not custom:
         ap.error("no vLLM-Ascend custom-op record yet: pass --vllm-binding and --vllm-commit")
+    if not package:
+        ap.error("no cann_ops_transformer record yet: pass --ops-transformer and --ops-transformer-commit")
     rec["functions"].update(custom)
+    rec["functions"].update(package)
     rec = {"generated_by": "python -m qsfa.npu._record_signatures (see its docstring)", **rec}
     Path(ns.out).write_text(json.dumps(rec, indent=1, sort_keys=False) + "\n")
     print(f"wrote {ns.out}: {len(rec['functions'])} functions")

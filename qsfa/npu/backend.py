@@ -19,13 +19,28 @@ from . import device, mapping
 __all__ = ["resolve", "context", "run_call", "registered"]
 
 _CUSTOM = (mapping.QSFA_CUSTOM_NAME, mapping.KCE_VLLM_CUSTOM_NAME, mapping.ICE2_CUSTOM_NAME,
-           mapping.VQLI_CUSTOM_NAME)
+           mapping.VQLI_CUSTOM_NAME, mapping.SAS_CUSTOM_NAME, mapping.KQS_CUSTOM_NAME)
+
+
+def _import_package() -> None:
+    """Import ops-transformer's ``cann_ops_transformer`` package (registers ``torch.ops.cann_ops_transformer.*``);
+    imported here, on the first call of one of its operators, never when qsfa loads."""
+    try:
+        importlib.import_module(mapping.PACKAGE)
+    except Exception as e:  # noqa: BLE001 - a missing or broken package: refuse the call, naming it
+        raise UnsupportedByBackend(
+            "npu", f"this operator runs through torch.ops.{mapping.PACKAGE}.*, and the {mapping.PACKAGE} package "
+                   f"(ops-transformer torch_extension/, built for this CANN and torch_npu) failed to import "
+                   f"({type(e).__name__}: {e}); build and install it (docs/backends.md)") from e
 
 
 def resolve(target: str):
-    """The callable a mapping names: ``torch_npu.<fn>`` or ``torch.ops.<namespace>.<op>``."""
+    """The callable a mapping names: ``torch_npu.<fn>`` or ``torch.ops.<namespace>.<op>`` (the
+    ``cann_ops_transformer`` namespace is imported on first use)."""
     if target.startswith("torch.ops."):
         _, _, ns, name = target.split(".", 3)
+        if ns == mapping.PACKAGE:
+            _import_package()
         return getattr(getattr(torch.ops, ns), name)
     module, _, name = target.rpartition(".")
     return getattr(importlib.import_module(module), name)

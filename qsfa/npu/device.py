@@ -163,6 +163,8 @@ _NEEDS_CUSTOM_OP = {
     "kv_compress_epilog_vllm": ("kv_compress_cache", "kv_compress_epilog"),
     "indexer_compress_epilog_v2": ("indexer_compress_cache", "indexer_compress_epilog_v2"),
     "vllm_quant_lightning_indexer": ("query", "npu_vllm_quant_lightning_indexer"),
+    "sparse_attn_sharedkv": ("q", "npu_sparse_attn_sharedkv"),
+    "kv_quant_sparse_attn_sharedkv": ("q", "npu_kv_quant_sparse_attn_sharedkv"),
 }
 
 
@@ -176,7 +178,8 @@ def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[
         chip = chip_family()
     loaded = (lambda name: custom_op_loaded(name)) if custom_ops is None else (lambda name: name in custom_ops)
     out: list[Constraint] = []
-    if op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention"):
+    if op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention", "sparse_attn_sharedkv",
+              "kv_quant_sparse_attn_sharedkv", "sparse_flash_mla", "mixed_quant_sparse_flash_mla"):
         out.append(_precision_faithful(op))
     if op == "kv_quant_sparse_flash_attention":
         custom = "npu_kv_quant_sparse_flash_attention"

@@ -31,6 +31,13 @@ Routing (settled from public sources):
 * ``indexer_compress_epilog_v2``: ``torch.ops._C_ascend.indexer_compress_epilog_v2`` (vLLM-Ascend
   ``csrc/torch_binding.cpp`` at 182b75e; Ascend 950), positional as its schema, the uint8 cache in place (the binding
   passes ``stride(0)`` as block_stride itself).
+* ``sparse_attn_sharedkv`` / ``kv_quant_sparse_attn_sharedkv``: ``torch.ops._C_ascend.npu_sparse_attn_sharedkv`` /
+  ``npu_kv_quant_sparse_attn_sharedkv`` (vLLM-Ascend ``csrc/torch_binding.cpp`` at 182b75e; ``device_op.py`` picks
+  the first on A2/A3, the second on the 950), after their ``*_metadata`` operator when ``metadata`` is None.
+* ``sparse_flash_mla`` / ``mixed_quant_sparse_flash_mla`` / ``indexer_quant_cache`` /
+  ``scatter_pa_kv_cache_with_k_scale``: ``torch.ops.cann_ops_transformer.*``, ops of ops-transformer's separately
+  built torch extension (``torch_extension/cann_ops_transformer``); the backend imports that package when such an
+  operator is called (qsfa.npu.backend.resolve) and refuses the call naming it when it is missing.
 * dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
   TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
   hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
@@ -71,6 +78,21 @@ ICE2_CUSTOM_OP = "torch.ops._C_ascend.indexer_compress_epilog_v2"
 VQLI_CUSTOM_NAME = "npu_vllm_quant_lightning_indexer"
 VQLI_CUSTOM_OP = "torch.ops._C_ascend.npu_vllm_quant_lightning_indexer"
 VQLI_META_CUSTOM_OP = "torch.ops._C_ascend.npu_vllm_quant_lightning_indexer_metadata"
+SAS_CUSTOM_NAME = "npu_sparse_attn_sharedkv"
+SAS_CUSTOM_OP = "torch.ops._C_ascend.npu_sparse_attn_sharedkv"
+SAS_META_CUSTOM_OP = "torch.ops._C_ascend.npu_sparse_attn_sharedkv_metadata"
+KQS_CUSTOM_NAME = "npu_kv_quant_sparse_attn_sharedkv"
+KQS_CUSTOM_OP = "torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv"
+KQS_META_CUSTOM_OP = "torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv_metadata"
+#: ops-transformer's separately built torch extension (torch_extension/cann_ops_transformer); importing it
+#: registers torch.ops.cann_ops_transformer.*. The npu backend imports it lazily (qsfa.npu.backend.resolve).
+PACKAGE = "cann_ops_transformer"
+SFM_OP = f"torch.ops.{PACKAGE}.sparse_flash_mla"
+SFM_META_OP = f"torch.ops.{PACKAGE}.sparse_flash_mla_metadata"
+MQ_OP = f"torch.ops.{PACKAGE}.mixed_quant_sparse_flash_mla"
+MQ_META_OP = f"torch.ops.{PACKAGE}.mixed_quant_sparse_flash_mla_metadata"
+IQC_OP = f"torch.ops.{PACKAGE}.indexer_quant_cache"
+SPKS_OP = f"torch.ops.{PACKAGE}.scatter_pa_kv_cache_with_k_scale"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -131,14 +153,6 @@ IGNORED = {
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
 NOT_MAPPED = {
-    "scatter_pa_kv_cache_with_k_scale": (
-        "its callable, torch.ops.cann_ops_transformer.scatter_pa_kv_cache_with_k_scale (ops-transformer, Ascend 950; "
-        "vLLM-Ascend imports it from the cann_ops_transformer package), is not in torch_npu 2.14.0 or _C_ascend, and "
-        "the npu backend does not load that package yet"),
-    "indexer_quant_cache": (
-        "its callable, torch.ops.cann_ops_transformer.indexer_quant_cache (ops-transformer attention/indexer_quant_cache/, "
-        "Ascend 950), comes from the separately built cann_ops_transformer package, which the npu backend does not "
-        "load yet (neither torch_npu 2.14.0 nor vLLM-Ascend's _C_ascend has it)"),
     "kv_compress_epilog": (
         "torch_npu 2.14.0 exposes no KvCompressEpilog function (absent from op_plugin/meta/_meta_registrations.py "
         "and the codegen yaml); vLLM-Ascend's torch.ops._C_ascend.kv_compress_epilog (csrc/torch_binding.cpp, "
@@ -159,25 +173,6 @@ NOT_MAPPED = {
     "formats.decode": "no torch_npu function decodes raw format codes to float32",
     "formats.pack_fp4": "no torch_npu function packs FP4 codes",
     "formats.unpack_fp4": "no torch_npu function unpacks FP4 codes",
-    "sparse_attn_sharedkv": (
-        "mapping not written yet: the target is torch.ops._C_ascend.npu_sparse_attn_sharedkv (vllm-project/"
-        "vllm-ascend@182b75e csrc/torch_binding.cpp l.2276-2303, keyword-only after q, returns (out, softmax_lse); "
-        "its registered defaults softmax_scale=0, cmp_ratio=0, ori_win_left=128 differ from the ops-transformer "
-        "README's None / None / 127), preceded by npu_sparse_attn_sharedkv_metadata (l.2305-2332) when metadata "
-        "is None; neither schema is recorded in signatures.json yet"),
-    "sparse_flash_mla": (
-        "mapping not written yet: the public callable is cann_ops_transformer.ops.sparse_flash_mla (ops-transformer "
-        "torch_extension docs/zh/sparse_flash_mla.md), not torch_npu or vLLM-Ascend at the recorded commits; its "
-        "signature is not recorded in signatures.json"),
-    "kv_quant_sparse_attn_sharedkv": (
-        "mapping not written yet: the target is torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv "
-        "(vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp l.2408-2439: q and kv_quant_mode positional; "
-        "vllm_ascend/device/device_op.py passes kv_quant_mode=1, tile_size=64, rope_head_dim=64), preceded by "
-        "npu_kv_quant_sparse_attn_sharedkv_metadata when metadata is None; schemas not recorded yet"),
-    "mixed_quant_sparse_flash_mla": (
-        "mapping not written yet: the callable is npu_ops_transformer's npu_mixed_quant_sparse_flash_mla "
-        "(ops-transformer torch_extension/npu_ops_transformer/ops/mixed_quant_sparse_flash_mla.py), not torch_npu "
-        "or vLLM-Ascend at the recorded commits; its signature is not recorded in signatures.json"),
 }
 
 
@@ -537,22 +532,43 @@ _VQLI_PARAMS = (
 )
 
 
+def _max_len(lengths, cumulative: bool = False) -> int:
+    """The largest per-batch length of a length vector (``cumulative``: prefix sums, whose first entry counts too:
+    vLLM-Ascend's indexer takes ``query_start_loc[1:]``, cu_seqlens start at 0)."""
+    if lengths is None or lengths.numel() == 0:
+        return 0
+    flat = lengths.reshape(-1)
+    most = int(flat[0].item())
+    if cumulative and flat.numel() > 1:
+        most = max(most, int((flat[1:] - flat[:-1]).max().item()))
+    elif not cumulative:
+        most = int(flat.max().item())
+    return most
+
+
+def _device_name(t) -> str:
+    return str(t.device).split(":")[0]
+
+
+def _metadata(a: Mapping, build: Callable[[Mapping], NpuCall]):
+    """The caller's ``metadata`` tensor, or - when it is None - the metadata operator's call ``build(a)`` (an
+    NpuCall as a keyword value: the backend runs it first and passes its output). The kernels refuse a missing
+    metadata; vLLM-Ascend computes it per step the same way (dsa_v1.py)."""
+    meta = a.get("metadata")
+    return build(a) if meta is None else meta
+
+
 def vqli_metadata_call(a: Mapping) -> NpuCall:
-    """``torch.ops._C_ascend.npu_vllm_quant_lightning_indexer_metadata`` for the indexer arguments ``a`` (the
-    op_host refuses a missing metadata; vLLM-Ascend computes it per step the same way, dsa_v1.py)."""
+    """``torch.ops._C_ascend.npu_vllm_quant_lightning_indexer_metadata`` for the indexer arguments ``a``."""
     q, lq, lk = a["query"], a.get("actual_seq_lengths_query"), a["actual_seq_lengths_key"]
     tnd = str(a.get("layout_query", "BSND")) == "TND"
-    if tnd:
-        max_q = int((lq[1:] - lq[:-1]).max().item()) if lq.numel() > 1 else int(lq[0].item())
-        max_q = max(max_q, int(lq[0].item()))
-    else:
-        max_q = int(lq.max().item()) if lq is not None else int(q.shape[1])
+    max_q = _max_len(lq, cumulative=tnd) if lq is not None else int(q.shape[1])
     kw = dict(actual_seq_lengths_query=lq, actual_seq_lengths_key=lk, batch_size=int(lk.numel()),
-              max_seqlen_q=max_q, max_seqlen_k=int(lk.max().item()), layout_query=str(a.get("layout_query", "BSND")),
+              max_seqlen_q=max_q, max_seqlen_k=_max_len(lk), layout_query=str(a.get("layout_query", "BSND")),
               layout_key=str(a.get("layout_key", "PA_BSND")), sparse_count=int(a.get("sparse_count", 2048)),
               sparse_mode=int(a.get("sparse_mode", 3)), pre_tokens=int(a.get("pre_tokens", 2**63 - 1)),
               next_tokens=int(a.get("next_tokens", 2**63 - 1)), cmp_ratio=int(a.get("cmp_ratio", 1)),
-              device=str(q.device).split(":")[0])
+              device=_device_name(q))
     args = (int(q.shape[-2]), int(a["key"].shape[-2]), int(q.shape[-1]), int(a.get("query_quant_mode", 0)),
             int(a.get("key_quant_mode", 0)))
     return NpuCall(VQLI_META_CUSTOM_OP, args, kw, unpack=lambda r: (r,))
@@ -560,14 +576,13 @@ def vqli_metadata_call(a: Mapping) -> NpuCall:
 
 def map_vllm_quant_lightning_indexer(a: Mapping, ctx: NpuContext) -> NpuCall:
     """vLLM-Ascend's ``torch.ops._C_ascend.npu_vllm_quant_lightning_indexer``. A ``metadata`` of None becomes
-    the :func:`vqli_metadata_call` (an NpuCall as a keyword value: the backend runs it first)."""
+    the :func:`vqli_metadata_call` (:func:`_metadata`)."""
     _check_params("vllm_quant_lightning_indexer", a, _VQLI_PARAMS)
     if VQLI_CUSTOM_NAME not in ctx.custom_ops:
         raise ValueError(f"vllm_quant_lightning_indexer needs {VQLI_CUSTOM_OP}, which is not loaded")
-    meta = a.get("metadata")
     kw = dict(actual_seq_lengths_query=a.get("actual_seq_lengths_query"),
               actual_seq_lengths_key=a.get("actual_seq_lengths_key"), block_table=a.get("block_table"),
-              metadata=vqli_metadata_call(a) if meta is None else meta,
+              metadata=_metadata(a, vqli_metadata_call),
               layout_query=str(a.get("layout_query", "BSND")), layout_key=str(a.get("layout_key", "PA_BSND")),
               sparse_count=int(a.get("sparse_count", 2048)), sparse_mode=int(a.get("sparse_mode", 3)),
               pre_tokens=int(a.get("pre_tokens", 2**63 - 1)), next_tokens=int(a.get("next_tokens", 2**63 - 1)),
@@ -575,6 +590,205 @@ def map_vllm_quant_lightning_indexer(a: Mapping, ctx: NpuContext) -> NpuCall:
     args = (a["query"], a["key"], a["weights"], a["query_dequant_scale"], a["key_dequant_scale"],
             int(a.get("query_quant_mode", 0)), int(a.get("key_quant_mode", 0)))
     return NpuCall(VQLI_CUSTOM_OP, args, kw, unpack=lambda r: tuple(r))
+
+
+# ------------------------------------------------------------------------ DeepSeek-V4 shared-KV attention
+#
+# Four front doors, two conventions (qsfa/ops/sharedkv.py):
+# * sparse_attn_sharedkv / kv_quant_sparse_attn_sharedkv -> vLLM-Ascend torch.ops._C_ascend.npu_[kv_quant_]
+#   sparse_attn_sharedkv (csrc/torch_binding.cpp at 182b75e; device_op.py routes A2/A3 to the first, the 950 to the
+#   second with kv_quant_mode=1, tile_size=64, rope_head_dim=64), seqused_kv conventions;
+# * sparse_flash_mla / mixed_quant_sparse_flash_mla -> torch.ops.cann_ops_transformer.[mixed_quant_]sparse_flash_mla
+#   (ops-transformer torch_extension/cann_ops_transformer/ops/*.py), seqused_ori_kv / seqused_cmp_kv /
+#   cmp_residual_kv conventions.
+# Every schema default is overridden by qsfa's value, passed explicitly: the registered defaults disagree with the
+# public docs (vLLM-Ascend npu_sparse_attn_sharedkv: softmax_scale=0, cmp_ratio=0, ori_win_left=128 where the
+# ops-transformer README says None / None / 127; mixed_quant_sparse_flash_mla declares ``int quant_mode=None``).
+# The metadata operator (a per-core task list the kernels require) runs first when metadata is None (_metadata).
+
+#: parameters of all four attention front doors (qsfa/ops/sharedkv.py _COMMON_PARAMS)
+_V4_COMMON = (
+    "q", "ori_kv", "cmp_kv", "ori_sparse_indices", "cmp_sparse_indices", "ori_block_table", "cmp_block_table",
+    "cu_seqlens_q", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", "sinks", "metadata", "softmax_scale",
+    "cmp_ratio", "ori_mask_mode", "cmp_mask_mode", "ori_win_left", "ori_win_right", "layout_q", "layout_kv",
+    "return_softmax_lse",
+)
+_SAS_PARAMS = _V4_COMMON + ("seqused_kv",)
+_KQS_PARAMS = _SAS_PARAMS + ("kv_quant_mode", "tile_size", "rope_head_dim")
+_SFM_PARAMS = _V4_COMMON + ("seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length",
+                            "cmp_topk_length", "topk_value_mode")
+_MQ_PARAMS = _SFM_PARAMS + ("quant_mode", "rope_head_dim")
+_V4_LENGTHS = ("cu_seqlens_q", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", "seqused_kv", "seqused_ori_kv",
+               "seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length", "cmp_topk_length")
+
+
+def _v4_batch(a) -> int:
+    return int(a["q"].shape[0]) if a.get("layout_q", "BSND") == "BSND" else int(a["cu_seqlens_q"].numel()) - 1
+
+
+def _v4_kv_len(a, kv: str, used: str | None, cu: str) -> int:
+    """Longest per-batch token count of ``kv``: its seqused vector, else its cu_seqlens (TND), else S (BSND)."""
+    if a.get(kv) is None:
+        return 0
+    if used is not None and a.get(used) is not None:
+        return _max_len(a[used])
+    if a.get("layout_kv") == "TND":
+        return _max_len(a.get(cu), cumulative=True) if a.get(cu) is not None else 0
+    return int(a[kv].shape[1]) if a.get("layout_kv") == "BSND" else 0
+
+
+def _v4_shape_kwargs(a) -> dict:
+    """The metadata operators' shared arguments (vLLM-Ascend dsa_v1.py passes the same set)."""
+    q = a["q"]
+    idx = a.get("cmp_sparse_indices")
+    return dict(
+        cu_seqlens_q=_int32(a.get("cu_seqlens_q")), cu_seqlens_ori_kv=_int32(a.get("cu_seqlens_ori_kv")),
+        cu_seqlens_cmp_kv=_int32(a.get("cu_seqlens_cmp_kv")), seqused_q=_int32(a.get("seqused_q")),
+        batch_size=_v4_batch(a),
+        max_seqlen_q=int(q.shape[1]) if a.get("layout_q", "BSND") == "BSND" else _max_len(a["cu_seqlens_q"], True),
+        ori_topk=0, cmp_topk=int(idx.shape[-1]) if idx is not None else 0,
+        cmp_ratio=int(a["cmp_ratio"]), ori_mask_mode=int(a["ori_mask_mode"]), cmp_mask_mode=int(a["cmp_mask_mode"]),
+        ori_win_left=int(a["ori_win_left"]), ori_win_right=int(a["ori_win_right"]), layout_q=str(a["layout_q"]),
+        layout_kv=str(a["layout_kv"]), has_ori_kv=a.get("ori_kv") is not None, has_cmp_kv=a.get("cmp_kv") is not None,
+    )
+
+
+def _v4_heads(a) -> tuple:
+    """(num_heads_q, num_heads_kv, head_dim) as vLLM-Ascend passes them: q's N1, the KV's N2 (1), q's D (512)."""
+    return int(a["q"].shape[-2]), int(a["ori_kv"].shape[-2]), int(a["q"].shape[-1])
+
+
+def _v4_kwargs(a, kv_fmt: str | None) -> dict:
+    """The attention call's keyword arguments shared by the four operators, every one explicit."""
+    kw = {p: _int32(a.get(p)) for p in ("ori_sparse_indices", "cmp_sparse_indices", "ori_block_table",
+                                         "cmp_block_table") + _V4_LENGTHS if p in a}
+    kw.update(
+        ori_kv=_as_format(a.get("ori_kv"), kv_fmt) if kv_fmt else a.get("ori_kv"),
+        cmp_kv=_as_format(a.get("cmp_kv"), kv_fmt) if kv_fmt else a.get("cmp_kv"),
+        sinks=a.get("sinks"), softmax_scale=float(a["softmax_scale"]), cmp_ratio=int(a["cmp_ratio"]),
+        ori_mask_mode=int(a["ori_mask_mode"]), cmp_mask_mode=int(a["cmp_mask_mode"]),
+        ori_win_left=int(a["ori_win_left"]), ori_win_right=int(a["ori_win_right"]), layout_q=str(a["layout_q"]),
+        layout_kv=str(a["layout_kv"]), return_softmax_lse=bool(a["return_softmax_lse"]),
+    )
+    return kw
+
+
+def _v4_unpack(a):
+    """(attention_out, softmax_lse); without return_softmax_lse the LSE is qsfa's empty float32 ``[0]``."""
+    if a["return_softmax_lse"]:
+        return lambda r: (r[0], r[1])
+    return lambda r: (r[0], _empty_f32(r[0]))
+
+
+def sas_metadata_call(a: Mapping) -> NpuCall:
+    """``torch.ops._C_ascend.npu_sparse_attn_sharedkv_metadata`` for ``sparse_attn_sharedkv`` arguments."""
+    kw = _v4_shape_kwargs(a)
+    kw.update(seqused_kv=_int32(a.get("seqused_kv")), max_seqlen_kv=_v4_kv_len(a, "ori_kv", "seqused_kv",
+                                                                               "cu_seqlens_ori_kv"),
+              device=_device_name(a["q"]))
+    return NpuCall(SAS_META_CUSTOM_OP, _v4_heads(a), kw, unpack=lambda r: (r,))
+
+
+def kqs_metadata_call(a: Mapping) -> NpuCall:
+    """``torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv_metadata``. vLLM-Ascend's device_op.py passes only
+    kv_quant_mode=1, leaving tile_size / rope_head_dim at the schema's 0; qsfa passes the attention call's values
+    (64 / 64), the only ones csrc/attention/kv_quant_sparse_attn_sharedkv_metadata/README.md supports."""
+    kw = _v4_shape_kwargs(a)
+    kw.update(seqused_kv=_int32(a.get("seqused_kv")), max_seqlen_kv=_v4_kv_len(a, "ori_kv", "seqused_kv",
+                                                                               "cu_seqlens_ori_kv"),
+              tile_size=int(a["tile_size"]), rope_head_dim=int(a["rope_head_dim"]), device=_device_name(a["q"]))
+    return NpuCall(KQS_META_CUSTOM_OP, _v4_heads(a) + (int(a["kv_quant_mode"]),), kw, unpack=lambda r: (r,))
+
+
+def _sfm_meta_kwargs(a) -> dict:
+    kw = _v4_shape_kwargs(a)
+    ori_len = _v4_kv_len(a, "ori_kv", "seqused_ori_kv", "cu_seqlens_ori_kv")
+    cmp_len = _v4_kv_len(a, "cmp_kv", "seqused_cmp_kv", "cu_seqlens_cmp_kv")
+    if a.get("cmp_kv") is not None and a.get("seqused_cmp_kv") is None and a.get("seqused_ori_kv") is not None:
+        cmp_len = ori_len // int(a["cmp_ratio"])  # the README's default for a missing seqused_cmp_kv
+    kw.update({p: _int32(a.get(p)) for p in ("seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv",
+                                              "ori_topk_length", "cmp_topk_length")})
+    kw.update(max_seqlen_ori_kv=ori_len, max_seqlen_cmp_kv=cmp_len)
+    return kw
+
+
+def sfm_metadata_call(a: Mapping) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.sparse_flash_mla_metadata`` for ``sparse_flash_mla`` arguments."""
+    return NpuCall(SFM_META_OP, _v4_heads(a), _sfm_meta_kwargs(a), unpack=lambda r: (r,))
+
+
+def mq_metadata_call(a: Mapping) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.mixed_quant_sparse_flash_mla_metadata``."""
+    kw = _sfm_meta_kwargs(a)
+    kw["rope_head_dim"] = int(a["rope_head_dim"])
+    return NpuCall(MQ_META_OP, _v4_heads(a) + (int(a["quant_mode"]),), kw, unpack=lambda r: (r,))
+
+
+def map_sparse_attn_sharedkv(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """vLLM-Ascend's ``torch.ops._C_ascend.npu_sparse_attn_sharedkv`` (q positional, the rest keyword-only)."""
+    _check_params("sparse_attn_sharedkv", a, _SAS_PARAMS)
+    if SAS_CUSTOM_NAME not in ctx.custom_ops:
+        raise ValueError(f"sparse_attn_sharedkv needs {SAS_CUSTOM_OP}, which is not loaded")
+    kw = _v4_kwargs(a, None)
+    kw["metadata"] = _metadata(a, sas_metadata_call)
+    return NpuCall(SAS_CUSTOM_OP, (a["q"],), kw, unpack=_v4_unpack(a))
+
+
+def map_kv_quant_sparse_attn_sharedkv(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """vLLM-Ascend's ``torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv`` (q and kv_quant_mode positional);
+    the 640-byte rows are passed as float8_e4m3fn views of the caller's memory (the README's KV dtype)."""
+    _check_params("kv_quant_sparse_attn_sharedkv", a, _KQS_PARAMS)
+    if KQS_CUSTOM_NAME not in ctx.custom_ops:
+        raise ValueError(f"kv_quant_sparse_attn_sharedkv needs {KQS_CUSTOM_OP}, which is not loaded")
+    kw = _v4_kwargs(a, "float8_e4m3fn")
+    kw.update(metadata=_metadata(a, kqs_metadata_call), tile_size=int(a["tile_size"]),
+              rope_head_dim=int(a["rope_head_dim"]))
+    return NpuCall(KQS_CUSTOM_OP, (a["q"], int(a["kv_quant_mode"])), kw, unpack=_v4_unpack(a))
+
+
+def map_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.sparse_flash_mla`` (ops-transformer's torch extension package)."""
+    _check_params("sparse_flash_mla", a, _SFM_PARAMS)
+    kw = _v4_kwargs(a, None)
+    kw.update(metadata=_metadata(a, sfm_metadata_call), topk_value_mode=int(a["topk_value_mode"]))
+    return NpuCall(SFM_OP, (a["q"],), kw, unpack=_v4_unpack(a))
+
+
+def map_mixed_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.mixed_quant_sparse_flash_mla``: rows as float8_e4m3fn views (the doc's
+    FLOAT8_E4M3FN storage, so ``key_dtype`` / ``value_dtype`` stay None: torch_npu's rule, the dtype is native)."""
+    _check_params("mixed_quant_sparse_flash_mla", a, _MQ_PARAMS)
+    kw = _v4_kwargs(a, "float8_e4m3fn")
+    kw.update(metadata=_metadata(a, mq_metadata_call), topk_value_mode=int(a["topk_value_mode"]),
+              quant_mode=int(a["quant_mode"]), rope_head_dim=int(a["rope_head_dim"]), key_dtype=None,
+              value_dtype=None)
+    return NpuCall(MQ_OP, (a["q"],), kw, unpack=_v4_unpack(a))
+
+
+# --------------------------------------------------------------------- cann_ops_transformer cache writers
+
+
+def map_indexer_quant_cache(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.indexer_quant_cache``, both caches in place (returns nothing). The MX
+    modes' E8M0 scale bytes go as a float8_e8m0fnu view (the doc's FLOAT8_E8M0 cache_scale)."""
+    _check_params("indexer_quant_cache", a, ("cache", "cache_scale", "x", "slot_mapping", "quant_mode", "round_scale",
+                                             "x_scale"))
+    mode = str(a.get("quant_mode", "fp8")).strip().lower()
+    scale = a["cache_scale"]
+    if mode in ("mxfp8", "mxfp4") and scale.element_size() == 1:
+        scale = scale.view(_torch().float8_e8m0fnu)
+    args = (a["cache"], scale, a["x"], _int32(a["slot_mapping"]))
+    kw = dict(quant_mode=mode, round_scale=bool(a.get("round_scale", True)), x_scale=float(a.get("x_scale", 1.0)))
+    return NpuCall(IQC_OP, args, kw, unpack=lambda r: (a["cache"], a["cache_scale"]))
+
+
+def map_scatter_pa_kv_cache_with_k_scale(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.scatter_pa_kv_cache_with_k_scale`` (positional as its schema, the three
+    caches in place; the returned aliases are the caller's tensors)."""
+    names = ("key", "value", "key_cache", "value_cache", "slot_mapping", "key_scale", "key_scale_cache")
+    _check_params("scatter_pa_kv_cache_with_k_scale", a, names + ("cache_layout",))
+    return NpuCall(SPKS_OP, tuple(a[n] for n in names), dict(cache_layout=str(a.get("cache_layout", "BNBD"))),
+                   unpack=lambda r: (a["key_cache"], a["value_cache"], a["key_scale_cache"]))
 
 
 #: operator name -> mapping function
@@ -589,6 +803,12 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_compress_epilog_vllm": map_kv_compress_epilog_vllm,
     "indexer_compress_epilog_v2": map_indexer_compress_epilog_v2,
     "vllm_quant_lightning_indexer": map_vllm_quant_lightning_indexer,
+    "sparse_attn_sharedkv": map_sparse_attn_sharedkv,
+    "kv_quant_sparse_attn_sharedkv": map_kv_quant_sparse_attn_sharedkv,
+    "sparse_flash_mla": map_sparse_flash_mla,
+    "mixed_quant_sparse_flash_mla": map_mixed_quant_sparse_flash_mla,
+    "indexer_quant_cache": map_indexer_quant_cache,
+    "scatter_pa_kv_cache_with_k_scale": map_scatter_pa_kv_cache_with_k_scale,
 }
 
 
