@@ -242,6 +242,15 @@ def _li_scores(args):
 TOPK_SCORES = {"lightning_indexer": ("sparse_indices", _li_scores)}
 
 
+def _vqli_scores(args):
+    from ..reference.indexer_v4 import vllm_quant_lightning_indexer_scores
+
+    return vllm_quant_lightning_indexer_scores(**args)
+
+
+TOPK_SCORES["vllm_quant_lightning_indexer"] = ("sparse_indices", _vqli_scores)  # the V4 layer chains' indexer
+
+
 def _judge_topk(golden: str, actual: str, entry: dict, rep) -> None:
     """Replace the bytes verdict of a link's top-k index output by the top-k criterion where the golden scores are
     available (:data:`TOPK_SCORES`); the other outputs keep their manifest criterion."""
