@@ -141,3 +141,236 @@ def test_a_decode_step_writes_one_compressed_row_per_request_or_skips_it():
         assert cs.tolist() == [-1, int(t[1, 0]) * 16 + 4, int(t[2, 0]) * 16 + 15], path
         v = C.run_chain(ch, x, chip=chip)
         assert v["attention.attention_out"].shape == (3, 64, 512)
+
+
+# --------------------------------------------------------------------------------------------------
+# golden sets and compare --chain
+
+
+def cli(capsys, *argv):
+    capsys.readouterr()
+    rc = main(["golden", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def csa_set(tmp_path_factory):
+    out = tmp_path_factory.mktemp("v4") / "csa"
+    assert main(["golden", "generate", "--set", "v4-layer-csa-decode", "--out", str(out), "-q", "--only",
+                 "decode-950-fp8.*"]) == 0
+    return out
+
+
+def actual_copy(src, tmp_path):
+    a = tmp_path / "actual"
+    shutil.copytree(src, a)
+    for root, _, files in os.walk(a):
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o644)
+    return a
+
+
+def test_every_v4_set_is_registered_with_both_chips():
+    from qsfa.golden.catalogue import get_set
+
+    for kind in ("swa", "csa", "hca"):
+        for step in ("decode", "prefill"):
+            cases = get_set(f"v4-layer-{kind}-{step}").cases()
+            insts = sorted({c.name.split(".")[0] for c in cases})
+            assert insts == [f"{step}-950-fp8", f"{step}-a3-bf16"], (kind, step)
+            assert len(cases) == sum(len(C.get_chain(f"v4-{kind}", {"path": p}).links) for p in ("bf16", "fp8"))
+
+
+def test_v4_set_stores_every_intermediate_and_the_edges(csa_set, capsys):
+    man = json.loads((csa_set / "manifest.json").read_text())
+    (rec,) = man["chains"]
+    assert rec["instance"] == "decode-950-fp8" and rec["chain"]["name"] == "v4-csa"
+    assert sorted(rec["cases"]) == ["attention", "cmp_cache", "index_cache", "indexer", "ori_cache"]
+    edges = rec["chain"]["edges"]
+    for e in (["index_cache.indexer_compress_cache", "indexer", "key"],
+              ["index_cache.indexer_compress_cache", "indexer", "key_dequant_scale"],
+              ["cmp_cache.kv_compress_cache", "attention", "cmp_kv"],
+              ["indexer.sparse_indices", "attention", "cmp_sparse_indices"]):
+        assert e in edges, e
+    d = csa_set
+    assert (d / "decode-950-fp8.attention/in.cmp_sparse_indices.bin").read_bytes() == \
+        (d / "decode-950-fp8.indexer/out.sparse_indices.bin").read_bytes()
+    # the indexer's key file is the codes region of the index_cache link's output (a view: sliced, reinterpreted)
+    cache = np.fromfile(d / "decode-950-fp8.index_cache/out.indexer_compress_cache.bin", np.uint8).reshape(-1, 16 * 132)
+    assert (d / "decode-950-fp8.indexer/in.key.bin").read_bytes() == cache[:, :16 * 128].tobytes()
+    assert (d / "decode-950-fp8.indexer/in.key_dequant_scale.bin").read_bytes() == cache[:, 16 * 128:].tobytes()
+    rc, out, err = cli(capsys, "verify", d, "--recompute", "-q")
+    assert rc == 0 and "5 recomputed" in out, out + err
+
+
+def test_compare_chain_identical_passes_and_a_cache_byte_names_its_link(csa_set, tmp_path, capsys):
+    rc, out, err = cli(capsys, "compare", csa_set, "--actual", csa_set, "--chain")
+    assert rc == 0 and "every link passes" in out, out + err
+    a = actual_copy(csa_set, tmp_path)
+    man = json.loads((csa_set / "manifest.json").read_text())
+    slots = next(c for c in man["cases"] if c["name"] == "decode-950-fp8.index_cache")
+    f = a / "decode-950-fp8.index_cache/out.indexer_compress_cache.bin"
+    b = np.fromfile(f, np.uint8)
+    b[:16 * 128].reshape(16, 128)[:, 0] ^= 0x01  # block 0's codes: a code of each of its slots one step off
+    b.tofile(f)
+    rc, out, err = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--json", tmp_path / "r.json")
+    assert rc == 1 and "first failing link: index_cache (own)" in out and "inputs matched" in out, out + err
+    links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
+    assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "own", "PASS", "PASS"]
+    assert slots["op"] == "indexer_compress_epilog_v2"
+
+
+def test_indices_changed_upstream_of_the_attention_own_then_propagated(csa_set, tmp_path, capsys, mirror_backend):
+    """The indexer's indices replaced (a worse token first) and the attention that read them off: the indexer is
+    the first failing link, its own error; the attention's re-run on golden inputs on a right device passes, so its
+    failure is propagated (undecided without --backend)."""
+    a = actual_copy(csa_set, tmp_path)
+    f = a / "decode-950-fp8.indexer/out.sparse_indices.bin"
+    s = np.fromfile(f, np.int32).reshape(3, 512)
+    s[2, 0], s[2, 15] = s[2, 15], -1  # request 2 loses one of its 16 candidates
+    s.tofile(f)
+    g = a / "decode-950-fp8.attention/out.attention_out.bin"
+    o = np.fromfile(g, np.uint16)
+    o[:64] ^= 0x0100
+    o.tofile(g)
+    rc, out, _ = cli(capsys, "compare", csa_set, "--actual", a, "--chain")
+    assert rc == 1 and "first failing link: indexer (own)" in out and "re-run it with --backend" in out, out
+    assert "sparse_indices topk FAIL" in out, out
+    rc, out, _ = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--backend",
+                     mirror_backend("v4-chain-right-device"), "--json", tmp_path / "r.json")
+    links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
+    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "own", "propagated"], out
+    assert links[4]["differing_inputs"] == ["cmp_sparse_indices = indexer.sparse_indices"]
+
+
+def test_reordered_indices_pass_tie_fair_and_the_attention_bug_is_own(csa_set, tmp_path, capsys, mirror_backend):
+    """Indices in another order within a row: not the golden's bytes, the same set (top-k criterion, exact). An
+    attention whose re-run on golden inputs fails too (a device with a planted bug) is its own error."""
+    a = actual_copy(csa_set, tmp_path)
+    f = a / "decode-950-fp8.indexer/out.sparse_indices.bin"
+    s = np.fromfile(f, np.int32).reshape(3, 512)
+    s[2, :2] = s[2, 1::-1]
+    s.tofile(f)
+    g = a / "decode-950-fp8.attention/out.attention_out.bin"
+    o = np.fromfile(g, np.uint16)
+    o[:64] ^= 0x0100
+    o.tofile(g)
+
+    def bug(ref):
+        def impl(*args, **kw):
+            out, lse = ref(*args, **kw)
+            return (np.asarray(out, np.float32) + 1).astype(out.dtype), lse
+        return impl
+
+    be = mirror_backend("v4-chain-buggy-attention", {"kv_quant_sparse_attn_sharedkv": bug})
+    rc, out, _ = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--backend", be, "--json",
+                     tmp_path / "r.json")
+    links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
+    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "PASS", "own"], out
+    ix = links[3]["outputs"][0]
+    assert ix["kind"] == "topk" and ix["topk"]["exact_rows"] == 3, ix
+    assert links[4]["rerun_passed"] is False
+
+
+def test_scores_table_ranks_to_the_v4_indexers_indices():
+    from qsfa.reference.indexer import top_k_desc
+    from qsfa.reference.indexer_v4 import vllm_quant_lightning_indexer_scores
+
+    for path, chip in PATHS:
+        for shape in (DECODE, PREFILL):
+            p, x, ch = case("csa", shape, path, chip, seed=2)
+            v = C.run_chain(ch, x, chip=chip)
+            lk = ch.links[-2]
+            sc = vllm_quant_lightning_indexer_scores(**C._link_args(lk, C._spec(lk.op), v, "test"))
+            n = np.isfinite(sc).sum(-1).reshape(-1)
+            idx, _ = top_k_desc(sc.reshape(n.size, -1), 512, n)
+            assert (idx == v["indexer.sparse_indices"].reshape(n.size, -1)).all(), (path, shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# bad input on V4 chain files: one line naming the link and the field, exit 2, nothing written
+
+
+def test_missing_intermediate_is_exit_2_naming_the_link(csa_set, tmp_path, capsys):
+    a = actual_copy(csa_set, tmp_path)
+    os.remove(a / "decode-950-fp8.cmp_cache/out.kv_compress_cache.bin")
+    rc, out, err = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--json", tmp_path / "r.json")
+    assert rc == 2 and "link cmp_cache: missing intermediate" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r.json").exists()
+
+
+def edited(csa_set, tmp_path, edit):
+    g = actual_copy(csa_set, tmp_path)
+    man = json.loads((g / "manifest.json").read_text())
+    edit(man["chains"][0]["chain"]["links"])
+    (g / "manifest.json").write_text(json.dumps(man))
+    return g
+
+
+@pytest.mark.parametrize("edit, where, what", [
+    (lambda lk: lk[3].update(op="vllm_quant_lightning_indexer_v9"), "link 'indexer' op",
+     "vllm_quant_lightning_indexer_v9"),
+    (lambda lk: lk[3]["args"].update(key="$attention.attention_out"), "link 'indexer' args.key", "a later one"),
+    (lambda lk: lk[3]["args"].update(key="$indexer.sparse_indices"), "link 'indexer' args.key", "a cycle"),
+    (lambda lk: lk[3]["args"]["key"].update(dtype="int8"), "link 'indexer' args.key",
+     "the recorded edge from index_cache.indexer_compress_cache gives int8 [4, 16, 1, 128], not the array"),
+    (lambda lk: lk[3]["args"]["key_dequant_scale"].update(columns=[2048, 4096]), "link 'indexer' args.key_dequant_scale "
+     "columns", "outside the last dimension"),
+    (lambda lk: lk[4]["args"]["ori_kv"].update(reshape=[-1, 16, 1, 512]), "link 'attention' args.ori_kv",
+     "cannot be reshaped to [-1, 16, 1, 512]"),
+    (lambda lk: lk[4]["args"].update(cmp_kv="$ori_cache.kv_compress_cache"), "link 'attention' args.cmp_kv",
+     "gives float8_e4m3fn [160, 1, 640], not the array the case stores"),
+    (lambda lk: lk[4]["args"].update(tile_size=32), "link 'attention' (kv_quant_sparse_attn_sharedkv): the operator "
+     "refuses", "Invalid value for tile_size, actual: 32"),
+    (lambda lk: lk[3]["args"].update(cmp_ratio=3), "link 'indexer' (vllm_quant_lightning_indexer): the operator "
+     "refuses", "Invalid value for cmp_ratio, actual: 3"),
+])
+def test_a_recorded_v4_chain_the_operators_refuse_is_exit_2(csa_set, tmp_path, capsys, edit, where, what):
+    g = edited(csa_set, tmp_path, edit)
+    rc, out, err = cli(capsys, "compare", g, "--actual", csa_set, "--chain", "--json", tmp_path / "r.json")
+    assert rc == 2 and where in err and what in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r.json").exists() and out == ""
+
+
+def test_generating_a_v4_chain_whose_edge_is_refused_is_exit_2_and_writes_nothing(tmp_path, capsys):
+    """The A3 indexer fed the bf16 compressed cache as its key: the indexer's contract refuses the dtype, named with
+    the link; no file is written."""
+    import inspect
+
+    from qsfa.golden import catalogue, generators
+    from qsfa.golden.chain import chain_cases as link_cases
+
+    def bad_chain(**p):
+        d = V.v4_csa(**p).to_dict()
+        d["name"] = "test-v4-bad-edge"
+        d["links"][4]["args"]["key"] = "$cmp_cache.cache"
+        return C.chain_from_dict(d)
+
+    bad_chain.__signature__ = inspect.signature(V.v4_csa)
+    C.register_chain("test-v4-bad-edge", bad_chain)
+    generators.register_generator("test-v4-bad-edge", generators.get_generator("v4-csa"))
+    catalogue.register_set("test-v4-bad-edge", "an indexer reading the compressed KV cache",
+                           lambda: link_cases("test-v4-bad-edge", "x", dict(DECODE, chip="A3", path="bf16"), seed=1))
+    try:
+        rc, _, err = cli(capsys, "generate", "--set", "test-v4-bad-edge", "--out", tmp_path / "out", "-q")
+    finally:
+        catalogue.unregister_set("test-v4-bad-edge")
+        generators._GENERATORS.pop("test-v4-bad-edge", None)
+        C._CHAINS.pop("test-v4-bad-edge", None)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "link 'indexer' (vllm_quant_lightning_indexer)" in err and "Invalid dtype for key" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_chain_file_views_are_checked_by_name():
+    base = C.get_chain("v4-csa", {"path": "fp8"}).to_dict()
+    for change, field, reason in (
+            ({"columns": [5, 2]}, "args.key columns", "0 <= start <= stop"),
+            ({"dtype": "float7"}, "args.key dtype", "not a dtype name"),
+            ({"shape": "x"}, "args.key", "a view is"),
+            ({"stride": 2}, "args.key", "a view is")):
+        d = json.loads(json.dumps(base))
+        d["links"][3]["args"]["key"].update(change)
+        with pytest.raises(C.ChainError, match=f"link 'indexer' {field}.*{reason}"):
+            C.chain_from_dict(d)
