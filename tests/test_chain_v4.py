@@ -374,3 +374,121 @@ def test_chain_file_views_are_checked_by_name():
         d["links"][3]["args"]["key"].update(change)
         with pytest.raises(C.ChainError, match=f"link 'indexer' {field}.*{reason}"):
             C.chain_from_dict(d)
+
+
+# --------------------------------------------------------------------------------------------------
+# batch invariance and conformance over drawn V4 chains (a failing chain shrinks to a minimal one)
+
+#: a V4 chain example costs two chain runs with a 64-head attention: a sixth of the profile's examples, at least 4
+V4_EXAMPLES = max(4, settings.default.max_examples // 6)
+V4_NAMES = ("v4-swa", "v4-csa", "v4-hca")
+
+
+def pages(table_row, n, bs=16):
+    return np.asarray(table_row[:-(-int(n) // bs)], np.int64)
+
+
+def blocks(a, bs=16):
+    """A cache in block form: the 950's kv_compress_epilog_vllm caches are [slots, 1, 640]."""
+    return a.reshape(-1, bs, *a.shape[1:]) if a.ndim == 3 else a
+
+
+def assert_alone_equals_batched(chain, x, p, r, chip):
+    """Request ``r`` alone (its rows, its compressed rows, its block-table rows and lengths, the same caches) gives
+    the bytes it has inside the batch: its pages of every cache, its indices, its attention rows."""
+    kind = chain.replace("v4-", "")
+    ch = C.get_chain(chain, p, ignore_unknown=True)
+    batch = C.run_chain(ch, x, chip=chip)
+    alone_in, rows, _ = V.v4_request_alone(x, dict(p, kind=kind), r)
+    alone = C.run_chain(ch, alone_in, chip=chip)
+    kv = p["kv_lens"][r]
+    mine = {"ori_cache": pages(x["ori_block_table"][r], kv)}
+    if kind != "swa":
+        mine["cmp_cache"] = mine["index_cache"] = mine["index_scale"] = pages(x["cmp_block_table"][r],
+                                                                              kv // V.RATIOS[kind])
+    checked = 0
+    for key in batch:
+        link = key.split(".")[0]
+        if link in mine:
+            assert u8(blocks(alone[key])[mine[link]]).tobytes() == u8(blocks(batch[key])[mine[link]]).tobytes(), key
+            checked += 1
+    for key in ("indexer.sparse_indices", "attention.attention_out"):
+        if key in batch:
+            assert u8(alone[key]).tobytes() == u8(batch[key][rows]).tobytes(), key
+            checked += 1
+    assert checked == len(ch.links)
+
+
+@pytest.mark.parametrize("kind, shape", [
+    ("csa", {"q_lens": [2, 3, 1], "kv_lens": [9, 41, 24]}),
+    ("hca", {"q_lens": [1, 1, 1], "kv_lens": [256, 130, 5]}),
+    ("swa", {"q_lens": [3, 1], "kv_lens": [150, 7]}),
+])
+@pytest.mark.parametrize("path, chip", PATHS)
+def test_batch_invariance_one_request_alone_equals_it_inside_an_uneven_batch(kind, shape, path, chip):
+    """The middle request (or the first of two) run alone gives the same bytes as inside the uneven batch: the
+    kind of bug vLLM-Ascend #9496 reported for the compressor, whose difference reached the compressed cache."""
+    p, x, _ = case(kind, dict(shape, block_size=16), path, chip, seed=5)
+    assert_alone_equals_batched(f"v4-{kind}", x, p, 1 if len(shape["q_lens"]) > 2 else 0, chip)
+
+
+def v4_case_strategy(max_requests=3):
+    return st.sampled_from(V4_NAMES).flatmap(lambda n: chain_cases(n, max_requests=max_requests))
+
+
+@settings(max_examples=V4_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(v4_case_strategy(), st.integers(0, 2))
+def test_batch_invariance_property(case_, r):
+    """Any drawn V4 chain case: each request alone equals it inside the batch, byte for byte on the reference."""
+    r = r % len(case_["params"]["q_lens"])
+    assert_alone_equals_batched(case_["chain"], case_["inputs"], case_["params"], r, case_["chip"])
+
+
+@settings(max_examples=V4_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(v4_case_strategy())
+def test_every_drawn_v4_chain_is_valid_and_the_reference_conforms(case_):
+    """Every drawn case passes every link's contract on its chip, and the reference conforms to itself."""
+    ch = C.get_chain(case_["chain"], case_["params"], ignore_unknown=True)
+    assert C.first_divergence(ch, case_["inputs"], backend="reference", chip=case_["chip"]) is None
+
+
+def test_a_failing_v4_chain_shrinks_to_a_minimal_one(mirror_backend):
+    """A device whose A3 attention is off when some request holds more than 9 tokens: the drawn v4-swa chains
+    that fail it shrink to one decode request of 10 tokens, the attention link's own error."""
+    def bug(ref):
+        def impl(*args, **kw):
+            out, lse = ref(*args, **kw)
+            if int(np.max(kw["seqused_kv"])) > 9:
+                out = (np.asarray(out, np.float32) + 1).astype(out.dtype)
+            return out, lse
+        return impl
+
+    be = mirror_backend("v4-chain-long-history", {"sparse_attn_sharedkv": bug})
+
+    def fails(c):
+        d = C.first_divergence(C.get_chain(c["chain"], c["params"], ignore_unknown=True), c["inputs"], backend=be,
+                               chip=c["chip"])
+        return d is not None and d["link"] == "attention" and d["verdict"] == "own"
+
+    found = find(chain_cases("v4-swa", chip="A3", max_requests=1, max_kv=12), fails,
+                 settings=settings(max_examples=100, deadline=None, database=None, derandomize=True))
+    assert found["params"]["kv_lens"] == [10] and found["params"]["q_lens"] == [1], found["params"]
+
+
+def test_first_divergence_names_the_v4_indexer_and_not_the_attention_after_it(mirror_backend):
+    """A device whose V4 indexer swaps its first two indices: the first failing link is the indexer, its own error
+    (its inputs are the reference's bytes); the attention that read them is not reported."""
+    def bug(ref):
+        def impl(*args, **kw):
+            idx, val = ref(*args, **kw)
+            idx = np.array(idx)
+            idx.reshape(-1, idx.shape[-1])[-1, [0, 1]] = idx.reshape(-1, idx.shape[-1])[-1, [1, 0]]
+            return idx, val
+        return impl
+
+    be = mirror_backend("v4-chain-indexer", {"vllm_quant_lightning_indexer": bug})
+    for path, chip in PATHS:
+        p, x, ch = case("csa", DECODE, path, chip, seed=6)
+        d = C.first_divergence(ch, x, backend=be, chip=chip)
+        assert d == {"link": "indexer", "op": "vllm_quant_lightning_indexer", "outputs": ["sparse_indices"],
+                     "differing_inputs": [], "rerun_passed": None, "verdict": "own"}, (path, d)
