@@ -1,7 +1,7 @@
 """DeepSeek-V4 attention-layer chains (qsfa.chain; docs/golden.md#deepseek-v4-layer-chains).
 
 Three chains, one per attention kind of a V4 layer, each on two paths, wired as vLLM-Ascend's device adaptors wire
-one layer step (vllm-project/vllm-ascend vllm_ascend/device/device_op.py: ``dsa_kv_compress_scatter``,
+one layer step (vllm-project/vllm-ascend@0048b5e vllm_ascend/device/device_op.py: ``dsa_kv_compress_scatter``,
 ``indexer_quant_scatter``, ``get_dsa_sparse_attn_op``; A5 = Ascend 950, the base adaptor = Atlas A3):
 
 * ``v4-swa``: the new tokens' KV rows into the window cache, then the attention (no compressed part, cmp_ratio 1);
