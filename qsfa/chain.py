@@ -43,7 +43,7 @@ from ._errors import InvalidArgument, InvalidDtype
 __all__ = ["ChainError", "Link", "Chain", "chain_from_dict", "load_chain", "run_chain", "write_chain_golden",
            "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs", "register_chain",
            "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence", "run_link", "check_rerun_backend",
-           "check_link"]
+           "check_link", "check_args"]
 
 _REF = re.compile(r"^\$([A-Za-z_][\w-]*)\.([A-Za-z_]\w*)$")
 _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -262,10 +262,16 @@ def check_link(link: Link, tensors: Mapping[str, np.ndarray], where: str = "gold
     """Everything the link's operator would check before computing (its contract, the chip, required arguments,
     each view's reshape), on ``tensors``, without computing: :func:`compare_chain` runs it on every link first, so
     a recorded chain that could never have run is bad input, not a verdict."""
+    spec = _spec(link.op)
+    check_args(link, _link_args(link, spec, tensors, where))
+
+
+def check_args(link: Link, args: Mapping) -> None:
+    """The link's operator's contract (and chip: ``args["chip"]``) on ``args``, without computing: the error a
+    call would raise, named with the link."""
     from ._dispatch import check_call
 
     spec = _spec(link.op)
-    args = _link_args(link, spec, tensors, where)
     _missing_required(link, spec, args)
     full = {**spec.defaults, **args}
     chip = full.pop("chip", None)
