@@ -432,12 +432,13 @@ def test_batch_invariance_one_request_alone_equals_it_inside_an_uneven_batch(kin
     assert_alone_equals_batched(f"v4-{kind}", x, p, 1 if len(shape["q_lens"]) > 2 else 0, chip)
 
 
-def v4_case_strategy(max_requests=3):
+def v4_case_strategy(max_requests=2):
+    """Any V4 chain; 2 requests at most (uneven batches already; the attention's cost grows with query rows)."""
     return st.sampled_from(V4_NAMES).flatmap(lambda n: chain_cases(n, max_requests=max_requests))
 
 
 @settings(max_examples=V4_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(v4_case_strategy(), st.integers(0, 2))
+@given(v4_case_strategy(), st.integers(0, 1))
 def test_batch_invariance_property(case_, r):
     """Any drawn V4 chain case: each request alone equals it inside the batch, byte for byte on the reference."""
     r = r % len(case_["params"]["q_lens"])
