@@ -493,3 +493,23 @@ def test_first_divergence_names_the_v4_indexer_and_not_the_attention_after_it(mi
         d = C.first_divergence(ch, x, backend=be, chip=chip)
         assert d == {"link": "indexer", "op": "vllm_quant_lightning_indexer", "outputs": ["sparse_indices"],
                      "differing_inputs": [], "rerun_passed": None, "verdict": "own"}, (path, d)
+
+
+def test_a_v4_chain_folder_round_trips_and_a_changed_scale_names_the_indexer(tmp_path):
+    """write_chain_golden / compare_chain_dirs (a folder of one chain run, e.g. dumped from a device) on the 950
+    v4-csa chain: identical passes; an index-cache scale changed in the dump fails that link first, its own."""
+    p, x, ch = case("csa", DECODE, "fp8", "950", seed=3)
+    x = dict(x)
+    g = tmp_path / "g"
+    C.write_chain_golden(ch, x, str(g))
+    assert C.compare_chain_dirs(str(g), str(g)).passed
+    a = tmp_path / "a"
+    shutil.copytree(g, a)
+    f = a / "index_cache.indexer_compress_cache.npy"
+    arr = np.load(f)
+    s = int(x["cmp_slot_mapping"][1])
+    arr.reshape(arr.shape[0], -1)[s // 16, 16 * 128 + (s % 16) * 4 + 3] ^= 0x01  # its fp32 scale's top byte
+    np.save(f, arr)
+    rep = C.compare_chain_dirs(str(g), str(a))
+    first = rep.first_failure
+    assert first.link == "index_cache" and first.inputs_matched, str(rep)
