@@ -1,4 +1,4 @@
-"""The layer-chain goldens (qsfa.chain ``v32-mla-c8``, V4 ``v4-csa`` / ``v4-hca``) link by link against each link's float64 GEMM floor.
+"""The layer-chain goldens (``v32-mla-c8``, V4 ``v4-csa`` / ``v4-hca``) link by link vs each link's float64 GEMM floor.
 
 Case: a DeepSeek-V3.2 MLA decode step, B = 4 requests with a 64K-token context each (65535 cached + 1 new),
 128 query heads, 64 indexer heads, top-2048, int8 C8 cache (A3), bf16. The inputs (the caches holding the

@@ -686,4 +686,4 @@ def v32_mla_c8(key_dtype: str = "int8", sparse_count: int = 2048, scale_value: f
 register_chain("v32-mla-c8", v32_mla_c8)
 
 
-from . import chain_v4 as _chain_v4  # noqa: E402,F401 - registers the DeepSeek-V4 layer chains (v4-swa / -csa / -hca)
+from . import chain_v4  # noqa: E402,F401 - registers the DeepSeek-V4 layer chains (v4-swa / -csa / -hca)

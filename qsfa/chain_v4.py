@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .chain import Chain, chain_from_dict, register_chain
+from .chain import Chain, ChainError, chain_from_dict, register_chain
 
 __all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "RATIOS",
            "V4_PATHS", "V4_CHAINS"]
@@ -63,12 +63,8 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
     "bf16" (A3) / "fp8" (950), the caches' ``block_size``, the indexer's ``sparse_count`` (CSA; the attention's
     top-k: 512 on A3, 512 or 1024 on the 950). Inputs: those of :func:`gen_v4_layer`."""
     if kind not in RATIOS:
-        from .chain import ChainError
-
         raise ChainError("kind", kind, f"must be one of {sorted(RATIOS)}")
     if path not in V4_PATHS:
-        from .chain import ChainError
-
         raise ChainError("path", path, f"must be one of {sorted(V4_PATHS)}")
     ratio, bs = RATIOS[kind], int(block_size)
     cache_out = "cache" if path == "bf16" else "kv_compress_cache"
@@ -131,7 +127,8 @@ def v4_hca(path: str = "bf16", block_size: int = 16, softmax_scale: float = D **
     return v4_layer("hca", path, block_size, softmax_scale=softmax_scale)
 
 
-def v4_csa(path: str = "bf16", block_size: int = 16, sparse_count: int = 512, softmax_scale: float = D ** -0.5) -> Chain:
+def v4_csa(path: str = "bf16", block_size: int = 16, sparse_count: int = 512,
+           softmax_scale: float = D ** -0.5) -> Chain:
     return v4_layer("csa", path, block_size, sparse_count, softmax_scale)
 
 
@@ -168,7 +165,6 @@ def gen_v4_layer(params, rng):
     step left). Unused bf16 cache rows are zero, unused byte caches hold the sentinel byte."""
     import ml_dtypes
 
-    from . import ops  # noqa: F401 - the operators are registered
     from ._dispatch import run
     from .golden.generators import page_table, randn, sentinel_filled
     from .golden.io import GoldenInputError

@@ -315,8 +315,8 @@ def edited(csa_set, tmp_path, edit):
     (lambda lk: lk[3]["args"].update(key="$indexer.sparse_indices"), "link 'indexer' args.key", "a cycle"),
     (lambda lk: lk[3]["args"]["key"].update(dtype="int8"), "link 'indexer' args.key",
      "the recorded edge from index_cache.indexer_compress_cache gives int8 [4, 16, 1, 128], not the array"),
-    (lambda lk: lk[3]["args"]["key_dequant_scale"].update(columns=[2048, 4096]), "link 'indexer' args.key_dequant_scale "
-     "columns", "outside the last dimension"),
+    (lambda lk: lk[3]["args"]["key_dequant_scale"].update(columns=[2048, 4096]),
+     "link 'indexer' args.key_dequant_scale columns", "outside the last dimension"),
     (lambda lk: lk[4]["args"]["ori_kv"].update(reshape=[-1, 16, 1, 512]), "link 'attention' args.ori_kv",
      "cannot be reshaped to [-1, 16, 1, 512]"),
     (lambda lk: lk[4]["args"].update(cmp_kv="$ori_cache.kv_compress_cache"), "link 'attention' args.cmp_kv",

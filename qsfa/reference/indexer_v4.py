@@ -33,7 +33,8 @@ from .attention import certified_f32, decode_nope, exact_sum_f32, sum_error_boun
 from .attn_layout import flat_rows, kv_map, query_rows
 from .indexer import TIE_BREAKS, top_k_desc
 
-__all__ = ["vllm_quant_lightning_indexer", "visible_compressed", "bf16_round_away", "vllm_quant_lightning_indexer_scores"]
+__all__ = ["vllm_quant_lightning_indexer", "visible_compressed", "bf16_round_away",
+           "vllm_quant_lightning_indexer_scores"]
 
 _DEQ_SCALE = 2.0 ** -10  # SetFixpipePreQuantFlag(0x3a800000)
 
