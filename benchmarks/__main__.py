@@ -35,7 +35,8 @@ BENCHMARKS = {
     "conformance_cost": "a QSFA conformance example vs bare reference calls on the same drawn arguments",
     "triton_qsfa": "Triton QSFA on a GPU vs the device's measured peak (skipped without a GPU)",
     "distributed": "golden seed-rope0 and the ci conformance run: --workers 2 vs serial, end to end",
-    "chain": "the v32-mla-c8 layer-chain golden link by link vs each link's float64 GEMM floor (64K context decode)",
+    "chain": "the v32-mla-c8 and V4 (v4-csa, v4-hca) layer-chain goldens link by link vs each link's float64 GEMM "
+             "floor (64K context decode)",
 }
 
 

@@ -43,7 +43,7 @@ from ._errors import InvalidArgument, InvalidDtype
 __all__ = ["ChainError", "Link", "Chain", "chain_from_dict", "load_chain", "run_chain", "write_chain_golden",
            "read_tensors", "LinkReport", "ChainReport", "compare_chain", "compare_chain_dirs", "register_chain",
            "get_chain", "chains", "chip_limited", "v32_mla_c8", "first_divergence", "run_link", "check_rerun_backend",
-           "check_link"]
+           "check_link", "check_args"]
 
 _REF = re.compile(r"^\$([A-Za-z_][\w-]*)\.([A-Za-z_]\w*)$")
 _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -99,6 +99,71 @@ def _spec(op: str):
         return None
 
 
+_VIEW_KEYS = ("reshape", "columns", "dtype", "shape")  # applied in this order
+_VIEW_FORM = ("a view is {\"from\": \"$<link>.<output>\", \"reshape\": [int, ...]} with optionally \"columns\": "
+              "[start, stop] (a slice of the last dimension), \"dtype\": \"<name>\" (the same bytes read as another "
+              "dtype) and \"shape\": [int, ...] (a final reshape)")
+
+
+def _view_dtype(name: str):
+    from ._arrays import numpy_dtype
+
+    try:
+        return numpy_dtype(name)
+    except TypeError:
+        return None
+
+
+def _check_view(where: str, v: Mapping, is_ref: bool) -> None:
+    """A view's form (docs/golden.md#chains): ``reshape`` (required), then optionally ``columns`` [start, stop] of
+    the last dimension, ``dtype`` (a reinterpretation of the bytes: vLLM-Ascend's ``.view(dtype)`` on a cache whose
+    blocks hold codes then scales) and ``shape``."""
+    def dims(x):
+        return isinstance(x, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in x)
+
+    if not is_ref or set(v) - {"from", *_VIEW_KEYS} or not dims(v.get("reshape")) or (
+            "shape" in v and not dims(v["shape"])):
+        raise ChainError(where, dict(v), _VIEW_FORM)
+    for key in ("reshape", "shape"):
+        shape = v.get(key)
+        if shape is not None and (any(n < -1 or n >= 1 << 62 for n in shape) or shape.count(-1) > 1):
+            raise ChainError(f"{where} {key}", shape, "each dimension is an int in [0, 2**62) or -1 (at most one -1)")
+    cols = v.get("columns")
+    if "columns" in v and not (dims(cols) and len(cols) == 2 and 0 <= cols[0] <= cols[1] < 1 << 62):
+        raise ChainError(f"{where} columns", cols, "must be [start, stop] with 0 <= start <= stop")
+    if "dtype" in v:
+        if not isinstance(v["dtype"], str) or _view_dtype(v["dtype"]) is None:
+            raise ChainError(f"{where} dtype", v["dtype"], "not a dtype name (e.g. 'float32', 'float8_e4m3fn')")
+
+
+def _apply_view(where: str, src: str, a: np.ndarray, v: Mapping) -> np.ndarray:
+    """``a`` through the view ``v`` (:func:`_check_view`); a step the tensor does not allow is a ChainError naming
+    the link, the parameter and the step."""
+    try:
+        a = a.reshape(v["reshape"])
+    except (ValueError, OverflowError, TypeError):
+        raise ChainError(where, f"{src} {tuple(a.shape)}", f"cannot be reshaped to {v['reshape']}") from None
+    if "columns" in v:
+        lo, hi = v["columns"]
+        if a.ndim < 1 or hi > a.shape[-1]:
+            raise ChainError(f"{where} columns", v["columns"], f"outside the last dimension of {src} viewed as "
+                             f"{tuple(a.shape)}")
+        a = np.ascontiguousarray(a[..., lo:hi])
+    if "dtype" in v:
+        dt = _view_dtype(v["dtype"])
+        if a.ndim < 1 or (a.shape[-1] * a.dtype.itemsize) % dt.itemsize:
+            raise ChainError(f"{where} dtype", v["dtype"], f"{src} viewed as {tuple(a.shape)} {a.dtype} does not "
+                             f"hold a whole number of {dt} values per row")
+        a = np.ascontiguousarray(a).view(dt)
+    if "shape" in v:
+        try:
+            a = a.reshape(v["shape"])
+        except (ValueError, OverflowError, TypeError):
+            raise ChainError(f"{where} shape", f"{src} viewed as {tuple(a.shape)}",
+                             f"cannot be reshaped to {v['shape']}") from None
+    return a
+
+
 def chain_from_dict(d: Mapping) -> Chain:
     """Validate a chain object (see the module docstring) and build it."""
     if not isinstance(d, Mapping):
@@ -144,14 +209,7 @@ def chain_from_dict(d: Mapping) -> Chain:
                 raise ChainError(f"{where} args.{p}", args[p], why)
         for p, v in args.items():
             if isinstance(v, Mapping):
-                shape = v.get("reshape")
-                if p not in link.refs() or set(v) - {"from", "reshape"} or not (
-                        isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
-                    raise ChainError(f"{where} args.{p}", dict(v), "a view is {\"from\": \"$<link>.<output>\", "
-                                     "\"reshape\": [int, ...]}")
-                if any(n < -1 or n >= 1 << 62 for n in shape) or shape.count(-1) > 1:
-                    raise ChainError(f"{where} args.{p} reshape", shape, "each dimension is an int in [0, 2**62) "
-                                     "or -1 (at most one -1)")
+                _check_view(f"{where} args.{p}", v, p in link.refs())
             elif isinstance(v, str) and v.startswith("$") and p not in link.refs():
                 raise ChainError(f"{where} args.{p}", v, "a reference is '$input.<name>' or '$<link>.<output>'")
         names.add(lname)
@@ -188,11 +246,7 @@ def _link_args(link: Link, spec, tensors: Mapping[str, np.ndarray], where: str) 
             raise ChainError(f"link {link.name!r} args.{p}", src, f"the tensor is missing ({where})")
         a = tensors[src]
         if isinstance(v, Mapping):
-            try:
-                a = a.reshape(v["reshape"])
-            except (ValueError, OverflowError, TypeError):
-                raise ChainError(f"link {link.name!r} args.{p}", f"{src} {tuple(a.shape)}",
-                                 f"cannot be reshaped to {v['reshape']}") from None
+            a = _apply_view(f"link {link.name!r} args.{p}", src, a, v)
         args[p] = np.array(a, copy=True) if p in spec.inplace else a  # an earlier tensor keeps its value
     return args
 
@@ -208,10 +262,16 @@ def check_link(link: Link, tensors: Mapping[str, np.ndarray], where: str = "gold
     """Everything the link's operator would check before computing (its contract, the chip, required arguments,
     each view's reshape), on ``tensors``, without computing: :func:`compare_chain` runs it on every link first, so
     a recorded chain that could never have run is bad input, not a verdict."""
+    spec = _spec(link.op)
+    check_args(link, _link_args(link, spec, tensors, where))
+
+
+def check_args(link: Link, args: Mapping) -> None:
+    """The link's operator's contract (and chip: ``args["chip"]``) on ``args``, without computing: the error a
+    call would raise, named with the link."""
     from ._dispatch import check_call
 
     spec = _spec(link.op)
-    args = _link_args(link, spec, tensors, where)
     _missing_required(link, spec, args)
     full = {**spec.defaults, **args}
     chip = full.pop("chip", None)
@@ -624,3 +684,6 @@ def v32_mla_c8(key_dtype: str = "int8", sparse_count: int = 2048, scale_value: f
 
 
 register_chain("v32-mla-c8", v32_mla_c8)
+
+
+from . import chain_v4  # noqa: E402,F401 - registers the DeepSeek-V4 layer chains (v4-swa / -csa / -hca)

@@ -644,3 +644,41 @@ def v4_kv_quant_sharedkv_cases() -> list[Case]:
 register_set("v4-kv-quant-sharedkv", "kv_quant_sparse_attn_sharedkv (vLLM-Ascend, Ascend 950): 640-byte FP8 rows, "
              "SWA / CSA / HCA, decode and prefill, BSND / TND queries, PA_ND blocks 16 / 128",
              v4_kv_quant_sharedkv_cases)
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek-V4 layer chains (qsfa.chain_v4; docs/golden.md#deepseek-v4-layer-chains): one case per link
+
+_V4_PATHS = (("a3-bf16", {"chip": "A3", "path": "bf16"}), ("950-fp8", {"chip": "950", "path": "fp8"}))
+#: kind -> step -> request shape (small: every set generates in seconds; HCA needs 128 tokens per compressed one)
+_V4_SHAPES = {
+    "swa": {"decode": {"q_lens": [1, 1, 1], "kv_lens": [37, 20, 200]},
+            "prefill": {"q_lens": [4, 3], "kv_lens": [4, 140]}},
+    "csa": {"decode": {"q_lens": [1, 1, 1], "kv_lens": [37, 20, 64]},
+            "prefill": {"q_lens": [5, 3], "kv_lens": [5, 23]}},
+    "hca": {"decode": {"q_lens": [1, 1, 1], "kv_lens": [256, 140, 37]},
+            "prefill": {"q_lens": [2, 3], "kv_lens": [129, 140]}},
+}
+
+
+def _v4_layer_cases(kind: str, step: str) -> list[Case]:
+    from .chain import chain_cases
+
+    set_name = f"v4-layer-{kind}-{step}"
+    out = []
+    for tag, path in _V4_PATHS:
+        inst = f"{step}-{tag}"
+        params = {**_V4_SHAPES[kind][step], **path, "block_size": 16}
+        out += chain_cases(f"v4-{kind}", inst, params, seed=seed_of(f"{set_name}.{inst}"),
+                           description=f"v4-{kind} {step}, {path['chip']} {path['path']} caches")
+    return out
+
+
+for _kind, _what in (("swa", "sliding window only"), ("csa", "cmp_ratio 4 with the indexer's top-k"),
+                     ("hca", "cmp_ratio 128, every compressed token")):
+    for _step, _how in (("decode", "1 new token per request, uneven histories"),
+                        ("prefill", "a fresh request and a chunk over a cached prefix")):
+        register_set(f"v4-layer-{_kind}-{_step}",
+                     f"DeepSeek-V4 {_kind.upper()} attention layer chain v4-{_kind} ({_what}), {_step} ({_how}): every "
+                     "intermediate per link; A3 bf16 and 950 FP8 caches",
+                     (lambda k, s: lambda: _v4_layer_cases(k, s))(_kind, _step))

@@ -20,6 +20,8 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from . import io as gio
 from .case import Case
 from .io import GoldenInputError
@@ -201,6 +203,7 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
                 raise GoldenInputError(f"{golden}: chain instance {inst}: link {lk.name} has no golden case here "
                                        "(a --shard or --only golden holds part of a chain; compare --chain needs "
                                        "every link: generate the set whole)")
+        _check_recorded(golden, inst, ch, cases, by_name)
         link_of = {cases[lk.name]: lk.name for lk in ch.links}
         try:  # every intermediate present before any verdict (a chain of several links: no single-case fallback)
             rep_all = compare_dir(golden, actual, cases=sorted(link_of))
@@ -231,6 +234,53 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
     return report
 
 
+def _check_recorded(golden: str, inst: str, ch, cases: dict, by_name: dict) -> None:
+    """The recorded chain against the set's own files, before any verdict: each link's case calls the link's
+    operator; every reference to an earlier link's output, through its recorded view, gives exactly the array the
+    link's case stores for that parameter; and the link's call (literals as recorded, inputs as stored, the case's
+    chip) passes the operator's contract. A chain record that could never have produced these files is bad input
+    (GoldenInputError naming the instance, the link and the field), not a verdict."""
+    from .._dispatch import check_call
+    from .._errors import InvalidArgument, InvalidDtype
+    from ..chain import _apply_view, _spec
+    from .manifest import case_from_entry, load_array
+
+    outs: dict = {}
+    for lk in ch.links:
+        entry = by_name[cases[lk.name]]
+        where = f"chain instance {inst}: link {lk.name!r}"
+        if entry.get("op") != lk.op:
+            raise GoldenInputError(f"{where} op: the recorded chain calls {lk.op}, its case {entry['name']} "
+                                   f"{entry.get('op')}")
+        spec = _spec(lk.op)
+        case = case_from_entry(golden, entry)
+        stored = case.args()
+        args = {}
+        try:
+            for p, v in lk.args.items():
+                src = lk.refs().get(p)
+                if src is None or src.startswith("input."):
+                    args[p] = v if src is None else stored.get(p)
+                    continue
+                a = _apply_view(f"link {lk.name!r} args.{p}", src, outs[src], v) if isinstance(v, dict) else outs[src]
+                got = stored.get(p)
+                if got is None or np.shape(got) != a.shape or np.asarray(got).dtype != a.dtype or \
+                        np.ascontiguousarray(got).tobytes() != np.ascontiguousarray(a).tobytes():
+                    raise GoldenInputError(
+                        f"{where} args.{p}: the recorded edge from {src} gives {a.dtype} {list(a.shape)}, not the "
+                        f"array the case stores ({entry['name']}/in.{p}: "
+                        f"{getattr(got, 'dtype', None)} {list(np.shape(got))} or other bytes)")
+                args[p] = a
+            full = {**spec.defaults, **args}
+            full.pop("chip", None)
+            check_call(lk.op, full, "reference", (case.params or {}).get("chip"))
+        except (InvalidArgument, InvalidDtype) as e:
+            raise GoldenInputError(f"{where} ({lk.op}): the operator refuses the recorded call: {e}") from None
+        for a in entry["arrays"]:
+            if a["role"] == "output":
+                outs[f"{lk.name}.{a['name']}"] = load_array(golden, a)
+
+
 # top-k index outputs judged fair to ties (qsfa.compare.compare_topk) where the golden scores of every candidate
 # can be had from the link's golden inputs: op -> (index output, scores of its arguments)
 def _li_scores(args):
@@ -240,6 +290,15 @@ def _li_scores(args):
 
 
 TOPK_SCORES = {"lightning_indexer": ("sparse_indices", _li_scores)}
+
+
+def _vqli_scores(args):
+    from ..reference.indexer_v4 import vllm_quant_lightning_indexer_scores
+
+    return vllm_quant_lightning_indexer_scores(**args)
+
+
+TOPK_SCORES["vllm_quant_lightning_indexer"] = ("sparse_indices", _vqli_scores)  # the V4 layer chains' indexer
 
 
 def _judge_topk(golden: str, actual: str, entry: dict, rep) -> None:

@@ -651,9 +651,9 @@ def gen_chain_link(params, rng):
     lk = next(ln for ln in ch.links if ln.name == params["link"])
     spec = qchain._spec(lk.op)
     args = qchain._link_args(lk, spec, tensors, "golden generation")
-    # the link itself once through the chain, so that an edge its operator refuses is reported with the chain's
-    # names (the link and the field) rather than as a bare case error
-    qchain._call(lk, qchain.with_chip(lk, args, params.get("chip")), "reference")
+    # the link's call checked through the chain (its contract on the chip, nothing computed), so that an edge its
+    # operator refuses is reported with the chain's names (the link and the field) rather than as a bare case error
+    qchain.check_args(lk, qchain.with_chip(lk, args, params.get("chip")))
     return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
 
 
@@ -688,3 +688,20 @@ def gen_sharedkv(params, rng):
     if kind is not None:
         a["sinks"] = np.full(a["sinks"].shape, {"-inf": -np.inf, "zero": 0.0, "huge": 1e30}[kind], np.float32)
     return {k: v for k, v in a.items() if isinstance(v, np.ndarray)}
+
+
+# DeepSeek-V4 layer chains (qsfa.chain_v4): the inputs of chains v4-swa / v4-csa / v4-hca
+
+
+def _v4_layer_generator(kind):
+    def gen(params, rng):
+        from ..chain_v4 import gen_v4_layer
+
+        return gen_v4_layer({**params, "kind": kind}, rng)
+
+    gen.__doc__ = f"The inputs of chain ``v4-{kind}`` (:func:`qsfa.chain_v4.gen_v4_layer`)."
+    return gen
+
+
+for _kind in ("swa", "csa", "hca"):
+    register_generator(f"v4-{_kind}")(_v4_layer_generator(_kind))

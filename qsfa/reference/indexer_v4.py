@@ -33,7 +33,8 @@ from .attention import certified_f32, decode_nope, exact_sum_f32, sum_error_boun
 from .attn_layout import flat_rows, kv_map, query_rows
 from .indexer import TIE_BREAKS, top_k_desc
 
-__all__ = ["vllm_quant_lightning_indexer", "visible_compressed", "bf16_round_away"]
+__all__ = ["vllm_quant_lightning_indexer", "visible_compressed", "bf16_round_away",
+           "vllm_quant_lightning_indexer_scores"]
 
 _DEQ_SCALE = 2.0 ** -10  # SetFixpipePreQuantFlag(0x3a800000)
 
@@ -134,3 +135,37 @@ def vllm_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_d
     idx = idx_out.reshape(*lead, 1, k_out)
     return idx, np.zeros((0,), np.float32)
 
+
+
+def vllm_quant_lightning_indexer_scores(query, key, weights, query_dequant_scale, key_dequant_scale,
+                                        query_quant_mode=0, key_quant_mode=0, *, actual_seq_lengths_query=None,
+                                        actual_seq_lengths_key=None, block_table=None, layout_query="BSND",
+                                        layout_key="PA_BSND", sparse_mode=3, cmp_ratio=1, chunk_rows=64, **_):
+    """The score of every compressed candidate that :func:`vllm_quant_lightning_indexer` ranks (the same rounding
+    points), ``-inf`` where a row does not see the token: float32 ``[*lead, 1, S]`` with S the most compressed tokens
+    any row sees (at least 1), the indices' leading dimensions; for the tie-fair top-k criterion
+    (qsfa.compare.compare_topk) of ``golden compare --chain``."""
+    fmt = "int8" if np.dtype(query.dtype) == np.int8 else "float8_e4m3fn"
+    cmp_ratio = int(cmp_ratio)
+    lead = tuple(query.shape[:2]) if layout_query == "BSND" else tuple(query.shape[:1])
+    rows = query_rows(layout_query, lead, actual_seq_lengths_query)
+    act_orig = np.asarray(actual_seq_lengths_key, np.int64).reshape(-1)
+    kvm = kv_map(layout_key, key.shape, act_orig // cmp_ratio, rows.n_batch, block_table)
+    n1, d = query.shape[-2], query.shape[-1]
+    q2 = np.ascontiguousarray(query).view(np.uint8).reshape(-1, n1, d)
+    k2 = flat_rows(np.ascontiguousarray(key).view(np.uint8))
+    w2, qs2, ks1 = weights.reshape(-1, n1), query_dequant_scale.reshape(-1, n1), key_dequant_scale.reshape(-1)
+    limit = visible_compressed(rows, act_orig, sparse_mode, cmp_ratio)
+    out = np.full((rows.batch.size, max(int(limit.max(initial=0)), 1)), -np.inf, np.float32)
+    for b in range(rows.n_batch):
+        rb = np.nonzero((rows.batch == b) & (limit > 0))[0]
+        if rb.size == 0:
+            continue
+        s_b = int(limit[rb].max())
+        flat = kvm.storage_rows(np.full(s_b, b), np.arange(s_b))
+        for start in range(0, rb.size, chunk_rows):
+            r = rb[start:start + chunk_rows]
+            sc = _scores(q2[r], k2[flat], w2[r], qs2[r], ks1[flat], fmt)
+            sc[np.arange(s_b)[None, :] >= limit[r][:, None]] = -np.inf
+            out[r, :s_b] = sc
+    return out.reshape(*lead, 1, out.shape[-1])
