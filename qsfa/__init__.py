@@ -58,6 +58,7 @@ _LAZY = {
     "lightning_indexer": "qsfa.ops.indexer",
     "quant_lightning_indexer": "qsfa.ops.indexer",
     "vllm_quant_lightning_indexer": "qsfa.ops.indexer_v4",
+    "quant_lightning_indexer_v2": "qsfa.ops.quant_lightning_indexer_v2",
     "merge_attention_lse": "qsfa.ops.lse",
     "attention_error_budget": "qsfa.ops.attention",
     "c8_pipeline": "qsfa.ops.attention",
