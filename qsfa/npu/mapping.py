@@ -178,6 +178,13 @@ NOT_MAPPED = {
         "mapping not written yet: the callable is npu_ops_transformer's npu_mixed_quant_sparse_flash_mla "
         "(ops-transformer torch_extension/npu_ops_transformer/ops/mixed_quant_sparse_flash_mla.py), not torch_npu "
         "or vLLM-Ascend at the recorded commits; its signature is not recorded in signatures.json"),
+    "quant_lightning_indexer_v2": (
+        "its callables, torch.ops.cann_ops_transformer.quant_lightning_indexer and quant_lightning_indexer_metadata "
+        "(cannmirror/ops-transformer@1ecdfd4 attention/quant_lightning_indexer_v2/tests/pytest/"
+        "quant_lightning_indexer_v2_golden.py; the operator is gone from the newest snapshot), come from the "
+        "separately built cann_ops_transformer package, which the npu backend does not load yet (neither torch_npu "
+        "2.14.0 nor vLLM-Ascend's _C_ascend has them; vLLM-Ascend's own variant is vllm_quant_lightning_indexer); "
+        "their schemas are not recorded in signatures.json"),
 }
 
 
