@@ -215,3 +215,34 @@ def test_bad_input_is_named():
         _run(qli2_case(), chip="A3", layout_k="BSND", block_table=None, seqused_k=None,
              key=np.zeros((2, 6, 1, 128), np.int8), key_dequant_scale=np.ones((2, 6, 1), np.float16))
     assert ei.value.constraint_id == "quant_lightning_indexer_v2.a2a3_layout_k"
+
+
+def test_golden_set_files_match_the_plain_model(tmp_path):
+    """The catalogue's quant-lightning-indexer-v2 set, read back with NumPy and the manifest only."""
+    import os
+
+    from qsfa.cli import main
+    from qsfa.golden import load_manifest
+
+    out = tmp_path / "qli2"
+    assert main(["golden", "generate", "--set", "quant-lightning-indexer-v2", "--out", str(out), "-q"]) == 0
+    man = load_manifest(out)
+    assert not man["skipped"] and len(man["cases"]) == 5
+    modes = set()
+    for case in man["cases"]:
+        arr = {}
+        for e in case["arrays"]:
+            a = np.fromfile(os.path.join(out, e["file"]), dtype=e["storage"]).reshape(e["shape"])
+            if e["dtype"] == "float8_e4m3fn":
+                a = a.view(ml_dtypes.float8_e4m3fn)
+            arr[(e["role"], e["name"])] = a
+        p = case["params"]
+        args = dict(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
+                    block_table=None)
+        args.update({n: v for (role, n), v in arr.items() if role == "input"})
+        args.update({k: p[k] for k in ("topk", "quant_mode", "layout_q", "layout_k", "mask_mode", "cmp_ratio")})
+        got = arr[("output", "sparse_indices")]
+        np.testing.assert_array_equal(got, _plain(args), err_msg=case["name"])
+        assert (got >= 0).any(), case["name"]
+        modes.add(p["quant_mode"])
+    assert modes == {1, 2, 4}
