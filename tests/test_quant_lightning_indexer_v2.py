@@ -246,3 +246,29 @@ def test_golden_set_files_match_the_plain_model(tmp_path):
         assert (got >= 0).any(), case["name"]
         modes.add(p["quant_mode"])
     assert modes == {1, 2, 4}
+
+
+def test_compare_topk_is_fair_to_ties_with_the_reference_scores():
+    """A device that breaks ties of the 950's bfloat16 sort key another way passes the top-k criterion (reported as
+    tie-tolerant, not exact); one that swaps in a clearly lower-scoring token fails it."""
+    from qsfa.compare import compare_topk
+    from qsfa.reference.indexer_v4 import quant_lightning_indexer_v2_scores
+
+    a = qli2_case(fmt="float8_e4m3fn", kv_s=12, q_s=1, topk=4, cmp_ratio=1, mask_mode=0)
+    a["key"][:] = np.float32(0.5)  # every token alike, scale included: all scores of a row tie, none zero
+    a["key_dequant_scale"][:] = np.float32(0.05)
+    gold, _ = _run(a)
+    scores = quant_lightning_indexer_v2_scores(**a)
+    assert scores.shape == gold.shape[:-1] + (12,) and (scores != 0).all() and (scores == scores[..., :1]).all()
+    device = gold.copy()
+    device[..., -1] = 11  # another of the tied tokens
+    r = compare_topk(device, gold, scores)
+    assert r.passed and r.topk["tie_rows"] > 0 and device.tobytes() != gold.tobytes()
+    b = qli2_case(fmt="float8_e4m3fn", kv_s=12, q_s=1, topk=4, cmp_ratio=1, mask_mode=0)
+    gold_b, _ = _run(b)
+    sc_b = quant_lightning_indexer_v2_scores(**b)
+    worst = int(np.argmin(sc_b[0, 0, 0]))
+    assert worst not in gold_b[0, 0, 0]
+    bad = gold_b.copy()
+    bad[0, 0, 0, -1] = worst
+    assert not compare_topk(bad, gold_b, sc_b).passed

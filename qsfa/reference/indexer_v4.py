@@ -33,7 +33,8 @@ from .attention import certified_f32, decode_nope, exact_sum_f32, sum_error_boun
 from .attn_layout import flat_rows, kv_map, query_rows
 from .indexer import TIE_BREAKS, top_k_desc
 
-__all__ = ["vllm_quant_lightning_indexer", "quant_lightning_indexer_v2", "visible_compressed", "visible_v2",
+__all__ = ["vllm_quant_lightning_indexer", "quant_lightning_indexer_v2", "quant_lightning_indexer_v2_scores",
+           "visible_compressed", "visible_v2",
            "bf16_round_away", "select_top_k", "QLI2_FORMATS", "PRECISIONS"]
 
 _DEQ_SCALE = 2.0 ** -10  # SetFixpipePreQuantFlag(0x3a800000)
@@ -189,6 +190,42 @@ def _ints(a):
     return None if a is None else np.asarray(a, np.int64).reshape(-1)
 
 
+def _v2_inputs(query, key, weights, query_dequant_scale, key_dequant_scale, quant_mode, cu_seqlens_q, cu_seqlens_k,
+               seqused_q, seqused_k, cmp_residual_k, block_table, layout_q, layout_k, mask_mode, cmp_ratio):
+    """quant_lightning_indexer_v2's arguments as the core's: (rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, lead)."""
+    fmt = QLI2_FORMATS[int(quant_mode)]
+    cmp_ratio = int(cmp_ratio)
+    n1, d = query.shape[-2], query.shape[-1]
+    if layout_q == "BSND":
+        lead = tuple(query.shape[:2])
+        rows = query_rows("BSND", lead, seqused_q)
+    else:
+        lead = tuple(query.shape[:1])
+        rows = query_rows("TND", lead, _ints(cu_seqlens_q)[1:])
+    nb = rows.n_batch
+    if layout_k == "TND":
+        kvm = kv_map("TND", key.shape, _ints(cu_seqlens_k)[1:], nb)
+    elif layout_k == "BSND":
+        kvm = kv_map("BSND", key.shape, _ints(seqused_k), nb)
+    else:
+        kvm = kv_map("PA_BSND", key.shape, _ints(seqused_k), nb, block_table)
+    residual = np.zeros(nb, np.int64) if cmp_residual_k is None else _ints(cmp_residual_k)
+    limit = visible_v2(rows, kvm.act_kv, residual, int(mask_mode), cmp_ratio)
+    q2 = np.ascontiguousarray(query).view(np.uint8).reshape(-1, n1, d)
+    k2 = np.ascontiguousarray(key).view(np.uint8).reshape(-1, d)
+    w2 = np.asarray(weights).reshape(-1, n1)
+    qs = np.asarray(query_dequant_scale).reshape(-1)
+    qs2 = np.broadcast_to(qs[:1], w2.shape) if fmt == "hifloat8" else qs.reshape(-1, n1)
+    ks1 = np.asarray(key_dequant_scale).reshape(-1)
+    if fmt == "hifloat8":
+        ks1 = np.broadcast_to(ks1[:1], (k2.shape[0],))
+    return rows, (lambda b, j: kvm.storage_rows(np.full(j.size, b), j)), q2, k2, w2, qs2, ks1, limit, fmt, lead
+
+
+_V2_LAYOUT_ARGS = ("quant_mode", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "cmp_residual_k",
+                   "block_table", "layout_q", "layout_k", "mask_mode", "cmp_ratio")
+
+
 def quant_lightning_indexer_v2(query, key, weights, query_dequant_scale, key_dequant_scale, topk, quant_mode, *,
                                cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                                cmp_residual_k=None, block_table=None, output_idx_offset=None, metadata=None,
@@ -206,34 +243,35 @@ def quant_lightning_indexer_v2(query, key, weights, query_dequant_scale, key_deq
     assert tie_break in TIE_BREAKS, tie_break
     assert precision in PRECISIONS, precision
     assert not return_value and output_idx_offset is None
-    fmt = QLI2_FORMATS[int(quant_mode)]
-    cmp_ratio = int(cmp_ratio)
-    n1, d = query.shape[-2], query.shape[-1]
-    if layout_q == "BSND":
-        lead = tuple(query.shape[:2])
-        rows = query_rows("BSND", lead, seqused_q)
-    else:
-        lead = tuple(query.shape[:1])
-        rows = query_rows("TND", lead, _ints(cu_seqlens_q)[1:])
-    nb = rows.n_batch
-    if layout_k == "TND":
-        kvm = kv_map("TND", key.shape, _ints(cu_seqlens_k)[1:], nb)
-    elif layout_k == "BSND":
-        kvm = kv_map("BSND", key.shape, _ints(seqused_k), nb)
-    else:
-        kvm = kv_map("PA_BSND", key.shape, _ints(seqused_k), nb, block_table)
-    s2 = kvm.act_kv
-    residual = np.zeros(nb, np.int64) if cmp_residual_k is None else _ints(cmp_residual_k)
-    limit = visible_v2(rows, s2, residual, int(mask_mode), cmp_ratio)
-    q2 = np.ascontiguousarray(query).view(np.uint8).reshape(-1, n1, d)
-    k2 = np.ascontiguousarray(key).view(np.uint8).reshape(-1, d)
-    w2 = np.asarray(weights).reshape(-1, n1)
-    qs2 = np.broadcast_to(np.asarray(query_dequant_scale).reshape(-1)[:1], w2.shape) if fmt == "hifloat8" \
-        else np.asarray(query_dequant_scale).reshape(-1, n1)
-    ks1 = np.asarray(key_dequant_scale).reshape(-1)
-    if fmt == "hifloat8":
-        ks1 = np.broadcast_to(ks1[:1], (k2.shape[0],))
+    rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, lead = _v2_inputs(
+        query, key, weights, query_dequant_scale, key_dequant_scale, quant_mode, cu_seqlens_q, cu_seqlens_k,
+        seqused_q, seqused_k, cmp_residual_k, block_table, layout_q, layout_k, mask_mode, cmp_ratio)
     k_out = int(topk)
-    idx = select_top_k(rows, lambda b, j: kvm.storage_rows(np.full(j.size, b), j), q2, k2, w2, qs2, ks1, limit,
-                       fmt, k_out, chunk_rows=chunk_rows, precision=precision)
+    idx = select_top_k(rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, k_out, chunk_rows=chunk_rows,
+                       precision=precision)
     return idx.reshape(*lead, 1, k_out), np.zeros((0,), ml_dtypes.bfloat16)
+
+
+def quant_lightning_indexer_v2_scores(query, key, weights, query_dequant_scale, key_dequant_scale, quant_mode,
+                                      precision="faithful", **kw):
+    """The reference's score of every candidate compressed token per query row, ``[B, S1, 1, S] / [T, 1, S]`` (S the
+    largest visible count, at least 1; -inf past a row's visible tokens): what ``qsfa.compare.compare_topk`` needs
+    to judge a device's indices fair to ties (docs/numerics/comparison.md#top-k-criterion). ``kw``: the other
+    arguments of :func:`quant_lightning_indexer_v2` (those that do not place tokens are ignored)."""
+    args = {k: kw.get(k) for k in _V2_LAYOUT_ARGS}
+    args.update(layout_q=kw.get("layout_q", "BSND"), layout_k=kw.get("layout_k", "BSND"),
+                mask_mode=kw.get("mask_mode", 0), cmp_ratio=kw.get("cmp_ratio", 1), quant_mode=quant_mode)
+    rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, lead = _v2_inputs(
+        query, key, weights, query_dequant_scale, key_dequant_scale, **args)
+    s_max = max(1, int(limit.max(initial=0)))
+    out = np.full((rows.batch.size, s_max), -np.inf, np.float64)
+    for b in range(rows.n_batch):
+        rb = np.nonzero((rows.batch == b) & (limit > 0))[0]
+        if rb.size == 0:
+            continue
+        s_b = int(limit[rb].max())
+        flat = row_of(b, np.arange(s_b))
+        sc = _scores(q2[rb], k2[flat], w2[rb], qs2[rb], ks1[flat], fmt, precision).astype(np.float64)
+        sc[np.arange(s_b)[None, :] >= limit[rb][:, None]] = -np.inf
+        out[rb, :s_b] = sc
+    return out.reshape(*lead, 1, s_max)
