@@ -120,6 +120,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.indexer_v4",
     "qsfa.ops.sharedkv",
     "qsfa.ops.quant_lightning_indexer_v2",
+    "qsfa.ops.qkv_k_scale",
 )
 
 
