@@ -84,7 +84,7 @@ def _plain(a):
 
 
 CASES = [dict(t=3, nq=8, nk=1, batch=2), dict(t=3, nq=8, nk=1, batch=1, layout_q_out="TND"),
-         dict(t=2, nq=16, nk=2, batch=2, layout_qkv="NTD", layout_q_out="NTD")]
+         dict(t=2, nq=8, nk=1, batch=2, layout_qkv="NTD", layout_q_out="NTD")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))

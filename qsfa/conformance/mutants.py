@@ -1177,13 +1177,37 @@ def _qli2():
          _patch((V, "_dots", hif8_as_e4m3)))
 
 
+def _qkv_k_scale():
+    Q = _m("qkv_k_scale")
+    QKVS = "qkv_rms_norm_rope_cache_with_k_scale"
+
+    def no_history(orig):
+        def f(query_start_loc, seq_lens, n_tokens):
+            return orig(query_start_loc, np.asarray(query_start_loc)[1:] - np.asarray(query_start_loc)[:-1],
+                        n_tokens)
+
+        return f
+
+    _add(f"{QKVS}.positions_without_history", QKVS, "RoPE positions count from 0 in every request (seq_lens ignored)",
+         _patch((Q, "positions", no_history)))
+
+    def sin_sign(orig):
+        def f(y, cos, sin):
+            return orig(y, cos, -sin)
+
+        return f
+
+    _add(f"{QKVS}.rope_rotates_the_other_way", QKVS, "RoPE with the sine's sign flipped (y_lo c + y_hi s, ...)",
+         _patch((Q, "rope_half_split_f32", sin_sign)))
+
+
 def _build():
     global _BUILT
     if _BUILT:
         return
     _BUILT = True
     for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
-              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2):
+              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2, _qkv_k_scale):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

@@ -185,6 +185,11 @@ NOT_MAPPED = {
         "separately built cann_ops_transformer package, which the npu backend does not load yet (neither torch_npu "
         "2.14.0 nor vLLM-Ascend's _C_ascend has them; vLLM-Ascend's own variant is vllm_quant_lightning_indexer); "
         "their schemas are not recorded in signatures.json"),
+    "qkv_rms_norm_rope_cache_with_k_scale": (
+        "its callable, cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ (ops-transformer "
+        "posembedding/qkv_rms_norm_rope_cache_with_k_scale/, Ascend 950), comes from the separately built "
+        "cann_ops_transformer package, which the npu backend does not load yet (neither torch_npu 2.14.0 nor "
+        "vLLM-Ascend's _C_ascend has it)"),
 }
 
 

@@ -163,6 +163,9 @@ CHIP_RULES: dict[str, tuple] = {
          "Ascend 950 supports quant_mode 1 (FP8 E4M3FN) or 4 (HiFloat8) with float32 weights and dequant scales only"),
         (("950",), "950_cmp_ratio", _const({"cmp_ratio": (1, 4, 128)}), "Ascend 950 supports cmp_ratio 1, 4 or 128"),
     ),
+    "qkv_rms_norm_rope_cache_with_k_scale": (
+        (_A2A3, "a2a3_unsupported", ABSENT, "qkv_rms_norm_rope_cache_with_k_scale runs on Ascend 950 only"),
+    ),
 }
 
 
