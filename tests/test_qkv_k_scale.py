@@ -147,3 +147,39 @@ def test_bad_input_is_named_and_writes_nothing():
     with pytest.raises(InvalidArgument) as ei:
         qsfa.qkv_rms_norm_rope_cache_with_k_scale(**qkv_case(), chip="A3")
     assert ei.value.constraint_id == "qkv_rms_norm_rope_cache_with_k_scale.a2a3_unsupported"
+
+
+def test_golden_set_files_match_the_plain_model(tmp_path):
+    """The catalogue's qkv-rms-norm-rope-cache-with-k-scale set read back with NumPy and the manifest only; its small
+    NTD case is recomputed by the plain model, and every case wrote the K scale of exactly its slots."""
+    import os
+
+    from qsfa.cli import main
+    from qsfa.golden import load_manifest
+
+    out = tmp_path / "qkvs"
+    assert main(["golden", "generate", "--set", "qkv-rms-norm-rope-cache-with-k-scale", "--out", str(out), "-q"]) == 0
+    man = load_manifest(out)
+    assert not man["skipped"] and len(man["cases"]) == 3
+    for case in man["cases"]:
+        arr = {}
+        for e in case["arrays"]:
+            a = np.fromfile(os.path.join(out, e["file"]), dtype=e["storage"]).reshape(e["shape"])
+            arr[(e["role"], e["name"])] = a.view(ml_dtypes.float8_e4m3fn) if e["dtype"] == "float8_e4m3fn" else \
+                a.view(ml_dtypes.bfloat16) if e["dtype"] == "bfloat16" else a
+        ksc_in, ksc = arr[("input", "k_scale_cache")], arr[("output", "k_scale_cache")]
+        bs = ksc.shape[2]
+        written = np.zeros(ksc.shape[:3], bool)
+        for s in arr[("input", "slot_mapping")]:
+            written[s // bs, :, s % bs] = True
+        assert (ksc[written] > 0).all() and (ksc[~written] == ksc_in[~written]).all(), case["name"]
+        if case["name"] != "qkvs-ntd-ntd":
+            continue
+        p = case["params"]
+        args = {n: v for (role, n), v in arr.items() if role == "input"}
+        args.update(head_nums=p["head_nums"], layout_qkv=p["layout_qkv"], layout_q_out=p["layout_q_out"],
+                    epsilon=1e-6)
+        want = _plain(args)
+        assert arr[("output", "q_out")].view(np.uint8).tobytes() == want[0].tobytes()
+        for name, w in zip(("k_cache", "v_cache", "k_scale_cache"), want[2:]):
+            assert arr[("output", name)].tobytes() == np.ascontiguousarray(w).tobytes(), name

@@ -398,6 +398,30 @@ register_set("quant-lightning-indexer-v2", "ops-transformer QuantLightningIndexe
              "paged / BSND / TND keys, cmp_ratio 1, 4 and 128 with cmp_residual_k", quant_lightning_indexer_v2_cases)
 
 
+QKVS = "qkv_rms_norm_rope_cache_with_k_scale"
+
+
+def qkv_rms_norm_rope_cache_with_k_scale_cases() -> list[Case]:
+    def c(name, description, nq, **kw):
+        return _case(name, QKVS, QKVS, description, nq=nq, head_nums=[nq, nq // 8, nq // 8], **kw)
+
+    return [
+        c("qkvs-tnd-ntd-decode", "8 requests of one new token with history, Nq 64 / Nk 8, TND in, NTD q_out, slots over "
+          "2 blocks of 16", 64, t=8, batch=8, layout_qkv="TND", layout_q_out="NTD", block_num=2, block_size=16,
+          max_seq=96),
+        c("qkvs-tnd-tnd-prefill", "2 requests over 10 tokens (cut at random, with history), Nq 16 / Nk 2, TND in "
+          "and out, block size 32", 16,
+          t=10, batch=2, layout_qkv="TND", layout_q_out="TND", block_num=1, block_size=32, max_seq=24),
+        c("qkvs-ntd-ntd", "NTD in and out, Nq 8 / Nk 1, 3 requests", 8, t=5, batch=3, layout_qkv="NTD",
+          layout_q_out="NTD", block_num=1, block_size=16, max_seq=40),
+    ]
+
+
+register_set("qkv-rms-norm-rope-cache-with-k-scale", "cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ "
+             "(Ascend 950, RoPE scenario): RMSNorm + RoPE + bf16 rotation + per-token-head FP8 Q / K, FP8 V, K-scale "
+             "cache by slot", qkv_rms_norm_rope_cache_with_k_scale_cases)
+
+
 # --------------------------------------------------------------------------------------------------
 # KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 
