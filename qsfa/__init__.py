@@ -58,6 +58,8 @@ _LAZY = {
     "lightning_indexer": "qsfa.ops.indexer",
     "quant_lightning_indexer": "qsfa.ops.indexer",
     "vllm_quant_lightning_indexer": "qsfa.ops.indexer_v4",
+    "quant_lightning_indexer_v2": "qsfa.ops.quant_lightning_indexer_v2",
+    "qkv_rms_norm_rope_cache_with_k_scale": "qsfa.ops.qkv_k_scale",
     "merge_attention_lse": "qsfa.ops.lse",
     "attention_error_budget": "qsfa.ops.attention",
     "c8_pipeline": "qsfa.ops.attention",

@@ -119,6 +119,8 @@ _OPERATOR_MODULES = (
     "qsfa.ops.k_scale_cache",
     "qsfa.ops.indexer_v4",
     "qsfa.ops.sharedkv",
+    "qsfa.ops.quant_lightning_indexer_v2",
+    "qsfa.ops.qkv_k_scale",
 )
 
 

@@ -1153,13 +1153,61 @@ def _indexer_v4():
          _patch((V, "top_k_desc", ties_high)))
 
 
+def _qli2():
+    V = _m("indexer_v4")
+    QLI2 = "quant_lightning_indexer_v2"
+
+    def no_residual(orig):
+        def f(rows, s2, residual, mask_mode, cmp_ratio):
+            return orig(rows, s2, np.zeros_like(residual), mask_mode, cmp_ratio)
+
+        return f
+
+    _add(f"{QLI2}.residual_ignored", QLI2,
+         "causal visibility from seqused_k * cmp_ratio alone (cmp_residual_k dropped from the original length)",
+         _patch((V, "visible_v2", no_residual)))
+
+    def hif8_as_e4m3(orig):
+        def f(q, k, fmt):
+            return orig(q, k, "float8_e4m3fn" if fmt == "hifloat8" else fmt)
+
+        return f
+
+    _add(f"{QLI2}.hifloat8_decoded_as_e4m3", QLI2, "quant_mode 4 codes decoded as FP8 E4M3FN instead of HiFloat8",
+         _patch((V, "_dots", hif8_as_e4m3)))
+
+
+def _qkv_k_scale():
+    Q = _m("qkv_k_scale")
+    QKVS = "qkv_rms_norm_rope_cache_with_k_scale"
+
+    def no_history(orig):
+        def f(query_start_loc, seq_lens, n_tokens):
+            return orig(query_start_loc, np.asarray(query_start_loc)[1:] - np.asarray(query_start_loc)[:-1],
+                        n_tokens)
+
+        return f
+
+    _add(f"{QKVS}.positions_without_history", QKVS, "RoPE positions count from 0 in every request (seq_lens ignored)",
+         _patch((Q, "positions", no_history)))
+
+    def sin_sign(orig):
+        def f(y, cos, sin):
+            return orig(y, cos, -sin)
+
+        return f
+
+    _add(f"{QKVS}.rope_rotates_the_other_way", QKVS, "RoPE with the sine's sign flipped (y_lo c + y_hi s, ...)",
+         _patch((Q, "rope_half_split_f32", sin_sign)))
+
+
 def _build():
     global _BUILT
     if _BUILT:
         return
     _BUILT = True
     for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
-              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4):
+              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2, _qkv_k_scale):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

@@ -16,6 +16,10 @@ expectation is derived independently of the reference (a float64 model or a rela
   invariance over its paged compressed key, and shape invariance over query rows (vLLM-Ascend #15053): rows
   ``[a, b)`` of a batch run as their own request (``actQ' = b - a``, original key length ``actKV - actQ + b``
   under the causal rule) select what they select inside the whole call.
+* quant_lightning_indexer_v2 (``docs/numerics/indexer.md#quant_lightning_indexer_v2``): the same two properties
+  in its own terms - a batch alone keeps its seqused / cmp_residual_k entries and its block-table row (or its
+  BSND keys); a slice of query rows keeps the compressed keys and moves the causal anchor through cmp_residual_k
+  (through seqused_k when cmp_ratio is 1, where the op_host allows no residual).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ M1D = "layouts.flashmla_model1_dequantize"
 KCEV = "kv_compress_epilog_vllm"
 LI, QLI = "lightning_indexer", "quant_lightning_indexer"
 VQLI = "vllm_quant_lightning_indexer"
+QLI2 = "quant_lightning_indexer_v2"
 
 
 def _m1_round_trip(P, examples):
@@ -264,4 +269,80 @@ def more_properties(have: set, P, examples) -> list:
             out.append(_indexer_batch_slices(op, P, examples))
     if VQLI in have:
         out += [_vqli_batch_slices(P, examples), _vqli_row_slices(P, examples)]
+    if QLI2 in have:
+        out += [_qli2_batch_slices(P, examples), _qli2_row_slices(P, examples)]
     return out
+
+
+def _qli2_one_batch(a: dict, b: int) -> dict:
+    """quant_lightning_indexer_v2's arguments of batch ``b`` alone (BSND query; a paged key shared by every batch or
+    BSND keys; quant_mode 4's [1] scales are per tensor and stay)."""
+    sl = slice(b, b + 1)
+    one = dict(a, metadata=None)  # a tiling belongs to its own call's shapes
+    per_row = ["query", "weights", "seqused_q", "seqused_k", "cmp_residual_k"]
+    if a["quant_mode"] != 4:
+        per_row.append("query_dequant_scale")
+    if a["layout_k"] == "PA_BBND":
+        per_row.append("block_table")
+    else:
+        per_row += ["key"] + (["key_dequant_scale"] if a["quant_mode"] != 4 else [])
+    for p in per_row:
+        if a.get(p) is not None:
+            one[p] = np.ascontiguousarray(a[p][sl])
+    return one
+
+
+def _qli2_batch_slices(P, examples):
+    pins = {"layout_q": "BSND", "batch": (2, 3)}
+
+    def check(ex, backend: str):
+        a = ex.args
+        full = call(QLI2, a, backend)["sparse_indices"]
+        for b in range(a["query"].shape[0]):
+            alone = call(QLI2, _qli2_one_batch(a, b), backend)["sparse_indices"]
+            if alone.tobytes() != np.ascontiguousarray(full[b:b + 1]).tobytes():
+                fail(f"batch {b} run alone selects other compressed tokens than inside the batch of "
+                     f"{a['query'].shape[0]} (cmp_ratio {a['cmp_ratio']}, layout_k {a['layout_k']})")
+
+    return P(f"{QLI2}.batch_slices", (QLI2,), "metamorphic",
+             "Batch invariance: each batch of a BSND query run alone (its query rows, weights, scales, seqused and "
+             "cmp_residual_k entries and block-table row or keys) gives byte-identical indices to the same batch "
+             "inside the whole call.", examples(QLI2, pins), check, pins)
+
+
+def _qli2_row_slices(P, examples):
+    pins = {"layout_q": "BSND"}
+
+    def check(ex, backend: str):
+        a = ex.args
+        bn, s1 = a["query"].shape[:2]
+        if s1 < 2:
+            return
+        full = call(QLI2, a, backend)["sparse_indices"]
+        act_q = np.full(bn, s1, np.int64) if a["seqused_q"] is None else np.asarray(a["seqused_q"], np.int64)
+        s2 = (np.full(bn, a["key"].shape[1], np.int64) if a["seqused_k"] is None
+              else np.asarray(a["seqused_k"], np.int64))
+        res = None if a["cmp_residual_k"] is None else np.asarray(a["cmp_residual_k"], np.int64)
+        causal = a["mask_mode"] == 3
+        for lo, hi in ((0, s1 // 2), (s1 // 2, s1)):
+            q2 = np.clip(np.minimum(act_q, hi) - lo, 0, hi - lo)
+            shift = np.where(q2 > 0, lo + q2 - act_q, 0) if causal else np.zeros(bn, np.int64)
+            part = dict(a, metadata=None, seqused_q=q2.astype(np.int32))
+            if res is not None:  # the original length moves by the rows before the slice and after it
+                part["cmp_residual_k"] = (res + shift).astype(np.int32)
+            elif causal:  # cmp_ratio 1: compressed = original tokens
+                if (s2 + shift < 0).any():
+                    continue  # that slice is no request of its own
+                part["seqused_k"] = (s2 + shift).astype(np.int32)
+            for p in ("query", "weights") + (("query_dequant_scale",) if a["quant_mode"] != 4 else ()):
+                part[p] = np.ascontiguousarray(a[p][:, lo:hi])
+            got = call(QLI2, part, backend)["sparse_indices"]
+            if got.tobytes() != np.ascontiguousarray(full[:, lo:hi]).tobytes():
+                fail(f"query rows [{lo}, {hi}) run as their own request select other compressed tokens than inside "
+                     f"the whole call (cmp_ratio {a['cmp_ratio']}, mask_mode {a['mask_mode']})")
+
+    return P(f"{QLI2}.row_slices", (QLI2,), "metamorphic",
+             "Shape invariance (vLLM-Ascend #15053): query rows [a, b) of every batch run as a request of their own "
+             "(seqused_q = rows of the slice, the original key length moved through cmp_residual_k - or seqused_k "
+             "at cmp_ratio 1 - by a + rows - actQ under the causal rule) give byte-identical indices to the same "
+             "rows inside the whole call.", examples(QLI2, pins), check, pins)

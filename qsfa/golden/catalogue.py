@@ -366,6 +366,62 @@ register_set("vllm-quant-lightning-indexer", "vLLM-Ascend npu_vllm_quant_lightni
              "a request without a compressed token", vllm_quant_lightning_indexer_cases)
 
 
+QLI2 = "quant_lightning_indexer_v2"
+
+
+def quant_lightning_indexer_v2_cases() -> list[Case]:
+    def c(name, description, fmt, **kw):
+        qm = {"int8": 2, "float8_e4m3fn": 1, "hifloat8": 4}[fmt]
+        return _case(name, QLI2, QLI2, description, fmt=fmt, quant_mode=qm, **kw)
+
+    return [
+        c("qli2-a3-c4-decode", "Atlas A2/A3 int8 (quant_mode 2), paged key, cmp_ratio 4, decode (B 4, one row), 40 "
+          "compressed tokens and a residual of 3 original tokens", "int8", layout_q="BSND", layout_k="PA_BBND",
+          cmp_ratio=4, mask_mode=3, batch=4, q_s=1, kv_s=40, residual=3, topk=16, block_size=16),
+        c("qli2-a3-c128-mtp-tnd", "Atlas A2/A3 int8, cmp_ratio 128 (HCA), TND with 3 rows per request: the causal "
+          "rule at 3 offsets with a residual of 127", "int8", layout_q="TND", layout_k="PA_BBND", cmp_ratio=128,
+          mask_mode=3, batch=2, q_s=3, kv_s=6, residual=127, topk=4, block_size=32),
+        c("qli2-950-fp8-c4-bsnd", "Ascend 950 FP8 E4M3FN (quant_mode 1), float32 weights and scales, BSND key, "
+          "cmp_ratio 4: scores sorted as bfloat16 (CAST_ROUND)", "float8_e4m3fn", layout_q="BSND", layout_k="BSND",
+          cmp_ratio=4, mask_mode=3, batch=2, q_s=2, kv_s=32, residual=1, topk=16),
+        c("qli2-950-hif8-c128-tnd", "Ascend 950 HiFloat8 (quant_mode 4, one float32 scale each for query and key), "
+          "TND query and key, cmp_ratio 128", "hifloat8", layout_q="TND", layout_k="TND", cmp_ratio=128, mask_mode=3,
+          batch=2, q_s=2, kv_s=8, residual=5, topk=8),
+        c("qli2-950-fp8-c1-mask0", "Ascend 950 FP8 E4M3FN, paged key, cmp_ratio 1, mask_mode 0 (every token "
+          "visible, no cmp_residual_k)", "float8_e4m3fn", layout_q="BSND", layout_k="PA_BBND", cmp_ratio=1,
+          mask_mode=0, batch=2, q_s=2, kv_s=20, topk=8),
+    ]
+
+
+register_set("quant-lightning-indexer-v2", "ops-transformer QuantLightningIndexerV2 (DeepSeek-V4, "
+             "torch.ops.cann_ops_transformer.quant_lightning_indexer): int8 (A2/A3), FP8 E4M3FN and HiFloat8 (950), "
+             "paged / BSND / TND keys, cmp_ratio 1, 4 and 128 with cmp_residual_k", quant_lightning_indexer_v2_cases)
+
+
+QKVS = "qkv_rms_norm_rope_cache_with_k_scale"
+
+
+def qkv_rms_norm_rope_cache_with_k_scale_cases() -> list[Case]:
+    def c(name, description, nq, **kw):
+        return _case(name, QKVS, QKVS, description, nq=nq, head_nums=[nq, nq // 8, nq // 8], **kw)
+
+    return [
+        c("qkvs-tnd-ntd-decode", "8 requests of one new token with history, Nq 64 / Nk 8, TND in, NTD q_out, slots over "
+          "2 blocks of 16", 64, t=8, batch=8, layout_qkv="TND", layout_q_out="NTD", block_num=2, block_size=16,
+          max_seq=96),
+        c("qkvs-tnd-tnd-prefill", "2 requests over 10 tokens (cut at random, with history), Nq 16 / Nk 2, TND in "
+          "and out, block size 32", 16,
+          t=10, batch=2, layout_qkv="TND", layout_q_out="TND", block_num=1, block_size=32, max_seq=24),
+        c("qkvs-ntd-ntd", "NTD in and out, Nq 8 / Nk 1, 3 requests", 8, t=5, batch=3, layout_qkv="NTD",
+          layout_q_out="NTD", block_num=1, block_size=16, max_seq=40),
+    ]
+
+
+register_set("qkv-rms-norm-rope-cache-with-k-scale", "cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ "
+             "(Ascend 950, RoPE scenario): RMSNorm + RoPE + bf16 rotation + per-token-head FP8 Q / K, FP8 V, K-scale "
+             "cache by slot", qkv_rms_norm_rope_cache_with_k_scale_cases)
+
+
 # --------------------------------------------------------------------------------------------------
 # KvRmsNormRopeCache V1 / V2 (docs/numerics/cache-writers.md#kv_rmsnorm_rope_cache)
 

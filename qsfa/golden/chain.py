@@ -289,7 +289,14 @@ def _li_scores(args):
     return lightning_indexer_scores(**args)
 
 
+def _qli2_scores(args):
+    from ..reference.indexer_v4 import quant_lightning_indexer_v2_scores
+
+    return quant_lightning_indexer_v2_scores(**args)
+
+
 TOPK_SCORES = {"lightning_indexer": ("sparse_indices", _li_scores)}
+TOPK_SCORES["quant_lightning_indexer_v2"] = ("sparse_indices", _qli2_scores)
 
 
 def _vqli_scores(args):

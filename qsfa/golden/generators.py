@@ -670,6 +670,31 @@ def gen_vllm_quant_lightning_indexer(params, rng):
     return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
 
 
+@register_generator("quant_lightning_indexer_v2")
+def gen_quant_lightning_indexer_v2(params, rng):
+    """The arrays of :func:`qsfa.ops.quant_lightning_indexer_v2.qli2_case` for ``params`` (fmt, layout_q, layout_k,
+    batch, q_s, kv_s compressed tokens, cmp_ratio, mask_mode, topk, block_size, residual) with a seed drawn from
+    ``rng``: a paged key whose blocks run in reverse order, or a BSND / TND one; cmp_residual_k where required."""
+    from ..ops.quant_lightning_indexer_v2 import qli2_case
+
+    keys = ("fmt", "layout_q", "layout_k", "batch", "q_s", "kv_s", "cmp_ratio", "mask_mode", "topk", "block_size",
+            "residual")
+    args = qli2_case(seed=int(rng.integers(2**31)), **{k: params[k] for k in keys if k in params})
+    return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+
+
+@register_generator("qkv_rms_norm_rope_cache_with_k_scale")
+def gen_qkv_rms_norm_rope_cache_with_k_scale(params, rng):
+    """The arrays of :func:`qsfa.ops.qkv_k_scale.qkv_case` for ``params`` (t, nq, batch, layout_qkv, layout_q_out,
+    block_num, block_size, max_seq) with a seed drawn from ``rng``; Nk = Nv = nq / 8."""
+    from ..ops.qkv_k_scale import qkv_case
+
+    keys = ("t", "batch", "layout_qkv", "layout_q_out", "block_num", "block_size", "max_seq")
+    args = qkv_case(seed=int(rng.integers(2**31)), nq=params["nq"], nk=params["nq"] // 8,
+                    **{k: params[k] for k in keys if k in params})
+    return {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+
+
 # --------------------------------------------------------------------------------------------------
 # DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md)
 

@@ -173,6 +173,16 @@ NOT_MAPPED = {
     "formats.decode": "no torch_npu function decodes raw format codes to float32",
     "formats.pack_fp4": "no torch_npu function packs FP4 codes",
     "formats.unpack_fp4": "no torch_npu function unpacks FP4 codes",
+    "quant_lightning_indexer_v2": (
+        "its callables, torch.ops.cann_ops_transformer.quant_lightning_indexer and quant_lightning_indexer_metadata, "
+        "exist at cannmirror/ops-transformer@1ecdfd4 (attention/quant_lightning_indexer_v2/tests/pytest/"
+        "quant_lightning_indexer_v2_golden.py) and are gone from the package at 25fb6b9, the snapshot whose schemas "
+        "signatures.json records; neither torch_npu 2.14.0 nor vLLM-Ascend's _C_ascend has them (vLLM-Ascend's own "
+        "variant is vllm_quant_lightning_indexer, which is mapped)"),
+    "qkv_rms_norm_rope_cache_with_k_scale": (
+        "mapping not written yet: the callable is cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ "
+        "(ops-transformer posembedding/qkv_rms_norm_rope_cache_with_k_scale/, Ascend 950), in the package the npu "
+        "backend loads lazily for the V4 operators, but its schema is not recorded in signatures.json"),
 }
 
 

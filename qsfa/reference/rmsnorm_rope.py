@@ -34,11 +34,13 @@ MODEL_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.
 _ROW_BLOCK = 256
 
 
-def rms_norm_f32(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray:
+def rms_norm_f32(x: np.ndarray, gamma: np.ndarray, epsilon: float, *, halves_first: bool = False) -> np.ndarray:
     """RMSNorm of the last axis of ``x`` in float32 (see the module docstring); returns float32.
 
-    Computed in blocks of rows (every row's arithmetic, including its float64 sum, is independent of the
-    blocking), so the temporaries stay in cache."""
+    ``halves_first``: the squares of the two halves of the row are first added element by element in fp32
+    (``sq[:n/2] + sq[n/2:]``, the 950 register kernels' ``Add`` before their ``Reduce``), and ``ss`` is the
+    correctly rounded sum of those n/2 fp32 values. Computed in blocks of rows (every row's arithmetic, including
+    its float64 sum, is independent of the blocking), so the temporaries stay in cache."""
     x = np.asarray(x)
     g = np.asarray(gamma).astype(np.float32)
     n = x.shape[-1]
@@ -49,6 +51,8 @@ def rms_norm_f32(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray
         xf = out[a:a + _ROW_BLOCK]
         np.copyto(xf, x2[a:a + _ROW_BLOCK], casting="unsafe")  # exact widening of the 16-bit (or fp32) x
         sq = xf * xf  # fp32 products
+        if halves_first:
+            sq = sq[:, :n // 2] + sq[:, n // 2:]  # fp32 adds (exact float64 sum of these below)
         ss = sq.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32)
         rms = np.sqrt(ss * inv_n + eps)  # fp32 multiply, add, sqrt
         np.divide(xf, rms, out=xf)

@@ -58,9 +58,10 @@ from .cache import (
 )
 from ._common import Bounds, bounds, INT64_MAX, InvalidArgs, poison_bytes, slot_mapping, sparse_index_rows
 from .indexer_cache import (
-    indexer_compress_epilog_v2_args, indexer_quant_cache_args, scatter_pa_kv_cache_with_k_scale_args,
+    indexer_compress_epilog_v2_args, indexer_quant_cache_args, qkv_rms_norm_rope_cache_with_k_scale_args,
+    scatter_pa_kv_cache_with_k_scale_args,
 )
-from .indexer_v4 import vllm_quant_lightning_indexer_args
+from .indexer_v4 import quant_lightning_indexer_v2_args, vllm_quant_lightning_indexer_args
 from .formats import decode_args, encode_args, pack_fp4_args, unpack_fp4_args
 from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_args
 from .quant import dynamic_block_quant_args
@@ -104,6 +105,8 @@ __all__ = [
     "MORE_STRATEGIES",
     "indexer_quant_cache_args",
     "vllm_quant_lightning_indexer_args",
+    "quant_lightning_indexer_v2_args",
+    "qkv_rms_norm_rope_cache_with_k_scale_args",
     "indexer_compress_epilog_v2_args",
     "scatter_pa_kv_cache_with_k_scale_args",
     "sparse_flash_mla_args",
@@ -237,6 +240,8 @@ MORE_STRATEGIES = {
     "sparse_attn_sharedkv": sparse_attn_sharedkv_args,
     "mixed_quant_sparse_flash_mla": mixed_quant_sparse_flash_mla_args,
     "kv_quant_sparse_attn_sharedkv": kv_quant_sparse_attn_sharedkv_args,
+    "quant_lightning_indexer_v2": quant_lightning_indexer_v2_args,
+    "qkv_rms_norm_rope_cache_with_k_scale": qkv_rms_norm_rope_cache_with_k_scale_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):

@@ -155,6 +155,17 @@ CHIP_RULES: dict[str, tuple] = {
         (("950",), "950_dtypes", _const({"format": "float8_e4m3fn"}),
          "Ascend 950 supports float8_e4m3fn query/key with float32 weights and dequant scales only"),
     ),
+    "quant_lightning_indexer_v2": (
+        (_A2A3, "a2a3_quant_mode", _const({"format": "int8"}),
+         "Atlas A2/A3 support quant_mode 2 (int8) with float16 weights and dequant scales only"),
+        (_A2A3, "a2a3_layout_k", _const({"layout_k": "PA_BBND"}), "Atlas A2/A3 support layout_k PA_BBND only"),
+        (("950",), "950_quant_mode", _const({"format": ("float8_e4m3fn", "hifloat8")}),
+         "Ascend 950 supports quant_mode 1 (FP8 E4M3FN) or 4 (HiFloat8) with float32 weights and dequant scales only"),
+        (("950",), "950_cmp_ratio", _const({"cmp_ratio": (1, 4, 128)}), "Ascend 950 supports cmp_ratio 1, 4 or 128"),
+    ),
+    "qkv_rms_norm_rope_cache_with_k_scale": (
+        (_A2A3, "a2a3_unsupported", ABSENT, "qkv_rms_norm_rope_cache_with_k_scale runs on Ascend 950 only"),
+    ),
 }
 
 

@@ -14,7 +14,9 @@ before the random draws):
 * ``hifloat8`` - the HiFloat8 mode with an x_scale other than 1;
 * ``minus1:first`` / ``minus1:last`` / ``full`` - the slot edges of every cache writer;
 * scatter_pa_kv_cache_with_k_scale: ``out_of_range_slots`` (slots -7 and num_slots + 3, skipped like -1),
-  ``e5m2``, ``strided`` (caches with blocks apart, a non-contiguous key).
+  ``e5m2``, ``strided`` (caches with blocks apart, a non-contiguous key);
+* qkv_rms_norm_rope_cache_with_k_scale (docs/numerics/cache-writers.md#qkv_rms_norm_rope_cache_with_k_scale):
+  ``zero_head``, ``v_saturate``, ``layout_qkv:NTD``, ``history``, ``rotation:identity`` (see their pins).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from .._contract import Args
 from ._common import _b, _choose, _rng, Bounds, poison_bytes, slot_mapping
 from .cache import strided_like
 
-__all__ = ["indexer_quant_cache_args", "indexer_compress_epilog_v2_args", "scatter_pa_kv_cache_with_k_scale_args"]
+__all__ = ["indexer_quant_cache_args", "indexer_compress_epilog_v2_args", "scatter_pa_kv_cache_with_k_scale_args",
+           "qkv_rms_norm_rope_cache_with_k_scale_args"]
 
 IQC, ICE2, SPKS = "indexer_quant_cache", "indexer_compress_epilog_v2", "scatter_pa_kv_cache_with_k_scale"
 _SLOTS = ("minus1:first", "minus1:last", "full")
@@ -185,3 +188,46 @@ def scatter_pa_kv_cache_with_k_scale_args(draw, bounds: Bounds | None = None, **
                 key_scale=rng.standard_normal((t, n)).astype(np.float32), key_scale_cache=ksc, cache_layout="BNBD")
     assume(SPKS_CONTRACT.first_violation(Args(args)) is None)
     return args
+
+
+QKVS = "qkv_rms_norm_rope_cache_with_k_scale"
+# edges: every Q head all zero (scale 0: docs/numerics/open-facts.md#qkv-zero-head), V past the FP8 range (SAT),
+# the NTD input layout, a long history (positions far from 0), the identity rotation (the bf16 operand unchanged)
+_E.EDGES.setdefault(QKVS, ("zero_head", "v_saturate", "layout_qkv:NTD", "history", "rotation:identity"))
+_E._PINS.update({
+    (QKVS, "zero_head"): dict(zero_q=True),
+    (QKVS, "v_saturate"): dict(v_scale_big=True),
+    (QKVS, "layout_qkv:NTD"): dict(layout_qkv="NTD"),
+    (QKVS, "history"): dict(history=64),
+    (QKVS, "rotation:identity"): dict(identity=True),
+})
+
+
+@st.composite
+def qkv_rms_norm_rope_cache_with_k_scale_args(draw, bounds: Bounds | None = None, **pins) -> dict:
+    """``qkv_rms_norm_rope_cache_with_k_scale`` (RoPE scenario): bf16 QKV with Nq in {8, 16, 32, 64} (Nk = Nv =
+    Nq / 8), TND or NTD, requests cut at random with a history before them, a random orthogonal bf16 rotation,
+    unique slots scattered over one or two spare blocks; the edges above."""
+    from ..ops.qkv_k_scale import qkv_case
+
+    pins, edge = _E.take(draw, QKVS, pins)
+    b = _b(bounds)
+    nq = int(_choose(draw, pins, "nq", tuple(h for h in (8, 16, 32, 64) if h <= max(8, b.max_heads))))
+    layout_qkv = _choose(draw, pins, "layout_qkv", ("TND", "NTD"))
+    layout_q_out = _choose(draw, pins, "layout_q_out", ("NTD", "TND") if layout_qkv == "TND" else ("NTD",))
+    if layout_qkv == "NTD":
+        layout_q_out = "NTD"
+    t = draw(st.integers(1, max(1, b.max_q_tokens)))
+    batch = draw(st.integers(1, t))
+    block_size = int(_choose(draw, pins, "block_size", (16, 32)))
+    block_num = -(-t // block_size) + draw(st.integers(0, 1))
+    hist = int(pins.get("history", draw(st.integers(0, 16))))
+    a = qkv_case(t=t, nq=nq, nk=nq // 8, batch=batch, layout_qkv=layout_qkv, layout_q_out=layout_q_out,
+                 block_num=block_num, block_size=block_size, max_seq=t + hist, seed=draw(st.integers(0, 2**32 - 1)))
+    if pins.get("zero_q"):
+        a["q_gamma"] = np.zeros_like(a["q_gamma"])
+    if pins.get("v_scale_big"):
+        a["v_scale"] = np.full_like(a["v_scale"], 1000.0)
+    if pins.get("identity"):
+        a["rotation"] = np.eye(128, dtype=a["rotation"].dtype)
+    return a
