@@ -35,7 +35,7 @@ from .indexer import TIE_BREAKS, top_k_desc
 
 __all__ = ["vllm_quant_lightning_indexer", "quant_lightning_indexer_v2", "quant_lightning_indexer_v2_scores",
            "visible_compressed", "visible_v2",
-           "bf16_round_away", "select_top_k", "QLI2_FORMATS", "PRECISIONS"]
+           "bf16_round_away", "select_top_k", "score_table", "QLI2_FORMATS", "PRECISIONS"]
 
 _DEQ_SCALE = 2.0 ** -10  # SetFixpipePreQuantFlag(0x3a800000)
 #: quant_lightning_indexer_v2's quant_mode -> code format (op_host: 2 int8 on A2/A3; 1 FP8 E4M3FN, 4 HiFloat8 on 950)
@@ -137,6 +137,26 @@ def select_top_k(rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, k_out, *, chunk
     return idx_out
 
 
+def score_table(rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, *, dtype, chunk_rows=64, precision="faithful"):
+    """The scores :func:`select_top_k` ranks, ``[R, S]`` in ``dtype`` (S the most tokens any row sees, at least 1),
+    ``-inf`` past a row's visible tokens: what ``qsfa.compare.compare_topk`` needs to judge a device's indices fair
+    to ties (docs/numerics/comparison.md#top-k-criterion)."""
+    out = np.full((rows.batch.size, max(1, int(limit.max(initial=0)))), -np.inf, dtype)
+    for b in range(rows.n_batch):
+        rb = np.nonzero((rows.batch == b) & (limit > 0))[0]
+        if rb.size == 0:
+            continue
+        s_b = int(limit[rb].max())
+        flat = row_of(b, np.arange(s_b))
+        kb, ksb = k2[flat], ks1[flat]
+        for start in range(0, rb.size, chunk_rows):
+            r = rb[start:start + chunk_rows]
+            sc = _scores(q2[r], kb, w2[r], qs2[r], ksb, fmt, precision).astype(dtype)
+            sc[np.arange(s_b)[None, :] >= limit[r][:, None]] = -np.inf
+            out[r, :s_b] = sc
+    return out
+
+
 def vllm_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode=0,
                                  key_quant_mode=0, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
                                  block_table=None, metadata=None, layout_query="BSND", layout_key="PA_BSND",
@@ -151,6 +171,18 @@ def vllm_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_d
     """
     assert tie_break in TIE_BREAKS, tie_break
     assert not return_value
+    rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, lead = _vllm_inputs(
+        query, key, weights, query_dequant_scale, key_dequant_scale, actual_seq_lengths_query,
+        actual_seq_lengths_key, block_table, layout_query, layout_key, sparse_mode, cmp_ratio)
+    k_out = int(sparse_count)
+    idx_out = select_top_k(rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, k_out, chunk_rows=chunk_rows)
+    idx = idx_out.reshape(*lead, 1, k_out)
+    return idx, np.zeros((0,), np.float32)
+
+
+def _vllm_inputs(query, key, weights, query_dequant_scale, key_dequant_scale, actual_seq_lengths_query,
+                 actual_seq_lengths_key, block_table, layout_query, layout_key, sparse_mode, cmp_ratio):
+    """What :func:`select_top_k` / :func:`score_table` read, for the vLLM-Ascend front door's arguments."""
     fmt = "int8" if np.dtype(query.dtype) == np.int8 else "float8_e4m3fn"
     cmp_ratio = int(cmp_ratio)
     lead = tuple(query.shape[:2]) if layout_query == "BSND" else tuple(query.shape[:1])
@@ -160,15 +192,9 @@ def vllm_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_d
     n1, d = query.shape[-2], query.shape[-1]
     q2 = np.ascontiguousarray(query).view(np.uint8).reshape(-1, n1, d)
     k2 = flat_rows(np.ascontiguousarray(key).view(np.uint8))
-    w2 = weights.reshape(-1, n1)
-    qs2 = query_dequant_scale.reshape(-1, n1)
-    ks1 = key_dequant_scale.reshape(-1)
+    w2, qs2, ks1 = weights.reshape(-1, n1), query_dequant_scale.reshape(-1, n1), key_dequant_scale.reshape(-1)
     limit = visible_compressed(rows, act_orig, sparse_mode, cmp_ratio)
-    k_out = int(sparse_count)
-    idx_out = select_top_k(rows, lambda b, j: kvm.storage_rows(np.full(j.size, b), j), q2, k2, w2, qs2, ks1, limit,
-                           fmt, k_out, chunk_rows=chunk_rows)
-    idx = idx_out.reshape(*lead, 1, k_out)
-    return idx, np.zeros((0,), np.float32)
+    return rows, lambda b, j: kvm.storage_rows(np.full(j.size, b), j), q2, k2, w2, qs2, ks1, limit, fmt, lead
 
 
 
@@ -263,18 +289,8 @@ def quant_lightning_indexer_v2_scores(query, key, weights, query_dequant_scale, 
                 mask_mode=kw.get("mask_mode", 0), cmp_ratio=kw.get("cmp_ratio", 1), quant_mode=quant_mode)
     rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, lead = _v2_inputs(
         query, key, weights, query_dequant_scale, key_dequant_scale, **args)
-    s_max = max(1, int(limit.max(initial=0)))
-    out = np.full((rows.batch.size, s_max), -np.inf, np.float64)
-    for b in range(rows.n_batch):
-        rb = np.nonzero((rows.batch == b) & (limit > 0))[0]
-        if rb.size == 0:
-            continue
-        s_b = int(limit[rb].max())
-        flat = row_of(b, np.arange(s_b))
-        sc = _scores(q2[rb], k2[flat], w2[rb], qs2[rb], ks1[flat], fmt, precision).astype(np.float64)
-        sc[np.arange(s_b)[None, :] >= limit[rb][:, None]] = -np.inf
-        out[rb, :s_b] = sc
-    return out.reshape(*lead, 1, s_max)
+    out = score_table(rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, dtype=np.float64, precision=precision)
+    return out.reshape(*lead, 1, out.shape[-1])
 
 
 def vllm_quant_lightning_indexer_scores(query, key, weights, query_dequant_scale, key_dequant_scale,
@@ -285,27 +301,8 @@ def vllm_quant_lightning_indexer_scores(query, key, weights, query_dequant_scale
     points), ``-inf`` where a row does not see the token: float32 ``[*lead, 1, S]`` with S the most compressed tokens
     any row sees (at least 1), the indices' leading dimensions; for the tie-fair top-k criterion
     (qsfa.compare.compare_topk) of ``golden compare --chain``."""
-    fmt = "int8" if np.dtype(query.dtype) == np.int8 else "float8_e4m3fn"
-    cmp_ratio = int(cmp_ratio)
-    lead = tuple(query.shape[:2]) if layout_query == "BSND" else tuple(query.shape[:1])
-    rows = query_rows(layout_query, lead, actual_seq_lengths_query)
-    act_orig = np.asarray(actual_seq_lengths_key, np.int64).reshape(-1)
-    kvm = kv_map(layout_key, key.shape, act_orig // cmp_ratio, rows.n_batch, block_table)
-    n1, d = query.shape[-2], query.shape[-1]
-    q2 = np.ascontiguousarray(query).view(np.uint8).reshape(-1, n1, d)
-    k2 = flat_rows(np.ascontiguousarray(key).view(np.uint8))
-    w2, qs2, ks1 = weights.reshape(-1, n1), query_dequant_scale.reshape(-1, n1), key_dequant_scale.reshape(-1)
-    limit = visible_compressed(rows, act_orig, sparse_mode, cmp_ratio)
-    out = np.full((rows.batch.size, max(int(limit.max(initial=0)), 1)), -np.inf, np.float32)
-    for b in range(rows.n_batch):
-        rb = np.nonzero((rows.batch == b) & (limit > 0))[0]
-        if rb.size == 0:
-            continue
-        s_b = int(limit[rb].max())
-        flat = kvm.storage_rows(np.full(s_b, b), np.arange(s_b))
-        for start in range(0, rb.size, chunk_rows):
-            r = rb[start:start + chunk_rows]
-            sc = _scores(q2[r], k2[flat], w2[r], qs2[r], ks1[flat], fmt)
-            sc[np.arange(s_b)[None, :] >= limit[r][:, None]] = -np.inf
-            out[r, :s_b] = sc
+    rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, lead = _vllm_inputs(
+        query, key, weights, query_dequant_scale, key_dequant_scale, actual_seq_lengths_query,
+        actual_seq_lengths_key, block_table, layout_query, layout_key, sparse_mode, cmp_ratio)
+    out = score_table(rows, row_of, q2, k2, w2, qs2, ks1, limit, fmt, dtype=np.float32, chunk_rows=chunk_rows)
     return out.reshape(*lead, 1, out.shape[-1])
