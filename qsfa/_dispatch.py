@@ -119,6 +119,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.k_scale_cache",
     "qsfa.ops.indexer_v4",
     "qsfa.ops.sharedkv",
+    "qsfa.ops.compressor",
 )
 
 

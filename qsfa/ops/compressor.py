@@ -1,0 +1,278 @@
+"""Front door of the DeepSeek-V4 KV compressor (C4A / C4Li / C128A): ``compressor``.
+
+The public callable is ``cann_ops_transformer.ops.compressor`` (ops-transformer ``attention/compressor/``, Atlas A3
+and Ascend 950). Reference: :mod:`qsfa.reference.compressor`; numerics in ``docs/numerics/compressor.md``.
+``state_cache`` is listed in the contract's ``inplace``; a rejected call writes nothing.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .._arrays import dtype_name
+from .._checks import all_finite, dtype_in, edit_params, is_int, rule, set_param
+from .._contract import Contract, copy_args, params
+from .._dispatch import define_operator, run
+from .._errors import Raw
+from ..reference import compressor as _cr
+
+__all__ = ["compressor", "CMP", "CMP_CONTRACT"]
+
+BF16 = ml_dtypes.bfloat16
+CMP = "compressor"
+SRC = ("cannmirror/ops-transformer@c8f98a3 attention/compressor/ (docs/aclnnCompressor.md, "
+       "op_host/arch35/compressor_tiling.cpp); docs/numerics/compressor.md")
+X_DTYPES = ("float16", "bfloat16")
+
+
+def _example(rng):
+    h, d, r, cf = 1024, 128, 4, 2
+    x = (rng.standard_normal((7, h)) * 0.5).astype(BF16)
+    wkv = (rng.standard_normal((cf * d, h)) * 0.05).astype(BF16)
+    wgate = (rng.standard_normal((cf * d, h)) * 0.05).astype(BF16)
+    state = rng.standard_normal((5, 4, 2 * cf * d)).astype(np.float32)
+    ape = rng.standard_normal((r, cf * d)).astype(np.float32)
+    return dict(x=x, wkv=wkv, wgate=wgate, state_cache=state, ape=ape,
+                state_block_table=np.array([[1, 2], [3, 0]], np.int32), cu_seqlens=np.array([0, 5, 7], np.int32),
+                seqused=None, start_pos=np.array([3, 0], np.int32), cmp_ratio=r, coff=cf, cache_mode=1)
+
+
+def _th(a):
+    return a.x.ndim == 2
+
+
+def _nb(a):
+    return a.cu_seqlens.size - 1 if _th(a) else a.x.shape[0]
+
+
+def _lens(a):
+    if _th(a):
+        cu = np.asarray(a.cu_seqlens, np.int64)
+        return cu[1:] - cu[:-1]
+    return np.full(a.x.shape[0], a.x.shape[1], np.int64)
+
+
+def _starts(a):
+    return np.zeros(_nb(a), np.int64) if a.get("start_pos") is None else np.asarray(a.start_pos, np.int64)
+
+
+def _d(a):
+    return a.wkv.shape[0] // a.coff if a.coff in (1, 2) else a.wkv.shape[0]
+
+
+def _same_dtype(p):
+    def check(a):
+        return None if dtype_name(a[p]) == dtype_name(a.x) else Raw(f"{dtype_name(a[p])} with x {dtype_name(a.x)}")
+
+    def violate(args):
+        out = copy_args(args)
+        other = np.float16 if dtype_name(out["x"]) == "bfloat16" else BF16
+        out[p] = out[p].astype(np.float32).astype(other)
+        return out
+
+    return rule(CMP, f"{p}_dtype_as_x", p, "dtype", "must have x's dtype", check, violate, dtype=True, source=SRC)
+
+
+def _vec(p, n_of, what):
+    def check(a):
+        v = a.get(p)
+        if v is None:
+            return None
+        return None if v.ndim == 1 and v.shape[0] == n_of(a) else tuple(v.shape)
+
+    return rule(CMP, f"{p}_shape", p, "shape", what, check,
+                edit_params(lambda o: o.update({p: np.concatenate([o[p], o[p][:1]])})), source=SRC)
+
+
+def _cu_values(a):
+    if not _th(a):
+        return None
+    cu = np.asarray(a.cu_seqlens, np.int64)
+    ok = cu[0] == 0 and (np.diff(cu) >= 0).all() and cu[-1] == a.x.shape[0]
+    return None if ok else Raw(f"{cu.tolist()} with T = {a.x.shape[0]}")
+
+
+def _seqused_values(a):
+    if a.get("seqused") is None:
+        return None
+    s = np.asarray(a.seqused, np.int64)
+    return None if ((s >= 0) & (s <= _lens(a))).all() else Raw(f"{s.tolist()} with lengths {_lens(a).tolist()}")
+
+
+def _smax(a):
+    ln = _lens(a)
+    return int(_starts(a).max() + ln.max()) if ln.size else 0
+
+
+def _table_shape(a):
+    t = a.state_block_table
+    if a.cache_mode == 2:
+        return None if t.ndim == 1 and t.shape[0] == _nb(a) else Raw(f"{tuple(t.shape)} with cache_mode 2")
+    need = -(-_smax(a) // a.state_cache.shape[1])
+    ok = t.ndim == 2 and t.shape[0] == _nb(a) and t.shape[1] >= need
+    return None if ok else Raw(f"{tuple(t.shape)}, needs [{_nb(a)}, >= {need}] with cache_mode 1")
+
+
+def _table_values(a):
+    t = np.asarray(a.state_block_table, np.int64)
+    if t.size == 0:
+        return None
+    ok = t.min() >= 0 and t.max() < a.state_cache.shape[0]
+    return None if ok else Raw(f"entries in [{t.min()}, {t.max()}] with block_num {a.state_cache.shape[0]}")
+
+
+def _ring_size(a):
+    if a.cache_mode != 2:
+        return None
+    ln = _lens(a)
+    s = int(ln.max()) if ln.size else 0
+    need = a.coff * a.cmp_ratio + s - 1
+    bs, bn = a.state_cache.shape[1], a.state_cache.shape[0]
+    return None if bs >= need and bn >= _nb(a) else Raw(f"block_size {bs}, block_num {bn}: need >= {need}, >= {_nb(a)}")
+
+
+def _ring_args(o):
+    o["cache_mode"] = 2
+    o["state_block_table"] = np.array([0, 1], np.int32)
+
+
+def _to_mode2_small(o):
+    _ring_args(o)
+    o["state_cache"] = np.zeros((5, 12, o["state_cache"].shape[2]), np.float32)
+
+
+CMP_CONTRACT = Contract(
+    op=CMP,
+    constraints=[
+        dtype_in(CMP, "x", X_DTYPES, source=SRC),
+        _same_dtype("wkv"),
+        _same_dtype("wgate"),
+        dtype_in(CMP, "state_cache", ("float32",), source=SRC),
+        dtype_in(CMP, "ape", ("float32",), source=SRC),
+        dtype_in(CMP, "state_block_table", ("int32",), source=SRC),
+        dtype_in(CMP, "cu_seqlens", ("int32",), optional=True, source=SRC),
+        dtype_in(CMP, "seqused", ("int32",), optional=True, source=SRC),
+        dtype_in(CMP, "start_pos", ("int32",), optional=True, source=SRC),
+        rule(CMP, "precision_value", "precision", "value", f"must be one of {_cr.PRECISIONS}",
+             lambda a: None if a.precision in _cr.PRECISIONS else a.precision, set_param("precision", "bogus"),
+             source="docs/numerics/compressor.md#precision (qsfa's parameter)"),
+        rule(CMP, "coff_value", "coff", "value", "must be 1 or 2", lambda a: None if a.coff in (1, 2) else a.coff,
+             set_param("coff", 3), source=SRC),
+        rule(CMP, "cache_mode_value", "cache_mode", "value", "must be 1 (paged) or 2 (ring buffer)",
+             lambda a: None if a.cache_mode in (1, 2) else a.cache_mode, set_param("cache_mode", 3), source=SRC),
+        rule(CMP, "x_ndim", "x", "dim", "must be [B, S, H] (BSH) or [T, H] (TH)",
+             lambda a: None if a.x.ndim in (2, 3) else a.x.ndim, edit_params(lambda o: o.update(x=o["x"][None, None])),
+             source=SRC),
+        rule(CMP, "cu_seqlens_layout", "cu_seqlens", "value", "is required for TH x [T, H] and must be None for BSH",
+             lambda a: None if (a.get("cu_seqlens") is not None) == _th(a) else
+             ("None" if a.get("cu_seqlens") is None else "given with BSH x"),
+             set_param("cu_seqlens", None), source=SRC),
+        rule(CMP, "wkv_shape", "wkv", "shape", "must be [coff * D, H] with H = x.shape[-1]",
+             lambda a: None if a.wkv.ndim == 2 and a.wkv.shape[1] == a.x.shape[-1] else tuple(a.wkv.shape),
+             edit_params(lambda o: o.update(wkv=np.ascontiguousarray(o["wkv"][:, :512]))), source=SRC),
+        rule(CMP, "wgate_shape", "wgate", "shape", "must have wkv's shape",
+             lambda a: None if a.wgate.shape == a.wkv.shape else tuple(a.wgate.shape),
+             edit_params(lambda o: o.update(wgate=o["wgate"][:-1])), source=SRC),
+        rule(CMP, "scenario", "cmp_ratio", "value",
+             "(cmp_ratio, coff, D) must be (4, 2, 512) C4A, (4, 2, 128) C4Li or (128, 1, 512) C128A "
+             "(op_host/arch35/compressor_tiling.cpp CheckScenarioConsistency)",
+             lambda a: None if is_int(a.cmp_ratio) and a.wkv.shape[0] % a.coff == 0
+             and (a.cmp_ratio, a.coff, _d(a)) in _cr.SCENARIOS else Raw(f"({a.cmp_ratio}, {a.coff}, {_d(a)})"),
+             set_param("cmp_ratio", 8), source=SRC),
+        rule(CMP, "hidden_size", "x", "shape", "H must be a multiple of 512 in [1024, 10240]",
+             lambda a: None if 1024 <= a.x.shape[-1] <= 10240 and a.x.shape[-1] % 512 == 0 else a.x.shape[-1],
+             edit_params(lambda o: o.update(x=np.ascontiguousarray(o["x"][..., :512]),
+                                            wkv=np.ascontiguousarray(o["wkv"][:, :512]),
+                                            wgate=np.ascontiguousarray(o["wgate"][:, :512]))), source=SRC),
+        rule(CMP, "ape_shape", "ape", "shape", "must be [cmp_ratio, coff * D]",
+             lambda a: None if a.ape.shape == (a.cmp_ratio, a.wkv.shape[0]) else tuple(a.ape.shape),
+             edit_params(lambda o: o.update(ape=o["ape"][:-1])), source=SRC),
+        rule(CMP, "state_cache_shape", "state_cache", "shape",
+             "must be [block_num > 0, block_size in [1, 1024], 2 * coff * D]",
+             lambda a: None if a.state_cache.ndim == 3 and a.state_cache.shape[0] > 0
+             and 1 <= a.state_cache.shape[1] <= 1024 and a.state_cache.shape[2] == 2 * a.wkv.shape[0]
+             else tuple(a.state_cache.shape),
+             edit_params(lambda o: o.update(state_cache=np.ascontiguousarray(o["state_cache"][..., :-1]))),
+             source=SRC),
+        _vec("cu_seqlens", lambda a: _nb(a) + 1 if not _th(a) else a.cu_seqlens.shape[0],
+             "must be 1-D [B + 1]"),
+        rule(CMP, "cu_seqlens_values", "cu_seqlens", "value",
+             "must be prefix sums: 0 first, non-decreasing, T last",
+             _cu_values, edit_params(lambda o: o.update(cu_seqlens=np.array([0, 6, 7], np.int32))), source=SRC),
+        _vec("seqused", _nb, "must be [B]"),
+        _vec("start_pos", _nb, "must be [B]"),
+        rule(CMP, "seqused_values", "seqused", "value", "seqused[b] must be in [0, the batch's length]",
+             _seqused_values, edit_params(lambda o: o.update(seqused=np.array([6, 0], np.int32))), source=SRC),
+        rule(CMP, "start_pos_values", "start_pos", "value", "must be >= 0",
+             lambda a: None if a.get("start_pos") is None or (np.asarray(a.start_pos) >= 0).all()
+             else Raw(str(np.asarray(a.start_pos).tolist())),
+             edit_params(lambda o: o.update(start_pos=np.array([-1, 0], np.int32))), source=SRC),
+        rule(CMP, "state_block_table_shape", "state_block_table", "shape",
+             "must be [B, >= ceil(Smax / block_size)] with cache_mode 1 (Smax = max(start_pos) + the longest batch), "
+             "[B] with cache_mode 2", _table_shape,
+             edit_params(lambda o: o.update(state_block_table=o["state_block_table"][:, :1])), source=SRC),
+        rule(CMP, "state_block_table_values", "state_block_table", "value", "entries must be in [0, block_num)",
+             _table_values, edit_params(lambda o: o["state_block_table"].__setitem__((0, 0), 5)), source=SRC),
+        rule(CMP, "ring_buffer_size", "state_cache", "shape",
+             "with cache_mode 2, block_size >= coff * cmp_ratio + S - 1 (S the longest batch) and block_num >= B",
+             _ring_size, edit_params(_ring_args), source=SRC),
+        all_finite(CMP, "x", source=SRC),
+        all_finite(CMP, "wkv", source=SRC),
+        all_finite(CMP, "wgate", source=SRC),
+        all_finite(CMP, "ape", source=SRC),
+        rule(CMP, "a2_unsupported", "x", "value", "compressor runs on Atlas A3 and Ascend 950 only (aclnnCompressor.md)",
+             lambda a: "Atlas A2", lambda args: copy_args(args), chips=("A2",), source=SRC),
+        rule(CMP, "a3_cache_mode", "cache_mode", "value", "Atlas A3 supports cache_mode 1 only (aclnnCompressor.md)",
+             lambda a: None if a.cache_mode == 1 else a.cache_mode, edit_params(_to_mode2_small), chips=("A3",),
+             source=SRC),
+    ],
+    example=_example,
+    inplace=("state_cache",),
+    params=params("x:array wkv:array wgate:array state_cache:array ape:array state_block_table:array"
+                  " cu_seqlens:array? seqused:array? start_pos:array? cmp_ratio:int coff:int cache_mode:int"
+                  " precision:str"),
+)
+
+
+def _reference(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff,
+               cache_mode, precision="faithful", reduce_order="tree"):
+    return _cr.compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos,
+                          cmp_ratio=int(cmp_ratio), coff=int(coff), cache_mode=int(cache_mode), precision=precision,
+                          reduce_order=reduce_order)
+
+
+def _numerics(chip, args):
+    return {"reduce_order": "sequential" if chip == "950" else "tree"}
+
+
+define_operator(CMP, CMP_CONTRACT, outputs=("cmp_kv", "state_cache"), reference=_reference, numerics=_numerics,
+                doc="DeepSeek-V4 KV compressor (C4A / C4Li / C128A): matmuls, grouped softmax, weighted sum; "
+                    "state carried in a paged / ring fp32 cache.")
+
+
+def compressor(x, wkv, wgate, state_cache, ape, *, cmp_ratio, state_block_table=None, cu_seqlens=None, seqused=None,
+               start_pos=None, coff=1, cache_mode=1, precision="faithful", chip=None, backend="reference"):
+    """``cann_ops_transformer.ops.compressor`` (Atlas A3, Ascend 950): compress every ``cmp_ratio`` tokens of the
+    KV into one row (DeepSeek-V4 C4A / C4Li / C128A).
+
+    x:           float16 / bf16 ``[B, S, H]`` (BSH) or ``[T, H]`` (TH, with ``cu_seqlens``); H a multiple of 512 in
+                 [1024, 10240].
+    wkv, wgate:  x's dtype, ``[coff * D, H]``; (cmp_ratio, coff, D) is (4, 2, 512), (4, 2, 128) or (128, 1, 512).
+    state_cache: float32 ``[block_num, block_size, 2 * coff * D]``: per position the fp32 ``[kv | score]`` row of
+                 earlier calls (score with ape added); written in place with this call's tokens.
+    ape:         float32 ``[cmp_ratio, coff * D]``, the positional bias added to the scores.
+    state_block_table: int32 ``[B, >= ceil(Smax / block_size)]`` (cache_mode 1; entry 0 = do not write) or ``[B]``
+                 (cache_mode 2, one ring buffer block per batch).
+    cu_seqlens:  int32 ``[B + 1]`` prefix sums (TH only); seqused: int32 ``[B]`` tokens used per batch (None: all);
+    start_pos:   int32 ``[B]`` position of each batch's first token (None: 0).
+    coff:        2 = overlapping windows (each row also weighs the previous group), 1 = none.
+    precision:   "faithful" (the kernel's rounding points, ``chip`` picks the sum order) or "exact" (float64).
+    Returns ``(cmp_kv, state_cache)``: ``cmp_kv`` the compressed KV rows (x's dtype; ``[B, ceil(S / cmp_ratio), D]``
+    or ``[min(T, T // cmp_ratio + B), D]``, packed batch after batch, padding rows zero) - the input of
+    ``kv_compress_epilog`` / ``indexer_compress_epilog_v2``. Numerics: docs/numerics/compressor.md.
+    """
+    args = dict(x=x, wkv=wkv, wgate=wgate, state_cache=state_cache, ape=ape, state_block_table=state_block_table,
+                cu_seqlens=cu_seqlens, seqused=seqused, start_pos=start_pos, cmp_ratio=cmp_ratio, coff=coff,
+                cache_mode=cache_mode, precision=precision)
+    return run(CMP, args, backend, chip=chip)
