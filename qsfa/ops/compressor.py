@@ -35,7 +35,8 @@ def _example(rng):
     ape = rng.standard_normal((r, cf * d)).astype(np.float32)
     return dict(x=x, wkv=wkv, wgate=wgate, state_cache=state, ape=ape,
                 state_block_table=np.array([[1, 2], [3, 0]], np.int32), cu_seqlens=np.array([0, 5, 7], np.int32),
-                seqused=None, start_pos=np.array([3, 0], np.int32), cmp_ratio=r, coff=cf, cache_mode=1)
+                seqused=None, start_pos=np.array([3, 0], np.int32), cmp_ratio=r, coff=cf, cache_mode=1,
+                precision="faithful")
 
 
 def _th(a):
@@ -82,7 +83,7 @@ def _vec(p, n_of, what):
         return None if v.ndim == 1 and v.shape[0] == n_of(a) else tuple(v.shape)
 
     return rule(CMP, f"{p}_shape", p, "shape", what, check,
-                edit_params(lambda o: o.update({p: np.concatenate([o[p], o[p][:1]])})), source=SRC)
+                edit_params(lambda o: o.update({p: np.zeros(3, np.int32)})), source=SRC)
 
 
 def _cu_values(a):
@@ -106,7 +107,9 @@ def _smax(a):
 
 
 def _table_shape(a):
-    t = a.state_block_table
+    t = a.get("state_block_table")
+    if t is None:
+        return None
     if a.cache_mode == 2:
         return None if t.ndim == 1 and t.shape[0] == _nb(a) else Raw(f"{tuple(t.shape)} with cache_mode 2")
     need = -(-_smax(a) // a.state_cache.shape[1])
@@ -115,6 +118,8 @@ def _table_shape(a):
 
 
 def _table_values(a):
+    if a.get("state_block_table") is None:
+        return None
     t = np.asarray(a.state_block_table, np.int64)
     if t.size == 0:
         return None
@@ -195,11 +200,13 @@ CMP_CONTRACT = Contract(
              else tuple(a.state_cache.shape),
              edit_params(lambda o: o.update(state_cache=np.ascontiguousarray(o["state_cache"][..., :-1]))),
              source=SRC),
-        _vec("cu_seqlens", lambda a: _nb(a) + 1 if not _th(a) else a.cu_seqlens.shape[0],
-             "must be 1-D [B + 1]"),
+        rule(CMP, "cu_seqlens_shape", "cu_seqlens", "shape", "must be 1-D [B + 1] (B >= 0)",
+             lambda a: None if a.get("cu_seqlens") is None or (a.cu_seqlens.ndim == 1 and a.cu_seqlens.size >= 1)
+             else tuple(a.cu_seqlens.shape),
+             edit_params(lambda o: o.update(cu_seqlens=o["cu_seqlens"][None])), source=SRC),
         rule(CMP, "cu_seqlens_values", "cu_seqlens", "value",
              "must be prefix sums: 0 first, non-decreasing, T last",
-             _cu_values, edit_params(lambda o: o.update(cu_seqlens=np.array([0, 6, 7], np.int32))), source=SRC),
+             _cu_values, edit_params(lambda o: o.update(cu_seqlens=np.array([0, 5, 6], np.int32))), source=SRC),
         _vec("seqused", _nb, "must be [B]"),
         _vec("start_pos", _nb, "must be [B]"),
         rule(CMP, "seqused_values", "seqused", "value", "seqused[b] must be in [0, the batch's length]",
@@ -208,6 +215,10 @@ CMP_CONTRACT = Contract(
              lambda a: None if a.get("start_pos") is None or (np.asarray(a.start_pos) >= 0).all()
              else Raw(str(np.asarray(a.start_pos).tolist())),
              edit_params(lambda o: o.update(start_pos=np.array([-1, 0], np.int32))), source=SRC),
+        rule(CMP, "state_block_table_required", "state_block_table", "value",
+             "must be given (qsfa does not model a call without a state table)",
+             lambda a: None if a.get("state_block_table") is not None else "None",
+             set_param("state_block_table", None), source=SRC),
         rule(CMP, "state_block_table_shape", "state_block_table", "shape",
              "must be [B, >= ceil(Smax / block_size)] with cache_mode 1 (Smax = max(start_pos) + the longest batch), "
              "[B] with cache_mode 2", _table_shape,
@@ -229,7 +240,7 @@ CMP_CONTRACT = Contract(
     ],
     example=_example,
     inplace=("state_cache",),
-    params=params("x:array wkv:array wgate:array state_cache:array ape:array state_block_table:array"
+    params=params("x:array wkv:array wgate:array state_cache:array ape:array state_block_table:array?"
                   " cu_seqlens:array? seqused:array? start_pos:array? cmp_ratio:int coff:int cache_mode:int"
                   " precision:str"),
 )
