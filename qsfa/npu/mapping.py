@@ -135,6 +135,14 @@ NOT_MAPPED = {
         "its callable, torch.ops.cann_ops_transformer.scatter_pa_kv_cache_with_k_scale (ops-transformer, Ascend 950; "
         "vLLM-Ascend imports it from the cann_ops_transformer package), is not in torch_npu 2.14.0 or _C_ascend, and "
         "the npu backend does not load that package yet"),
+    "compressor": (
+        "its callable, cann_ops_transformer.ops.compressor(x, wkv, wgate, state_cache, ape, cmp_ratio=, "
+        "state_block_table=, cu_seqlens=, seqused=, start_pos=, coff=, cache_mode=) -> cmp_kv (ops-transformer "
+        "attention/compressor/, the call of its tests/pytest/compressor_golden.py; Atlas A3 and Ascend 950), comes from "
+        "the separately built cann_ops_transformer package, which the npu backend does not load yet; vLLM-Ascend's "
+        "torch.ops._C_ascend.compressor (csrc/torch_binding.cpp) is a different variant - it adds norm_weight, "
+        "rope_sin, rope_cos, rope_head_dim, norm_eps and rotary_mode (RMSNorm and RoPE of the rows) and sizes a TH "
+        "output by rope_sin.size(0) - so it cannot run this operator"),
     "indexer_quant_cache": (
         "its callable, torch.ops.cann_ops_transformer.indexer_quant_cache (ops-transformer attention/indexer_quant_cache/, "
         "Ascend 950), comes from the separately built cann_ops_transformer package, which the npu backend does not "
