@@ -584,6 +584,23 @@ def gen_scatter_pa_kv_cache_with_k_scale(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
+# DeepSeek-V4 compressor (docs/numerics/compressor.md)
+
+
+@register_generator("compressor")
+def gen_compressor(params, rng):
+    """The arrays of :func:`qsfa.ops.compressor.compressor_case` for ``params`` (scenario, lens, starts, layout,
+    used = seqused, cache_mode, block_size, x_dtype), seeded from ``rng``; the scalars are case params."""
+    from ..ops.compressor import compressor_case
+
+    keys = ("lens", "starts", "layout", "used", "cache_mode", "block_size", "x_dtype")
+    kw = {k: (tuple(params[k]) if isinstance(params[k], list) else params[k]) for k in keys if k in params}
+    scen = (int(params["cmp_ratio"]), int(params["coff"]), int(params["head_dim"]))
+    kw["seqused"] = kw.pop("used", None)
+    return compressor_case(seed=int(rng.integers(0, 2**31 - 1)), scenario=scen, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
 # layer chains (qsfa.chain; docs/golden.md#chains)
 
 

@@ -17,7 +17,7 @@ from .._dispatch import define_operator, run
 from .._errors import Raw
 from ..reference import compressor as _cr
 
-__all__ = ["compressor", "CMP", "CMP_CONTRACT"]
+__all__ = ["compressor", "CMP", "CMP_CONTRACT", "compressor_case"]
 
 BF16 = ml_dtypes.bfloat16
 CMP = "compressor"
@@ -37,6 +37,37 @@ def _example(rng):
                 state_block_table=np.array([[1, 2], [3, 0]], np.int32), cu_seqlens=np.array([0, 5, 7], np.int32),
                 seqused=None, start_pos=np.array([3, 0], np.int32), cmp_ratio=r, coff=cf, cache_mode=1,
                 precision="faithful")
+
+
+def compressor_case(seed=0, *, scenario=(4, 2, 128), lens=(5, 2), starts=(3, 0), layout="TH", seqused=None,
+                    cache_mode=1, block_size=4, x_dtype="bfloat16", hidden=1024):
+    """The arrays of a compressor call (golden cases, benchmarks): x ``randn * 0.5``, weights ``randn * 0.03`` in
+    ``x_dtype``, ape and the state ``randn`` (fp32); cache_mode 1: blocks 1.. in a shuffled table (block 0 unused),
+    cache_mode 2: one ring block per batch of ``coff * r + S - 1`` rows (``block_size`` ignored)."""
+    rng = np.random.default_rng(seed)
+    r, cf, d = scenario
+    xdt = BF16 if x_dtype == "bfloat16" else np.float16
+    nb, s = len(lens), max(lens)
+    x = (rng.standard_normal((sum(lens) if layout == "TH" else nb * s, hidden)) * 0.5).astype(xdt)
+    if layout == "BSH":
+        x = x.reshape(nb, s, hidden)
+    out = dict(x=x, wkv=(rng.standard_normal((cf * d, hidden)) * 0.03).astype(xdt),
+               wgate=(rng.standard_normal((cf * d, hidden)) * 0.03).astype(xdt),
+               ape=rng.standard_normal((r, cf * d)).astype(np.float32), start_pos=np.array(starts, np.int32))
+    if layout == "TH":
+        out["cu_seqlens"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    if seqused is not None:
+        out["seqused"] = np.array(seqused, np.int32)
+    if cache_mode == 2:
+        bs, nblk = cf * r + s - 1, nb + 1
+        out["state_block_table"] = rng.permutation(nblk)[:nb].astype(np.int32)
+    else:
+        bs = block_size
+        width = -(-(max(starts) + s) // bs)
+        nblk = 1 + nb * width
+        out["state_block_table"] = (1 + rng.permutation(nb * width)).astype(np.int32).reshape(nb, width)
+    out["state_cache"] = rng.standard_normal((nblk, bs, 2 * cf * d)).astype(np.float32)
+    return out
 
 
 def _th(a):

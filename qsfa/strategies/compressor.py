@@ -34,7 +34,7 @@ _E._PINS.update({
     (CMP, "one_token"): dict(layout="TH", scenario=_C4),
     (CMP, "uneven_batch"): dict(layout="TH", scenario=_C4),
     (CMP, "ring"): dict(cache_mode=2),
-    (CMP, "c128"): dict(scenario=(128, 1, 512)),
+    (CMP, "c128"): dict(scenario=((128, 1, 512),)),
 })
 
 _SCENARIOS = ((4, 2, 128), (4, 2, 128), (4, 2, 512), (128, 1, 512))
