@@ -70,6 +70,30 @@ def compressor_case(seed=0, *, scenario=(4, 2, 128), lens=(5, 2), starts=(3, 0),
     return out
 
 
+def _finite_codes(p):
+    def check(a):
+        v = np.ascontiguousarray(a[p]).view(np.uint8)
+        bad = ~np.isfinite(_hif8_values()[v])
+        return None if not bad.any() else Raw(f"code {int(v[bad].reshape(-1)[0]):#04x}")
+
+    return check
+
+
+def _poison_code(p):
+    def edit(o):
+        v = np.array(o[p], copy=True)
+        v.reshape(-1)[0] = int(np.flatnonzero(~np.isfinite(_hif8_values()))[0])
+        o[p] = v
+
+    return edit
+
+
+def _hif8_values():
+    from ..reference.attention import decode_nope
+
+    return decode_nope(np.arange(256, dtype=np.uint8), "hifloat8", np.float64)
+
+
 def _th(a):
     return a.x.ndim == 2
 
@@ -93,7 +117,7 @@ def _d(a):
     return a.wkv.shape[0] // a.coff if a.coff in (1, 2) else a.wkv.shape[0]
 
 
-def _same_dtype(p):
+def _same_dtype(op, src, p):
     def check(a):
         return None if dtype_name(a[p]) == dtype_name(a.x) else Raw(f"{dtype_name(a[p])} with x {dtype_name(a.x)}")
 
@@ -103,18 +127,18 @@ def _same_dtype(p):
         out[p] = out[p].astype(np.float32).astype(other)
         return out
 
-    return rule(CMP, f"{p}_dtype_as_x", p, "dtype", "must have x's dtype", check, violate, dtype=True, source=SRC)
+    return rule(op, f"{p}_dtype_as_x", p, "dtype", "must have x's dtype", check, violate, dtype=True, source=src)
 
 
-def _vec(p, n_of, what):
+def _vec(op, src, p, n_of, what):
     def check(a):
         v = a.get(p)
         if v is None:
             return None
         return None if v.ndim == 1 and v.shape[0] == n_of(a) else tuple(v.shape)
 
-    return rule(CMP, f"{p}_shape", p, "shape", what, check,
-                edit_params(lambda o: o.update({p: np.zeros(3, np.int32)})), source=SRC)
+    return rule(op, f"{p}_shape", p, "shape", what, check,
+                edit_params(lambda o: o.update({p: np.zeros(3, np.int32)})), source=src)
 
 
 def _cu_values(a):
@@ -178,97 +202,120 @@ def _to_mode2_small(o):
     o["state_cache"] = np.zeros((5, 12, o["state_cache"].shape[2]), np.float32)
 
 
-CMP_CONTRACT = Contract(
-    op=CMP,
-    constraints=[
-        dtype_in(CMP, "x", X_DTYPES, source=SRC),
-        _same_dtype("wkv"),
-        _same_dtype("wgate"),
-        dtype_in(CMP, "state_cache", ("float32",), source=SRC),
-        dtype_in(CMP, "ape", ("float32",), source=SRC),
-        dtype_in(CMP, "state_block_table", ("int32",), source=SRC),
-        dtype_in(CMP, "cu_seqlens", ("int32",), optional=True, source=SRC),
-        dtype_in(CMP, "seqused", ("int32",), optional=True, source=SRC),
-        dtype_in(CMP, "start_pos", ("int32",), optional=True, source=SRC),
-        rule(CMP, "precision_value", "precision", "value", f"must be one of {_cr.PRECISIONS}",
+def _input_rules(op, src, quant):
+    if quant:
+        return [dtype_in(op, p, ("uint8",), source=src) for p in ("x", "wkv", "wgate")] + [
+            dtype_in(op, p, ("float32",), source=src) for p in ("x_descale", "wkv_descale", "wgate_descale")] + [
+            rule(op, "quant_mode_value", "quant_mode", "value", "must be 1 (HiFloat8, the only mode)",
+                 lambda a: None if a.quant_mode == 1 else a.quant_mode, set_param("quant_mode", 2), source=src)]
+    return [dtype_in(op, "x", X_DTYPES, source=src), _same_dtype(op, src, "wkv"), _same_dtype(op, src, "wgate")]
+
+
+def _finite_rules(op, src, quant):
+    if not quant:
+        return [all_finite(op, p, source=src) for p in ("x", "wkv", "wgate")]
+    out = [rule(op, f"{p}_finite_codes", p, "value", "HiFloat8 codes must be finite (no NaN / Inf code)",
+                _finite_codes(p), edit_params(_poison_code(p)), source=src) for p in ("x", "wkv", "wgate")]
+    out.append(rule(op, "descale_shapes", "wkv_descale", "shape",
+                    "x_descale must be [1], wkv_descale and wgate_descale [coff * D]",
+                    lambda a: None if a.x_descale.shape == (1,) and a.wkv_descale.shape == (a.wkv.shape[0],)
+                    and a.wgate_descale.shape == (a.wkv.shape[0],) else Raw(f"{tuple(a.x_descale.shape)}, "
+                    f"{tuple(a.wkv_descale.shape)}, {tuple(a.wgate_descale.shape)}"),
+                    edit_params(lambda o: o.update(wkv_descale=o["wkv_descale"][:-1])), source=src))
+    out += [all_finite(op, p, source=src) for p in ("x_descale", "wkv_descale", "wgate_descale")]
+    return out
+
+
+def _rules(op, src, doc, quant=False):
+    return _input_rules(op, src, quant) + [
+        dtype_in(op, "state_cache", ("float32",), source=src),
+        dtype_in(op, "ape", ("float32",), source=src),
+        dtype_in(op, "state_block_table", ("int32",), source=src),
+        dtype_in(op, "cu_seqlens", ("int32",), optional=True, source=src),
+        dtype_in(op, "seqused", ("int32",), optional=True, source=src),
+        dtype_in(op, "start_pos", ("int32",), optional=True, source=src),
+        rule(op, "precision_value", "precision", "value", f"must be one of {_cr.PRECISIONS}",
              lambda a: None if a.precision in _cr.PRECISIONS else a.precision, set_param("precision", "bogus"),
              source="docs/numerics/compressor.md#precision (qsfa's parameter)"),
-        rule(CMP, "coff_value", "coff", "value", "must be 1 or 2", lambda a: None if a.coff in (1, 2) else a.coff,
-             set_param("coff", 3), source=SRC),
-        rule(CMP, "cache_mode_value", "cache_mode", "value", "must be 1 (paged) or 2 (ring buffer)",
-             lambda a: None if a.cache_mode in (1, 2) else a.cache_mode, set_param("cache_mode", 3), source=SRC),
-        rule(CMP, "x_ndim", "x", "dim", "must be [B, S, H] (BSH) or [T, H] (TH)",
+        rule(op, "coff_value", "coff", "value", "must be 1 or 2", lambda a: None if a.coff in (1, 2) else a.coff,
+             set_param("coff", 3), source=src),
+        rule(op, "cache_mode_value", "cache_mode", "value", "must be 1 (paged) or 2 (ring buffer)",
+             lambda a: None if a.cache_mode in (1, 2) else a.cache_mode, set_param("cache_mode", 3), source=src),
+        rule(op, "x_ndim", "x", "dim", "must be [B, S, H] (BSH) or [T, H] (TH)",
              lambda a: None if a.x.ndim in (2, 3) else a.x.ndim, edit_params(lambda o: o.update(x=o["x"][None, None])),
-             source=SRC),
-        rule(CMP, "cu_seqlens_layout", "cu_seqlens", "value", "is required for TH x [T, H] and must be None for BSH",
+             source=src),
+        rule(op, "cu_seqlens_layout", "cu_seqlens", "value", "is required for TH x [T, H] and must be None for BSH",
              lambda a: None if (a.get("cu_seqlens") is not None) == _th(a) else
              ("None" if a.get("cu_seqlens") is None else "given with BSH x"),
-             set_param("cu_seqlens", None), source=SRC),
-        rule(CMP, "wkv_shape", "wkv", "shape", "must be [coff * D, H] with H = x.shape[-1]",
+             set_param("cu_seqlens", None), source=src),
+        rule(op, "wkv_shape", "wkv", "shape", "must be [coff * D, H] with H = x.shape[-1]",
              lambda a: None if a.wkv.ndim == 2 and a.wkv.shape[1] == a.x.shape[-1] else tuple(a.wkv.shape),
-             edit_params(lambda o: o.update(wkv=np.ascontiguousarray(o["wkv"][:, :512]))), source=SRC),
-        rule(CMP, "wgate_shape", "wgate", "shape", "must have wkv's shape",
+             edit_params(lambda o: o.update(wkv=np.ascontiguousarray(o["wkv"][:, :512]))), source=src),
+        rule(op, "wgate_shape", "wgate", "shape", "must have wkv's shape",
              lambda a: None if a.wgate.shape == a.wkv.shape else tuple(a.wgate.shape),
-             edit_params(lambda o: o.update(wgate=o["wgate"][:-1])), source=SRC),
-        rule(CMP, "scenario", "cmp_ratio", "value",
+             edit_params(lambda o: o.update(wgate=o["wgate"][:-1])), source=src),
+        rule(op, "scenario", "cmp_ratio", "value",
              "(cmp_ratio, coff, D) must be (4, 2, 512) C4A, (4, 2, 128) C4Li or (128, 1, 512) C128A "
              "(op_host/arch35/compressor_tiling.cpp CheckScenarioConsistency)",
              lambda a: None if is_int(a.cmp_ratio) and a.wkv.shape[0] % a.coff == 0
              and (a.cmp_ratio, a.coff, _d(a)) in _cr.SCENARIOS else Raw(f"({a.cmp_ratio}, {a.coff}, {_d(a)})"),
-             set_param("cmp_ratio", 8), source=SRC),
-        rule(CMP, "hidden_size", "x", "shape", "H must be a multiple of 512 in [1024, 10240]",
+             set_param("cmp_ratio", 8), source=src),
+        rule(op, "hidden_size", "x", "shape", "H must be a multiple of 512 in [1024, 10240]",
              lambda a: None if 1024 <= a.x.shape[-1] <= 10240 and a.x.shape[-1] % 512 == 0 else a.x.shape[-1],
              edit_params(lambda o: o.update(x=np.ascontiguousarray(o["x"][..., :512]),
                                             wkv=np.ascontiguousarray(o["wkv"][:, :512]),
-                                            wgate=np.ascontiguousarray(o["wgate"][:, :512]))), source=SRC),
-        rule(CMP, "ape_shape", "ape", "shape", "must be [cmp_ratio, coff * D]",
+                                            wgate=np.ascontiguousarray(o["wgate"][:, :512]))), source=src),
+        rule(op, "ape_shape", "ape", "shape", "must be [cmp_ratio, coff * D]",
              lambda a: None if a.ape.shape == (a.cmp_ratio, a.wkv.shape[0]) else tuple(a.ape.shape),
-             edit_params(lambda o: o.update(ape=o["ape"][:-1])), source=SRC),
-        rule(CMP, "state_cache_shape", "state_cache", "shape",
+             edit_params(lambda o: o.update(ape=o["ape"][:-1])), source=src),
+        rule(op, "state_cache_shape", "state_cache", "shape",
              "must be [block_num > 0, block_size in [1, 1024], 2 * coff * D]",
              lambda a: None if a.state_cache.ndim == 3 and a.state_cache.shape[0] > 0
              and 1 <= a.state_cache.shape[1] <= 1024 and a.state_cache.shape[2] == 2 * a.wkv.shape[0]
              else tuple(a.state_cache.shape),
              edit_params(lambda o: o.update(state_cache=np.ascontiguousarray(o["state_cache"][..., :-1]))),
-             source=SRC),
-        rule(CMP, "cu_seqlens_shape", "cu_seqlens", "shape", "must be 1-D [B + 1] (B >= 0)",
+             source=src),
+        rule(op, "cu_seqlens_shape", "cu_seqlens", "shape", "must be 1-D [B + 1] (B >= 0)",
              lambda a: None if a.get("cu_seqlens") is None or (a.cu_seqlens.ndim == 1 and a.cu_seqlens.size >= 1)
              else tuple(a.cu_seqlens.shape),
-             edit_params(lambda o: o.update(cu_seqlens=o["cu_seqlens"][None])), source=SRC),
-        rule(CMP, "cu_seqlens_values", "cu_seqlens", "value",
+             edit_params(lambda o: o.update(cu_seqlens=o["cu_seqlens"][None])), source=src),
+        rule(op, "cu_seqlens_values", "cu_seqlens", "value",
              "must be prefix sums: 0 first, non-decreasing, T last",
-             _cu_values, edit_params(lambda o: o.update(cu_seqlens=np.array([0, 5, 6], np.int32))), source=SRC),
-        _vec("seqused", _nb, "must be [B]"),
-        _vec("start_pos", _nb, "must be [B]"),
-        rule(CMP, "seqused_values", "seqused", "value", "seqused[b] must be in [0, the batch's length]",
-             _seqused_values, edit_params(lambda o: o.update(seqused=np.array([6, 0], np.int32))), source=SRC),
-        rule(CMP, "start_pos_values", "start_pos", "value", "must be >= 0",
+             _cu_values, edit_params(lambda o: o.update(cu_seqlens=np.array([0, 5, 6], np.int32))), source=src),
+        _vec(op, src, "seqused", _nb, "must be [B]"),
+        _vec(op, src, "start_pos", _nb, "must be [B]"),
+        rule(op, "seqused_values", "seqused", "value", "seqused[b] must be in [0, the batch's length]",
+             _seqused_values, edit_params(lambda o: o.update(seqused=np.array([6, 0], np.int32))), source=src),
+        rule(op, "start_pos_values", "start_pos", "value", "must be >= 0",
              lambda a: None if a.get("start_pos") is None or (np.asarray(a.start_pos) >= 0).all()
              else Raw(str(np.asarray(a.start_pos).tolist())),
-             edit_params(lambda o: o.update(start_pos=np.array([-1, 0], np.int32))), source=SRC),
-        rule(CMP, "state_block_table_required", "state_block_table", "value",
+             edit_params(lambda o: o.update(start_pos=np.array([-1, 0], np.int32))), source=src),
+        rule(op, "state_block_table_required", "state_block_table", "value",
              "must be given (qsfa does not model a call without a state table)",
              lambda a: None if a.get("state_block_table") is not None else "None",
-             set_param("state_block_table", None), source=SRC),
-        rule(CMP, "state_block_table_shape", "state_block_table", "shape",
+             set_param("state_block_table", None), source=src),
+        rule(op, "state_block_table_shape", "state_block_table", "shape",
              "must be [B, >= ceil(Smax / block_size)] with cache_mode 1 (Smax = max(start_pos) + the longest batch), "
              "[B] with cache_mode 2", _table_shape,
-             edit_params(lambda o: o.update(state_block_table=o["state_block_table"][:, :1])), source=SRC),
-        rule(CMP, "state_block_table_values", "state_block_table", "value", "entries must be in [0, block_num)",
-             _table_values, edit_params(lambda o: o["state_block_table"].__setitem__((0, 0), 5)), source=SRC),
-        rule(CMP, "ring_buffer_size", "state_cache", "shape",
+             edit_params(lambda o: o.update(state_block_table=o["state_block_table"][:, :1])), source=src),
+        rule(op, "state_block_table_values", "state_block_table", "value", "entries must be in [0, block_num)",
+             _table_values, edit_params(lambda o: o["state_block_table"].__setitem__((0, 0), 5)), source=src),
+        rule(op, "ring_buffer_size", "state_cache", "shape",
              "with cache_mode 2, block_size >= coff * cmp_ratio + S - 1 (S the longest batch) and block_num >= B",
-             _ring_size, edit_params(_ring_args), source=SRC),
-        all_finite(CMP, "x", source=SRC),
-        all_finite(CMP, "wkv", source=SRC),
-        all_finite(CMP, "wgate", source=SRC),
-        all_finite(CMP, "ape", source=SRC),
-        rule(CMP, "a2_unsupported", "x", "value", "compressor runs on Atlas A3 and Ascend 950 only (aclnnCompressor.md)",
-             lambda a: "Atlas A2", lambda args: copy_args(args), chips=("A2",), source=SRC),
-        rule(CMP, "a3_cache_mode", "cache_mode", "value", "Atlas A3 supports cache_mode 1 only (aclnnCompressor.md)",
+             _ring_size, edit_params(_ring_args), source=src),
+        all_finite(op, "ape", source=src),
+    ] + _finite_rules(op, src, quant) + [
+        rule(op, "a2_unsupported", "x", "value", f"{op} runs on Atlas A3 and Ascend 950 only ({doc})",
+             lambda a: "Atlas A2", lambda args: copy_args(args), chips=("A2",), source=src),
+        rule(op, "a3_cache_mode", "cache_mode", "value", f"Atlas A3 supports cache_mode 1 only ({doc})",
              lambda a: None if a.cache_mode == 1 else a.cache_mode, edit_params(_to_mode2_small), chips=("A3",),
-             source=SRC),
-    ],
+             source=src),
+    ]
+
+
+CMP_CONTRACT = Contract(
+    op=CMP,
+    constraints=_rules(CMP, SRC, "aclnnCompressor.md"),
     example=_example,
     inplace=("state_cache",),
     params=params("x:array wkv:array wgate:array state_cache:array ape:array state_block_table:array?"

@@ -27,17 +27,24 @@ arch35 ``vf_softmax.h`` / ``vf_mul.h``: slot 0 first, from +0).
 ``precision="exact"``: float64 matmuls, softmax and sums, float64 rows; the state is fp32 storage either way (the
 rounded value is written, the float64 one used for this call's own tokens).
 
+``quant_compressor`` (the HiFloat8 path, ``quant=(x_descale, wkv_descale, wgate_descale)``): x, wkv and wgate
+are HiFloat8 codes (uint8); faithful ``kv = RN32(x . wkv) * d`` with ``d = fp32(wkv_descale * x_descale)`` per
+column (the kernel multiplies the two descales first, then one fp32 multiply per value), the same for the score
+before ``+ ape``; the rest as above, and ``cmp_kv`` is bf16. Exact: float64 ``dot * x_descale * w_descale``.
+
 Returns ``(cmp_kv, state_cache)``; ``state_cache`` is updated in place.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-from .attention import _dot_f32, _qdt_name, exp_f32, round_q16, row_facts
+from .attention import _dot_f32, _qdt_name, decode_nope, exp_f32, min_lq, round_q16, row_facts
 
 __all__ = ["compressor", "plan", "SCENARIOS", "REDUCE_ORDERS", "PRECISIONS", "cmp_rows"]
 
+BF16 = ml_dtypes.bfloat16
 #: (cmp_ratio, coff, head_dim) the kernels accept: C4A, C4Li, C128A
 SCENARIOS = ((4, 2, 512), (4, 2, 128), (128, 1, 512))
 REDUCE_ORDERS = ("tree", "sequential")
@@ -73,20 +80,35 @@ def plan(x_shape, cu_seqlens, seqused, start_pos, cmp_ratio):
     return base, used, start, nb
 
 
-def _projections(xt, wkv, wgate, precision):
-    """(kv, score) of the token rows ``xt [n, H]``: RN32 of the exact dots (faithful) or float64 (exact)."""
-    x64 = xt.astype(np.float64)
+def _facts(v64, codes, quant):
+    if quant is None:
+        return row_facts(v64, codes.view(np.uint16), _qdt_name(codes))
+    norm = np.sqrt(np.einsum("...d,...d->...", v64, v64)) * (1 + 2.0 ** -40)
+    return norm, min_lq(np.ascontiguousarray(codes).view(np.uint8), "hifloat8")
+
+
+def _projections(xt, wkv, wgate, precision, quant=None):
+    """(kv, score) of the token rows ``xt [n, H]``: RN32 of the exact dots (faithful) or float64 (exact); with
+    ``quant`` the HiFloat8 codes are decoded and the dots dequantised (module docstring)."""
+    val = (lambda c: decode_nope(np.ascontiguousarray(c).view(np.uint8), "hifloat8", np.float64)) if quant else \
+        (lambda c: c.astype(np.float64))
+    x64 = val(xt)
+    xf = None if precision == "exact" else _facts(x64, xt, quant)
     outs = []
-    for w in (wkv, wgate):
-        w64 = w.astype(np.float64)
+    for i, w in enumerate((wkv, wgate)):
+        w64 = val(w)
         if precision == "exact":
-            outs.append(x64 @ w64.T)
+            d = x64 @ w64.T
+            if quant:
+                d = d * float(np.float32(quant[0]).reshape(-1)[0]) * np.asarray(quant[1 + i], np.float64)
+            outs.append(d)
             continue
-        name = _qdt_name(w)
-        xf = row_facts(x64, xt.view(np.uint16), name)
-        wf = row_facts(w64, w.view(np.uint16), name)
-        d = _dot_f32(x64[None], w64.T[None], (xf[0][None], xf[1][None]), (wf[0][None], wf[1][None]))
-        outs.append(d[0])
+        wf = _facts(w64, w, quant)
+        d = _dot_f32(x64[None], w64.T[None], (xf[0][None], xf[1][None]), (wf[0][None], wf[1][None]))[0]
+        if quant:
+            desc = (np.asarray(quant[1 + i], np.float32) * np.asarray(quant[0], np.float32).reshape(-1)[0])
+            d = (d * desc.astype(np.float32)).astype(np.float32)
+        outs.append(d)
     return outs
 
 
@@ -120,7 +142,7 @@ def _reduce(kv, sc, precision, order):
 
 
 def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=None, seqused=None, start_pos=None,
-               *, cmp_ratio, coff=1, cache_mode=1, precision="faithful", reduce_order="tree"):
+               *, cmp_ratio, coff=1, cache_mode=1, precision="faithful", reduce_order="tree", quant=None):
     """The compressor (module docstring). ``state_cache`` ``[block_num, block_size, 2 * coff * D]`` fp32 is written
     in place; returns ``(cmp_kv, state_cache)``."""
     assert precision in PRECISIONS and reduce_order in REDUCE_ORDERS
@@ -130,7 +152,8 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
     cd = wkv.shape[0]  # coff * D
     d = cd // cf
     base, used, start, nb = plan(x.shape, cu_seqlens, seqused, start_pos, r)
-    out_dt = np.float64 if precision == "exact" else x.dtype
+    out_name = "bfloat16" if quant is not None else _qdt_name(x)
+    out_dt = np.float64 if precision == "exact" else (np.dtype(BF16) if quant is not None else x.dtype)
     cmp_kv = np.zeros(cmp_rows(x.shape, r, nb) + (d,), out_dt)
     if nb == 0 or int(used.sum()) == 0:
         return cmp_kv, state_cache
@@ -144,7 +167,7 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
     tok_i = np.arange(tok_b.size, dtype=np.int64) - first[tok_b]
     tok_p = start[tok_b] + tok_i
     xt = x.reshape(-1, h)[base[tok_b] + tok_i]
-    kv_new, sc_new = _projections(xt, wkv, wgate, precision)
+    kv_new, sc_new = _projections(xt, wkv, wgate, precision, quant)
     ape_t = np.asarray(ape)[tok_p % r]
     if precision == "exact":
         sc_new = sc_new + ape_t.astype(np.float64)
@@ -207,5 +230,5 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
         if precision == "exact":
             out_flat[out_row[sl]] = rows
         else:
-            out_flat[out_row[sl]] = round_q16(rows, _qdt_name(x), "round")
+            out_flat[out_row[sl]] = round_q16(rows, out_name, "round")
     return cmp_kv, state_cache
