@@ -46,8 +46,9 @@ def _bf16_away(v):
     return np.array([sign | mag], np.uint32).view(F32).astype(BF16)[0]
 
 
-def _model(x, wkv, wgate, state, ape, table, lens, starts, base, r, cf, order):
+def _model(x, wkv, wgate, state, ape, table, lens, starts, base, r, cf, order, dots=None):
     """Per-token, per-group model: (rows per batch [list of bf16 arrays], state after the call)."""
+    dots = dots or (lambda xr, w, which: _dots(xr, w))
     state = state.copy()
     cd = wkv.shape[0]
     d = cd // cf
@@ -59,8 +60,8 @@ def _model(x, wkv, wgate, state, ape, table, lens, starts, base, r, cf, order):
         for i in range(lens[b]):
             p = starts[b] + i
             xr = x[base[b] + i][None]
-            kv = _dots(xr, wkv)[0]
-            sc = np.array([F32(v + ape[p % r, c]) for c, v in enumerate(_dots(xr, wgate)[0])], F32)
+            kv = dots(xr, wkv, 0)[0]
+            sc = np.array([F32(v + ape[p % r, c]) for c, v in enumerate(dots(xr, wgate, 1)[0])], F32)
             new[p] = (kv, sc)
             blk = table[b, p // bs]
             if blk != 0:
@@ -231,3 +232,75 @@ def test_a2_is_refused_and_a3_refuses_the_ring_buffer():
                 state_cache=np.zeros((3, 16, 512), F32))
     with pytest.raises(qsfa.InvalidArgument, match="cache_mode 1 only"):
         _run(ring, chip="A3")
+
+
+# ------------------------------------------------------------------------------------------- quant_compressor
+
+
+def _hif8(values):
+    codes = qsfa.formats.encode(np.asarray(values, F32), "hifloat8")
+    assert np.array_equal(qsfa.formats.decode(codes, "hifloat8"), np.asarray(values, F32))  # exact by choice
+    return codes
+
+
+def _quant_inputs(rng, **kw):
+    a = _inputs(rng, **kw)
+    cd = a["wkv"].shape[0]
+    # x: integers -8..8, weights k / 64: every product a multiple of 2^-6, every float64 partial sum exact
+    a["x"] = _hif8(rng.integers(-8, 9, a["x"].shape))
+    a["wkv"] = _hif8(rng.integers(-8, 9, a["wkv"].shape) / 64)
+    a["wgate"] = _hif8(rng.integers(-8, 9, a["wgate"].shape) / 64)
+    a.update(x_descale=np.array([0.37], F32), wkv_descale=(rng.random(cd) * 0.01 + 1e-3).astype(F32),
+             wgate_descale=(rng.random(cd) * 0.01 + 1e-3).astype(F32))
+    return a
+
+
+def test_quant_compressor_matches_the_independent_model():
+    rng = np.random.default_rng(11)
+    a = _quant_inputs(rng, t=(6, 3), starts=(3, 5))
+    st0 = a["state_cache"].copy()
+    cmp_kv, state = qsfa.quant_compressor(**a, chip="950")
+
+    def dots(xr, w, which):
+        raw = qsfa.formats.decode(xr, "hifloat8").astype(np.float64) @ \
+            qsfa.formats.decode(w, "hifloat8").astype(np.float64).T
+        desc = F32(a["x_descale"][0]) * (a["wkv_descale"], a["wgate_descale"])[which]  # fp32(w * x), then one multiply
+        return raw.astype(F32) * desc.astype(F32)
+
+    rows, st_model = _model(a["x"], a["wkv"], a["wgate"], st0, a["ape"], a["state_block_table"], [6, 3], [3, 5],
+                            [0, 6], 4, 2, "sequential", dots)
+    flat = np.stack([row for rb in rows for row in rb])
+    assert cmp_kv.dtype == BF16 and len(flat) == 3
+    assert np.array_equal(cmp_kv[:3].view(np.uint16), flat.view(np.uint16))
+    assert np.array_equal(state.view(np.uint32), st_model.view(np.uint32))
+
+
+def test_quant_compressor_batch_invariance_and_serial_state():
+    rng = np.random.default_rng(12)
+    a = _quant_inputs(rng, t=(12, 11), starts=(0, 0), bs=8)
+    both, st_both = qsfa.quant_compressor(**dict(a, state_cache=a["state_cache"].copy()))
+    alone = dict(a, x=a["x"][12:], cu_seqlens=np.array([0, 11], np.int32), start_pos=np.array([0], np.int32),
+                 state_block_table=a["state_block_table"][1:], state_cache=a["state_cache"].copy())
+    one, _ = qsfa.quant_compressor(**alone)
+    assert np.array_equal(one[:2].view(np.uint16), both[3:5].view(np.uint16))
+    state = a["state_cache"].copy()
+    rows = []
+    for i in range(11):  # batch 1 token by token, each call carrying the state the previous one left
+        step = dict(alone, x=alone["x"][i:i + 1], cu_seqlens=np.array([0, 1], np.int32),
+                    start_pos=np.array([i], np.int32), state_cache=state)
+        out, state = qsfa.quant_compressor(**step)
+        if (i + 1) % 4 == 0:
+            rows.append(out[0])
+    assert np.array_equal(np.stack(rows).view(np.uint16), both[3:5].view(np.uint16))
+    blocks = a["state_block_table"][1]
+    assert np.array_equal(state[blocks].view(np.uint32), st_both[blocks].view(np.uint32))
+
+
+def test_quant_compressor_refuses_a_nan_code_before_writing():
+    a = _quant_inputs(np.random.default_rng(13))
+    a["x"] = a["x"].copy()
+    a["x"][0, 0] = int(np.flatnonzero(~np.isfinite(qsfa.formats.decode(np.arange(256, dtype=np.uint8), "hifloat8")))[0])
+    before = a["state_cache"].copy()
+    with pytest.raises(qsfa.InvalidArgument, match="Invalid value for x.*finite"):
+        qsfa.quant_compressor(**a)
+    assert np.array_equal(a["state_cache"], before)

@@ -17,7 +17,7 @@ from .._dispatch import define_operator, run
 from .._errors import Raw
 from ..reference import compressor as _cr
 
-__all__ = ["compressor", "CMP", "CMP_CONTRACT", "compressor_case"]
+__all__ = ["compressor", "quant_compressor", "CMP", "CMP_CONTRACT", "QCMP", "QCMP_CONTRACT", "compressor_case"]
 
 BF16 = ml_dtypes.bfloat16
 CMP = "compressor"
@@ -365,3 +365,69 @@ def compressor(x, wkv, wgate, state_cache, ape, *, cmp_ratio, state_block_table=
                 cu_seqlens=cu_seqlens, seqused=seqused, start_pos=start_pos, cmp_ratio=cmp_ratio, coff=coff,
                 cache_mode=cache_mode, precision=precision)
     return run(CMP, args, backend, chip=chip)
+
+
+# ------------------------------------------------------------------------------------------- quant_compressor
+
+QCMP = "quant_compressor"
+QSRC = ("cannmirror/ops-transformer@f681b2f experimental/attention/quant_compressor/ (README.md, op_host/arch35/"
+        "quant_compressor_tiling.cpp, op_kernel/arch35/); docs/numerics/compressor.md#quant_compressor")
+
+
+def _hif8_codes(rng, shape, scale):
+    from ..formats import encode
+
+    return encode((rng.standard_normal(shape) * scale).astype(np.float32), "hifloat8", saturate=True)
+
+
+def _quant_example(rng):
+    a = _example(rng)
+    t, h = a["x"].shape
+    cd = a["wkv"].shape[0]
+    a.update(x=_hif8_codes(rng, (t, h), 4.0), wkv=_hif8_codes(rng, (cd, h), 1.0), wgate=_hif8_codes(rng, (cd, h), 1.0),
+             x_descale=np.array([0.125], np.float32), wkv_descale=(rng.random(cd) * 0.02 + 0.001).astype(np.float32),
+             wgate_descale=(rng.random(cd) * 0.02 + 0.001).astype(np.float32), quant_mode=1)
+    return a
+
+
+QCMP_CONTRACT = Contract(
+    op=QCMP,
+    constraints=_rules(QCMP, QSRC, "quant_compressor README.md", quant=True),
+    example=_quant_example,
+    inplace=("state_cache",),
+    params=params("x:array wkv:array wgate:array state_cache:array ape:array x_descale:array wkv_descale:array"
+                  " wgate_descale:array state_block_table:array? cu_seqlens:array? seqused:array? start_pos:array?"
+                  " quant_mode:int cmp_ratio:int coff:int cache_mode:int precision:str"),
+)
+
+
+def _quant_reference(x, wkv, wgate, state_cache, ape, x_descale, wkv_descale, wgate_descale, state_block_table,
+                     cu_seqlens, seqused, start_pos, quant_mode, cmp_ratio, coff, cache_mode, precision="faithful",
+                     reduce_order="sequential"):
+    return _cr.compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos,
+                          cmp_ratio=int(cmp_ratio), coff=int(coff), cache_mode=int(cache_mode), precision=precision,
+                          reduce_order=reduce_order, quant=(x_descale, wkv_descale, wgate_descale))
+
+
+def _quant_numerics(chip, args):
+    return {"reduce_order": "sequential"}  # only the arch35 kernel is published (docs/numerics/compressor.md)
+
+
+define_operator(QCMP, QCMP_CONTRACT, outputs=("cmp_kv", "state_cache"), reference=_quant_reference,
+                numerics=_quant_numerics,
+                doc="DeepSeek-V4 KV compressor with HiFloat8 x / weights and fp32 descales (experimental).")
+
+
+def quant_compressor(x, wkv, wgate, state_cache, ape, x_descale, wkv_descale, wgate_descale, *, cmp_ratio,
+                     state_block_table=None, cu_seqlens=None, seqused=None, start_pos=None, quant_mode=1, coff=1,
+                     cache_mode=1, precision="faithful", chip=None, backend="reference"):
+    """ops-transformer's experimental QuantCompressor: :func:`compressor` with HiFloat8 ``x``, ``wkv``, ``wgate``
+    (uint8 codes) and fp32 descales - ``x_descale [1]``, ``wkv_descale`` / ``wgate_descale [coff * D]``; each dot
+    product is dequantised by ``fp32(w_descale * x_descale)``. ``quant_mode`` 1 (HiFloat8) is the only mode.
+    Returns ``(cmp_kv, state_cache)``, ``cmp_kv`` bf16. Numerics: docs/numerics/compressor.md#quant_compressor.
+    """
+    args = dict(x=x, wkv=wkv, wgate=wgate, state_cache=state_cache, ape=ape, x_descale=x_descale,
+                wkv_descale=wkv_descale, wgate_descale=wgate_descale, state_block_table=state_block_table,
+                cu_seqlens=cu_seqlens, seqused=seqused, start_pos=start_pos, quant_mode=quant_mode,
+                cmp_ratio=cmp_ratio, coff=coff, cache_mode=cache_mode, precision=precision)
+    return run(QCMP, args, backend, chip=chip)
