@@ -1191,6 +1191,20 @@ def _compressor():
 
         return impl
 
+    QCMP = "quant_compressor"
+
+    def no_x_descale(kw):
+        kw["x_descale"] = np.ones_like(kw["x_descale"])
+        return kw
+
+    def swapped_descales(kw):
+        kw["wkv_descale"], kw["wgate_descale"] = kw["wgate_descale"], kw["wkv_descale"]
+        return kw
+
+    _add(f"{QCMP}.x_descale_ignored", QCMP, "the dots are dequantised by the weight descale only", _args(no_x_descale))
+    _add(f"{QCMP}.descales_swapped", QCMP, "wkv's descale applied to the score and wgate's to the kv",
+         _args(swapped_descales))
+
     _add(f"{CMP}.residual_not_saved", CMP, "the residual (tokens after the last complete group) is not written to "
          "the state, so the next call cannot finish its group", residual_lost)
 

@@ -675,3 +675,20 @@ def compressor_cases() -> list[Case]:
 register_set("compressor", "cann_ops_transformer compressor (DeepSeek-V4 C4A / C4Li / C128A, Atlas A3 and Ascend "
              "950): batched prefill, decode with the state, BSH with seqused, the ring buffer, both sum orders",
              compressor_cases)
+
+
+def quant_compressor_cases() -> list[Case]:
+    q = "quant_compressor"
+    c4li, c128 = dict(cmp_ratio=4, coff=2, head_dim=128), dict(cmp_ratio=128, coff=1, head_dim=512)
+    return [
+        _case("qcmp-c4li-prefill-uneven", q, q, "HiFloat8 C4Li batched prefill, TH cu_seqlens [0, 12, 23], Ascend 950",
+              lens=[12, 11], starts=[0, 0], chip="950", **c4li),
+        _case("qcmp-c4li-decode-ring", q, q, "HiFloat8 C4Li decode with a ring-buffer state, x_descale 1", lens=[1, 1],
+              starts=[3, 6], cache_mode=2, x_descale_value=1.0, chip="950", **c4li),
+        _case("qcmp-c128a-decode", q, q, "HiFloat8 C128A: two tokens complete group 0 (126 in the state), Atlas A3",
+              lens=[2], starts=[126], block_size=64, chip="A3", **c128),
+    ]
+
+
+register_set("quant-compressor", "ops-transformer's experimental QuantCompressor (HiFloat8 x / weights, fp32 descales, "
+             "bf16 rows): batched prefill, decode with a ring buffer, C128A", quant_compressor_cases)

@@ -143,6 +143,12 @@ NOT_MAPPED = {
         "torch.ops._C_ascend.compressor (csrc/torch_binding.cpp) is a different variant - it adds norm_weight, "
         "rope_sin, rope_cos, rope_head_dim, norm_eps and rotary_mode (RMSNorm and RoPE of the rows) and sizes a TH "
         "output by rope_sin.size(0) - so it cannot run this operator"),
+    "quant_compressor": (
+        "its callable, torch.ops.custom.quant_compressor(x, wkv, wgate, state_cache, ape, x_descale=, wkv_descale=, "
+        "wgate_descale=, state_block_table=, cu_seqlens=, seqused=, start_pos=, quant_mode=, cmp_ratio=, coff=, "
+        "cache_mode=) (the call of ops-transformer experimental/attention/quant_compressor/tests/pytest/"
+        "compressor_golden.py), comes from the experimental build's custom_ops package, which the npu backend does not "
+        "load; neither torch_npu 2.14.0 nor vLLM-Ascend's _C_ascend has it"),
     "indexer_quant_cache": (
         "its callable, torch.ops.cann_ops_transformer.indexer_quant_cache (ops-transformer attention/indexer_quant_cache/, "
         "Ascend 950), comes from the separately built cann_ops_transformer package, which the npu backend does not "

@@ -61,7 +61,7 @@ from .indexer_cache import (
     indexer_compress_epilog_v2_args, indexer_quant_cache_args, scatter_pa_kv_cache_with_k_scale_args,
 )
 from .indexer_v4 import vllm_quant_lightning_indexer_args
-from .compressor import compressor_args
+from .compressor import compressor_args, quant_compressor_args
 from .formats import decode_args, encode_args, pack_fp4_args, unpack_fp4_args
 from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_args
 from .quant import dynamic_block_quant_args
@@ -105,6 +105,7 @@ __all__ = [
     "MORE_STRATEGIES",
     "indexer_quant_cache_args",
     "compressor_args",
+    "quant_compressor_args",
     "vllm_quant_lightning_indexer_args",
     "indexer_compress_epilog_v2_args",
     "scatter_pa_kv_cache_with_k_scale_args",
@@ -240,6 +241,7 @@ MORE_STRATEGIES = {
     "mixed_quant_sparse_flash_mla": mixed_quant_sparse_flash_mla_args,
     "kv_quant_sparse_attn_sharedkv": kv_quant_sparse_attn_sharedkv_args,
     "compressor": compressor_args,
+    "quant_compressor": quant_compressor_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):

@@ -23,9 +23,9 @@ from .. import _edges as _E
 from .._contract import Args
 from ._common import _b, _choose, _rng, Bounds
 
-__all__ = ["compressor_args"]
+__all__ = ["compressor_args", "quant_compressor_args"]
 
-CMP = "compressor"
+CMP, QCMP = "compressor", "quant_compressor"
 _E.EDGES.setdefault(CMP, ("group_full", "residual_max", "one_token", "uneven_batch", "ring", "c128"))
 _C4 = ((4, 2, 128), (4, 2, 512))
 _E._PINS.update({
@@ -36,6 +36,9 @@ _E._PINS.update({
     (CMP, "ring"): dict(cache_mode=2),
     (CMP, "c128"): dict(scenario=((128, 1, 512),)),
 })
+
+_E.EDGES.setdefault(QCMP, _E.EDGES[CMP])
+_E._PINS.update({(QCMP, e): p for (op, e), p in list(_E._PINS.items()) if op == CMP})
 
 _SCENARIOS = ((4, 2, 128), (4, 2, 128), (4, 2, 512), (128, 1, 512))
 
@@ -112,3 +115,25 @@ def compressor_args(draw, bounds: Bounds | None = None, **pins) -> dict:
                 precision="faithful")
     assume(CMP_CONTRACT.first_violation(Args(args)) is None)
     return args
+
+
+@st.composite
+def quant_compressor_args(draw, bounds: Bounds | None = None, **pins) -> dict:
+    """``quant_compressor``: a :func:`compressor_args` draw (the same edges) with x, wkv and wgate as HiFloat8 codes
+    of ``randn`` values (x scaled by 4) and fp32 descales (x_descale in [0.05, 1], weight descales in [1e-3, 0.02])."""
+    from ..formats import encode
+    from ..ops.compressor import QCMP_CONTRACT
+
+    a = draw(compressor_args(bounds, **pins))
+    rng = _rng(draw)
+    cd = a["wkv"].shape[0]
+
+    def codes(v, scale):
+        return encode((rng.standard_normal(v.shape) * scale).astype(np.float32), "hifloat8", saturate=True)
+
+    a.update(x=codes(a["x"], 4.0), wkv=codes(a["wkv"], 1.0), wgate=codes(a["wgate"], 1.0),
+             x_descale=np.array([draw(st.sampled_from([0.05, 0.37, 1.0]))], np.float32),
+             wkv_descale=(rng.random(cd) * 0.02 + 1e-3).astype(np.float32),
+             wgate_descale=(rng.random(cd) * 0.02 + 1e-3).astype(np.float32), quant_mode=1)
+    assume(QCMP_CONTRACT.first_violation(Args(a)) is None)
+    return a
