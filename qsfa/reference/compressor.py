@@ -157,7 +157,6 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
     cmp_kv = np.zeros(cmp_rows(x.shape, r, nb) + (d,), out_dt)
     if nb == 0 or int(used.sum()) == 0:
         return cmp_kv, state_cache
-    old_state = np.array(state_cache, np.float32, copy=True)
     bsz = state_cache.shape[1]
     table = np.asarray(state_block_table, np.int64)
 
@@ -174,6 +173,30 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
     else:
         sc_new = (sc_new + ape_t).astype(np.float32)
 
+    # the groups this call completes
+    g_lo, g_hi = start // r, (start + used) // r
+    n_g = np.maximum(g_hi - g_lo, 0)
+    grp_b = np.repeat(np.arange(nb, dtype=np.int64), n_g)
+    g_first = np.concatenate(([0], np.cumsum(n_g)[:-1]))
+    grp_k = np.arange(grp_b.size, dtype=np.int64) - g_first[grp_b]
+    grp_g = g_lo[grp_b] + grp_k
+    # slot positions [G, coff * r] and their column block
+    j = np.arange(r, dtype=np.int64)
+    halves = [(grp_g[:, None] - (cf - 1 - c)) * r + j for c in range(cf)]  # c = 0: previous group when coff 2
+    pos = np.concatenate(halves, axis=1)
+    col = np.repeat(np.arange(cf, dtype=np.int64), r)
+    # the state rows those slots read (positions before start_b), gathered before this call writes any
+    from_state_all = (pos >= 0) & (pos < start[grp_b, None])
+    fs_b = np.broadcast_to(grp_b[:, None], pos.shape)[from_state_all]
+    fs_p = pos[from_state_all]
+    if cache_mode == 1:
+        fs_blk = table[fs_b, np.minimum(fs_p // bsz, table.shape[1] - 1)] if fs_p.size else fs_p
+    else:
+        fs_blk = table.reshape(-1)[fs_b]
+    st_vals = np.concatenate([np.zeros((1, 2 * cd), np.float32), state_cache[fs_blk, fs_p % bsz]])
+    st_map = np.zeros(pos.shape, np.int64)
+    st_map[from_state_all] = 1 + np.arange(fs_p.size, dtype=np.int64)
+
     # state writes
     if cache_mode == 1:
         blk = table[tok_b, tok_p // bsz]
@@ -186,20 +209,6 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
     state_cache[blk[keep], row[keep], :cd] = kv_new[keep].astype(np.float32)
     state_cache[blk[keep], row[keep], cd:] = sc_new[keep].astype(np.float32)
 
-    # the groups this call completes
-    g_lo, g_hi = start // r, (start + used) // r
-    n_g = np.maximum(g_hi - g_lo, 0)
-    if int(n_g.sum()) == 0:
-        return cmp_kv, state_cache
-    grp_b = np.repeat(np.arange(nb, dtype=np.int64), n_g)
-    g_first = np.concatenate(([0], np.cumsum(n_g)[:-1]))
-    grp_k = np.arange(grp_b.size, dtype=np.int64) - g_first[grp_b]
-    grp_g = g_lo[grp_b] + grp_k
-    # slot positions [G, coff * r] and their column block
-    j = np.arange(r, dtype=np.int64)
-    halves = [(grp_g[:, None] - (cf - 1 - c)) * r + j for c in range(cf)]  # c = 0: previous group when coff 2
-    pos = np.concatenate(halves, axis=1)
-    col = np.repeat(np.arange(cf, dtype=np.int64), r)
     out_flat = cmp_kv.reshape(-1, d)
     out_row = grp_b * cmp_kv.shape[1] + grp_k if x.ndim == 3 else np.arange(grp_b.size, dtype=np.int64)
     step = max(1, _CHUNK_BYTES // (cf * r * d * 16))
@@ -210,12 +219,7 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
         missing = ps < 0
         from_state = ~missing & (ps < start[gb])
         new_idx = np.where(from_state | missing, 0, first[gb] + ps - start[gb])
-        psafe = np.maximum(ps, 0)
-        if cache_mode == 1:
-            sblk = table[gb, np.minimum(psafe // bsz, table.shape[1] - 1)]
-        else:
-            sblk = np.broadcast_to(table.reshape(-1)[gb], ps.shape)
-        srow = old_state[sblk, psafe % bsz]  # [g, n, 2 * coff * D]
+        srow = st_vals[st_map[sl]]  # [g, n, 2 * coff * D]
         cols = col[None, :, None] * d + np.arange(d)[None, None, :]
         st_kv = np.take_along_axis(srow[..., :cd], cols, axis=2)
         st_sc = np.take_along_axis(srow[..., cd:], cols, axis=2)
