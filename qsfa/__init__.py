@@ -48,6 +48,8 @@ _LAZY = {
     "indexer_quant_cache": "qsfa.ops.indexer_cache",
     "indexer_compress_epilog_v2": "qsfa.ops.indexer_cache",
     "scatter_pa_kv_cache_with_k_scale": "qsfa.ops.k_scale_cache",
+    "compressor": "qsfa.ops.compressor",
+    "quant_compressor": "qsfa.ops.compressor",
     "c8_cache_write": "qsfa.ops.c8_cache",
     "c8_rmsnorm_rope_cache": "qsfa.ops.c8_cache",
     "scatter_by_slot": "qsfa.ops.scatter",

@@ -121,6 +121,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.sharedkv",
     "qsfa.ops.quant_lightning_indexer_v2",
     "qsfa.ops.qkv_k_scale",
+    "qsfa.ops.compressor",
 )
 
 

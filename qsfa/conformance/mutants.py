@@ -1201,13 +1201,69 @@ def _qkv_k_scale():
          _patch((Q, "rope_half_split_f32", sin_sign)))
 
 
+def _compressor():
+    C, CMP = _m("compressor"), "compressor"
+
+    def no_ape(kw):
+        kw["ape"] = np.zeros_like(kw["ape"])
+        return kw
+
+    _add(f"{CMP}.ape_ignored", CMP, "the positional bias ape is not added to the scores", _args(no_ape))
+
+    def missing_weighs(orig):
+        def f(kv, sc, *a):
+            return orig(kv, np.where(np.isneginf(sc), 0.0, sc).astype(sc.dtype), *a)
+
+        return f
+
+    _add(f"{CMP}.overlap_missing_slots_weigh", CMP,
+         "group 0's missing previous-group slots (coff 2) take the score 0 instead of weighing nothing",
+         _patch((C, "_reduce", missing_weighs)))
+
+    def residual_lost(ref):
+        def impl(**kw):
+            before = np.array(kw["state_cache"], copy=True)
+            cmp_kv, state = ref(**kw)
+            if int(kw["cache_mode"]) != 1:
+                return cmp_kv, state
+            x = np.asarray(kw["x"])
+            base, used, start, nb = C.plan(x.shape, kw.get("cu_seqlens"), kw.get("seqused"), kw.get("start_pos"),
+                                           int(kw["cmp_ratio"]))
+            table, bs, r = np.asarray(kw["state_block_table"]), state.shape[1], int(kw["cmp_ratio"])
+            for b in range(nb):  # the tokens after the last full group never reach the state
+                for p in range((start[b] + used[b]) // r * r, start[b] + used[b]):
+                    blk = table[b, p // bs]
+                    if blk:
+                        state[blk, p % bs] = before[blk, p % bs]
+            return cmp_kv, state
+
+        return impl
+
+    QCMP = "quant_compressor"
+
+    def no_x_descale(kw):
+        kw["x_descale"] = np.ones_like(kw["x_descale"])
+        return kw
+
+    def swapped_descales(kw):
+        kw["wkv_descale"], kw["wgate_descale"] = kw["wgate_descale"], kw["wkv_descale"]
+        return kw
+
+    _add(f"{QCMP}.x_descale_ignored", QCMP, "the dots are dequantised by the weight descale only", _args(no_x_descale))
+    _add(f"{QCMP}.descales_swapped", QCMP, "wkv's descale applied to the score and wgate's to the kv",
+         _args(swapped_descales))
+
+    _add(f"{CMP}.residual_not_saved", CMP, "the residual (tokens after the last complete group) is not written to "
+         "the state, so the next call cannot finish its group", residual_lost)
+
+
 def _build():
     global _BUILT
     if _BUILT:
         return
     _BUILT = True
     for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
-              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2, _qkv_k_scale):
+              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2, _qkv_k_scale, _compressor):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

@@ -738,3 +738,50 @@ for _kind, _what in (("swa", "sliding window only"), ("csa", "cmp_ratio 4 with t
                      f"DeepSeek-V4 {_kind.upper()} attention layer chain v4-{_kind} ({_what}), {_step} ({_how}): every "
                      "intermediate per link; A3 bf16 and 950 FP8 caches",
                      (lambda k, s: lambda: _v4_layer_cases(k, s))(_kind, _step))
+
+
+# DeepSeek-V4 compressor (docs/numerics/compressor.md)
+
+
+def compressor_cases() -> list[Case]:
+    c4li, c4a, c128 = (dict(cmp_ratio=4, coff=2, head_dim=128), dict(cmp_ratio=4, coff=2, head_dim=512),
+                       dict(cmp_ratio=128, coff=1, head_dim=512))
+    return [
+        _case("cmp-c4li-prefill-uneven", "compressor", "compressor", "C4Li batched prefill, TH cu_seqlens [0, 12, 23] "
+              "from position 0 (vLLM-Ascend #9496), Ascend 950", lens=[12, 11], starts=[0, 0], chip="950", **c4li),
+        _case("cmp-c4li-decode-a3", "compressor", "compressor", "C4Li decode on Atlas A3: one token per batch, "
+              "completing a group (start 3), mid-group (start 5) and the first token", lens=[1, 1, 1],
+              starts=[3, 5, 0], chip="A3", **c4li),
+        _case("cmp-c4a-bsh-seqused", "compressor", "compressor", "C4A, BSH x (S 8) with seqused [8, 5], starts 2 "
+              "and 0, float16, Atlas A3 (tree sums)", lens=[8, 8], starts=[2, 0], layout="BSH", used=[8, 5],
+              x_dtype="float16", chip="A3", **c4a),
+        _case("cmp-c4a-ring-950", "compressor", "compressor", "C4A, ring-buffer state (cache_mode 2), a residual of "
+              "3 tokens, Ascend 950", lens=[7, 3], starts=[0, 6], cache_mode=2, chip="950", **c4a),
+        _case("cmp-c128a-decode-950", "compressor", "compressor", "C128A: two tokens complete group 0 whose 126 "
+              "other tokens are in the state, Ascend 950 (sequential sums)", lens=[2], starts=[126],
+              block_size=64, chip="950", **c128),
+        _case("cmp-c128a-decode-a3", "compressor", "compressor", "the same C128A step on Atlas A3 (tree sums)",
+              lens=[2], starts=[126], block_size=64, chip="A3", seed_name="cmp-c128a-decode-950", **c128),
+    ]
+
+
+register_set("compressor", "cann_ops_transformer compressor (DeepSeek-V4 C4A / C4Li / C128A, Atlas A3 and Ascend "
+             "950): batched prefill, decode with the state, BSH with seqused, the ring buffer, both sum orders",
+             compressor_cases)
+
+
+def quant_compressor_cases() -> list[Case]:
+    q = "quant_compressor"
+    c4li, c128 = dict(cmp_ratio=4, coff=2, head_dim=128), dict(cmp_ratio=128, coff=1, head_dim=512)
+    return [
+        _case("qcmp-c4li-prefill-uneven", q, q, "HiFloat8 C4Li batched prefill, TH cu_seqlens [0, 12, 23], Ascend 950",
+              lens=[12, 11], starts=[0, 0], chip="950", **c4li),
+        _case("qcmp-c4li-decode-ring", q, q, "HiFloat8 C4Li decode with a ring-buffer state, x_descale 1", lens=[1, 1],
+              starts=[3, 6], cache_mode=2, x_descale_value=1.0, chip="950", **c4li),
+        _case("qcmp-c128a-decode", q, q, "HiFloat8 C128A: two tokens complete group 0 (126 in the state), Atlas A3",
+              lens=[2], starts=[126], block_size=64, chip="A3", **c128),
+    ]
+
+
+register_set("quant-compressor", "ops-transformer's experimental QuantCompressor (HiFloat8 x / weights, fp32 descales, "
+             "bf16 rows): batched prefill, decode with a ring buffer, C128A", quant_compressor_cases)

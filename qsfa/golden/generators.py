@@ -584,6 +584,39 @@ def gen_scatter_pa_kv_cache_with_k_scale(params, rng):
 
 
 # --------------------------------------------------------------------------------------------------
+# DeepSeek-V4 compressor (docs/numerics/compressor.md)
+
+
+@register_generator("compressor")
+def gen_compressor(params, rng):
+    """The arrays of :func:`qsfa.ops.compressor.compressor_case` for ``params`` (scenario, lens, starts, layout,
+    used = seqused, cache_mode, block_size, x_dtype), seeded from ``rng``; the scalars are case params."""
+    from ..ops.compressor import compressor_case
+
+    keys = ("lens", "starts", "layout", "used", "cache_mode", "block_size", "x_dtype")
+    kw = {k: (tuple(params[k]) if isinstance(params[k], list) else params[k]) for k in keys if k in params}
+    scen = (int(params["cmp_ratio"]), int(params["coff"]), int(params["head_dim"]))
+    kw["seqused"] = kw.pop("used", None)
+    return compressor_case(seed=int(rng.integers(0, 2**31 - 1)), scenario=scen, **kw)
+
+
+@register_generator("quant_compressor")
+def gen_quant_compressor(params, rng):
+    """:func:`gen_compressor`'s arrays with x, wkv and wgate as HiFloat8 codes of ``randn`` values (x scaled by 4) and
+    fp32 descales (``x_descale_value`` param, weight descales uniform in [1e-3, 0.021))."""
+    from ..formats import encode
+
+    a = gen_compressor(params, rng)
+    cd = a["wkv"].shape[0]
+    for k, sc in (("x", 4.0), ("wkv", 1.0), ("wgate", 1.0)):
+        a[k] = encode((rng.standard_normal(a[k].shape) * sc).astype(np.float32), "hifloat8", saturate=True)
+    a["x_descale"] = np.array([params.get("x_descale_value", 0.37)], np.float32)
+    a["wkv_descale"] = (rng.random(cd) * 0.02 + 1e-3).astype(np.float32)
+    a["wgate_descale"] = (rng.random(cd) * 0.02 + 1e-3).astype(np.float32)
+    return a
+
+
+# --------------------------------------------------------------------------------------------------
 # layer chains (qsfa.chain; docs/golden.md#chains)
 
 

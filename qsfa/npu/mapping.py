@@ -153,6 +153,21 @@ IGNORED = {
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
 NOT_MAPPED = {
+    "compressor": (
+        "its callable, cann_ops_transformer.ops.compressor(x, wkv, wgate, state_cache, ape, cmp_ratio=, "
+        "state_block_table=, cu_seqlens=, seqused=, start_pos=, coff=, cache_mode=) -> cmp_kv (ops-transformer "
+        "attention/compressor/, the call of its tests/pytest/compressor_golden.py; Atlas A3 and Ascend 950), is in "
+        "the cann_ops_transformer package the npu backend loads lazily, but no mapping is written and its schema is "
+        "not recorded in signatures.json yet; vLLM-Ascend's "
+        "torch.ops._C_ascend.compressor (csrc/torch_binding.cpp) is a different variant - it adds norm_weight, "
+        "rope_sin, rope_cos, rope_head_dim, norm_eps and rotary_mode (RMSNorm and RoPE of the rows) and sizes a TH "
+        "output by rope_sin.size(0) - so it cannot run this operator"),
+    "quant_compressor": (
+        "its callable, torch.ops.custom.quant_compressor(x, wkv, wgate, state_cache, ape, x_descale=, wkv_descale=, "
+        "wgate_descale=, state_block_table=, cu_seqlens=, seqused=, start_pos=, quant_mode=, cmp_ratio=, coff=, "
+        "cache_mode=) (the call of ops-transformer experimental/attention/quant_compressor/tests/pytest/"
+        "compressor_golden.py), comes from the experimental build's custom_ops package, which the npu backend does not "
+        "load; neither torch_npu 2.14.0 nor vLLM-Ascend's _C_ascend has it"),
     "kv_compress_epilog": (
         "torch_npu 2.14.0 exposes no KvCompressEpilog function (absent from op_plugin/meta/_meta_registrations.py "
         "and the codegen yaml); vLLM-Ascend's torch.ops._C_ascend.kv_compress_epilog (csrc/torch_binding.cpp, "

@@ -124,6 +124,14 @@ CHIP_RULES: dict[str, tuple] = {
     "scatter_pa_kv_cache_with_k_scale": (
         (_A2A3, "a2a3_unsupported", ABSENT, "scatter_pa_kv_cache_with_k_scale runs on Ascend 950 only"),
     ),
+    "compressor": (
+        (("A2",), "a2_unsupported", ABSENT, "compressor runs on Atlas A3 and Ascend 950 only"),
+        (("A3",), "a3_cache_mode", _const({"cache_mode": 1}), "Atlas A3 supports cache_mode 1 only"),
+    ),
+    "quant_compressor": (
+        (("A2",), "a2_unsupported", ABSENT, "quant_compressor runs on Atlas A3 and Ascend 950 only"),
+        (("A3",), "a3_cache_mode", _const({"cache_mode": 1}), "Atlas A3 supports cache_mode 1 only"),
+    ),
     # DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md): every chip runs the band window 127 / 0,
     # mask modes 4 / 3, top-k 512 and sinks given; the compressed ratio follows the scenario (1 / 4 / 128) except
     # on the 950's sparse_flash_mla, which also takes free residuals
