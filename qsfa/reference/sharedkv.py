@@ -46,7 +46,8 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import (
-    _dot_f32, _QDT, _qdt_name, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16, row_facts,
+    _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16,
+    row_facts, sum_error_bound,
 )
 
 __all__ = ["sharedkv_attention", "select_tokens", "S2_TILE", "PRECISIONS", "KV_LAYOUTS"]
@@ -142,9 +143,29 @@ def select_tokens(bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, cm
     return zero, start, n_ori, toks[:, : int(n_cmp.max(initial=0))], n_cmp
 
 
-def _facts_cols(x64, bits, qdtype):
-    """(max |entry|, lq) per column of [c, w, D] ([c, D] each), for P @ V."""
-    return np.abs(x64).max(axis=1), min_lq(np.ascontiguousarray(bits.transpose(0, 2, 1)), qdtype)
+def _tile_layout(sel, tile):
+    """The selected slots of every S2 tile packed to the tile's front, in slot order: (dest [c, w]: the packed
+    position of each selected slot, tiles: [(lo, hi)] of the packed tiles that hold a selected slot, packed width).
+    A packed tile is as wide as its most populated row (rows with fewer tokens are masked there)."""
+    c, w = sel.shape
+    n_t = -(-w // tile)
+    rank = np.cumsum(np.pad(sel, ((0, 0), (0, n_t * tile - w))).reshape(c, n_t, tile), axis=2) - 1
+    wt = rank[:, :, -1].max(axis=0) + 1  # [n_t]
+    off = np.concatenate([[0], np.cumsum(wt)[:-1]])
+    dest = (off[None, :, None] + rank).reshape(c, -1)[:, :w]
+    tiles = [(int(off[t]), int(off[t] + wt[t])) for t in range(n_t) if wt[t] > 0]
+    return dest, tiles, int(wt.sum())
+
+
+def _col_facts(mag, lo, hi, qdtype):
+    """(max |entry|, lq) per column of V over the packed tokens ``[lo, hi)`` (see attention._dot_f32), from the
+    magnitude bits ``mag`` ([c, W, D] uint16, sign cleared) of the 16-bit values: reduced along the token axis
+    in place of a transposed copy (the same facts as ``min_lq`` of the transposed bits)."""
+    t = mag[:, lo:hi]
+    vmax = t.max(axis=1).view(_QDT[qdtype]).astype(np.float64)
+    mn = (t - np.uint16(1)).min(axis=1).astype(np.int32)  # zero wraps to 0xFFFF: never a non-zero column's min
+    shift, low = _FIELD16[qdtype]
+    return vmax, np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)
 
 
 def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_block_table=None,
@@ -198,20 +219,27 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
         cpos = slot - ori_slots[r, None]
         in_cmp = (cpos >= 0) & (cpos < n_cmp[r, None])
         sel = in_ori | in_cmp
-        b2 = np.broadcast_to(bat[r, None], sel.shape)
-        k16 = np.zeros((r.size, w, d), rows.dtype)
-        oj = np.where(in_ori, start[r, None] + slot, 0)
-        k16[in_ori] = ori_flat[ori_row(b2[in_ori], oj[in_ori])]
-        if has_cmp and in_cmp.any():
-            cj = np.take_along_axis(cmp_toks[r], np.clip(cpos, 0, max(cmp_toks.shape[1] - 1, 0)), 1) \
-                if cmp_toks.shape[1] else np.zeros_like(cpos)
-            k16[in_cmp] = cmp_flat[cmp_row(b2[in_cmp], cj[in_cmp])]
+        # faithful: every S2 tile compacted to its selected slots (a masked slot adds exactly nothing: e = 0, P = 0,
+        # and every fp32 result is RN32 of an exact value); exact: the slot layout (its float64 sums see the zeros)
+        dest, tiles, wc = _tile_layout(sel, tile) if not exact else (None, [(0, w)], w)
+        k16 = np.zeros((r.size, max(wc, 1), d), rows.dtype)
+        selc = np.zeros((r.size, max(wc, 1)), bool)
+        br = bat[r]
+        ri, si = np.nonzero(in_ori)
+        di = si if exact else dest[ri, si]
+        k16[ri, di] = ori_flat[ori_row(br[ri], start[r][ri] + si)]
+        selc[ri, di] = True
+        if has_cmp:
+            ri, si = np.nonzero(in_cmp)
+            di = si if exact else dest[ri, si]
+            k16[ri, di] = cmp_flat[cmp_row(br[ri], cmp_toks[r][ri, si - ori_slots[r][ri]])]
+            selc[ri, di] = True
         k64 = k16.astype(np.float64)
         q64 = rows[r].astype(np.float64)
         if exact:
-            o, l_ = _exact(q64, k64, sel, float(softmax_scale), sink.astype(np.float64))
+            o, l_ = _exact(q64, k64, selc, float(softmax_scale), sink.astype(np.float64))
         else:
-            o, l_ = _faithful(q64, rows[r], k64, k16, sel, np.float32(softmax_scale), sink, qdtype, tile,
+            o, l_ = _faithful(q64, rows[r], k64, k16, selc, np.float32(softmax_scale), sink, qdtype, tiles,
                               p_rounding, out_rounding)
         out[r] = o
         lse[r] = l_
@@ -238,42 +266,56 @@ def _exact(q64, k64, sel, scale, sink):
     return o, np.where(den > 0, lse, -np.inf)
 
 
-def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tile, p_rounding, out_rounding):
+def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
+    """The online softmax over the packed tiles ``[(lo, hi)]`` of ``k64`` (see :func:`_tile_layout`); ``sel``
+    [c, W] marks the selected tokens. Whole tiles at a time, vectorised over rows and heads."""
     c, n = q64.shape[:2]
     d = k64.shape[-1]
-    w = k64.shape[1]
     qf = row_facts(q64, q16.view(np.uint16), qdtype)
     kbits = k16.view(np.uint16)
     kf = row_facts(k64, kbits, qdtype)
+    kmag = kbits & np.uint16(0x7FFF)
     m = np.broadcast_to(sink[None, :], (c, n)).astype(np.float32)
     l = np.ones((c, n), np.float32)
     acc = np.zeros((c, n, d), np.float32)
-    for t0 in range(0, w, tile):
-        sl = slice(t0, min(t0 + tile, w))
-        vt = sel[:, sl]
+    for lo, hi in tiles:
+        w = hi - lo
+        vt = sel[:, lo:hi]
         any_t = vt.any(axis=1)  # [c]
-        if not any_t.any():
-            continue
-        s = _dot_f32(q64, k64[:, sl].transpose(0, 2, 1), qf, (kf[0][:, sl], kf[1][:, sl]))  # RN32(q . k)
+        kt = k64[:, lo:hi]
+        s = _dot_f32(q64, kt.transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]))  # RN32(q . k)
         s *= scale  # fp32 multiply
-        s[~np.broadcast_to(vt[:, None, :], s.shape)] = -np.inf
+        if not vt.all():
+            np.copyto(s, np.float32(-np.inf), where=~vt[:, None, :])
         m_new = np.maximum(m, s.max(axis=-1))
         m_use = np.where(any_t[:, None], m_new, np.float32(0))
         with np.errstate(invalid="ignore"):
             a = np.where(np.isneginf(m), np.float32(0), exp_f32((m - m_use).astype(np.float32)))
-            e = exp_f32((s - m_use[..., None]).astype(np.float32))  # masked -inf -> 0
-        e = np.where(np.isfinite(s), e, np.float32(0)).astype(np.float32)
-        tsum = exact_sum_f32(e.reshape(-1, e.shape[-1]).astype(np.float64)).reshape(c, n)
+        if np.isfinite(m_use).all():
+            # no +inf / NaN score and a finite max: s - m is finite or -inf (masked), whose exp is +0
+            e = exp_f32(np.subtract(s, m_use[..., None], out=s))
+            l64 = np.add.reduce(e, axis=-1, dtype=np.float64)  # all terms in [0, 1]: sum |e| = l64
+            tsum = certified_f32(l64, sum_error_bound(w, l64),
+                                 lambda idx, e=e: exact_sum_f32(e.reshape(-1, w)[idx].astype(np.float64)))
+        else:
+            with np.errstate(invalid="ignore"):
+                e = exp_f32((s - m_use[..., None]).astype(np.float32))  # masked -inf -> 0
+            e = np.where(np.isfinite(s), e, np.float32(0)).astype(np.float32)
+            tsum = exact_sum_f32(e.reshape(-1, w).astype(np.float64)).reshape(c, n)
         p16 = round_q16(e, qdtype, p_rounding)  # P against the running max
         p64 = p16.astype(np.float64)
-        pbits = p16.view(np.uint16)
-        p_facts = (p64.sum(axis=-1) * (1 + 2.0 ** -40), min_lq(pbits, qdtype))
-        v_facts = _facts_cols(k64[:, sl], kbits[:, sl], qdtype)
-        pv = _dot_f32(p64, k64[:, sl], p_facts, v_facts)  # RN32(P @ V)  [c, n, d]
-        upd = any_t[:, None]
-        l = np.where(upd, a * l + tsum, l).astype(np.float32)
-        acc = np.where(upd[..., None], a[..., None] * acc + pv, acc).astype(np.float32)
-        m = np.where(upd, m_new, m).astype(np.float32)
+        p_facts = (p64.sum(axis=-1) * (1 + 2.0 ** -40), min_lq(p16.view(np.uint16), qdtype))
+        pv = _dot_f32(p64, kt, p_facts, _col_facts(kmag, lo, hi, qdtype))  # RN32(P @ V)  [c, n, d]
+        if any_t.all():
+            l = a * l + tsum
+            acc *= a[..., None]
+            acc += pv
+            m = m_new
+        else:
+            upd = any_t[:, None]
+            l = np.where(upd, a * l + tsum, l).astype(np.float32)
+            acc = np.where(upd[..., None], a[..., None] * acc + pv, acc).astype(np.float32)
+            m = np.where(upd, m_new, m).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
         o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
         lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, np.float32(1))), -np.inf).astype(np.float32)
