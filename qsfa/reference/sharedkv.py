@@ -268,54 +268,71 @@ def _exact(q64, k64, sel, scale, sink):
 
 def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
     """The online softmax over the packed tiles ``[(lo, hi)]`` of ``k64`` (see :func:`_tile_layout`); ``sel``
-    [c, W] marks the selected tokens. Whole tiles at a time, vectorised over rows and heads."""
+    [c, W] marks the selected tokens. Vectorised over rows, heads and tiles: the scores of every tile are one
+    score block, the running maxima (they depend on the scores only), the exponentials and P are computed for all
+    tiles at once; per tile remain the two ``_dot_f32`` calls and the state update."""
     c, n = q64.shape[:2]
     d = k64.shape[-1]
+    lo_t = np.array([t[0] for t in tiles], np.int64)
+    wt = np.array([t[1] - t[0] for t in tiles], np.int64)
     qf = row_facts(q64, q16.view(np.uint16), qdtype)
     kbits = k16.view(np.uint16)
     kf = row_facts(k64, kbits, qdtype)
     kmag = kbits & np.uint16(0x7FFF)
+    s = np.empty((c, n, k64.shape[1]), np.float32)
+    for lo, hi in tiles:  # RN32(q . k)  [c, N, W]; one call per tile, as the candidate sets of _dot_f32 were
+        _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]), out=s[..., lo:hi])
+    s *= scale  # fp32 multiply
+    if not sel.all():
+        np.copyto(s, np.float32(-np.inf), where=~sel[:, None, :])
+    any_t = np.logical_or.reduceat(sel, lo_t, axis=1)  # [c, T]
+    tmax = np.maximum.reduceat(s, lo_t, axis=-1)  # [c, N, T]
+    # the running state m before each tile and the max each tile uses (0 for a row the tile does not touch)
+    m_prev = np.empty(tmax.shape, np.float32)
+    m_use = np.empty(tmax.shape, np.float32)
     m = np.broadcast_to(sink[None, :], (c, n)).astype(np.float32)
+    for t in range(len(tiles)):
+        upd = any_t[:, t, None]
+        m_new = np.maximum(m, tmax[..., t])
+        m_prev[..., t] = m
+        m_use[..., t] = np.where(upd, m_new, np.float32(0))
+        m = np.where(upd, m_new, m).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        a_all = np.where(np.isneginf(m_prev), np.float32(0), exp_f32((m_prev - m_use).astype(np.float32)))
+    clean = bool(np.isfinite(m_use).all())  # no +inf / NaN score: s - m is finite or -inf (masked), exp +0
+    fin = None if clean else np.isfinite(s)
+    with np.errstate(invalid="ignore"):
+        np.subtract(s, np.repeat(m_use, wt, axis=-1), out=s)
+        e = exp_f32(s)  # RN32(exp(s - m'))  [c, N, W]
+    if clean:
+        l64 = np.add.reduceat(e, lo_t, axis=-1, dtype=np.float64)  # terms in [0, 1]: sum |e| = l64
+        tsum = certified_f32(l64, sum_error_bound(int(wt.max()), l64), lambda idx: np.array(
+            [exact_sum_f32(e[i // (n * wt.size), (i // wt.size) % n, lo_t[i % wt.size]:tiles[i % wt.size][1]]
+                           [None].astype(np.float64))[0] for i in idx], np.float32))
+    else:
+        e = np.where(fin, e, np.float32(0)).astype(np.float32)
+        tsum = np.stack([exact_sum_f32(e[..., lo:hi].reshape(-1, hi - lo).astype(np.float64)).reshape(c, n)
+                         for lo, hi in tiles], axis=-1)
+    p16 = round_q16(e, qdtype, p_rounding)  # P against the running max
+    p64 = p16.astype(np.float64)
+    p_sum = np.add.reduceat(p64, lo_t, axis=-1) * (1 + 2.0 ** -40)
+    mn = np.minimum.reduceat((p16.view(np.uint16) & np.uint16(0x7FFF)) - np.uint16(1), lo_t, axis=-1).astype(np.int32)
+    shift, low = _FIELD16[qdtype]
+    p_lq = np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)  # min_lq of each tile's P
     l = np.ones((c, n), np.float32)
     acc = np.zeros((c, n, d), np.float32)
-    for lo, hi in tiles:
-        w = hi - lo
-        vt = sel[:, lo:hi]
-        any_t = vt.any(axis=1)  # [c]
-        kt = k64[:, lo:hi]
-        s = _dot_f32(q64, kt.transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]))  # RN32(q . k)
-        s *= scale  # fp32 multiply
-        if not vt.all():
-            np.copyto(s, np.float32(-np.inf), where=~vt[:, None, :])
-        m_new = np.maximum(m, s.max(axis=-1))
-        m_use = np.where(any_t[:, None], m_new, np.float32(0))
-        with np.errstate(invalid="ignore"):
-            a = np.where(np.isneginf(m), np.float32(0), exp_f32((m - m_use).astype(np.float32)))
-        if np.isfinite(m_use).all():
-            # no +inf / NaN score and a finite max: s - m is finite or -inf (masked), whose exp is +0
-            e = exp_f32(np.subtract(s, m_use[..., None], out=s))
-            l64 = np.add.reduce(e, axis=-1, dtype=np.float64)  # all terms in [0, 1]: sum |e| = l64
-            tsum = certified_f32(l64, sum_error_bound(w, l64),
-                                 lambda idx, e=e: exact_sum_f32(e.reshape(-1, w)[idx].astype(np.float64)))
-        else:
-            with np.errstate(invalid="ignore"):
-                e = exp_f32((s - m_use[..., None]).astype(np.float32))  # masked -inf -> 0
-            e = np.where(np.isfinite(s), e, np.float32(0)).astype(np.float32)
-            tsum = exact_sum_f32(e.reshape(-1, w).astype(np.float64)).reshape(c, n)
-        p16 = round_q16(e, qdtype, p_rounding)  # P against the running max
-        p64 = p16.astype(np.float64)
-        p_facts = (p64.sum(axis=-1) * (1 + 2.0 ** -40), min_lq(p16.view(np.uint16), qdtype))
-        pv = _dot_f32(p64, kt, p_facts, _col_facts(kmag, lo, hi, qdtype))  # RN32(P @ V)  [c, n, d]
-        if any_t.all():
-            l = a * l + tsum
+    for t, (lo, hi) in enumerate(tiles):
+        pv = _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
+                      _col_facts(kmag, lo, hi, qdtype))  # RN32(P @ V)  [c, N, D]
+        a = a_all[..., t]
+        if any_t[:, t].all():
+            l = a * l + tsum[..., t]
             acc *= a[..., None]
             acc += pv
-            m = m_new
         else:
-            upd = any_t[:, None]
-            l = np.where(upd, a * l + tsum, l).astype(np.float32)
+            upd = any_t[:, t, None]
+            l = np.where(upd, a * l + tsum[..., t], l).astype(np.float32)
             acc = np.where(upd[..., None], a[..., None] * acc + pv, acc).astype(np.float32)
-            m = np.where(upd, m_new, m).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
         o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
         lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, np.float32(1))), -np.inf).astype(np.float32)
