@@ -49,6 +49,7 @@ from .attention import (
     _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16,
     row_facts, sum_error_bound,
 )
+from ._workspace import scratch
 
 __all__ = ["sharedkv_attention", "select_tokens", "S2_TILE", "PRECISIONS", "KV_LAYOUTS"]
 
@@ -234,7 +235,9 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
             di = si if exact else dest[ri, si]
             k16[ri, di] = cmp_flat[cmp_row(br[ri], cmp_toks[r][ri, si - ori_slots[r][ri]])]
             selc[ri, di] = True
-        k64 = k16.astype(np.float64)
+        k64 = k16.astype(np.float64) if exact else scratch("sharedkv_k64", k16.shape, np.float64)
+        if not exact:  # (a kept buffer: a fresh one costs a page fault per 4 KiB)
+            np.copyto(k64, k16)
         q64 = rows[r].astype(np.float64)
         if exact:
             o, l_ = _exact(q64, k64, selc, float(softmax_scale), sink.astype(np.float64))
@@ -303,7 +306,7 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     fin = None if clean else np.isfinite(s)
     with np.errstate(invalid="ignore"):
         np.subtract(s, np.repeat(m_use, wt, axis=-1), out=s)
-        e = exp_f32(s)  # RN32(exp(s - m'))  [c, N, W]
+        e = exp_f32(s, out64=scratch("sharedkv_e64", s.shape, np.float64))  # RN32(exp(s - m'))  [c, N, W]
     if clean:
         l64 = np.add.reduceat(e, lo_t, axis=-1, dtype=np.float64)  # terms in [0, 1]: sum |e| = l64
         tsum = certified_f32(l64, sum_error_bound(int(wt.max()), l64), lambda idx: np.array(
@@ -314,7 +317,8 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
         tsum = np.stack([exact_sum_f32(e[..., lo:hi].reshape(-1, hi - lo).astype(np.float64)).reshape(c, n)
                          for lo, hi in tiles], axis=-1)
     p16 = round_q16(e, qdtype, p_rounding)  # P against the running max
-    p64 = p16.astype(np.float64)
+    p64 = scratch("sharedkv_p64", p16.shape, np.float64)
+    np.copyto(p64, p16)
     p_sum = np.add.reduceat(p64, lo_t, axis=-1) * (1 + 2.0 ** -40)
     mn = np.minimum.reduceat((p16.view(np.uint16) & np.uint16(0x7FFF)) - np.uint16(1), lo_t, axis=-1).astype(np.int32)
     shift, low = _FIELD16[qdtype]
