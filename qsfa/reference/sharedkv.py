@@ -38,7 +38,11 @@ cores (flash decode, chosen by the metadata) merges partial results in another o
 as in :mod:`qsfa.reference.attention` (same helpers), so the bytes do not depend on the BLAS; the kernel's
 accumulation order lands within a few fp32 ulps (docs/numerics/comparison.md#float-criterion).
 
-Vectorised over rows, heads and tokens; Python loops only over chunks of rows and over S2 tiles.
+Vectorised over rows, heads and tokens; Python loops only over chunks of rows and over S2 tiles. The faithful
+path packs each S2 tile to the tokens its rows select (a masked slot changes no fp32 result: every one is the
+correctly rounded value of an exact sum, to which it adds zero) and computes the scores' softmax steps for all
+tiles of a chunk at once; per tile remain the two certified products and the state update. Bytes: pinned by
+benchmarks/bytecheck.py (``sharedkv-*``); speed: benchmarks/sharedkv_decode.py.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import (
-    _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16,
+    _ROW_RANGE, _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16,
     row_facts, sum_error_bound,
 )
 from ._workspace import scratch
@@ -174,13 +178,20 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
                        seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None, sinks=None,
                        softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
                        ori_win_right=-1, layout_q="BSND", layout_kv="BSND", return_softmax_lse=False,
-                       precision="faithful", s2_tile=S2_TILE, p_rounding="round", out_rounding="rint"):
+                       precision="faithful", s2_tile=S2_TILE, p_rounding="round", out_rounding="rint",
+                       attention_out=None):
     """The shared-KV attention core (module docstring). Arguments as ``aclnnSparseFlashMla`` (N2 = 1); the
     layout ``"PA_ND"`` is taken as ``"PA_BBND"``. A PA compressed cache without ``seqused_cmp_kv`` has
     ``S3 = floor(S2 / cmp_ratio)``. ``s2_tile``, ``p_rounding``, ``out_rounding`` ("rint" / "round"): the chip's
     (qsfa.chips.SHAREDKV_NUMERICS; the defaults are Atlas A2/A3's for a bfloat16 query). Returns ``(attention_out like q, softmax_lse)``; softmax_lse is float32
     (float64 exact) ``[B, 1, S1, N1]`` (BSND) / ``[1, T1, N1]`` (TND), or an empty ``[0]`` array when not
-    requested."""
+    requested.
+
+    ``attention_out``: an optional C-contiguous array of the output's shape and dtype (e.g. an ``np.memmap``): the
+    rows are written into it chunk by chunk and it is returned, so a long prefill's output never exists in memory
+    as a whole. Within :func:`qsfa.reference.attention.only_rows` only the rows of the range are computed (the
+    others are zero, LSE included; a row's bytes do not depend on the rows computed with it), so a call split
+    into row ranges assembles to the same bytes (qsfa.distributed's row tasks)."""
     assert precision in PRECISIONS, precision
     exact = precision == "exact"
     layout_kv = "PA_BBND" if layout_kv == "PA_ND" else layout_kv
@@ -207,9 +218,25 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
     width_all = ori_slots + n_cmp
     sink = np.full(n_heads, -np.inf, np.float32) if sinks is None else np.asarray(sinks, np.float32)
     fdt = np.float64 if exact else np.float32
-    out = np.zeros((rows.shape[0], n_heads, d), np.float64 if exact else _QDT[qdtype])
+    odt = np.float64 if exact else _QDT[qdtype]
+    if attention_out is None:
+        out = np.zeros((rows.shape[0], n_heads, d), odt)
+    else:
+        assert attention_out.dtype == odt and attention_out.size == rows.shape[0] * n_heads * d, attention_out.dtype
+        out = attention_out.reshape(rows.shape[0], n_heads, d)  # a view (C-contiguous)
+        assert np.shares_memory(out, attention_out)
     lse = np.zeros((rows.shape[0], n_heads), fdt)
     live = np.nonzero(~zero)[0]
+    row_range = _ROW_RANGE.get()
+    if row_range is not None:
+        live = live[(live >= row_range[0]) & (live < row_range[1])]
+    if attention_out is not None:  # rows no chunk writes are zero
+        idle = np.ones(rows.shape[0], bool)
+        idle[live] = False
+        for a in range(0, rows.shape[0], 4096):
+            z = np.flatnonzero(idle[a:a + 4096]) + a
+            if z.size:
+                out[z] = 0
     per_row = max(int(width_all.max(initial=0)), 1) * d * 8 * 2
     step = max(1, _CHUNK_BYTES // per_row)
     for c0 in range(0, live.size, step):
@@ -246,7 +273,7 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
                               p_rounding, out_rounding)
         out[r] = o
         lse[r] = l_
-    out = out.reshape(q.shape)
+    out = out.reshape(q.shape) if attention_out is None else attention_out
     if not return_softmax_lse:
         return out, np.zeros((0,), fdt)
     if layout_q == "BSND":
@@ -271,9 +298,10 @@ def _exact(q64, k64, sel, scale, sink):
 
 def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
     """The online softmax over the packed tiles ``[(lo, hi)]`` of ``k64`` (see :func:`_tile_layout`); ``sel``
-    [c, W] marks the selected tokens. Vectorised over rows, heads and tiles: the scores of every tile are one
-    score block, the running maxima (they depend on the scores only), the exponentials and P are computed for all
-    tiles at once; per tile remain the two ``_dot_f32`` calls and the state update."""
+    [c, W] marks the selected tokens. Vectorised over rows, heads and tiles: the scores of all tiles land in one
+    block (one ``_dot_f32`` call per tile, so its certification sees the candidate sets it always saw), and the
+    running maxima (they depend on the scores only), the exponentials, the tile sums and P are computed for all
+    tiles at once; per tile remain ``RN32(P @ V)`` and the state update."""
     c, n = q64.shape[:2]
     d = k64.shape[-1]
     lo_t = np.array([t[0] for t in tiles], np.int64)
