@@ -209,13 +209,15 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
     idx = None
     if cmp_sparse_indices is not None:
         idx = np.asarray(cmp_sparse_indices).reshape(rows.shape[0], -1)
-    zero, start, n_ori, cmp_toks, n_cmp = select_tokens(
-        bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, idx, has_cmp=has_cmp, cmp_ratio=int(cmp_ratio),
-        ori_mask_mode=int(ori_mask_mode), cmp_mask_mode=int(cmp_mask_mode), ori_win_left=int(ori_win_left),
-        ori_win_right=int(ori_win_right))
+    masks = dict(cmp_ratio=int(cmp_ratio), ori_mask_mode=int(ori_mask_mode), cmp_mask_mode=int(cmp_mask_mode),
+                 ori_win_left=int(ori_win_left), ori_win_right=int(ori_win_right))
+    # the window of every row here; the compressed tokens chunk by chunk (a long prefill's [rows, K] index arrays
+    # would not fit the working set)
+    zero, start, n_ori, _, _ = select_tokens(bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, None,
+                                             has_cmp=False, **masks)
     tile = int(s2_tile)
     ori_slots = -(-n_ori // tile) * tile  # the compressed part starts a new tile
-    width_all = ori_slots + n_cmp
+    cmp_bound = 0 if not has_cmp else int(idx.shape[1]) if idx is not None else int(cmp_len.max(initial=0))
     sink = np.full(n_heads, -np.inf, np.float32) if sinks is None else np.asarray(sinks, np.float32)
     fdt = np.float64 if exact else np.float32
     odt = np.float64 if exact else _QDT[qdtype]
@@ -237,15 +239,18 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
             z = np.flatnonzero(idle[a:a + 4096]) + a
             if z.size:
                 out[z] = 0
-    per_row = max(int(width_all.max(initial=0)), 1) * d * 8 * 2
+    per_row = max(int(ori_slots[live].max(initial=0)) + cmp_bound, 1) * d * 8 * 2
     step = max(1, _CHUNK_BYTES // per_row)
     for c0 in range(0, live.size, step):
         r = live[c0:c0 + step]
-        w = max(int(width_all[r].max(initial=0)), 1)
+        _, _, _, cmp_toks, n_cmp = select_tokens(bat[r], pos[r], s1_act[r], valid[r], ori_len, cmp_len,
+                                                 cmp_residual_kv, None if idx is None else idx[r],
+                                                 has_cmp=has_cmp, **masks)
+        w = max(int((ori_slots[r] + n_cmp).max(initial=0)), 1)
         slot = np.arange(w, dtype=np.int64)[None, :]
         in_ori = slot < n_ori[r, None]
         cpos = slot - ori_slots[r, None]
-        in_cmp = (cpos >= 0) & (cpos < n_cmp[r, None])
+        in_cmp = (cpos >= 0) & (cpos < n_cmp[:, None])
         sel = in_ori | in_cmp
         # faithful: every S2 tile compacted to its selected slots (a masked slot adds exactly nothing: e = 0, P = 0,
         # and every fp32 result is RN32 of an exact value); exact: the slot layout (its float64 sums see the zeros)
@@ -260,7 +265,7 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
         if has_cmp:
             ri, si = np.nonzero(in_cmp)
             di = si if exact else dest[ri, si]
-            k16[ri, di] = cmp_flat[cmp_row(br[ri], cmp_toks[r][ri, si - ori_slots[r][ri]])]
+            k16[ri, di] = cmp_flat[cmp_row(br[ri], cmp_toks[ri, si - ori_slots[r][ri]])]
             selc[ri, di] = True
         k64 = k16.astype(np.float64) if exact else scratch("sharedkv_k64", k16.shape, np.float64)
         if not exact:  # (a kept buffer: a fresh one costs a page fault per 4 KiB)
