@@ -512,3 +512,19 @@ def test_only_rows_and_attention_out_assemble_to_the_serial_bytes(tmp_path):
         assert got[inside].tobytes() == want[inside].tobytes()
         assert lse[inside].tobytes() == want_lse[inside].tobytes()
         assert not got[~inside].view(np.uint16).any() and not lse[~inside].any()
+
+
+def test_rows_that_select_no_token_give_zero_and_the_sink_as_lse():
+    """Every row of the call selects nothing (an empty window cache, no compressed part): out = 0 and
+    lse = log(exp(sink)) = sink, in both precisions (no S2 tile to run)."""
+    from qsfa.reference.sharedkv import sharedkv_attention
+
+    a = sfm_case(scenario="SWA", layout_kv="PA_BBND", batch=2, s1=2, s2=40, n1=2, block_size=16, seed=1)
+    for p in ("ori_sparse_indices", "metadata", "ori_topk_length", "cmp_topk_length", "topk_value_mode"):
+        a.pop(p)
+    a.update(seqused_ori_kv=np.zeros(2, np.int32), ori_mask_mode=0, return_softmax_lse=True)
+    q, ori, cmp, idx = (a.pop(k) for k in ("q", "ori_kv", "cmp_kv", "cmp_sparse_indices"))
+    for prec in ("faithful", "exact"):
+        out, lse = sharedkv_attention(q, ori, cmp, idx, **{**a, "precision": prec})
+        assert not out.astype(np.float64).any()
+        np.testing.assert_array_equal(lse.reshape(-1, 2), np.broadcast_to(a["sinks"].astype(lse.dtype), (4, 2)))

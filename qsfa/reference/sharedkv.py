@@ -309,6 +309,9 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     tiles at once; per tile remain ``RN32(P @ V)`` and the state update."""
     c, n = q64.shape[:2]
     d = k64.shape[-1]
+    if not tiles:  # no row of the chunk selects a token: the state stays m = sink, l = 1, O = 0
+        m = np.broadcast_to(sink[None, :], (c, n)).astype(np.float32)
+        return _finish(m, np.ones((c, n), np.float32), np.zeros((c, n, d), np.float32), qdtype, out_rounding)
     lo_t = np.array([t[0] for t in tiles], np.int64)
     wt = np.array([t[1] - t[0] for t in tiles], np.int64)
     qf = row_facts(q64, q16.view(np.uint16), qdtype)
@@ -370,6 +373,11 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
             upd = any_t[:, t, None]
             l = np.where(upd, a * l + tsum[..., t], l).astype(np.float32)
             acc = np.where(upd[..., None], a[..., None] * acc + pv, acc).astype(np.float32)
+    return _finish(m, l, acc, qdtype, out_rounding)
+
+
+def _finish(m, l, acc, qdtype, out_rounding):
+    """``out = round(O / l)``, ``lse = m + RN32(ln l)`` (0 and -inf where ``l`` is not positive)."""
     with np.errstate(invalid="ignore", divide="ignore"):
         o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
         lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, np.float32(1))), -np.inf).astype(np.float32)
