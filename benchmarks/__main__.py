@@ -37,6 +37,8 @@ BENCHMARKS = {
     "distributed": "golden seed-rope0 and the ci conformance run: --workers 2 vs serial, end to end",
     "chain": "the v32-mla-c8 and V4 (v4-csa, v4-hca) layer-chain goldens link by link vs each link's float64 GEMM "
              "floor (64K context decode)",
+    "sharedkv_decode": "faithful V4 shared-KV decode (CSA / HCA, 64K context) vs the float64 two-GEMM floor (1 thread)",
+    "sharedkv_prefill": "a V4 shared-KV CSA prefill over a 128K context streamed to memmaps (attention_out=): peak memory",
 }
 
 

@@ -9,7 +9,8 @@ come out: ``python -m benchmarks.bytecheck`` recomputes every case and compares 
 Cases: the decode case of benchmarks/attention.py (B=4, Q_N=128, 2048 of 8K tokens, int8 PA), a TND prefill
 (256 query tokens), and smaller variants covering fp16 queries, FP8 / HiFloat8 codes, a 528-byte cache
 (rope_head_dim 0), normalised probabilities, a wide dynamic range (certified and exactly summed fp32 values),
-SFA with sinks, and the three cache writers of benchmarks/cache_writers.py.
+SFA with sinks, the three cache writers of benchmarks/cache_writers.py, and (``sharedkv-*``, pinned from 52fc9fe)
+DeepSeek-V4 shared-KV attention through its four front doors.
 
     python -m benchmarks.bytecheck [--write] [--only NAME ...]
 """
@@ -118,7 +119,45 @@ def cases():
         "qsfa-masked-max": lambda: qs(**_padded(small, huge=True), **lse),
     }
     out.update(writer_cases())
+    out.update(sharedkv_cases())
     return out
+
+
+def sharedkv_cases():
+    """DeepSeek-V4 shared-KV attention through its four front doors (issue 24's speed work; pinned from 52fc9fe,
+    before it): SWA / CSA / HCA, BSND / TND / PA, bf16 / fp16, the A3 (S2 tile 512) and 950 (tile 128) numerics,
+    rows that select fewer tokens than others, and a wide value range (certified and exactly summed fp32 values)."""
+    from qsfa.ops.sharedkv import kqs_case, mq_case, sas_case, sfm_case
+
+    def wide(a, seed):
+        rng = np.random.default_rng(seed)
+        q = a["q"].astype(np.float32)
+        a["q"] = (q * np.exp(rng.uniform(-8, 4, q.shape)).astype(np.float32)).astype(a["q"].dtype)
+        return a
+
+    v4 = {
+        "sfm-csa-a3": (qsfa.sparse_flash_mla, lambda: sfm_case(scenario="CSA", batch=2, s1=3, s2=1300, n1=16,
+                                                                k=1024, seed=30), "A3"),
+        "sfm-csa-950-tnd-fp16": (qsfa.sparse_flash_mla, lambda: sfm_case(
+            scenario="CSA", layout_q="TND", layout_kv="TND", qdtype="float16", batch=2, s1=4, s2=900, n1=8,
+            k=512, seed=31), "950"),
+        "sfm-hca-a3-pa": (qsfa.sparse_flash_mla, lambda: sfm_case(scenario="HCA", layout_kv="PA_BBND", batch=2,
+                                                                   s1=2, s2=5000, n1=16, block_size=64, seed=32), "A3"),
+        "sfm-swa-950-wide": (qsfa.sparse_flash_mla, lambda: wide(sfm_case(scenario="SWA", batch=2, s1=5, s2=700,
+                                                                          n1=8, seed=33), 34), "950"),
+        "sfm-csa-a3-wide": (qsfa.sparse_flash_mla, lambda: wide(sfm_case(scenario="CSA", batch=1, s1=6, s2=2600,
+                                                                         n1=8, k=512, seed=35), 36), "A3"),
+        "sas-csa": (qsfa.sparse_attn_sharedkv, lambda: sas_case(scenario="CSA", batch=1, s1=2, s2=2100, k=512,
+                                                                 block_size=128, seed=37), "A3"),
+        "mq-hca-950": (qsfa.mixed_quant_sparse_flash_mla, lambda: mq_case(scenario="HCA", batch=1, s1=2, s2=2048,
+                                                                           n1=64, block_size=64, seed=38), "950"),
+        "kqs-csa-950": (qsfa.kv_quant_sparse_attn_sharedkv, lambda: kqs_case(scenario="CSA", batch=1, s1=2, s2=1024,
+                                                                              n1=64, k=512, block_size=64, seed=39),
+                        "950"),
+    }
+    return {f"sharedkv-{name}": (lambda fn=fn, mk=mk, chip=chip: fn(
+        **{**mk(), "return_softmax_lse": fn is qsfa.sparse_flash_mla}, chip=chip))
+            for name, (fn, mk, chip) in v4.items()}
 
 
 def _writer_inputs(seed, t=1024, dtype=BF16, specials=True):

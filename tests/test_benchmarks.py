@@ -39,16 +39,30 @@ def test_quick_benchmark_runs_and_writes_its_outputs(name, tmp_path, capsys):
 
 def test_the_oracle_bytes_pinned_by_bytecheck_hold_here():
     """Every output of benchmarks/bytecheck.py (the decode and prefill cases, FP8 / HiFloat8 / fp16 variants, wide
-    ranges, SFA with sinks, the C8 writers and dynamic_block_quant) hashes to the value pinned in
+    ranges, SFA with sinks, the C8 writers and dynamic_block_quant; the V4 cases: the next test) hashes to the value pinned in
     benchmarks/bytecheck_hashes.json, on this machine's CPU, BLAS and ml_dtypes: the bytes must not depend on
     them (docs/golden.md). Computed on an AVX-512 Intel machine (OpenBLAS SkylakeX kernel); reproduced on an AVX2
     AMD EPYC (OpenBLAS Haswell kernel) with ml_dtypes 0.5.1 and 0.7.0."""
     sys.path.insert(0, str(ROOT))
     try:
-        from benchmarks.bytecheck import check
+        from benchmarks.bytecheck import cases, check
     finally:
         sys.path.remove(str(ROOT))
-    res = check()
+    res = check([n for n in cases() if not n.startswith("sharedkv-")])
     assert len(res) == 76
+    bad = sorted(name for name, (want, got) in res.items() if want != got)
+    assert not bad, f"{len(bad)} of {len(res)} cases give other bytes here: {bad}"
+
+
+def test_the_v4_sharedkv_bytes_pinned_by_bytecheck_hold_here():
+    """The DeepSeek-V4 shared-KV cases of benchmarks/bytecheck.py (the four front doors; SWA / CSA / HCA, A3 and 950
+    numerics, wide ranges) hash to the values pinned from 52fc9fe, before issue 24's speed work on the core."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.bytecheck import check, sharedkv_cases
+    finally:
+        sys.path.remove(str(ROOT))
+    res = check(list(sharedkv_cases()))
+    assert len(res) == 8 and all(want for want, _ in res.values())
     bad = sorted(name for name, (want, got) in res.items() if want != got)
     assert not bad, f"{len(bad)} of {len(res)} cases give other bytes here: {bad}"

@@ -80,11 +80,24 @@ ROW_CASES = [
 ]
 
 
+
+def _v4_case(set_name, case_name):
+    return next(c for c in get_set(set_name).cases() if c.name == case_name)
+
+
+#: V4 shared-KV cases with several query rows (BSND with the LSE, TND over a paged cache, 640-byte FP8 rows)
+V4_ROW_CASES = [
+    _v4_case("v4-csa", "v4-csa-first-rows"),
+    _v4_case("v4-hca", "v4-hca-prefill-TND-PA_BBND-bs128-bfloat16"),
+    _v4_case("v4-kv-quant-sharedkv", "v4-kvq-swa-prefill-BSND-bs16"),
+]
+
+
 # --------------------------------------------------------------------------------------------------
 # golden
 
 
-@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", ROW_CASES + V4_ROW_CASES, ids=lambda c: c.name)
 def test_row_tasks_assemble_to_the_serial_outputs(case):
     """Rows split 3 at a time (a ragged last range; BSND padding rows with nothing selected) give the bytes of
     one call over all rows."""

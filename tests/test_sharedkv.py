@@ -483,3 +483,48 @@ def test_kv_quant_sharedkv_equals_sharedkv_on_the_dequantised_rows(scenario):
                   layout_kv="PA_ND", **num)[0]
     assert got.view(np.uint16).tobytes() == ref.view(np.uint16).tobytes()
     assert compare_float(got, want, dtype="bfloat16").passed  # A3 tiles / rounding: within the criterion
+
+
+def test_only_rows_and_attention_out_assemble_to_the_serial_bytes(tmp_path):
+    """A call split into row ranges (qsfa.reference.attention.only_rows, as qsfa.distributed's row tasks run it),
+    each streamed into an attention_out= memmap, gives per range the bytes of one in-memory call; rows outside
+    the range are zero, LSE included."""
+    from qsfa.reference.attention import only_rows
+    from qsfa.reference.sharedkv import sharedkv_attention
+
+    a = sfm_case(scenario="CSA", layout_q="TND", batch=2, s1=9, s2=700, n1=4, k=512, seed=5)
+    for p in ("ori_sparse_indices", "metadata", "ori_topk_length", "cmp_topk_length", "topk_value_mode"):
+        a.pop(p)
+    a["return_softmax_lse"] = True
+    q, ori, cmp, idx = (a.pop(k) for k in ("q", "ori_kv", "cmp_kv", "cmp_sparse_indices"))
+    want, want_lse = sharedkv_attention(q, ori, cmp, idx, **a)
+    want, want_lse = want.reshape(q.shape[0], -1), want_lse.reshape(q.shape[0], -1)
+    assert np.abs(want.astype(np.float32)).min(axis=1).max() > 0
+    buf = np.lib.format.open_memmap(tmp_path / "out.npy", mode="w+", dtype=q.dtype, shape=q.shape)
+    for lo in range(0, q.shape[0], 5):
+        buf[:] = np.ones((), q.dtype)  # garbage the call must overwrite
+        with only_rows(lo, lo + 5):
+            got, lse = sharedkv_attention(q, ori, cmp, idx, attention_out=buf, **a)
+        assert got is buf
+        got, lse = np.asarray(got).reshape(q.shape[0], -1), lse.reshape(q.shape[0], -1)
+        inside = np.zeros(q.shape[0], bool)
+        inside[lo:lo + 5] = True
+        assert got[inside].tobytes() == want[inside].tobytes()
+        assert lse[inside].tobytes() == want_lse[inside].tobytes()
+        assert not got[~inside].view(np.uint16).any() and not lse[~inside].any()
+
+
+def test_rows_that_select_no_token_give_zero_and_the_sink_as_lse():
+    """Every row of the call selects nothing (an empty window cache, no compressed part): out = 0 and
+    lse = log(exp(sink)) = sink, in both precisions (no S2 tile to run)."""
+    from qsfa.reference.sharedkv import sharedkv_attention
+
+    a = sfm_case(scenario="SWA", layout_kv="PA_BBND", batch=2, s1=2, s2=40, n1=2, block_size=16, seed=1)
+    for p in ("ori_sparse_indices", "metadata", "ori_topk_length", "cmp_topk_length", "topk_value_mode"):
+        a.pop(p)
+    a.update(seqused_ori_kv=np.zeros(2, np.int32), ori_mask_mode=0, return_softmax_lse=True)
+    q, ori, cmp, idx = (a.pop(k) for k in ("q", "ori_kv", "cmp_kv", "cmp_sparse_indices"))
+    for prec in ("faithful", "exact"):
+        out, lse = sharedkv_attention(q, ori, cmp, idx, **{**a, "precision": prec})
+        assert not out.astype(np.float64).any()
+        np.testing.assert_array_equal(lse.reshape(-1, 2), np.broadcast_to(a["sinks"].astype(lse.dtype), (4, 2)))

@@ -2,8 +2,8 @@
 
 Tasks are cases. A case runs in a worker's temporary directory exactly as a serial run writes it
 (:func:`qsfa.golden.manifest._write_case`); the task returns the manifest entry and the bytes of its files,
-and the client writes them under ``--out``. Long attention cases (QSFA / SFA with more query rows than one
-task should hold) are split: the case task returns the generated inputs instead, one task per range of query
+and the client writes them under ``--out``. Long attention cases (QSFA / SFA / V4 shared-KV with more query rows
+than one task should hold) are split: the case task returns the generated inputs instead, one task per range of query
 rows computes those rows (:func:`qsfa.reference.attention.only_rows`; a row's bytes do not depend on the rows
 computed with it), and the client assembles the outputs and writes the case (into the staging folder of
 :func:`qsfa.golden.manifest.generate`, as a serial run does). The directory is byte-identical
@@ -29,7 +29,10 @@ from ._cluster import ClusterUsageError, Tasks
 __all__ = ["GoldenExecutor", "ROW_SPLIT_OPS", "ROW_TASK_WORK", "attention_rows"]
 
 #: operators whose outputs are per query row (``qsfa.reference.attention.only_rows``)
-ROW_SPLIT_OPS = ("kv_quant_sparse_flash_attention", "sparse_flash_attention")
+ROW_SPLIT_OPS = ("kv_quant_sparse_flash_attention", "sparse_flash_attention",
+                 # DeepSeek-V4 shared-KV attention (qsfa.reference.sharedkv honours only_rows too)
+                 "sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla",
+                 "kv_quant_sparse_attn_sharedkv")
 
 #: default work of one row task, in query row x head x selected-token units: seconds of the reference on one
 #: core (of the order of a million units per second here)
@@ -39,11 +42,20 @@ ROW_TASK_WORK = 1 << 23
 def attention_rows(case, inputs: dict) -> tuple[int, int]:
     """``(query rows, work per row)`` of an attention case: rows in the flattened order of
     :func:`~qsfa.reference.attention.only_rows`, work = heads x selected tokens per row."""
+    params = case.call_params(inputs)
+    if "query" not in inputs:  # V4 shared-KV: q, layout_q; a window plus the compressed tokens per row
+        q = inputs["q"]
+        rows = int(np.prod(q.shape[:2])) if (params.get("layout_q") or "BSND") == "BSND" else int(q.shape[0])
+        idx, cmp = inputs.get("cmp_sparse_indices"), inputs.get("cmp_kv")
+        win = int(params.get("ori_win_left", -1))
+        width = (win + 1 if win >= 0 else int(np.prod(inputs["ori_kv"].shape[:2]))) + (
+            int(idx.shape[-1]) if idx is not None else int(np.prod(cmp.shape[:2])) if cmp is not None else 0)
+        return rows, int(q.shape[-2]) * width
     q = inputs["query"]
-    layout = case.call_params(inputs).get("layout_query") or "BSND"
+    layout = params.get("layout_query") or "BSND"
     rows = int(np.prod(q.shape[:2])) if layout == "BSND" else int(q.shape[0])
     idx = inputs.get("sparse_indices")
-    sbs = int(case.call_params(inputs).get("sparse_block_size") or 1)
+    sbs = int(params.get("sparse_block_size") or 1)
     width = int(idx.shape[-1]) * sbs if idx is not None else 1
     return rows, int(q.shape[-2]) * width
 

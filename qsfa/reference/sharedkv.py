@@ -38,7 +38,11 @@ cores (flash decode, chosen by the metadata) merges partial results in another o
 as in :mod:`qsfa.reference.attention` (same helpers), so the bytes do not depend on the BLAS; the kernel's
 accumulation order lands within a few fp32 ulps (docs/numerics/comparison.md#float-criterion).
 
-Vectorised over rows, heads and tokens; Python loops only over chunks of rows and over S2 tiles.
+Vectorised over rows, heads and tokens; Python loops only over chunks of rows and over S2 tiles. The faithful
+path packs each S2 tile to the tokens its rows select (a masked slot changes no fp32 result: every one is the
+correctly rounded value of an exact sum, to which it adds zero) and computes the scores' softmax steps for all
+tiles of a chunk at once; per tile remain the two certified products and the state update. Bytes: pinned by
+benchmarks/bytecheck.py (``sharedkv-*``); speed: benchmarks/sharedkv_decode.py.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import (
-    _dot_f32, _QDT, _qdt_name, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16, row_facts,
+    _ROW_RANGE, _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16,
+    row_facts, sum_error_bound,
 )
+from ._workspace import scratch
 
 __all__ = ["sharedkv_attention", "select_tokens", "S2_TILE", "PRECISIONS", "KV_LAYOUTS"]
 
@@ -142,9 +148,29 @@ def select_tokens(bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, cm
     return zero, start, n_ori, toks[:, : int(n_cmp.max(initial=0))], n_cmp
 
 
-def _facts_cols(x64, bits, qdtype):
-    """(max |entry|, lq) per column of [c, w, D] ([c, D] each), for P @ V."""
-    return np.abs(x64).max(axis=1), min_lq(np.ascontiguousarray(bits.transpose(0, 2, 1)), qdtype)
+def _tile_layout(sel, tile):
+    """The selected slots of every S2 tile packed to the tile's front, in slot order: (dest [c, w]: the packed
+    position of each selected slot, tiles: [(lo, hi)] of the packed tiles that hold a selected slot, packed width).
+    A packed tile is as wide as its most populated row (rows with fewer tokens are masked there)."""
+    c, w = sel.shape
+    n_t = -(-w // tile)
+    rank = np.cumsum(np.pad(sel, ((0, 0), (0, n_t * tile - w))).reshape(c, n_t, tile), axis=2) - 1
+    wt = rank[:, :, -1].max(axis=0) + 1  # [n_t]
+    off = np.concatenate([[0], np.cumsum(wt)[:-1]])
+    dest = (off[None, :, None] + rank).reshape(c, -1)[:, :w]
+    tiles = [(int(off[t]), int(off[t] + wt[t])) for t in range(n_t) if wt[t] > 0]
+    return dest, tiles, int(wt.sum())
+
+
+def _col_facts(mag, lo, hi, qdtype):
+    """(max |entry|, lq) per column of V over the packed tokens ``[lo, hi)`` (see attention._dot_f32), from the
+    magnitude bits ``mag`` ([c, W, D] uint16, sign cleared) of the 16-bit values: reduced along the token axis
+    in place of a transposed copy (the same facts as ``min_lq`` of the transposed bits)."""
+    t = mag[:, lo:hi]
+    vmax = t.max(axis=1).view(_QDT[qdtype]).astype(np.float64)
+    mn = (t - np.uint16(1)).min(axis=1).astype(np.int32)  # zero wraps to 0xFFFF: never a non-zero column's min
+    shift, low = _FIELD16[qdtype]
+    return vmax, np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)
 
 
 def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_block_table=None,
@@ -152,13 +178,20 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
                        seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None, sinks=None,
                        softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
                        ori_win_right=-1, layout_q="BSND", layout_kv="BSND", return_softmax_lse=False,
-                       precision="faithful", s2_tile=S2_TILE, p_rounding="round", out_rounding="rint"):
+                       precision="faithful", s2_tile=S2_TILE, p_rounding="round", out_rounding="rint",
+                       attention_out=None):
     """The shared-KV attention core (module docstring). Arguments as ``aclnnSparseFlashMla`` (N2 = 1); the
     layout ``"PA_ND"`` is taken as ``"PA_BBND"``. A PA compressed cache without ``seqused_cmp_kv`` has
     ``S3 = floor(S2 / cmp_ratio)``. ``s2_tile``, ``p_rounding``, ``out_rounding`` ("rint" / "round"): the chip's
     (qsfa.chips.SHAREDKV_NUMERICS; the defaults are Atlas A2/A3's for a bfloat16 query). Returns ``(attention_out like q, softmax_lse)``; softmax_lse is float32
     (float64 exact) ``[B, 1, S1, N1]`` (BSND) / ``[1, T1, N1]`` (TND), or an empty ``[0]`` array when not
-    requested."""
+    requested.
+
+    ``attention_out``: an optional C-contiguous array of the output's shape and dtype (e.g. an ``np.memmap``): the
+    rows are written into it chunk by chunk and it is returned, so a long prefill's output never exists in memory
+    as a whole. Within :func:`qsfa.reference.attention.only_rows` only the rows of the range are computed (the
+    others are zero, LSE included; a row's bytes do not depend on the rows computed with it), so a call split
+    into row ranges assembles to the same bytes (qsfa.distributed's row tasks)."""
     assert precision in PRECISIONS, precision
     exact = precision == "exact"
     layout_kv = "PA_BBND" if layout_kv == "PA_ND" else layout_kv
@@ -176,46 +209,76 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
     idx = None
     if cmp_sparse_indices is not None:
         idx = np.asarray(cmp_sparse_indices).reshape(rows.shape[0], -1)
-    zero, start, n_ori, cmp_toks, n_cmp = select_tokens(
-        bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, idx, has_cmp=has_cmp, cmp_ratio=int(cmp_ratio),
-        ori_mask_mode=int(ori_mask_mode), cmp_mask_mode=int(cmp_mask_mode), ori_win_left=int(ori_win_left),
-        ori_win_right=int(ori_win_right))
+    masks = dict(cmp_ratio=int(cmp_ratio), ori_mask_mode=int(ori_mask_mode), cmp_mask_mode=int(cmp_mask_mode),
+                 ori_win_left=int(ori_win_left), ori_win_right=int(ori_win_right))
+    # the window of every row here; the compressed tokens chunk by chunk (a long prefill's [rows, K] index arrays
+    # would not fit the working set)
+    zero, start, n_ori, _, _ = select_tokens(bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, None,
+                                             has_cmp=False, **masks)
     tile = int(s2_tile)
     ori_slots = -(-n_ori // tile) * tile  # the compressed part starts a new tile
-    width_all = ori_slots + n_cmp
+    cmp_bound = 0 if not has_cmp else int(idx.shape[1]) if idx is not None else int(cmp_len.max(initial=0))
     sink = np.full(n_heads, -np.inf, np.float32) if sinks is None else np.asarray(sinks, np.float32)
     fdt = np.float64 if exact else np.float32
-    out = np.zeros((rows.shape[0], n_heads, d), np.float64 if exact else _QDT[qdtype])
+    odt = np.float64 if exact else _QDT[qdtype]
+    if attention_out is None:
+        out = np.zeros((rows.shape[0], n_heads, d), odt)
+    else:
+        assert attention_out.dtype == odt and attention_out.size == rows.shape[0] * n_heads * d, attention_out.dtype
+        out = attention_out.reshape(rows.shape[0], n_heads, d)  # a view (C-contiguous)
+        assert np.shares_memory(out, attention_out)
     lse = np.zeros((rows.shape[0], n_heads), fdt)
     live = np.nonzero(~zero)[0]
-    per_row = max(int(width_all.max(initial=0)), 1) * d * 8 * 2
+    row_range = _ROW_RANGE.get()
+    if row_range is not None:
+        live = live[(live >= row_range[0]) & (live < row_range[1])]
+    if attention_out is not None:  # rows no chunk writes are zero
+        idle = np.ones(rows.shape[0], bool)
+        idle[live] = False
+        for a in range(0, rows.shape[0], 4096):
+            z = np.flatnonzero(idle[a:a + 4096]) + a
+            if z.size:
+                out[z] = 0
+    per_row = max(int(ori_slots[live].max(initial=0)) + cmp_bound, 1) * d * 8 * 2
     step = max(1, _CHUNK_BYTES // per_row)
     for c0 in range(0, live.size, step):
         r = live[c0:c0 + step]
-        w = max(int(width_all[r].max(initial=0)), 1)
+        _, _, _, cmp_toks, n_cmp = select_tokens(bat[r], pos[r], s1_act[r], valid[r], ori_len, cmp_len,
+                                                 cmp_residual_kv, None if idx is None else idx[r],
+                                                 has_cmp=has_cmp, **masks)
+        w = max(int((ori_slots[r] + n_cmp).max(initial=0)), 1)
         slot = np.arange(w, dtype=np.int64)[None, :]
         in_ori = slot < n_ori[r, None]
         cpos = slot - ori_slots[r, None]
-        in_cmp = (cpos >= 0) & (cpos < n_cmp[r, None])
+        in_cmp = (cpos >= 0) & (cpos < n_cmp[:, None])
         sel = in_ori | in_cmp
-        b2 = np.broadcast_to(bat[r, None], sel.shape)
-        k16 = np.zeros((r.size, w, d), rows.dtype)
-        oj = np.where(in_ori, start[r, None] + slot, 0)
-        k16[in_ori] = ori_flat[ori_row(b2[in_ori], oj[in_ori])]
-        if has_cmp and in_cmp.any():
-            cj = np.take_along_axis(cmp_toks[r], np.clip(cpos, 0, max(cmp_toks.shape[1] - 1, 0)), 1) \
-                if cmp_toks.shape[1] else np.zeros_like(cpos)
-            k16[in_cmp] = cmp_flat[cmp_row(b2[in_cmp], cj[in_cmp])]
-        k64 = k16.astype(np.float64)
+        # faithful: every S2 tile compacted to its selected slots (a masked slot adds exactly nothing: e = 0, P = 0,
+        # and every fp32 result is RN32 of an exact value); exact: the slot layout (its float64 sums see the zeros)
+        dest, tiles, wc = _tile_layout(sel, tile) if not exact else (None, [(0, w)], w)
+        k16 = np.zeros((r.size, max(wc, 1), d), rows.dtype)
+        selc = np.zeros((r.size, max(wc, 1)), bool)
+        br = bat[r]
+        ri, si = np.nonzero(in_ori)
+        di = si if exact else dest[ri, si]
+        k16[ri, di] = ori_flat[ori_row(br[ri], start[r][ri] + si)]
+        selc[ri, di] = True
+        if has_cmp:
+            ri, si = np.nonzero(in_cmp)
+            di = si if exact else dest[ri, si]
+            k16[ri, di] = cmp_flat[cmp_row(br[ri], cmp_toks[ri, si - ori_slots[r][ri]])]
+            selc[ri, di] = True
+        k64 = k16.astype(np.float64) if exact else scratch("sharedkv_k64", k16.shape, np.float64)
+        if not exact:  # (a kept buffer: a fresh one costs a page fault per 4 KiB)
+            np.copyto(k64, k16)
         q64 = rows[r].astype(np.float64)
         if exact:
-            o, l_ = _exact(q64, k64, sel, float(softmax_scale), sink.astype(np.float64))
+            o, l_ = _exact(q64, k64, selc, float(softmax_scale), sink.astype(np.float64))
         else:
-            o, l_ = _faithful(q64, rows[r], k64, k16, sel, np.float32(softmax_scale), sink, qdtype, tile,
+            o, l_ = _faithful(q64, rows[r], k64, k16, selc, np.float32(softmax_scale), sink, qdtype, tiles,
                               p_rounding, out_rounding)
         out[r] = o
         lse[r] = l_
-    out = out.reshape(q.shape)
+    out = out.reshape(q.shape) if attention_out is None else attention_out
     if not return_softmax_lse:
         return out, np.zeros((0,), fdt)
     if layout_q == "BSND":
@@ -238,42 +301,83 @@ def _exact(q64, k64, sel, scale, sink):
     return o, np.where(den > 0, lse, -np.inf)
 
 
-def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tile, p_rounding, out_rounding):
+def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
+    """The online softmax over the packed tiles ``[(lo, hi)]`` of ``k64`` (see :func:`_tile_layout`); ``sel``
+    [c, W] marks the selected tokens. Vectorised over rows, heads and tiles: the scores of all tiles land in one
+    block (one ``_dot_f32`` call per tile, so its certification sees the candidate sets it always saw), and the
+    running maxima (they depend on the scores only), the exponentials, the tile sums and P are computed for all
+    tiles at once; per tile remain ``RN32(P @ V)`` and the state update."""
     c, n = q64.shape[:2]
     d = k64.shape[-1]
-    w = k64.shape[1]
+    if not tiles:  # no row of the chunk selects a token: the state stays m = sink, l = 1, O = 0
+        m = np.broadcast_to(sink[None, :], (c, n)).astype(np.float32)
+        return _finish(m, np.ones((c, n), np.float32), np.zeros((c, n, d), np.float32), qdtype, out_rounding)
+    lo_t = np.array([t[0] for t in tiles], np.int64)
+    wt = np.array([t[1] - t[0] for t in tiles], np.int64)
     qf = row_facts(q64, q16.view(np.uint16), qdtype)
     kbits = k16.view(np.uint16)
     kf = row_facts(k64, kbits, qdtype)
+    kmag = kbits & np.uint16(0x7FFF)
+    s = np.empty((c, n, k64.shape[1]), np.float32)
+    for lo, hi in tiles:  # RN32(q . k)  [c, N, W]; one call per tile, as the candidate sets of _dot_f32 were
+        _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]), out=s[..., lo:hi])
+    s *= scale  # fp32 multiply
+    if not sel.all():
+        np.copyto(s, np.float32(-np.inf), where=~sel[:, None, :])
+    any_t = np.logical_or.reduceat(sel, lo_t, axis=1)  # [c, T]
+    tmax = np.maximum.reduceat(s, lo_t, axis=-1)  # [c, N, T]
+    # the running state m before each tile and the max each tile uses (0 for a row the tile does not touch)
+    m_prev = np.empty(tmax.shape, np.float32)
+    m_use = np.empty(tmax.shape, np.float32)
     m = np.broadcast_to(sink[None, :], (c, n)).astype(np.float32)
+    for t in range(len(tiles)):
+        upd = any_t[:, t, None]
+        m_new = np.maximum(m, tmax[..., t])
+        m_prev[..., t] = m
+        m_use[..., t] = np.where(upd, m_new, np.float32(0))
+        m = np.where(upd, m_new, m).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        a_all = np.where(np.isneginf(m_prev), np.float32(0), exp_f32((m_prev - m_use).astype(np.float32)))
+    clean = bool(np.isfinite(m_use).all())  # no +inf / NaN score: s - m is finite or -inf (masked), exp +0
+    fin = None if clean else np.isfinite(s)
+    with np.errstate(invalid="ignore"):
+        np.subtract(s, np.repeat(m_use, wt, axis=-1), out=s)
+        e = exp_f32(s, out64=scratch("sharedkv_e64", s.shape, np.float64))  # RN32(exp(s - m'))  [c, N, W]
+    if clean:
+        l64 = np.add.reduceat(e, lo_t, axis=-1, dtype=np.float64)  # terms in [0, 1]: sum |e| = l64
+        tsum = certified_f32(l64, sum_error_bound(int(wt.max()), l64), lambda idx: np.array(
+            [exact_sum_f32(e[i // (n * wt.size), (i // wt.size) % n, lo_t[i % wt.size]:tiles[i % wt.size][1]]
+                           [None].astype(np.float64))[0] for i in idx], np.float32))
+    else:
+        e = np.where(fin, e, np.float32(0)).astype(np.float32)
+        tsum = np.stack([exact_sum_f32(e[..., lo:hi].reshape(-1, hi - lo).astype(np.float64)).reshape(c, n)
+                         for lo, hi in tiles], axis=-1)
+    p16 = round_q16(e, qdtype, p_rounding)  # P against the running max
+    p64 = scratch("sharedkv_p64", p16.shape, np.float64)
+    np.copyto(p64, p16)
+    p_sum = np.add.reduceat(p64, lo_t, axis=-1) * (1 + 2.0 ** -40)
+    mn = np.minimum.reduceat((p16.view(np.uint16) & np.uint16(0x7FFF)) - np.uint16(1), lo_t, axis=-1).astype(np.int32)
+    shift, low = _FIELD16[qdtype]
+    p_lq = np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)  # min_lq of each tile's P
     l = np.ones((c, n), np.float32)
     acc = np.zeros((c, n, d), np.float32)
-    for t0 in range(0, w, tile):
-        sl = slice(t0, min(t0 + tile, w))
-        vt = sel[:, sl]
-        any_t = vt.any(axis=1)  # [c]
-        if not any_t.any():
-            continue
-        s = _dot_f32(q64, k64[:, sl].transpose(0, 2, 1), qf, (kf[0][:, sl], kf[1][:, sl]))  # RN32(q . k)
-        s *= scale  # fp32 multiply
-        s[~np.broadcast_to(vt[:, None, :], s.shape)] = -np.inf
-        m_new = np.maximum(m, s.max(axis=-1))
-        m_use = np.where(any_t[:, None], m_new, np.float32(0))
-        with np.errstate(invalid="ignore"):
-            a = np.where(np.isneginf(m), np.float32(0), exp_f32((m - m_use).astype(np.float32)))
-            e = exp_f32((s - m_use[..., None]).astype(np.float32))  # masked -inf -> 0
-        e = np.where(np.isfinite(s), e, np.float32(0)).astype(np.float32)
-        tsum = exact_sum_f32(e.reshape(-1, e.shape[-1]).astype(np.float64)).reshape(c, n)
-        p16 = round_q16(e, qdtype, p_rounding)  # P against the running max
-        p64 = p16.astype(np.float64)
-        pbits = p16.view(np.uint16)
-        p_facts = (p64.sum(axis=-1) * (1 + 2.0 ** -40), min_lq(pbits, qdtype))
-        v_facts = _facts_cols(k64[:, sl], kbits[:, sl], qdtype)
-        pv = _dot_f32(p64, k64[:, sl], p_facts, v_facts)  # RN32(P @ V)  [c, n, d]
-        upd = any_t[:, None]
-        l = np.where(upd, a * l + tsum, l).astype(np.float32)
-        acc = np.where(upd[..., None], a[..., None] * acc + pv, acc).astype(np.float32)
-        m = np.where(upd, m_new, m).astype(np.float32)
+    for t, (lo, hi) in enumerate(tiles):
+        pv = _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
+                      _col_facts(kmag, lo, hi, qdtype))  # RN32(P @ V)  [c, N, D]
+        a = a_all[..., t]
+        if any_t[:, t].all():
+            l = a * l + tsum[..., t]
+            acc *= a[..., None]
+            acc += pv
+        else:
+            upd = any_t[:, t, None]
+            l = np.where(upd, a * l + tsum[..., t], l).astype(np.float32)
+            acc = np.where(upd[..., None], a[..., None] * acc + pv, acc).astype(np.float32)
+    return _finish(m, l, acc, qdtype, out_rounding)
+
+
+def _finish(m, l, acc, qdtype, out_rounding):
+    """``out = round(O / l)``, ``lse = m + RN32(ln l)`` (0 and -inf where ``l`` is not positive)."""
     with np.errstate(invalid="ignore", divide="ignore"):
         o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
         lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, np.float32(1))), -np.inf).astype(np.float32)

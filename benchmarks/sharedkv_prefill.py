@@ -1,0 +1,146 @@
+"""A long DeepSeek-V4 shared-KV (CSA) prefill streamed through ``attention_out=`` memmaps: time and peak memory
+(issue 24).
+
+Case: one TND sequence of ``--context`` tokens (default 131072) whose last ``--tokens`` query tokens (default 2048;
+``--tokens`` = ``--context`` is the whole 128K-token prefill) are computed: Q_N = 64 bf16 heads, a 128-token window
+over ``ori_kv`` plus the top-1024 of the ``cmp_ratio`` 4 compressed cache (``context / 4`` tokens; distinct random
+indices below each row's causal bound), sinks, A2/A3 numerics. The query, both caches, the indices and the output
+are ``np.memmap`` files: nothing of size ``context`` or ``tokens`` is held in memory by the benchmark.
+:func:`qsfa.reference.sharedkv.sharedkv_attention` runs with ``attention_out=`` the output memmap: rows are
+gathered, computed and written a chunk at a time, the compressed-token selection too. A thread samples the
+process's anonymous resident memory (``RssAnon``: what the oracle allocates; the memmaps' pages are the page
+cache's) and the kernel's peak RSS (``VmHWM``, reset before the call) is read after it. The last 32 rows are
+(at most half) recomputed in memory (an in-memory call under ``only_rows``) and compared byte for byte.
+
+Baseline (the ratio): the 512 MiB working-set budget (MiB, not seconds). The oracle's peak does not grow with
+the number of query tokens (chunks of rows), so a few thousand rows of the 128K context stand for the whole
+prefill; ``--tokens 131072`` runs it (hours on one core).
+
+    python -m benchmarks.sharedkv_prefill [--quick] [--tokens N] [--context N] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from qsfa.reference.attention import only_rows
+from qsfa.reference.sharedkv import sharedkv_attention
+
+from ._harness import Timing, row
+from .long_prefill import _reset_peak_rss, _status
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+D = 512
+RATIO = 4
+TOPK = 1024
+
+
+def _fill(mm, rng, scale):
+    flat = mm.reshape(-1, mm.shape[-1])
+    for a in range(0, flat.shape[0], 1 << 14):
+        b = min(flat.shape[0], a + (1 << 14))
+        flat[a:b] = (rng.standard_normal((b - a, mm.shape[-1]), np.float32) * np.float32(scale)).astype(BF16)
+
+
+def build(folder, tokens, context, heads, seed=0):
+    """Arguments (memmaps under ``folder``) for the last ``tokens`` query tokens of a ``context``-token sequence."""
+    rng = np.random.default_rng(seed)
+    s3 = context // RATIO
+    mm = lambda name, dt, shape: np.lib.format.open_memmap(os.path.join(folder, name), mode="w+", dtype=dt,
+                                                           shape=shape)
+    q, ori, cmp = mm("q.npy", BF16, (tokens, heads, D)), mm("ori.npy", BF16, (context, 1, D)), \
+        mm("cmp.npy", BF16, (s3, 1, D))
+    _fill(q, rng, 0.5)
+    _fill(ori, rng, 1.0)
+    _fill(cmp, rng, 1.0)
+    idx = mm("idx.npy", np.int32, (tokens, 1, TOPK))
+    for a in range(0, tokens, 256):
+        b = min(tokens, a + 256)
+        bound = (context - tokens + np.arange(a, b) + 1) // RATIO  # the row's causal bound (cmp_mask_mode 3)
+        keys = rng.random((b - a, s3))
+        keys[np.arange(s3)[None, :] >= bound[:, None]] = 2.0
+        part = np.argsort(keys, axis=1)[:, :TOPK].astype(np.int32)
+        part[np.arange(TOPK)[None, :] >= bound[:, None]] = -1  # fewer than K below the bound: -1 ends the row
+        idx[a:b, 0] = part
+    for m in (q, ori, cmp, idx):
+        m.flush()
+    return dict(q=q, ori_kv=ori, cmp_kv=cmp, cmp_sparse_indices=idx, cu_seqlens_q=np.array([0, tokens], np.int32),
+                cu_seqlens_ori_kv=np.array([0, context], np.int32), cu_seqlens_cmp_kv=np.array([0, s3], np.int32),
+                cmp_residual_kv=np.zeros(1, np.int32), sinks=rng.uniform(-1, 1, heads).astype(np.float32),
+                softmax_scale=D ** -0.5, cmp_ratio=RATIO, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127,
+                ori_win_right=0, layout_q="TND", layout_kv="TND", precision="faithful", s2_tile=512,
+                p_rounding="round", out_rounding="rint")
+
+
+def run(quick: bool = False, tokens: int | None = None, context: int | None = None, heads: int = 64,
+        folder: str | None = None) -> list[dict]:
+    context = context or (4096 if quick else 131072)
+    tokens = min(tokens or (16 if quick else 2048), context)
+    with tempfile.TemporaryDirectory(dir=folder) as d:
+        args = build(d, tokens, context, heads)
+        out = np.lib.format.open_memmap(os.path.join(d, "out.npy"), mode="w+", dtype=BF16, shape=(tokens, heads, D))
+        peak_anon = [_status("RssAnon")]
+        base_anon = peak_anon[0]
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.05):
+                peak_anon[0] = max(peak_anon[0], _status("RssAnon"))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        reset = _reset_peak_rss()
+        load0 = os.getloadavg()[0]
+        sampler.start()
+        t0 = time.perf_counter()
+        try:
+            with threadpool_limits(limits=1):
+                got, _ = sharedkv_attention(**args, attention_out=out)
+        finally:
+            elapsed = time.perf_counter() - t0
+            done.set()
+            sampler.join()
+        hwm = _status("VmHWM")
+        assert got is out
+        out.flush()
+        r = min(32, tokens // 2)
+        with only_rows(tokens - r, tokens):  # the last rows computed again, in memory
+            want, _ = sharedkv_attention(**args)
+        if want[-r:].tobytes() != np.asarray(out[-r:]).tobytes():
+            raise AssertionError("the streamed output differs from the in-memory one: not reported")
+        out_bytes = out.nbytes
+        del out, got, want, args
+    mib = peak_anon[0] / 2**20
+    note = (f"{elapsed:.1f} s; TND, the last {tokens} of {context} tokens, Q_N={heads}, CSA window 128 + top-{TOPK} "
+            f"of {context // RATIO} compressed; 1 thread (threadpoolctl); load {load0:.2f}->{os.getloadavg()[0]:.2f}; peak RssAnon "
+            f"{mib:.0f} MiB ({(peak_anon[0] - base_anon) / 2**20:.0f} MiB above the {base_anon / 2**20:.0f} MiB before "
+            f"the call); peak RSS incl. memmap pages {hwm / 2**20:.0f} MiB"
+            f"{'' if reset else ' (VmHWM not reset: includes input generation)'}; output {out_bytes / 2**20:.0f} MiB "
+            f"on disk; last {r} rows byte-identical to an in-memory call")
+    return [row("sharedkv_prefill", f"V4 CSA prefill, {tokens} of {context} tokens to a memmap: peak MiB vs budget",
+                Timing(mib, mib, mib, 0.0, 1), baseline_name="512 MiB working-set budget (MiB, not s)",
+                baseline=Timing(512.0, 512.0, 512.0, 0.0, 0), seconds=elapsed, peak_mib=mib, vmhwm_mib=hwm / 2**20,
+                output_mib=out_bytes / 2**20, notes=note, goal="ratio < 1")]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--tokens", type=int)
+    p.add_argument("--context", type=int)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--dir", help="folder for the memmap files (default: the system temp folder)")
+    a = p.parse_args(argv)
+    for r in run(quick=a.quick, tokens=a.tokens, context=a.context, heads=a.heads, folder=a.dir):
+        print(f"{r['case']}: {r['notes']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
