@@ -259,7 +259,7 @@ def _rules(op):
         r.append(choice_rule(n, "kv_quant_mode", (1,), bad=2))
         r.append(choice_rule(n, "tile_size", (64,), bad=32))
         r.append(choice_rule(n, "rope_head_dim", (64,), bad=0))
-    if quant or qs:
+    if quant:
         r.append(rule(n, "cmp_kv_dtype_same", "cmp_kv", "dtype", "must have ori_kv's dtype",
                       lambda a: None if a.get("cmp_kv") is None or a.cmp_kv.dtype == a.ori_kv.dtype
                       else dtype_name(a.cmp_kv), edit(n, lambda a: a.update(cmp_kv=a["cmp_kv"].view(np.uint8))),
@@ -608,16 +608,18 @@ def _qs_rules(n):
                 lambda a: None if a.get("cmp_kv") is None or a.get("cmp_kv_descale") is not None else "None",
                 edit(n, setting(cmp_kv_descale=None)), source=src_k)]
     for p in _QS_DESCALES:
-        out.append(rule(n, f"{p}_shape", p, "shape", "must hold one fp32 value (a per-tensor descale, shape [1])",
-                        (lambda p_: lambda a: None if a.get(p_) is None or a[p_].size == 1 else tuple(a[p_].shape))(p),
+        out.append(rule(n, f"{p}_shape", p, "shape", "must be [1] (one fp32 per-tensor descale)",
+                        (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape == (1,)
+                         else tuple(a[p_].shape))(p),
                         edit(n, (lambda p_: lambda a: a.update({p_: np.ones(2, np.float32)}))(p)), source=src_k))
         out.append(rule(n, f"{p}_values", p, "value", "must be finite",
-                        (lambda p_: lambda a: None if a.get(p_) is None or a[p_].size != 1
+                        (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape != (1,)
                          or np.isfinite(a[p_]).all() else float(a[p_].reshape(-1)[0]))(p),
                         edit(n, (lambda p_: lambda a: a.update({p_: np.array([np.inf], np.float32)}))(p)),
                         source=src_k))
     out.append(rule(n, "cmp_ratio_swa", "cmp_ratio", "value", "must be 1 without cmp_kv (SWA)",
-                    lambda a: None if a.get("cmp_kv") is not None or a.cmp_ratio == 1 else a.cmp_ratio,
+                    lambda a: None if a.get("cmp_kv") is not None or a.get("cmp_sparse_indices") is not None
+                    or a.cmp_ratio == 1 else a.cmp_ratio,
                     edit(n, setting(cmp_ratio=4), scenario="SWA"),
                     source="cannmirror/ops-transformer@5992a2b attention/quant_sparse_flash_mla/op_host/"
                            "quant_sparse_flash_mla_check_existance.cpp (CheckCmpRatioExistence)"))

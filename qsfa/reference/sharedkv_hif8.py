@@ -52,7 +52,8 @@ _HIF8_VALUES = decode(np.arange(256, dtype=np.uint8), "hifloat8").astype(np.floa
 
 def descale_product(softmax_scale, q_descale, kv_descale) -> np.float32:
     """The kernel's logit scale ``fp32(fp32(softmax_scale * q_descale) * kv_descale)`` (all three fp32)."""
-    return np.float32(np.float32(np.float32(softmax_scale) * np.float32(q_descale)) * np.float32(kv_descale))
+    with np.errstate(over="ignore", invalid="ignore"):  # an fp32 overflow is inf, as on the chip
+        return np.float32(np.float32(np.float32(softmax_scale) * np.float32(q_descale)) * np.float32(kv_descale))
 
 
 def _one(x) -> np.float32:
@@ -172,7 +173,8 @@ def _faithful(q64, qcodes, k64, kcodes, sel, is_cmp, softmax_scale, dq, d_ori, d
         scale_t = np.where(cmp_t, c_cmp, c_ori).astype(f32)
         d_t = np.where(cmp_t, d_cmp, d_ori).astype(f32)
         s = _dot_f32(q64, k64[:, sl].transpose(0, 2, 1), qf, (kf[0][:, sl], kf[1][:, sl]))
-        s = (s * scale_t[:, None, None]).astype(f32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            s = (s * scale_t[:, None, None]).astype(f32)
         s[~np.broadcast_to(vt[:, None, :], s.shape)] = -np.inf
         m_new = np.maximum(m, s.max(axis=-1))
         m_use = np.where(any_t[:, None], m_new, f32(0))
