@@ -66,7 +66,7 @@ from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_a
 from .quant import dynamic_block_quant_args
 from .sharedkv import (
     kv_quant_sparse_attn_sharedkv_args, mixed_quant_sparse_flash_mla_args, sparse_attn_sharedkv_args,
-    sparse_flash_mla_args,
+    sparse_flash_mla_args, quant_sparse_flash_mla_args,
 )
 
 __all__ = [
@@ -110,6 +110,7 @@ __all__ = [
     "sparse_attn_sharedkv_args",
     "mixed_quant_sparse_flash_mla_args",
     "kv_quant_sparse_attn_sharedkv_args",
+    "quant_sparse_flash_mla_args",
 ]
 
 
@@ -237,6 +238,7 @@ MORE_STRATEGIES = {
     "sparse_attn_sharedkv": sparse_attn_sharedkv_args,
     "mixed_quant_sparse_flash_mla": mixed_quant_sparse_flash_mla_args,
     "kv_quant_sparse_attn_sharedkv": kv_quant_sparse_attn_sharedkv_args,
+    "quant_sparse_flash_mla": quant_sparse_flash_mla_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):
