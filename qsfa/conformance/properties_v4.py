@@ -76,7 +76,8 @@ def _split_merge(P, examples, op="sparse_flash_mla"):
         whole = call(op, a, backend)
         ori = call(op, {**a, "cmp_kv": None, "cmp_sparse_indices": None, "cmp_residual_kv": None,
                         "seqused_cmp_kv": None, "cmp_block_table": None, "cu_seqlens_cmp_kv": None,
-                        "cmp_mask_mode": 0, **({"cmp_ratio": 1} if "q_descale" in a else {})}, backend)
+                        "cmp_mask_mode": 0, **({"cmp_ratio": 1, "cmp_kv_descale": None} if "q_descale" in a else {})},
+                   backend)
         bsz = a["q"].shape[0]
         cmp = call(op, {**a, "ori_mask_mode": 0, "seqused_ori_kv": np.zeros(bsz, np.int32), "sinks": None}, backend)
         lo, lc = ori["softmax_lse"].astype(np.float64), cmp["softmax_lse"].astype(np.float64)

@@ -238,7 +238,7 @@ def _rules(op):
         arrays += ["seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length", "cmp_topk_length"]
     r = [is_array(op, "q", source=src)]
     r += [is_array(op, p, optional=True, source=src) for p in ["ori_kv", "cmp_kv", "sinks"] + arrays]
-    required = ["ori_kv"] + ([] if op == SFM else ["softmax_scale", "cmp_ratio"]) + (
+    required = ["ori_kv"] + ([] if op in (SFM, QS) else ["softmax_scale", "cmp_ratio"]) + (
         ["quant_mode", "rope_head_dim"] if mq else []) + (["tile_size"] if kqs else []) + (
         ["quant_mode", "q_descale", "ori_kv_descale"] if qs else [])
     for p in required:
@@ -586,6 +586,7 @@ def _kqs_chip_rules(n):
 
 
 _QS_DESCALES = ("q_descale", "ori_kv_descale", "cmp_kv_descale")
+_QS_DOC = "hicann/ops-transformer@0568343 torch_extension/cann_ops_transformer/docs/zh/quant_sparse_flash_mla.md"
 _QS_KERNEL = ("cannmirror/ops-transformer@5992a2b attention/quant_sparse_flash_mla/op_kernel/arch35/"
               "quant_sparse_flash_mla_csa_block_vector.h")
 
@@ -606,7 +607,21 @@ def _qs_rules(n):
                               "quant_sparse_flash_mla_check_feature.cpp (quant_mode only support 1)"),
            rule(n, "cmp_kv_descale_required", "cmp_kv_descale", "value", "is required with cmp_kv (CSA / HCA)",
                 lambda a: None if a.get("cmp_kv") is None or a.get("cmp_kv_descale") is not None else "None",
-                edit(n, setting(cmp_kv_descale=None)), source=src_k)]
+                edit(n, setting(cmp_kv_descale=None)), source=src_k),
+           rule(n, "cmp_kv_descale_without_cmp_kv", "cmp_kv_descale", "value", "is not supported without cmp_kv",
+                lambda a: None if a.get("cmp_kv") is not None or a.get("cmp_kv_descale") is None
+                or a.get("cmp_sparse_indices") is not None else "a tensor",
+                edit(n, setting(cmp_kv_descale=np.ones(1, np.float32)), scenario="SWA"), source=_QS_DOC),
+           rule(n, "window_needs_band", "ori_win_left", "value",
+                "ori_win_left and ori_win_right may be >= 0 only with ori_mask_mode 4 (otherwise -1)",
+                lambda a: None if a.ori_mask_mode not in (0, 3) or (a.ori_win_left == -1 and a.ori_win_right == -1)
+                else f"{a.ori_win_left} / {a.ori_win_right} with ori_mask_mode {a.ori_mask_mode}",
+                edit(n, setting(ori_mask_mode=3)), source=_QS_DOC),
+           rule(n, "seqused_cmp_kv_required", "seqused_cmp_kv", "value",
+                "is required when layout_kv is PA_BBND and cmp_kv is given",
+                lambda a: None if a.layout_kv != "PA_BBND" or a.get("cmp_kv") is None
+                or a.get("seqused_cmp_kv") is not None else "None",
+                edit(n, setting(seqused_cmp_kv=None), layout_kv="PA_BBND"), source=_QS_DOC)]
     for p in _QS_DESCALES:
         out.append(rule(n, f"{p}_shape", p, "shape", "must be [1] (one fp32 per-tensor descale)",
                         (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape == (1,)
@@ -912,12 +927,12 @@ def kv_quant_sparse_attn_sharedkv(q, kv_quant_mode, *, ori_kv=None, cmp_kv=None,
     return run(KQS, args, backend, chip=chip)
 
 
-def quant_sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, q_descale=None, ori_kv_descale=None, cmp_kv_descale=None,
+def quant_sparse_flash_mla(q, quant_mode, *, ori_kv=None, cmp_kv=None, q_descale=None, ori_kv_descale=None, cmp_kv_descale=None,
                            ori_sparse_indices=None, cmp_sparse_indices=None, ori_block_table=None,
                            cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None,
                            seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None,
-                           ori_topk_length=None, cmp_topk_length=None, sinks=None, metadata=None, quant_mode=None,
-                           softmax_scale=None, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
+                           ori_topk_length=None, cmp_topk_length=None, sinks=None, metadata=None,
+                           softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
                            ori_win_right=-1, layout_q="BSND", layout_kv="BSND", topk_value_mode=1,
                            return_softmax_lse=False, chip=None, backend="reference", precision="faithful"):
     """:func:`sparse_flash_mla` over HiFloat8 Q / K / V (aclnnQuantSparseFlashMla, Ascend 950;
@@ -926,10 +941,10 @@ def quant_sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, q_descale=None, ori_k
     ori_kv_descale, cmp_kv_descale are float32 ``[1]`` per-tensor descales (the real q is ``q_descale *
     decode(q)``, likewise K = V). The logits are ``softmax_scale * q_descale * kv_descale * (codes . codes)``; P is
     cast to HiFloat8 after a x16 scale, V's descale is applied to P @ V, the output is bfloat16.
-    Defaults are op_def's (quant_mode required, 1 the only value; cmp_ratio 1; mask modes 0; window -1 / -1;
-    layouts BSND; topk_value_mode 1); the 950 limits (window 127 / 0, sinks and metadata given) are chip rules.
-    softmax_scale has no default value in op_def and must be given. seqused_cmp_kv defaults to
-    floor(seqused_ori_kv / cmp_ratio). Returns ``(attention_out bfloat16, softmax_lse)``."""
+    The signature and defaults are ``cann_ops_transformer.quant_sparse_flash_mla``'s (q and quant_mode positional,
+    quant_mode 1 the only value; softmax_scale 1.0; cmp_ratio 1; mask modes 0; window -1 / -1; layouts BSND;
+    topk_value_mode 1); the 950 limits of the op_host checks (window 127 / 0, sinks and metadata given) are chip
+    rules. Returns ``(attention_out bfloat16, softmax_lse)``."""
     args = dict(q=q, ori_kv=ori_kv, cmp_kv=cmp_kv, q_descale=q_descale, ori_kv_descale=ori_kv_descale,
                 cmp_kv_descale=cmp_kv_descale, ori_sparse_indices=ori_sparse_indices,
                 cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,

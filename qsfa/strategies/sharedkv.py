@@ -92,6 +92,8 @@ def _build(draw, op, bounds, pins):
     mode_c = _choose(draw, pins, "cmp_mask_mode", (3, 3, 0)) if scenario != "SWA" else 0
     wl = _choose(draw, pins, "ori_win_left", (-1, 0, 1, 3, 127))
     wr = _choose(draw, pins, "ori_win_right", (0, 0, 1, -1))
+    if qs and mode_o != 4:  # the torch doc: windows >= 0 only with the band mask
+        wl = wr = -1
     residual_kind = _choose(draw, pins, "residual", ("exact", "exact", "zero", "max"))
     ori_rows = [rng.uniform(-1, 1, (n, _D)) for n in s2]
     s3 = [n // ratio for n in s2] if scenario != "SWA" else [0] * bsz
