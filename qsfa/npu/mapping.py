@@ -178,6 +178,12 @@ NOT_MAPPED = {
         "mapping not written yet: the callable is npu_ops_transformer's npu_mixed_quant_sparse_flash_mla "
         "(ops-transformer torch_extension/npu_ops_transformer/ops/mixed_quant_sparse_flash_mla.py), not torch_npu "
         "or vLLM-Ascend at the recorded commits; its signature is not recorded in signatures.json"),
+    "quant_sparse_flash_mla": (
+        "mapping not written yet: the callable is cann_ops_transformer.quant_sparse_flash_mla(q, quant_mode, *, ...) "
+        "with quant_sparse_flash_mla_metadata first (hicann/ops-transformer@0568343 torch_extension/"
+        "cann_ops_transformer/docs/zh/quant_sparse_flash_mla.md); torch_npu 2.14.0 (every file of the wheel), "
+        "vllm-project/vllm-ascend@182b75e and Ascend/op-plugin@517f2e7 have no quant_sparse_flash_mla; its "
+        "signature is not recorded in signatures.json"),
 }
 
 
