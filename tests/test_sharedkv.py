@@ -574,3 +574,25 @@ def test_qs_rejects_bad_input_before_running():
     with pytest.raises(InvalidArgument, match="quant_sparse_flash_mla runs on Ascend 950 only"):
         q, mode = a.pop("q"), a.pop("quant_mode")
         qsfa.quant_sparse_flash_mla(q, mode, chip="A3", **a)
+
+
+def test_qs_descale_order_matters_only_off_powers_of_two():
+    """The OPEN descale order (docs/numerics/open-facts.md#quant-sparse-flash-mla-descale-order): with descales
+    2.0 (the public golden's draws) the kernel's and the golden's orders give the same bytes; with 1.1 / 0.9 / 1.3
+    a few differ (3 of 32768 here: fp32 last-bit differences rarely survive the bf16 output)."""
+    from qsfa.ops.sharedkv import qs_case
+    from qsfa.reference.sharedkv_hif8 import hif8_sharedkv_attention
+
+    a = qs_case(scenario="CSA", s1=2, s2=400, n1=16, seed=2)
+    keep = ("cmp_sparse_indices", "ori_block_table", "cmp_block_table", "seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv", "sinks",
+            "softmax_scale", "cmp_ratio", "ori_mask_mode", "cmp_mask_mode", "ori_win_left", "ori_win_right",
+            "layout_q", "layout_kv")
+    kw = {k: a[k] for k in keep}
+
+    def run(d, order):
+        ds = [np.array([v], np.float32) for v in d]
+        return hif8_sharedkv_attention(a["q"], a["ori_kv"], a["cmp_kv"], q_descale=ds[0], ori_kv_descale=ds[1],
+                                       cmp_kv_descale=ds[2], descale_order=order, **kw)[0].view(np.uint16)
+
+    assert run((2.0, 2.0, 2.0), "kernel").tobytes() == run((2.0, 2.0, 2.0), "golden").tobytes()
+    assert (run((1.1, 0.9, 1.3), "kernel") != run((1.1, 0.9, 1.3), "golden")).sum() == 3

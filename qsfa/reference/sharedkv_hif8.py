@@ -66,11 +66,14 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
                             seqused_cmp_kv=None, cmp_residual_kv=None, sinks=None, softmax_scale=1.0, cmp_ratio=1,
                             ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1, ori_win_right=-1, layout_q="BSND",
                             layout_kv="BSND", return_softmax_lse=False, precision="faithful", s2_tile=S2_TILE_950,
-                            p_scale=HIF8_P_SCALE, out_rounding="round"):
+                            p_scale=HIF8_P_SCALE, out_rounding="round", descale_order="kernel"):
     """The module docstring's computation; arguments as :func:`qsfa.reference.sharedkv.sharedkv_attention` plus
     the three descales (one-element float32). ``q`` / ``ori_kv`` / ``cmp_kv`` are HiFloat8 codes (any one-byte
     dtype). Returns ``(attention_out, softmax_lse)``: bf16 (float64 exact) like q's shape, LSE float32 (float64)
-    ``[B, 1, S1, N1]`` / ``[1, T1, N1]`` or an empty ``[0]`` array."""
+    ``[B, 1, S1, N1]`` / ``[1, T1, N1]`` or an empty ``[0]`` array. ``descale_order`` (an OPEN fact,
+    docs/numerics/open-facts.md#quant-sparse-flash-mla-descale-order): "kernel" (the arch35 points above) or
+    "golden" (the public golden's: each tile's V descale at once, the logit scale one float64 product rounded
+    once to fp32)."""
     exact = precision == "exact"
     qc = np.ascontiguousarray(q).view(np.uint8)
     rows, bat, pos, s1_act, valid, b_ = _query_rows(qc, layout_q, cu_seqlens_q, seqused_q)
@@ -124,7 +127,7 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
             o, l_ = _exact(q64 * np.float64(dq), k64 * kd, sel, float(softmax_scale), sink.astype(np.float64))
         else:
             o, l_ = _faithful(q64, rows[r], k64, kc, sel, is_cmp, softmax_scale, dq, d_ori, d_cmp, sink, tile,
-                              np.float32(p_scale), out_rounding)
+                              np.float32(p_scale), out_rounding, descale_order == "golden")
         out[r] = o
         lse[r] = l_
     out = out.reshape(qc.shape)
@@ -149,12 +152,17 @@ def _exact(q64, k64, sel, scale, sink):
 
 
 def _faithful(q64, qcodes, k64, kcodes, sel, is_cmp, softmax_scale, dq, d_ori, d_cmp, sink, tile, p_scale,
-              out_rounding):
+              out_rounding, golden_order=False):
     c, n = q64.shape[:2]
     d = k64.shape[-1]
     w = k64.shape[1]
-    c_ori = descale_product(softmax_scale, dq, d_ori)
-    c_cmp = descale_product(softmax_scale, dq, d_cmp)
+    if golden_order:
+        with np.errstate(over="ignore"):
+            c_ori = np.float32(float(softmax_scale) * float(dq) * float(d_ori))
+            c_cmp = np.float32(float(softmax_scale) * float(dq) * float(d_cmp))
+    else:
+        c_ori = descale_product(softmax_scale, dq, d_ori)
+        c_cmp = descale_product(softmax_scale, dq, d_cmp)
     qf = row_facts(q64, qcodes, "hifloat8")
     kf = row_facts(k64, kcodes, "hifloat8")
     m = np.broadcast_to(sink[None, :], (c, n)).astype(np.float32)
@@ -191,16 +199,20 @@ def _faithful(q64, qcodes, k64, kcodes, sel, is_cmp, softmax_scale, dq, d_ori, d
         pv = _dot_f32(p64, k64[:, sl], p_facts, v_facts)  # RN32(P . V codes)  [c, n, d]
         pv_d = (pv * d_t[:, None, None]).astype(f32)
         ao = (a[..., None] * acc).astype(f32)
-        second = (count == 1)[:, None, None]
-        ao = np.where(second, (ao * d_first[:, None, None]).astype(f32), ao)
-        new_acc = np.where((count == 0)[:, None, None], pv, (ao + pv_d).astype(f32))
+        if golden_order:  # every tile's descale at once: O = a O + RN32(PV * d)
+            new_acc = np.where((count == 0)[:, None, None], pv_d, (ao + pv_d).astype(f32))
+        else:
+            second = (count == 1)[:, None, None]
+            ao = np.where(second, (ao * d_first[:, None, None]).astype(f32), ao)
+            new_acc = np.where((count == 0)[:, None, None], pv, (ao + pv_d).astype(f32))
         upd = any_t[:, None]
         l = np.where(upd, a * l + tsum, l).astype(f32)
         acc = np.where(upd[..., None], new_acc, acc).astype(f32)
         m = np.where(upd, m_new, m).astype(f32)
         d_first = np.where(any_t & (count == 0), d_t, d_first).astype(f32)
         count = count + any_t
-    acc = np.where((count == 1)[:, None, None], (acc * d_first[:, None, None]).astype(f32), acc)
+    if not golden_order:
+        acc = np.where((count == 1)[:, None, None], (acc * d_first[:, None, None]).astype(f32), acc)
     with np.errstate(invalid="ignore", divide="ignore"):
         o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, f32(1))[..., None], f32(0)).astype(f32)
         lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, f32(1))), -np.inf).astype(f32)
