@@ -151,9 +151,10 @@ CHIP_RULES: dict[str, tuple] = {
     ),
     "quant_sparse_flash_mla": (
         (_A2A3, "chip_supported", ABSENT, "quant_sparse_flash_mla runs on Ascend 950 only"),
-        (("950",), "chip_window", _const({"ori_win_left": 127, "ori_win_right": 0, "sinks": _V4_SINKS,
-                                           "metadata": "zeros"}),
-         "Ascend 950: band window 127 / 0, sinks and metadata given"),
+        (("950",), "chip_window", _const({"ori_win_left": 127, "ori_win_right": 0, "ori_mask_mode": 4,
+                                           "sinks": _V4_SINKS, "metadata": "zeros"}),
+         "Ascend 950: band window 127 / 0 (so ori_mask_mode 4: windows >= 0 need the band), sinks and metadata "
+         "given"),
     ),
     "vllm_quant_lightning_indexer": (
         (_A2A3, "a2a3_dtypes", _const({"format": "int8"}),
