@@ -79,7 +79,8 @@ def _split_merge(P, examples, op="sparse_flash_mla"):
                         "cmp_mask_mode": 0, **({"cmp_ratio": 1, "cmp_kv_descale": None} if "q_descale" in a else {})},
                    backend)
         bsz = a["q"].shape[0]
-        cmp = call(op, {**a, "ori_mask_mode": 0, "seqused_ori_kv": np.zeros(bsz, np.int32), "sinks": None}, backend)
+        cmp = call(op, {**a, "ori_mask_mode": 0, "seqused_ori_kv": np.zeros(bsz, np.int32), "sinks": None,
+                        **({"ori_win_left": -1, "ori_win_right": -1} if "q_descale" in a else {})}, backend)
         lo, lc = ori["softmax_lse"].astype(np.float64), cmp["softmax_lse"].astype(np.float64)
         with np.errstate(invalid="ignore"):
             lse = np.logaddexp(lo, lc)
