@@ -7,6 +7,9 @@
   ``cmp_residual_kv``: the compressed cache holds ``floor(seqused_kv / cmp_ratio)`` tokens and the remainder is
   ``seqused_kv % cmp_ratio``; layout ``PA_ND``).
 
+``quant_sparse_flash_mla`` (aclnnQuantSparseFlashMla, Ascend 950: HiFloat8 Q / K / V with per-tensor descales) shares
+the token selection and has its own arithmetic (:mod:`qsfa.reference.sharedkv_hif8`).
+
 Both run one reference, :func:`qsfa.reference.sharedkv.sharedkv_attention`; each has its own contract (every rule of
 its public doc, chip limits as ``chips=`` rules) and case builder. ``metadata`` (the ``*_metadata`` operator's task
 list) is scheduling, not numerics: the reference ignores it. Tests: tests/test_sharedkv.py.

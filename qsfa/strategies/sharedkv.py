@@ -1,5 +1,6 @@
 """Hypothesis strategies of the DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md):
-``sparse_flash_mla`` and ``sparse_attn_sharedkv``.
+``sparse_flash_mla`` and ``sparse_attn_sharedkv``, and the quantised doors (``mixed_quant_sparse_flash_mla``,
+``kv_quant_sparse_attn_sharedkv``, ``quant_sparse_flash_mla``: the same draws stored as FP8 rows or HiFloat8 codes).
 
 A draw: scenario SWA / CSA / HCA, both query layouts, every KV layout (paged caches with shuffled blocks and a
 spare), per-batch lengths, the three ori mask modes and windows (-1 = unlimited included), cmp_ratio, cmp mask
