@@ -596,3 +596,19 @@ def test_qs_descale_order_matters_only_off_powers_of_two():
 
     assert run((2.0, 2.0, 2.0), "kernel").tobytes() == run((2.0, 2.0, 2.0), "golden").tobytes()
     assert (run((1.1, 0.9, 1.3), "kernel") != run((1.1, 0.9, 1.3), "golden")).sum() == 3
+
+
+def test_block_table_padding_past_a_batch_is_not_read():
+    """Batches of 20 and 40 tokens in blocks of 16: batch 0 owns 2 table entries, batch 1 owns 3. A -1 in batch 0's
+    third column (the public goldens' padding) is accepted and gives the bytes of any valid entry there."""
+    a = sfm_case(scenario="SWA", layout_kv="PA_BBND", batch=2, s1=1, s2=40)
+    a["seqused_ori_kv"] = np.array([20, 40], np.int32)
+    assert a["ori_block_table"].shape[1] == 3
+    q = a.pop("q")
+    pad = {**a, "ori_block_table": a["ori_block_table"].copy()}
+    pad["ori_block_table"][0, 2] = -1
+    assert qsfa.sparse_flash_mla(q, **pad)[0].tobytes() == qsfa.sparse_flash_mla(q, **a)[0].tobytes()
+    bad = {**a, "ori_block_table": a["ori_block_table"].copy()}
+    bad["ori_block_table"][0, 1] = -1  # batch 0's own second block
+    with pytest.raises(qsfa.InvalidArgument, match="Invalid shape for ori_block_table"):
+        qsfa.sparse_flash_mla(q, **bad)

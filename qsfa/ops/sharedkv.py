@@ -425,7 +425,7 @@ def _rules(op):
     for p, kv, want_len in (("ori_block_table", "ori_kv", lambda a: _ori_lens(a, lens_kv)),
                             ("cmp_block_table", "cmp_kv", lambda a: _cmp_lens(a, lens_kv, sfm))):
         r.append(rule(n, f"{p}_shape", p, "shape",
-                      "must be [B, >= ceil(max length / block_size)] with entries in [0, block_num)",
+                      "must be [B, >= ceil(max length / block_size)] with each batch's blocks in [0, block_num)",
                       (lambda p_, kv_, wl: lambda a: None if a.get(p_) is None or a.layout_kv != pa or a.get(kv_) is None
                        or _table_ok(a[p_], _batch(a), wl(a), a[kv_].shape[0], a[kv_].shape[1])
                        else tuple(a[p_].shape))(p, kv, want_len),
@@ -688,12 +688,17 @@ def _cmp_lens(a, lens_kv, sfm):
 
 
 def _table_ok(bt, b, lens, block_num, block_size):
+    """Each batch's own blocks (``ceil(len_b / block_size)`` entries) lie in ``[0, block_num)``; entries past them
+    are never read (the public goldens pad them with -1)."""
     if bt.ndim != 2 or bt.shape[0] != b:
         return False
     need = 0 if lens is None or not lens.size else int(-(-lens.max() // block_size))
     if bt.shape[1] < need:
         return False
-    used = bt[:, :need]
+    if lens is None or not need or np.asarray(lens).size != b:  # a wrong length vector is its own rule's error
+        return True
+    own = np.arange(need)[None, :] < -(-np.asarray(lens, np.int64).reshape(-1, 1) // block_size)
+    used = bt[:, :need][own]
     return not used.size or (used.min() >= 0 and used.max() < block_num)
 
 
