@@ -70,6 +70,7 @@ _LAZY = {
     "sparse_attn_sharedkv": "qsfa.ops.sharedkv",
     "mixed_quant_sparse_flash_mla": "qsfa.ops.sharedkv",
     "kv_quant_sparse_attn_sharedkv": "qsfa.ops.sharedkv",
+    "quant_sparse_flash_mla": "qsfa.ops.sharedkv",
 }
 
 _SUBMODULES = {

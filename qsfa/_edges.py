@@ -156,8 +156,10 @@ EDGES["sparse_flash_mla"] = _V4_EDGES + ("residual:0", "residual:max")
 EDGES["sparse_attn_sharedkv"] = _V4_EDGES
 EDGES["mixed_quant_sparse_flash_mla"] = _V4_EDGES + ("quant_mode:1", "quant_mode:2")
 EDGES["kv_quant_sparse_attn_sharedkv"] = _V4_EDGES
+EDGES["quant_sparse_flash_mla"] = _V4_EDGES + ("residual:0", "residual:max", "descales:apart")
 for _op, _pa in (("sparse_flash_mla", "PA_BBND"), ("sparse_attn_sharedkv", "PA_ND"),
-                 ("mixed_quant_sparse_flash_mla", "PA_BBND"), ("kv_quant_sparse_attn_sharedkv", "PA_ND")):
+                 ("mixed_quant_sparse_flash_mla", "PA_BBND"), ("kv_quant_sparse_attn_sharedkv", "PA_ND"),
+                 ("quant_sparse_flash_mla", "PA_BBND")):
     _PINS[(_op, "window_band")] = dict(ori_mask_mode=4, ori_win_left=3, ori_win_right=0, s1=3, s2=12,
                                        sinks="none")  # a 4-token band: its first and last tokens matter
     _PINS[(_op, "first_rows")] = dict(ori_mask_mode=4, layout_q="BSND", s1=4, s2=2)
@@ -176,6 +178,11 @@ _PINS[("mixed_quant_sparse_flash_mla", "quant_mode:2")] = dict(quant_mode=2, lay
                                                                cmp_ratio=4, s2=40)
 _PINS[("sparse_flash_mla", "residual:0")] = dict(scenario=("CSA", "HCA"), residual="zero", cmp_mask_mode=3, s2=30)
 _PINS[("sparse_flash_mla", "residual:max")] = dict(scenario=("CSA", "HCA"), residual="max", cmp_mask_mode=3, s2=30)
+_PINS[("quant_sparse_flash_mla", "residual:0")] = _PINS[("sparse_flash_mla", "residual:0")]
+_PINS[("quant_sparse_flash_mla", "residual:max")] = _PINS[("sparse_flash_mla", "residual:max")]
+# ori and cmp descales far apart (1/32 vs 8 vs 1/8): a descale applied to the wrong part or twice shows
+_PINS[("quant_sparse_flash_mla", "descales:apart")] = dict(descales="apart", scenario=("CSA", "HCA"), s2=300,
+                                                           ori_win_left=127, precision="faithful")
 
 
 #: False turns the edges off (no edge draws, no edge phase): the catalogue as it was before them, for measuring

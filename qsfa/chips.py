@@ -52,6 +52,7 @@ __all__ = [
     "front_door",
     "SHAREDKV_NUMERICS",
     "sharedkv_numerics",
+    "QS_NUMERICS",
 ]
 
 #: rounding modes of an fp32 -> 16-bit cast: "rint" = round half to even (AscendC CAST_RINT), "round" = round
@@ -98,6 +99,10 @@ SHAREDKV_NUMERICS = {
             "out": {"bfloat16": "round", "float16": "round"}},
 }
 SHAREDKV_NUMERICS["A3"] = SHAREDKV_NUMERICS["A2"]
+
+#: quant_sparse_flash_mla (Ascend 950 only; docs/numerics/chips.md#deepseek-v4-shared-kv-attention): the S2 tile,
+#: the x16 scale before P's HiFloat8 cast (CAST_ROUND, ties away) and the bf16 output cast (CAST_ROUND)
+QS_NUMERICS = {"s2_tile": 128, "p_scale": 16.0, "out_rounding": "round"}
 
 
 def sharedkv_numerics(chip: str, args: Mapping) -> dict:

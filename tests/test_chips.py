@@ -575,3 +575,26 @@ def test_sharedkv_output_rounding(chip):
     a, q = _v4_args("float16", [{0: 1.0}, {0: 1.0 + 2.0 ** -10}], 1.0, 0.0)
     out = float(qsfa.sparse_flash_mla(q, chip=chip, **a)[0].astype(np.float32)[0, 0, 0, 0])
     assert out == 1.0 + 2.0 ** -10
+
+
+def test_quant_sparse_flash_mla_probability_tie():
+    """quant_sparse_flash_mla (950): P = HiFloat8(E * 16) with CAST_ROUND (ties away). q lane 0 = 1, token 0 K = 0
+    (score 0, the max), token 1 K lanes 0 and 1 = 1, descales 1, softmax_scale x = fp32(-3.405111312866211):
+    exp(x) is exactly 0.033203125, E * 16 = 0.53125, the midpoint of HiFloat8's 0.5 and 0.5625. Ties away: P = 0.5625,
+    l = 1.033203125, out lane 1 = bf16(0.5625 / l / 16) = 0x3D0B; ties to even (or truncation) would give 0.5 and
+    0x3CF8."""
+    from qsfa.reference.formats import encode
+
+    x = float(np.float32(-3.405111312866211))
+    q = np.zeros((1, 1, 2, 512), np.float32)
+    q[..., 0] = 1.0
+    kv = np.zeros((1, 2, 1, 512), np.float32)
+    kv[0, 1, 0, :2] = 1.0
+    one = np.ones(1, np.float32)
+    out = qsfa.quant_sparse_flash_mla(encode(q, "hifloat8"), 1, ori_kv=encode(kv, "hifloat8"), q_descale=one,
+                                      ori_kv_descale=one, sinks=np.full(2, -np.inf, np.float32),
+                                      metadata=np.zeros(1024, np.int32), softmax_scale=x, ori_mask_mode=4,
+                                      ori_win_left=127, ori_win_right=0, chip="950")[0]
+    assert out.view(np.uint16)[0, 0, 0, 1] == 0x3D0B
+    half_even = np.float32(np.float32(np.float32(0.5) / np.float32(1.033203125)) * np.float32(1 / 16))
+    assert (half_even.astype(ml_dtypes.bfloat16).view(np.uint16)) == 0x3CF8

@@ -17,7 +17,8 @@ from qsfa.conformance.pytest_plugin import check_result
 # the chips' limits) cost seconds each, too much for CI's budget at two chips x every property; their per-chip
 # numerics are checked by tests/test_sharedkv.py (fp32 loop per chip, bytes) and tests/test_chips.py (ties), and
 # `qsfa conformance --backend reference --chip 950 --ops sparse_flash_mla ...` runs them in full.
-_V4 = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv")
+_V4 = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv",
+       "quant_sparse_flash_mla")
 PROPS = [p for p in catalogue() if p.op not in _V4]
 
 

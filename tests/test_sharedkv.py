@@ -528,3 +528,132 @@ def test_rows_that_select_no_token_give_zero_and_the_sink_as_lse():
         out, lse = sharedkv_attention(q, ori, cmp, idx, **{**a, "precision": prec})
         assert not out.astype(np.float64).any()
         np.testing.assert_array_equal(lse.reshape(-1, 2), np.broadcast_to(a["sinks"].astype(lse.dtype), (4, 2)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# quant_sparse_flash_mla (HiFloat8 Q / K / V, per-tensor descales; docs/numerics/attention-v4.md)
+
+
+def _qs_call(a, **over):
+    a = {**a, **over}
+    q, mode = a.pop("q"), a.pop("quant_mode")
+    return qsfa.quant_sparse_flash_mla(q, mode, chip="950", **a)
+
+
+def _hif8(x):
+    from qsfa.reference.formats import decode
+
+    return decode(np.asarray(x, np.uint8), "hifloat8").astype(np.float64)
+
+
+def test_qs_exact_is_the_float64_definition():
+    """SWA, BSND, 3 query rows over 9 tokens (window 127 covers all): exact equals softmax written here in float64
+    over the decoded codes times their descales, the sink in the denominator only."""
+    from qsfa.ops.sharedkv import qs_case
+
+    a = qs_case(scenario="SWA", layout_kv="BSND", batch=1, s1=3, s2=9, n1=4)
+    out, lse = _qs_call(a, precision="exact", return_softmax_lse=True)
+    q = _hif8(a["q"])[0] * float(a["q_descale"][0])  # [S1, N1, D]
+    k = _hif8(a["ori_kv"])[0, :, 0] * float(a["ori_kv_descale"][0])  # [S2, D]
+    sink = a["sinks"].astype(np.float64)
+    for i in range(3):
+        n = 9 - 3 + i + 1  # the causal diagonal: tokens [0, n)
+        s = q[i] @ k[:n].T * a["softmax_scale"]  # [N1, n]
+        m = np.maximum(s.max(axis=1), sink)
+        e = np.exp(s - m[:, None])
+        den = e.sum(axis=1) + np.exp(sink - m)
+        np.testing.assert_allclose(out[0, i], (e @ k[:n]) / den[:, None], rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(lse[0, 0, i], m + np.log(den), rtol=1e-12)
+
+
+def test_qs_descales_at_the_kernel_points():
+    """q = 0: every score 0, E = 1, P = HiFloat8(16) = 16. HCA over 4 window tokens (V lane 0 = 1) and 1 compressed
+    token (V lane 0 = 1): tile 0 keeps O = 4 * 16 = 64 un-descaled, tile 1 gives O = RN(64 * 1.25) + RN(16 * 0.5)
+    = 88, l = 4 + 1 = 5, out = bf16(88 / 5 / 16) = bf16(1.1); exact: (4 * 1.25 + 0.5) / 5 = 1.1."""
+    from qsfa.reference.formats import encode
+
+    q = np.zeros((1, 1, 2, 512), np.uint8)
+    ori = np.zeros((1, 4, 1, 512), np.float32)
+    ori[..., 0] = 1.0
+    cmp = np.zeros((1, 1, 1, 512), np.float32)
+    cmp[..., 0] = 1.0
+    kw = dict(ori_kv=encode(ori, "hifloat8"), cmp_kv=encode(cmp, "hifloat8"), q_descale=np.array([3.0], np.float32),
+              ori_kv_descale=np.array([1.25], np.float32), cmp_kv_descale=np.array([0.5], np.float32),
+              cmp_residual_kv=np.zeros(1, np.int32), sinks=None, metadata=np.zeros(1024, np.int32), cmp_ratio=4,
+              ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127, ori_win_right=0)
+    out = qsfa.quant_sparse_flash_mla(q, 1, **kw)[0]
+    want = np.float32(np.float32(np.float32(88.0) / np.float32(5.0)) * np.float32(1 / 16)).astype(BF16)
+    assert out.dtype == BF16 and out.view(np.uint16)[0, 0, 0, 0] == np.asarray(want).view(np.uint16)
+    assert float(out[0, 0, 1, 1]) == 0.0
+    ex = qsfa.quant_sparse_flash_mla(q, 1, precision="exact", **kw)[0]
+    assert ex[0, 0, 0, 0] == pytest.approx(1.1, rel=1e-15)
+    # swapping the two KV descales moves the result: (4 * 0.5 + 1.25) / 5 = 0.65
+    swapped = qsfa.quant_sparse_flash_mla(q, 1, precision="exact", **{**kw, "ori_kv_descale": kw["cmp_kv_descale"],
+                                                                        "cmp_kv_descale": kw["ori_kv_descale"]})[0]
+    assert swapped[0, 0, 0, 0] == pytest.approx(0.65, rel=1e-15)
+
+
+@pytest.mark.parametrize("scenario", ["SWA", "CSA", "HCA"])
+def test_qs_faithful_lies_near_exact(scenario):
+    """P carries HiFloat8's 3-bit significand (relative step 2^-3 near 1, so at most 2^-4 away after rounding):
+    faithful stays within 2^-4 of the largest |exact| entry per row - and is not exact itself."""
+    from qsfa.ops.sharedkv import qs_case
+
+    a = qs_case(scenario=scenario, s1=2, s2=200, n1=16)
+    fa = _qs_call(a)[0].astype(np.float64)
+    ex = _qs_call(a, precision="exact")[0]
+    scale = np.abs(ex).max(axis=-1, keepdims=True)
+    assert (np.abs(fa - ex) <= 2.0 ** -4 * scale + 2.0 ** -20).all()
+    assert np.abs(fa - ex).max() > 0
+
+
+def test_qs_rejects_bad_input_before_running():
+    from qsfa import InvalidArgument
+    from qsfa.ops.sharedkv import qs_case
+
+    a = qs_case(scenario="CSA")
+    with pytest.raises(InvalidArgument, match="Invalid value for cmp_kv_descale, actual: None"):
+        _qs_call(a, cmp_kv_descale=None)
+    with pytest.raises(InvalidArgument, match="Invalid value for quant_mode, actual: 2"):
+        _qs_call(a, quant_mode=2)
+    with pytest.raises(InvalidArgument, match="quant_sparse_flash_mla runs on Ascend 950 only"):
+        q, mode = a.pop("q"), a.pop("quant_mode")
+        qsfa.quant_sparse_flash_mla(q, mode, chip="A3", **a)
+
+
+def test_qs_descale_order_matters_only_off_powers_of_two():
+    """The OPEN descale order (docs/numerics/open-facts.md#quant-sparse-flash-mla-descale-order): with descales
+    2.0 (the public golden's draws) the kernel's and the golden's orders give the same bytes; with 1.1 / 0.9 / 1.3
+    a few differ (3 of 32768 here: fp32 last-bit differences rarely survive the bf16 output)."""
+    from qsfa.ops.sharedkv import qs_case
+    from qsfa.reference.sharedkv_hif8 import hif8_sharedkv_attention
+
+    a = qs_case(scenario="CSA", s1=2, s2=400, n1=16, seed=2)
+    keep = ("cmp_sparse_indices", "ori_block_table", "cmp_block_table", "seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv", "sinks",
+            "softmax_scale", "cmp_ratio", "ori_mask_mode", "cmp_mask_mode", "ori_win_left", "ori_win_right",
+            "layout_q", "layout_kv")
+    kw = {k: a[k] for k in keep}
+
+    def run(d, order):
+        ds = [np.array([v], np.float32) for v in d]
+        return hif8_sharedkv_attention(a["q"], a["ori_kv"], a["cmp_kv"], q_descale=ds[0], ori_kv_descale=ds[1],
+                                       cmp_kv_descale=ds[2], descale_order=order, **kw)[0].view(np.uint16)
+
+    assert run((2.0, 2.0, 2.0), "kernel").tobytes() == run((2.0, 2.0, 2.0), "golden").tobytes()
+    assert (run((1.1, 0.9, 1.3), "kernel") != run((1.1, 0.9, 1.3), "golden")).sum() == 3
+
+
+def test_block_table_padding_past_a_batch_is_not_read():
+    """Batches of 20 and 40 tokens in blocks of 16: batch 0 owns 2 table entries, batch 1 owns 3. A -1 in batch 0's
+    third column (the public goldens' padding) is accepted and gives the bytes of any valid entry there."""
+    a = sfm_case(scenario="SWA", layout_kv="PA_BBND", batch=2, s1=1, s2=40)
+    a["seqused_ori_kv"] = np.array([20, 40], np.int32)
+    assert a["ori_block_table"].shape[1] == 3
+    q = a.pop("q")
+    pad = {**a, "ori_block_table": a["ori_block_table"].copy()}
+    pad["ori_block_table"][0, 2] = -1
+    assert qsfa.sparse_flash_mla(q, **pad)[0].tobytes() == qsfa.sparse_flash_mla(q, **a)[0].tobytes()
+    bad = {**a, "ori_block_table": a["ori_block_table"].copy()}
+    bad["ori_block_table"][0, 1] = -1  # batch 0's own second block
+    with pytest.raises(qsfa.InvalidArgument, match="Invalid shape for ori_block_table"):
+        qsfa.sparse_flash_mla(q, **bad)

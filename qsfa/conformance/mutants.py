@@ -1120,6 +1120,27 @@ def _v4():
          sink_numerator)
 
 
+    # quant_sparse_flash_mla (HiFloat8): the descale and decode points of the arch35 kernel
+    hq = _m("sharedkv_hif8")
+    qs = "quant_sparse_flash_mla"
+
+    def kv_descale_twice(orig):
+        return lambda ss, dq, dk: orig(ss, dq, np.float32(np.float32(dk) * np.float32(dk)))
+
+    _add(f"{qs}.kv_descale_twice", qs, "the KV descale multiplies the logit scale twice (softmax_scale * dq * dk^2)",
+         _patch((hq, "descale_product", kv_descale_twice)))
+
+    def decode_next_code(orig):
+        t = orig.copy()
+        t[1:0x6F] = orig[2:0x70]  # every positive finite code decodes as the code above it
+        return t
+
+    _add(f"{qs}.hif8_decode_off_by_one", qs, "a positive HiFloat8 code decodes to the next code's value",
+         _patch((hq, "_HIF8_VALUES", decode_next_code)))
+    _add(f"{qs}.p_unscaled", qs, "P is cast to HiFloat8 without the x16 scale (and the output not divided by 16)",
+         _args(lambda kw: {**kw, "p_scale": 1.0} if "p_scale" in kw else kw))
+
+
 _BUILT = False
 
 

@@ -20,7 +20,8 @@ from ._support import call, fail
 
 __all__ = ["v4_properties"]
 
-V4_OPS = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv")
+V4_OPS = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv",
+          "quant_sparse_flash_mla")
 
 
 def _same(a, b, what):
@@ -66,8 +67,7 @@ def _permutation(op, P, examples):
              examples(op, pins), check, pins)
 
 
-def _split_merge(P, examples):
-    op = "sparse_flash_mla"
+def _split_merge(P, examples, op="sparse_flash_mla"):
 
     def check(ex, backend: str):
         from ..compare import compare_float
@@ -76,9 +76,11 @@ def _split_merge(P, examples):
         whole = call(op, a, backend)
         ori = call(op, {**a, "cmp_kv": None, "cmp_sparse_indices": None, "cmp_residual_kv": None,
                         "seqused_cmp_kv": None, "cmp_block_table": None, "cu_seqlens_cmp_kv": None,
-                        "cmp_mask_mode": 0}, backend)
+                        "cmp_mask_mode": 0, **({"cmp_ratio": 1, "cmp_kv_descale": None} if "q_descale" in a else {})},
+                   backend)
         bsz = a["q"].shape[0]
-        cmp = call(op, {**a, "ori_mask_mode": 0, "seqused_ori_kv": np.zeros(bsz, np.int32), "sinks": None}, backend)
+        cmp = call(op, {**a, "ori_mask_mode": 0, "seqused_ori_kv": np.zeros(bsz, np.int32), "sinks": None,
+                        **({"ori_win_left": -1, "ori_win_right": -1} if "q_descale" in a else {})}, backend)
         lo, lc = ori["softmax_lse"].astype(np.float64), cmp["softmax_lse"].astype(np.float64)
         with np.errstate(invalid="ignore"):
             lse = np.logaddexp(lo, lc)
@@ -104,4 +106,24 @@ def v4_properties(have: set, P, examples) -> list:
             out += [_minus_inf(op, P, examples), _permutation(op, P, examples)]
     if "sparse_flash_mla" in have:
         out.append(_split_merge(P, examples))
+    if "quant_sparse_flash_mla" in have:
+        out += [_split_merge(P, examples, "quant_sparse_flash_mla"), _descale_swap(P, examples)]
     return out
+
+
+def _descale_swap(P, examples):
+    """quant_sparse_flash_mla: q_descale x 2 with softmax_scale / 2 (both powers of two) is the same logit scale
+    fp32(fp32(softmax_scale * q_descale) * kv_descale), bit for bit."""
+    op = "quant_sparse_flash_mla"
+
+    def check(ex, backend: str):
+        a = ex.args
+        x = call(op, a, backend)
+        y = call(op, {**a, "softmax_scale": a["softmax_scale"] / 2,
+                      "q_descale": (np.asarray(a["q_descale"], np.float32) * np.float32(2))}, backend)
+        _same(x["attention_out"], y["attention_out"], "q_descale x 2 with softmax_scale / 2")
+
+    pins = {"precision": "faithful"}
+    return P(f"{op}.descale_power_of_two_swap", (op,), "metamorphic",
+             "Doubling q_descale and halving softmax_scale leaves fp32(softmax_scale * q_descale) and so every logit "
+             "unchanged: the output bytes are the same.", examples(op, pins), check, pins)

@@ -622,6 +622,7 @@ register_set("v32-layer-prefill", "DeepSeek-V3.2 MLA layer chain v32-mla-c8, pre
 SFM = "sparse_flash_mla"
 MQ = "mixed_quant_sparse_flash_mla"
 KQS = "kv_quant_sparse_attn_sharedkv"
+QSM = "quant_sparse_flash_mla"
 
 
 def _v4_case(name, op, description, *, scenario, layout_q="BSND", layout_kv="BSND", qdtype="bfloat16", batch=2,
@@ -639,6 +640,8 @@ def _v4_case(name, op, description, *, scenario, layout_q="BSND", layout_kv="BSN
         p.update(quant_mode=quant_mode or (2 if layout_kv == "PA_BBND" else 1), rope_head_dim=64)
     if op == KQS:
         p.update(kv_quant_mode=1, tile_size=64, rope_head_dim=64)
+    if op == QSM:
+        p.update(quant_mode=1, topk_value_mode=1)
     return _case(name, op, "sharedkv", description, **p)
 
 
@@ -785,3 +788,22 @@ def quant_compressor_cases() -> list[Case]:
 
 register_set("quant-compressor", "ops-transformer's experimental QuantCompressor (HiFloat8 x / weights, fp32 descales, "
              "bf16 rows): batched prefill, decode with a ring buffer, C128A", quant_compressor_cases)
+
+
+def v4_quant_cases() -> list[Case]:
+    out = []
+    for scenario in ("SWA", "CSA", "HCA"):
+        for s1, phase in ((1, "decode"), (5, "prefill")):
+            for lq, lk, bs in (("BSND", "BSND", 16), ("TND", "TND", 16), ("BSND", "PA_BBND", 16),
+                               ("TND", "PA_BBND", 128)):
+                out.append(_v4_case(f"v4-quant-{scenario.lower()}-{phase}-{lq}-{lk}"
+                                    f"{'' if lk != 'PA_BBND' else f'-bs{bs}'}", QSM,
+                                    f"quant_sparse_flash_mla (HiFloat8 Q/K/V, descales 0.75 / 1.25 / 0.5), {scenario} "
+                                    f"{phase}, q {lq} / KV {lk}{f' block {bs}' if lk == 'PA_BBND' else ''}, 64 heads, "
+                                    "300 original tokens (three 128-token S2 tiles)", scenario=scenario,
+                                    layout_q=lq, layout_kv=lk, s1=s1, block_size=bs, lse=lq == "TND"))
+    return out
+
+
+register_set("v4-quant", "quant_sparse_flash_mla (Ascend 950): HiFloat8 Q / K / V with per-tensor descales, "
+             "SWA / CSA / HCA, decode and prefill, BSND / TND / PA_BBND", v4_quant_cases)

@@ -198,6 +198,12 @@ NOT_MAPPED = {
         "mapping not written yet: the callable is cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ "
         "(ops-transformer posembedding/qkv_rms_norm_rope_cache_with_k_scale/, Ascend 950), in the package the npu "
         "backend loads lazily for the V4 operators, but its schema is not recorded in signatures.json"),
+    "quant_sparse_flash_mla": (
+        "mapping not written yet: the callable is cann_ops_transformer.quant_sparse_flash_mla(q, quant_mode, *, ...) "
+        "with quant_sparse_flash_mla_metadata first (hicann/ops-transformer@0568343 torch_extension/"
+        "cann_ops_transformer/docs/zh/quant_sparse_flash_mla.md); torch_npu 2.14.0 (every file of the wheel), "
+        "vllm-project/vllm-ascend@182b75e and Ascend/op-plugin@517f2e7 have no quant_sparse_flash_mla; its "
+        "signature is not recorded in signatures.json"),
 }
 
 

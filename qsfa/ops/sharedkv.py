@@ -7,6 +7,9 @@
   ``cmp_residual_kv``: the compressed cache holds ``floor(seqused_kv / cmp_ratio)`` tokens and the remainder is
   ``seqused_kv % cmp_ratio``; layout ``PA_ND``).
 
+``quant_sparse_flash_mla`` (aclnnQuantSparseFlashMla, Ascend 950: HiFloat8 Q / K / V with per-tensor descales) shares
+the token selection and has its own arithmetic (:mod:`qsfa.reference.sharedkv_hif8`).
+
 Both run one reference, :func:`qsfa.reference.sharedkv.sharedkv_attention`; each has its own contract (every rule of
 its public doc, chip limits as ``chips=`` rules) and case builder. ``metadata`` (the ``*_metadata`` operator's task
 list) is scheduling, not numerics: the reference ignores it. Tests: tests/test_sharedkv.py.
@@ -40,25 +43,31 @@ __all__ = [
     "MQ_CONTRACT",
     "SFM_CONTRACT",
     "SAS_CONTRACT",
+    "quant_sparse_flash_mla",
+    "QS_CONTRACT",
+    "qs_case",
 ]
 
 SFM = "sparse_flash_mla"
 SAS = "sparse_attn_sharedkv"
 MQ = "mixed_quant_sparse_flash_mla"
 KQS = "kv_quant_sparse_attn_sharedkv"
+QS = "quant_sparse_flash_mla"
 SFM_SOURCE = ("docs/numerics/attention-v4.md#sparse_flash_mla; cannmirror/ops-transformer "
               "attention/sparse_flash_mla/docs/aclnnSparseFlashMla.md")
 MQ_SOURCE = ("docs/numerics/attention-v4.md#mixed_quant_sparse_flash_mla; cannmirror/ops-transformer "
              "attention/mixed_quant_sparse_flash_mla/README.md")
 KQS_SOURCE = ("docs/numerics/attention-v4.md#kv_quant_sparse_attn_sharedkv; vllm-project/vllm-ascend "
               "csrc/attention/kv_quant_sparse_attn_sharedkv/README.md")
+QS_SOURCE = ("docs/numerics/attention-v4.md#quant_sparse_flash_mla; cannmirror/ops-transformer@5992a2b "
+             "attention/quant_sparse_flash_mla/op_host/quant_sparse_flash_mla_check_*.cpp")
 SAS_SOURCE = ("docs/numerics/attention-v4.md#sparse_attn_sharedkv; cannmirror/ops-transformer "
               "experimental/attention/sparse_attn_sharedkv/README.md")
 HEAD_DIM = 512
 TOPK_SIZES = (512, 1024)
 MAX_HEADS = 128
 _POW2_HEADS = tuple(2 ** i for i in range(8))
-_PA = {SFM: "PA_BBND", SAS: "PA_ND", MQ: "PA_BBND", KQS: "PA_ND"}
+_PA = {SFM: "PA_BBND", SAS: "PA_ND", MQ: "PA_BBND", KQS: "PA_ND", QS: "PA_BBND"}
 _KV_BYTES = {1: _ref.MODE1_BYTES, 2: _ref.MODE2_BYTES}
 
 
@@ -77,12 +86,17 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
     quant_mode = quant_mode or (2 if layout_kv == pa else 1)
     ratio = ratio if ratio is not None else {"SWA": 1, "CSA": 4, "HCA": 128}[scenario]
     rng = np.random.default_rng(seed)
-    qdt = _Q_DTYPES[qdtype]
+    qdt = _Q_DTYPES["bfloat16" if op == QS else qdtype]
     q = rng.uniform(-1, 1, (batch, s1, n1, HEAD_DIM)).astype(qdt)
     ori = rng.uniform(-1, 1, (batch, s2, 1, HEAD_DIM)).astype(qdt)
     s3 = s2 // ratio
     has_cmp = scenario != "SWA"
     cmp = rng.uniform(-1, 1, (batch, max(s3, 1), 1, HEAD_DIM)).astype(qdt) if has_cmp else None
+    if op == QS:  # HiFloat8 codes (TA rounding) of the same values, carried in uint8
+        from ..reference.formats import encode
+
+        q, ori = encode(q, "hifloat8"), encode(ori, "hifloat8")
+        cmp = None if cmp is None else encode(cmp, "hifloat8")
     a = dict(q=q if layout_q == "BSND" else np.ascontiguousarray(q.reshape(-1, n1, HEAD_DIM)))
     a.update(ori_kv=ori, cmp_kv=cmp, ori_sparse_indices=None, cmp_sparse_indices=None, ori_block_table=None,
              cmp_block_table=None, cu_seqlens_q=_cu([s1] * batch) if layout_q == "TND" else None,
@@ -114,7 +128,7 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
         for p in ("ori_kv", "cmp_kv"):
             if a[p] is not None:
                 a[p] = _ref.pack_640(a[p]).view(_FP8)
-    if op in (SFM, MQ):
+    if op in (SFM, MQ, QS):
         a.update(seqused_ori_kv=lens if layout_kv == pa else None,
                  seqused_cmp_kv=np.full(batch, s3, np.int32) if has_cmp and layout_kv == pa else None,
                  cmp_residual_kv=np.full(batch, s2 % ratio, np.int32) if has_cmp else None,
@@ -124,8 +138,11 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
     a.update(sinks=rng.uniform(-1, 1, n1).astype(np.float32), metadata=np.zeros(1024, np.int32),
              softmax_scale=HEAD_DIM ** -0.5, cmp_ratio=ratio, ori_mask_mode=4, cmp_mask_mode=3 if has_cmp else 0,
              ori_win_left=127, ori_win_right=0, layout_q=layout_q, layout_kv=layout_kv)
-    if op in (SFM, MQ):
+    if op in (SFM, MQ, QS):
         a["topk_value_mode"] = 1
+    if op == QS:
+        a.update(quant_mode=1, q_descale=np.array([0.75], np.float32), ori_kv_descale=np.array([1.25], np.float32),
+                 cmp_kv_descale=np.array([0.5], np.float32) if has_cmp else None)
     if op == MQ:
         a.update(quant_mode=quant_mode, rope_head_dim=64)
     if op == KQS:
@@ -162,6 +179,14 @@ def kqs_case(**kw):
     layout PA_ND, 64 query heads)."""
     kw.setdefault("n1", 64)
     return _case(KQS, **kw)
+
+
+def qs_case(**kw):
+    """A small valid ``quant_sparse_flash_mla`` argument set (as :func:`sfm_case`: HiFloat8 codes of the same
+    uniform values, descales 0.75 / 1.25 / 0.5, default layout_kv PA_BBND, 64 query heads)."""
+    kw.setdefault("n1", 64)
+    kw.setdefault("layout_kv", "PA_BBND")
+    return _case(QS, **kw)
 
 
 def sas_case(**kw):
@@ -204,10 +229,11 @@ def _rules(op):
     mq = op == MQ
     kqs = op == KQS
     quant = mq or kqs
-    sfm = op in (SFM, MQ)  # the sparse_flash_mla parameter set (seqused_ori_kv / _cmp_kv, cmp_residual_kv, ...)
-    src = {SFM: SFM_SOURCE, SAS: SAS_SOURCE, MQ: MQ_SOURCE, KQS: KQS_SOURCE}[op]
+    qs = op == QS  # HiFloat8 q / K / V codes with per-tensor descales
+    sfm = op in (SFM, MQ, QS)  # the sparse_flash_mla parameter set (seqused_ori_kv / _cmp_kv, cmp_residual_kv, ...)
+    src = {SFM: SFM_SOURCE, SAS: SAS_SOURCE, MQ: MQ_SOURCE, KQS: KQS_SOURCE, QS: QS_SOURCE}[op]
     pa = _PA[op]
-    n = Names(op, {SFM: sfm_case, SAS: sas_case, MQ: mq_case, KQS: kqs_case}[op], source=src)
+    n = Names(op, {SFM: sfm_case, SAS: sas_case, MQ: mq_case, KQS: kqs_case, QS: qs_case}[op], source=src)
     lens_kv = "seqused_ori_kv" if sfm else "seqused_kv"
     arrays = ["ori_sparse_indices", "cmp_sparse_indices", "ori_block_table", "cmp_block_table", "cu_seqlens_q",
               "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", lens_kv, "metadata"]
@@ -215,14 +241,21 @@ def _rules(op):
         arrays += ["seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length", "cmp_topk_length"]
     r = [is_array(op, "q", source=src)]
     r += [is_array(op, p, optional=True, source=src) for p in ["ori_kv", "cmp_kv", "sinks"] + arrays]
-    required = ["ori_kv"] + ([] if op == SFM else ["softmax_scale", "cmp_ratio"]) + (
-        ["quant_mode", "rope_head_dim"] if mq else []) + (["tile_size"] if kqs else [])
+    required = ["ori_kv"] + ([] if op in (SFM, QS) else ["softmax_scale", "cmp_ratio"]) + (
+        ["quant_mode", "rope_head_dim"] if mq else []) + (["tile_size"] if kqs else []) + (
+        ["quant_mode", "q_descale", "ori_kv_descale"] if qs else [])
     for p in required:
         r.append(rule(n, f"{p}_required", p, "value",
                       "must be given (every scenario reads ori_kv)" if p == "ori_kv" else
                       "must be given (the public signature defaults to None but names no value for it)",
                       (lambda p_: lambda a: None if a.get(p_) is not None else "None")(p), edit(n, setting(**{p: None}))))
-    r.append(dtype_in(op, "q", ("bfloat16",) if quant else ("float16", "bfloat16"), source=src))
+    if qs:  # op_host quant_sparse_flash_mla_def.cpp: q / ori_kv / cmp_kv DT_HIFLOAT8 (NumPy carrier: uint8)
+        r += [dtype_in(op, p, ("uint8",), source=src) for p in ("q", "ori_kv", "cmp_kv")]
+        r += [is_array(op, p, optional=True, source=src) for p in _QS_DESCALES]
+        r += [dtype_in(op, p, ("float32",), source=src) for p in _QS_DESCALES]
+        r += _qs_rules(n)
+    else:
+        r.append(dtype_in(op, "q", ("bfloat16",) if quant else ("float16", "bfloat16"), source=src))
     for p in ("ori_kv", "cmp_kv") if quant else ():
         r.append(dtype_in(op, p, ("float8_e4m3fn", "uint8", "int8"), source=src))
     if kqs:
@@ -237,7 +270,7 @@ def _rules(op):
     if mq:
         r.append(choice_rule(n, "quant_mode", _ref.QUANT_MODES, bad=3))
         r.append(choice_rule(n, "rope_head_dim", (64,), bad=32))
-    for p in ("ori_kv", "cmp_kv") if not quant else ():
+    for p in ("ori_kv", "cmp_kv") if not (quant or qs) else ():
         def same(a, p=p):
             v = a.get(p)
             return None if v is None or v.dtype == a.q.dtype else dtype_name(v)
@@ -371,11 +404,17 @@ def _rules(op):
                   lambda a: None if a.layout_kv != pa or a.get("cmp_kv") is None
                   or a.get("cmp_block_table") is not None else "None",
                   edit(n, setting(cmp_block_table=None), layout_kv=pa)))
-    r.append(rule(n, "block_size", "ori_kv", "shape", f"a {pa} block size must be a multiple of 16 in [16, 1024]",
-                  lambda a: None if a.layout_kv != pa or all(
-                      a[p].shape[1] % 16 == 0 and 16 <= a[p].shape[1] <= 1024 for p in ("ori_kv", "cmp_kv")
-                      if a.get(p) is not None) else tuple(a.ori_kv.shape),
-                  edit(n, layout_kv=pa, block_size=8)))
+    if qs:  # quant_sparse_flash_mla_check_single_para.cpp: "should be in range (0, 1024]"
+        r.append(rule(n, "block_size", "ori_kv", "shape", f"a {pa} block size must be in [1, 1024]",
+                      lambda a: None if a.layout_kv != pa or all(
+                          1 <= a[p].shape[1] <= 1024 for p in ("ori_kv", "cmp_kv") if a.get(p) is not None)
+                      else tuple(a.ori_kv.shape), edit(n, layout_kv=pa, block_size=1025, s2=1100)))
+    else:
+        r.append(rule(n, "block_size", "ori_kv", "shape", f"a {pa} block size must be a multiple of 16 in [16, 1024]",
+                      lambda a: None if a.layout_kv != pa or all(
+                          a[p].shape[1] % 16 == 0 and 16 <= a[p].shape[1] <= 1024 for p in ("ori_kv", "cmp_kv")
+                          if a.get(p) is not None) else tuple(a.ori_kv.shape),
+                      edit(n, layout_kv=pa, block_size=8)))
     batch_vecs = ["seqused_q", lens_kv] + (["seqused_cmp_kv", "cmp_residual_kv"] if sfm else [])
     for p in batch_vecs:
         r.append(_len_rule(n, p, _batch, "must be [B]"))
@@ -386,7 +425,7 @@ def _rules(op):
     for p, kv, want_len in (("ori_block_table", "ori_kv", lambda a: _ori_lens(a, lens_kv)),
                             ("cmp_block_table", "cmp_kv", lambda a: _cmp_lens(a, lens_kv, sfm))):
         r.append(rule(n, f"{p}_shape", p, "shape",
-                      "must be [B, >= ceil(max length / block_size)] with entries in [0, block_num)",
+                      "must be [B, >= ceil(max length / block_size)] with each batch's blocks in [0, block_num)",
                       (lambda p_, kv_, wl: lambda a: None if a.get(p_) is None or a.layout_kv != pa or a.get(kv_) is None
                        or _table_ok(a[p_], _batch(a), wl(a), a[kv_].shape[0], a[kv_].shape[1])
                        else tuple(a[p_].shape))(p, kv, want_len),
@@ -406,9 +445,12 @@ def _rules(op):
                       else a.seqused_cmp_kv.tolist(),
                       edit(n, lambda a: a.update(seqused_cmp_kv=np.full_like(a["seqused_cmp_kv"], -1)), layout_kv=pa)))
         r.append(rule(n, "cmp_residual_kv_required", "cmp_residual_kv", "value",
+                      "is required with cmp_kv (CSA / HCA)" if qs else
                       "is required with cmp_kv when cmp_ratio != 1 and cmp_mask_mode is 3",
-                      lambda a: None if a.get("cmp_kv") is None or a.cmp_ratio == 1 or a.cmp_mask_mode != 3
-                      or a.get("cmp_residual_kv") is not None else "None",
+                      (lambda a: None if a.get("cmp_kv") is None or a.get("cmp_residual_kv") is not None else "None")
+                      if qs else
+                      (lambda a: None if a.get("cmp_kv") is None or a.cmp_ratio == 1 or a.cmp_mask_mode != 3
+                       or a.get("cmp_residual_kv") is not None else "None"),
                       edit(n, setting(cmp_residual_kv=None))))
         r.append(rule(n, "cmp_residual_kv_values", "cmp_residual_kv", "value", "entries must be in [0, cmp_ratio)",
                       lambda a: None if a.get("cmp_residual_kv") is None or (
@@ -427,8 +469,9 @@ def _rules(op):
     r.append(bool_rule(n, "return_softmax_lse"))
     r.append(choice_rule(n, "precision", _ref.PRECISIONS,
                          source="docs/numerics/attention-v4.md#precision (qsfa's parameter)"))
-    r.append(finite_rule(n, "q"))
-    if not quant:
+    if not qs:
+        r.append(finite_rule(n, "q"))
+    if not (quant or qs):
         r.append(finite_rule(n, "ori_kv"))
         r.append(finite_rule(n, "cmp_kv"))
     elif mq:
@@ -445,6 +488,8 @@ def _rules(op):
 
 
 def _chip_rules(n, op, sfm):
+    if op == QS:
+        return _qs_chip_rules(n)
     if op == MQ:
         return _mq_chip_rules(n)
     if op == KQS:
@@ -543,6 +588,86 @@ def _kqs_chip_rules(n):
     ]
 
 
+_QS_DESCALES = ("q_descale", "ori_kv_descale", "cmp_kv_descale")
+_QS_DOC = "hicann/ops-transformer@0568343 torch_extension/cann_ops_transformer/docs/zh/quant_sparse_flash_mla.md"
+_QS_KERNEL = ("cannmirror/ops-transformer@5992a2b attention/quant_sparse_flash_mla/op_kernel/arch35/"
+              "quant_sparse_flash_mla_csa_block_vector.h")
+
+
+def _qs_s1(a):
+    """Each batch's query length (BSND: S1; TND: the cu_seqlens_q differences)."""
+    if a.layout_q == "BSND":
+        return np.full(int(a.q.shape[0]), int(a.q.shape[1]), np.int64)
+    c = np.asarray(a.cu_seqlens_q, np.int64)
+    return c[1:] - c[:-1]
+
+
+def _qs_rules(n):
+    """quant_sparse_flash_mla's own rules: quant_mode, the descales, the SWA cmp_ratio, seqused_q."""
+    src_k = f"docs/numerics/attention-v4.md#quant_sparse_flash_mla; {_QS_KERNEL} (InitGlobalBuffer reads element 0)"
+    out = [choice_rule(n, "quant_mode", (1,), bad=2,
+                       source="cannmirror/ops-transformer@5992a2b attention/quant_sparse_flash_mla/op_host/"
+                              "quant_sparse_flash_mla_check_feature.cpp (quant_mode only support 1)"),
+           rule(n, "cmp_kv_descale_required", "cmp_kv_descale", "value", "is required with cmp_kv (CSA / HCA)",
+                lambda a: None if a.get("cmp_kv") is None or a.get("cmp_kv_descale") is not None else "None",
+                edit(n, setting(cmp_kv_descale=None)), source=src_k),
+           rule(n, "cmp_kv_descale_without_cmp_kv", "cmp_kv_descale", "value", "is not supported without cmp_kv",
+                lambda a: None if a.get("cmp_kv") is not None or a.get("cmp_kv_descale") is None
+                or a.get("cmp_sparse_indices") is not None else "a tensor",
+                edit(n, setting(cmp_kv_descale=np.ones(1, np.float32)), scenario="SWA"), source=_QS_DOC),
+           rule(n, "window_needs_band", "ori_win_left", "value",
+                "ori_win_left and ori_win_right may be >= 0 only with ori_mask_mode 4 (otherwise -1)",
+                lambda a: None if a.ori_mask_mode not in (0, 3) or (a.ori_win_left == -1 and a.ori_win_right == -1)
+                else f"{a.ori_win_left} / {a.ori_win_right} with ori_mask_mode {a.ori_mask_mode}",
+                edit(n, setting(ori_mask_mode=3)), source=_QS_DOC),
+           rule(n, "seqused_cmp_kv_required", "seqused_cmp_kv", "value",
+                "is required when layout_kv is PA_BBND and cmp_kv is given",
+                lambda a: None if a.layout_kv != "PA_BBND" or a.get("cmp_kv") is None
+                or a.get("seqused_cmp_kv") is not None else "None",
+                edit(n, setting(seqused_cmp_kv=None), layout_kv="PA_BBND"), source=_QS_DOC)]
+    for p in _QS_DESCALES:
+        out.append(rule(n, f"{p}_shape", p, "shape", "must be [1] (one fp32 per-tensor descale)",
+                        (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape == (1,)
+                         else tuple(a[p_].shape))(p),
+                        edit(n, (lambda p_: lambda a: a.update({p_: np.ones(2, np.float32)}))(p)), source=src_k))
+        out.append(rule(n, f"{p}_values", p, "value", "must be finite",
+                        (lambda p_: lambda a: None if a.get(p_) is None or a[p_].shape != (1,)
+                         or np.isfinite(a[p_]).all() else float(a[p_].reshape(-1)[0]))(p),
+                        edit(n, (lambda p_: lambda a: a.update({p_: np.array([np.inf], np.float32)}))(p)),
+                        source=src_k))
+    out.append(rule(n, "cmp_ratio_swa", "cmp_ratio", "value", "must be 1 without cmp_kv (SWA)",
+                    lambda a: None if a.get("cmp_kv") is not None or a.get("cmp_sparse_indices") is not None
+                    or a.cmp_ratio == 1 else a.cmp_ratio,
+                    edit(n, setting(cmp_ratio=4), scenario="SWA"),
+                    source="cannmirror/ops-transformer@5992a2b attention/quant_sparse_flash_mla/op_host/"
+                           "quant_sparse_flash_mla_check_existance.cpp (CheckCmpRatioExistence)"))
+    out.append(rule(n, "seqused_q_full", "seqused_q", "value",
+                    "qsfa models seqused_q only at each batch's full query length (the golden moves the causal "
+                    "threshold with it; docs/numerics/open-facts.md#quant-sparse-flash-mla-seqused-q)",
+                    lambda a: None if a.get("seqused_q") is None or np.asarray(a.seqused_q).shape != (_batch(a),)
+                    or (np.asarray(a.seqused_q, np.int64) == _qs_s1(a)).all() else np.asarray(a.seqused_q).tolist(),
+                    edit(n, setting(seqused_q=np.array([1, 1], np.int32)))))
+    return out
+
+
+def _qs_chip_rules(n):
+    c = ("950",)
+    host = "cannmirror/ops-transformer@5992a2b attention/quant_sparse_flash_mla/op_host/"
+    return [
+        rule(n, "chip_supported", "q", "value", "quant_sparse_flash_mla runs on Ascend 950 only (op_def: ascend950)",
+             lambda a: "this chip", edit(n), chips=("A2", "A3"), source=host + "quant_sparse_flash_mla_def.cpp"),
+        rule(n, "chip_window", "ori_win_left", "value", "ori_win_left must be 127 and ori_win_right 0",
+             lambda a: None if a.ori_win_left == 127 and a.ori_win_right == 0 else a.ori_win_left,
+             edit(n, setting(ori_win_left=63)), chips=c, source=host + "quant_sparse_flash_mla_check_feature.cpp"),
+        rule(n, "chip_sinks", "sinks", "value", "sinks must be given", lambda a: None
+             if a.get("sinks") is not None else "None", edit(n, setting(sinks=None)), chips=c,
+             source=host + "quant_sparse_flash_mla_check_single_para.cpp"),
+        rule(n, "chip_metadata", "metadata", "value", "metadata (the metadata operator's [1024] output) must be "
+             "given", lambda a: None if a.get("metadata") is not None else "None", edit(n, setting(metadata=None)),
+             chips=c, source=host + "quant_sparse_flash_mla_check_single_para.cpp"),
+    ]
+
+
 def _prefix_ok(v, total, le=False):
     v = np.asarray(v, np.int64).reshape(-1)
     if v.size < 2 or v[0] != 0 or (np.diff(v) < 0).any():
@@ -563,12 +688,17 @@ def _cmp_lens(a, lens_kv, sfm):
 
 
 def _table_ok(bt, b, lens, block_num, block_size):
+    """Each batch's own blocks (``ceil(len_b / block_size)`` entries) lie in ``[0, block_num)``; entries past them
+    are never read (the public goldens pad them with -1)."""
     if bt.ndim != 2 or bt.shape[0] != b:
         return False
     need = 0 if lens is None or not lens.size else int(-(-lens.max() // block_size))
     if bt.shape[1] < need:
         return False
-    used = bt[:, :need]
+    if lens is None or not need or np.asarray(lens).size != b:  # a wrong length vector is its own rule's error
+        return True
+    own = np.arange(need)[None, :] < -(-np.asarray(lens, np.int64).reshape(-1, 1) // block_size)
+    used = bt[:, :need][own]
     return not used.size or (used.min() >= 0 and used.max() < block_num)
 
 
@@ -588,6 +718,10 @@ MQ_CONTRACT = Contract(op=MQ, constraints=_rules(MQ), example=lambda rng: mq_cas
 KQS_CONTRACT = Contract(op=KQS, constraints=_rules(KQS), example=lambda rng: kqs_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array? kv_quant_mode:int tile_size:int?"
     " rope_head_dim:int"))
+QS_CONTRACT = Contract(op=QS, constraints=_rules(QS), example=lambda rng: qs_case(), params=params(
+    _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_ori_kv:array? seqused_cmp_kv:array?"
+    " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
+    " q_descale:array? ori_kv_descale:array? cmp_kv_descale:array?"))
 SAS_CONTRACT = Contract(op=SAS, constraints=_rules(SAS), example=lambda rng: sas_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array?"))
 
@@ -652,6 +786,26 @@ def _kqs_reference(q, ori_kv, cmp_kv, kv_quant_mode, tile_size, rope_head_dim, *
 define_operator(KQS, KQS_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_kqs_reference,
                 numerics=_chips.sharedkv_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention over 640-byte FP8 rows (vLLM-Ascend, Ascend 950).")
+def _qs_reference(q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, metadata, ori_topk_length,
+                  cmp_topk_length, topk_value_mode, quant_mode, **kw):
+    """The HiFloat8 arithmetic (qsfa.reference.sharedkv_hif8) over the shared token selection; seqused_cmp_kv
+    defaults to floor(seqused_ori_kv / cmp_ratio) as the other sparse_flash_mla doors."""
+    from ..reference.sharedkv_hif8 import hif8_sharedkv_attention
+
+    if kw.get("seqused_cmp_kv") is None and cmp_kv is not None and kw.get("seqused_ori_kv") is not None:
+        kw["seqused_cmp_kv"] = np.asarray(kw["seqused_ori_kv"], np.int64) // kw["cmp_ratio"]
+    return hif8_sharedkv_attention(q, ori_kv, cmp_kv, cmp_sparse_indices, **kw)
+
+
+def _qs_numerics(chip, args):
+    """The 950's cells (qsfa.chips.QS_NUMERICS); the operator exists only there, so every chip maps to them."""
+    return dict(_chips.QS_NUMERICS)
+
+
+define_operator(QS, QS_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_qs_reference,
+                numerics=_qs_numerics,
+                doc="DeepSeek-V4 shared-KV sparse attention over HiFloat8 Q / K / V with per-tensor descales, "
+                    "aclnnQuantSparseFlashMla.")
 define_operator(SFM, SFM_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_sfm_reference,
                 numerics=_chips.sharedkv_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention (SWA / CSA / HCA), aclnnSparseFlashMla.")
@@ -779,3 +933,35 @@ def kv_quant_sparse_attn_sharedkv(q, kv_quant_mode, *, ori_kv=None, cmp_kv=None,
                 ori_win_left=ori_win_left, ori_win_right=ori_win_right, layout_q=layout_q, layout_kv=layout_kv,
                 return_softmax_lse=return_softmax_lse, precision=precision)
     return run(KQS, args, backend, chip=chip)
+
+
+def quant_sparse_flash_mla(q, quant_mode, *, ori_kv=None, cmp_kv=None, q_descale=None, ori_kv_descale=None, cmp_kv_descale=None,
+                           ori_sparse_indices=None, cmp_sparse_indices=None, ori_block_table=None,
+                           cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None,
+                           seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None,
+                           ori_topk_length=None, cmp_topk_length=None, sinks=None, metadata=None,
+                           softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
+                           ori_win_right=-1, layout_q="BSND", layout_kv="BSND", topk_value_mode=1,
+                           return_softmax_lse=False, chip=None, backend="reference", precision="faithful"):
+    """:func:`sparse_flash_mla` over HiFloat8 Q / K / V (aclnnQuantSparseFlashMla, Ascend 950;
+    docs/numerics/attention-v4.md#quant_sparse_flash_mla). q ``[B, S1, N1, 512]`` / ``[T1, N1, 512]`` and
+    ori_kv / cmp_kv (as :func:`sparse_flash_mla`, N2 = 1) are HiFloat8 codes in uint8 arrays; q_descale,
+    ori_kv_descale, cmp_kv_descale are float32 ``[1]`` per-tensor descales (the real q is ``q_descale *
+    decode(q)``, likewise K = V). The logits are ``softmax_scale * q_descale * kv_descale * (codes . codes)``; P is
+    cast to HiFloat8 after a x16 scale, V's descale is applied to P @ V, the output is bfloat16.
+    The signature and defaults are ``cann_ops_transformer.quant_sparse_flash_mla``'s (q and quant_mode positional,
+    quant_mode 1 the only value; softmax_scale 1.0; cmp_ratio 1; mask modes 0; window -1 / -1; layouts BSND;
+    topk_value_mode 1); the 950 limits of the op_host checks (window 127 / 0, sinks and metadata given) are chip
+    rules. Returns ``(attention_out bfloat16, softmax_lse)``."""
+    args = dict(q=q, ori_kv=ori_kv, cmp_kv=cmp_kv, q_descale=q_descale, ori_kv_descale=ori_kv_descale,
+                cmp_kv_descale=cmp_kv_descale, ori_sparse_indices=ori_sparse_indices,
+                cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,
+                cmp_block_table=cmp_block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_ori_kv=cu_seqlens_ori_kv,
+                cu_seqlens_cmp_kv=cu_seqlens_cmp_kv, seqused_q=seqused_q, seqused_ori_kv=seqused_ori_kv,
+                seqused_cmp_kv=seqused_cmp_kv, cmp_residual_kv=cmp_residual_kv, ori_topk_length=ori_topk_length,
+                cmp_topk_length=cmp_topk_length, sinks=sinks, metadata=metadata, quant_mode=quant_mode,
+                softmax_scale=softmax_scale, cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode,
+                cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right,
+                layout_q=layout_q, layout_kv=layout_kv, topk_value_mode=topk_value_mode,
+                return_softmax_lse=return_softmax_lse, precision=precision)
+    return run(QS, args, backend, chip=chip)

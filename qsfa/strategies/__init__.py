@@ -68,7 +68,7 @@ from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_a
 from .quant import dynamic_block_quant_args
 from .sharedkv import (
     kv_quant_sparse_attn_sharedkv_args, mixed_quant_sparse_flash_mla_args, sparse_attn_sharedkv_args,
-    sparse_flash_mla_args,
+    sparse_flash_mla_args, quant_sparse_flash_mla_args,
 )
 
 __all__ = [
@@ -116,6 +116,7 @@ __all__ = [
     "sparse_attn_sharedkv_args",
     "mixed_quant_sparse_flash_mla_args",
     "kv_quant_sparse_attn_sharedkv_args",
+    "quant_sparse_flash_mla_args",
 ]
 
 
@@ -247,6 +248,7 @@ MORE_STRATEGIES = {
     "qkv_rms_norm_rope_cache_with_k_scale": qkv_rms_norm_rope_cache_with_k_scale_args,
     "compressor": compressor_args,
     "quant_compressor": quant_compressor_args,
+    "quant_sparse_flash_mla": quant_sparse_flash_mla_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):

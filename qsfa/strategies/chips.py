@@ -157,6 +157,13 @@ CHIP_RULES: dict[str, tuple] = {
         (("950",), "chip_window", _const({**_V4_WINDOW, **_V4_SHAREDKV}),
          "Ascend 950: PA_ND, 64 heads, no LSE, band window 127 / 0, mask modes 4 / 3, top-k 512"),
     ),
+    "quant_sparse_flash_mla": (
+        (_A2A3, "chip_supported", ABSENT, "quant_sparse_flash_mla runs on Ascend 950 only"),
+        (("950",), "chip_window", _const({"ori_win_left": 127, "ori_win_right": 0, "ori_mask_mode": 4,
+                                           "sinks": _V4_SINKS, "metadata": "zeros"}),
+         "Ascend 950: band window 127 / 0 (so ori_mask_mode 4: windows >= 0 need the band), sinks and metadata "
+         "given"),
+    ),
     "vllm_quant_lightning_indexer": (
         (_A2A3, "a2a3_dtypes", _const({"format": "int8"}),
          "Atlas A2/A3 support int8 query/key with float16 weights and dequant scales only"),

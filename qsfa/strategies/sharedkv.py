@@ -1,5 +1,6 @@
 """Hypothesis strategies of the DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md):
-``sparse_flash_mla`` and ``sparse_attn_sharedkv``.
+``sparse_flash_mla`` and ``sparse_attn_sharedkv``, and the quantised doors (``mixed_quant_sparse_flash_mla``,
+``kv_quant_sparse_attn_sharedkv``, ``quant_sparse_flash_mla``: the same draws stored as FP8 rows or HiFloat8 codes).
 
 A draw: scenario SWA / CSA / HCA, both query layouts, every KV layout (paged caches with shuffled blocks and a
 spare), per-batch lengths, the three ori mask modes and windows (-1 = unlimited included), cmp_ratio, cmp mask
@@ -19,7 +20,7 @@ from .. import _edges as _E
 from ._common import _b, _choose, _QDT, _rng, Bounds, ints
 
 __all__ = ["sparse_flash_mla_args", "sparse_attn_sharedkv_args", "mixed_quant_sparse_flash_mla_args",
-           "kv_quant_sparse_attn_sharedkv_args"]
+           "kv_quant_sparse_attn_sharedkv_args", "quant_sparse_flash_mla_args"]
 
 _D = 512
 _JUNK = 300.0
@@ -61,11 +62,12 @@ def _store(rows_per_batch, layout, block_size, rng, qdt, pa_name):
 def _build(draw, op, bounds, pins):
     mq = op == "mixed_quant_sparse_flash_mla"
     kqs = op == "kv_quant_sparse_attn_sharedkv"
-    sfm = op in ("sparse_flash_mla", "mixed_quant_sparse_flash_mla")
+    qs = op == "quant_sparse_flash_mla"
+    sfm = op in ("sparse_flash_mla", "mixed_quant_sparse_flash_mla", "quant_sparse_flash_mla")
     b = _b(bounds)
     pins, edge = _E.take(draw, op, pins)
     rng = _rng(draw)
-    qname = _choose(draw, pins, "dtype", ("bfloat16",) if (mq or kqs) else ("bfloat16", "float16"))
+    qname = _choose(draw, pins, "dtype", ("bfloat16",) if (mq or kqs or qs) else ("bfloat16", "float16"))
     qdt = _QDT[qname]
     scenario = _choose(draw, pins, "scenario", ("SWA", "CSA", "HCA"))
     pa = "PA_BBND" if sfm else "PA_ND"
@@ -91,6 +93,8 @@ def _build(draw, op, bounds, pins):
     mode_c = _choose(draw, pins, "cmp_mask_mode", (3, 3, 0)) if scenario != "SWA" else 0
     wl = _choose(draw, pins, "ori_win_left", (-1, 0, 1, 3, 127))
     wr = _choose(draw, pins, "ori_win_right", (0, 0, 1, -1))
+    if qs and mode_o != 4:  # the torch doc: windows >= 0 only with the band mask
+        wl = wr = -1
     residual_kind = _choose(draw, pins, "residual", ("exact", "exact", "zero", "max"))
     ori_rows = [rng.uniform(-1, 1, (n, _D)) for n in s2]
     s3 = [n // ratio for n in s2] if scenario != "SWA" else [0] * bsz
@@ -119,6 +123,11 @@ def _build(draw, op, bounds, pins):
         cmp = None if cmp is None else pack_640(cmp).view(_FP8)
     rows = sum(s1)
     q = rng.uniform(-1, 1, (rows, n1, _D)).astype(qdt)
+    if qs:  # HiFloat8 codes of the same values (uint8)
+        from ..reference.formats import encode
+
+        q, ori = encode(q, "hifloat8"), encode(ori, "hifloat8")
+        cmp = None if cmp is None else encode(cmp, "hifloat8")
     if layout_q == "BSND":
         q = q.reshape(bsz, s1_max, n1, _D)
     idx = None
@@ -170,6 +179,11 @@ def _build(draw, op, bounds, pins):
         a.update(quant_mode=quant_mode, rope_head_dim=64)
     if kqs:
         a.update(kv_quant_mode=1, tile_size=64, rope_head_dim=64)
+    if qs:
+        d = {"mixed": (rng.uniform(0.5, 2.0, 3)), "one": (1.0, 1.0, 1.0), "apart": (0.03125, 8.0, 0.125)}[
+            _choose(draw, pins, "descales", ("mixed", "mixed", "one", "apart"))]
+        a.update(quant_mode=1, q_descale=np.array([d[0]], np.float32), ori_kv_descale=np.array([d[1]], np.float32),
+                 cmp_kv_descale=np.array([d[2]], np.float32) if cmp is not None else None)
     a.update(return_softmax_lse=bool(_choose(draw, pins, "return_softmax_lse", (False, True))),
              precision=_choose(draw, pins, "precision", ("faithful", "faithful", "exact")))
     return a
@@ -204,3 +218,10 @@ def kv_quant_sparse_attn_sharedkv_args(draw, bounds: Bounds | None = None, **pin
     rows as 640-byte FP8 rows (E8M0 tile scales)."""
     return _build(draw, "kv_quant_sparse_attn_sharedkv", bounds, pins)
 
+
+
+@st.composite
+def quant_sparse_flash_mla_args(draw, bounds: Bounds | None = None, **pins) -> dict:
+    """``quant_sparse_flash_mla``: as :func:`sparse_flash_mla_args` with q / ori_kv / cmp_kv HiFloat8 codes of the
+    same values and per-tensor descales (pin ``descales``: "mixed" / "one" / "apart" = 1/32, 8, 1/8)."""
+    return _build(draw, "quant_sparse_flash_mla", bounds, pins)
