@@ -334,6 +334,26 @@ def _package_cache_writer(target, op_name):
     return impl
 
 
+def _qli2(*args, **kwargs):
+    """cann_ops_transformer.quant_lightning_indexer on the fake device: binds the recorded schema, refuses a missing
+    metadata (the op_host requires it), returns the reference's indices and values (its names are the schema's)."""
+    a = _bind(mapping.QLI2_OP, args, kwargs)
+    assert a["metadata"] is not None and tuple(a["metadata"].shape) == (1024,), "metadata must not be null"
+    idx, vals = run("quant_lightning_indexer_v2", {k: _host(v) for k, v in a.items()}, backend="reference")
+    return to_torch(np.ascontiguousarray(idx)), to_torch(np.ascontiguousarray(vals))
+
+
+def _qkv_inplace(*args, **kwargs):
+    """cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ on the fake device: binds the recorded schema, runs
+    the reference on host copies, writes the caches' bytes into the tensors passed and returns (q_out, q_scale)."""
+    a = _bind(mapping.QKV_OP, args, kwargs)
+    host = {k: _host(v) for k, v in a.items()}
+    q_out, q_scale, *_ = run("qkv_rms_norm_rope_cache_with_k_scale", host, backend="reference")
+    for name in ("k_cache", "v_cache", "k_scale_cache"):
+        a[name].view(torch.uint8).copy_(to_torch(np.ascontiguousarray(host[name]).view(np.uint8)))
+    return to_torch(np.ascontiguousarray(q_out)), to_torch(np.ascontiguousarray(q_scale))
+
+
 _FAKE_IMPLS = {
     "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
     "torch_npu.npu_sparse_flash_attention": _sfa,
@@ -358,6 +378,9 @@ _FAKE_IMPLS = {
     mapping.MQ_META_OP: _v4_metadata(mapping.MQ_META_OP),
     mapping.IQC_OP: _package_cache_writer(mapping.IQC_OP, "indexer_quant_cache"),
     mapping.SPKS_OP: _package_cache_writer(mapping.SPKS_OP, "scatter_pa_kv_cache_with_k_scale"),
+    mapping.QLI2_OP: _qli2,
+    mapping.QLI2_META_OP: _v4_metadata(mapping.QLI2_META_OP),
+    mapping.QKV_OP: _qkv_inplace,
 }
 
 
