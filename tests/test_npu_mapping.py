@@ -789,7 +789,7 @@ def test_qli2_mapping_binds_passes_every_value_and_builds_the_metadata(kw):
 
 def test_qkv_mapping_is_the_packages_in_place_call_on_the_callers_caches():
     a = _torch_example("qkv_rms_norm_rope_cache_with_k_scale")  # 1-byte caches as int8 bytes (_torch_args)
-    for layout_qkv, layout_q_out in (("TND", "NTD"), ("NTD", "TND")):
+    for layout_qkv, layout_q_out in (("TND", "NTD"), ("NTD", "NTD"), ("TND", "TND")):
         b = {**a, "layout_qkv": layout_qkv, "layout_q_out": layout_q_out, "epsilon": 1e-5}
         call = mapping.map_call("qkv_rms_norm_rope_cache_with_k_scale", b, NpuContext(chip="950"))
         assert call.target == mapping.QKV_OP
