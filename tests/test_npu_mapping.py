@@ -812,3 +812,10 @@ def test_qkv_mapping_is_the_packages_in_place_call_on_the_callers_caches():
     rec = {p["name"]: p for p in signatures.record(mapping.QKV_OP)["params"]}
     assert [rec[n]["type"] for n in ("k_cache", "v_cache", "k_scale_cache")] == ["Tensor(a!)", "Tensor(b!)",
                                                                                  "Tensor(c!)"]
+
+
+def test_qli2_exact_precision_is_refused_by_the_npu_limits():
+    a = _qli2_args()
+    lim = device.backend_limits("quant_lightning_indexer_v2", chip="A3", custom_ops=frozenset())
+    assert [c.id for c in lim if c.check(Args(a))] == []
+    assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.quant_lightning_indexer_v2.precision"]
