@@ -765,8 +765,11 @@ def test_qli2_mapping_binds_passes_every_value_and_builds_the_metadata(kw):
     bound = signatures.signature(mapping.QLI2_OP).bind(*call.args, **call.kwargs).arguments
     assert set(bound) == {p["name"] for p in signatures.record(mapping.QLI2_OP)["params"]}
     assert bound["metadata"] is given
-    for p in ("query", "key", "weights", "query_dequant_scale", "key_dequant_scale"):
+    for p in ("weights", "query_dequant_scale", "key_dequant_scale"):
         assert bound[p] is a[p], p
+    want = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "hifloat8": torch.uint8}[kw["fmt"]]
+    for p in ("query", "key"):  # a view of the caller's bytes (held as int8 here) in the format's dtype
+        assert bound[p].dtype == want and bound[p].data_ptr() == a[p].data_ptr() and a[p].dtype == torch.int8, p
     for p in ("topk", "quant_mode", "max_seqlen_q", "layout_q", "layout_k", "mask_mode", "cmp_ratio", "return_value"):
         assert bound[p] == a[p], p
     for p in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "cmp_residual_k", "block_table"):

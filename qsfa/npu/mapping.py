@@ -810,6 +810,8 @@ _QLI2_PARAMS = (
     "max_seqlen_q", "layout_q", "layout_k", "mask_mode", "cmp_ratio", "return_value",
 )
 _QLI2_LENGTHS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "cmp_residual_k")
+#: quant_mode -> the format query / key carry (qsfa.ops.quant_lightning_indexer_v2.QLI2_QUANT_MODES)
+_QLI2_FORMATS = {2: "int8", 1: "float8_e4m3fn", 4: "hifloat8"}
 
 
 def qli2_metadata_call(a: Mapping) -> NpuCall:
@@ -829,7 +831,7 @@ def qli2_metadata_call(a: Mapping) -> NpuCall:
     elif a.get("seqused_k") is not None:
         max_k = _max_len(a["seqused_k"])
     else:
-        max_k = int(k.shape[1]) if layout_k == "BSND" else 0
+        max_k = int(k.shape[1]) if layout_k == "BSND" else -1  # the wrapper's own value for "not given"
     kw = {p: _int32(a.get(p)) for p in _QLI2_LENGTHS}
     kw.update(batch_size=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, layout_q=str(a["layout_q"]),
               layout_k=layout_k, mask_mode=int(a["mask_mode"]), cmp_ratio=int(a["cmp_ratio"]))
@@ -840,14 +842,16 @@ def qli2_metadata_call(a: Mapping) -> NpuCall:
 def map_quant_lightning_indexer_v2(a: Mapping, ctx: NpuContext) -> NpuCall:
     """``torch.ops.cann_ops_transformer.quant_lightning_indexer`` (seven positional, the rest keyword-only, every
     value explicit); a ``metadata`` of None becomes :func:`qli2_metadata_call` (:func:`_metadata`). Query / key go
-    as the caller holds them (quant_mode names their format: int8, float8_e4m3fn, HiFloat8 bytes)."""
+    as views of the caller's bytes in the torch dtype their quant_mode names (2 int8, 1 float8_e4m3fn, 4 HiFloat8 as
+    uint8, as the pytest golden passes them; the schema has no dtype argument)."""
     _check_params("quant_lightning_indexer_v2", a, _QLI2_PARAMS)
     kw = {p: _int32(a.get(p)) for p in _QLI2_LENGTHS + ("block_table", "output_idx_offset")}
     kw.update(metadata=_metadata(a, qli2_metadata_call), max_seqlen_q=int(a["max_seqlen_q"]),
               layout_q=str(a["layout_q"]), layout_k=str(a["layout_k"]), mask_mode=int(a["mask_mode"]),
               cmp_ratio=int(a["cmp_ratio"]), return_value=int(a["return_value"]))
-    args = (a["query"], a["key"], a["weights"], a["query_dequant_scale"], a["key_dequant_scale"], int(a["topk"]),
-            int(a["quant_mode"]))
+    fmt = _QLI2_FORMATS.get(int(a["quant_mode"]))
+    q, k = (_as_format(a[n], fmt) if fmt else a[n] for n in ("query", "key"))
+    args = (q, k, a["weights"], a["query_dequant_scale"], a["key_dequant_scale"], int(a["topk"]), int(a["quant_mode"]))
     return NpuCall(QLI2_OP, args, kw, unpack=lambda r: (r[0], r[1]))
 
 
