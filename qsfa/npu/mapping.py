@@ -843,7 +843,9 @@ def map_quant_lightning_indexer_v2(a: Mapping, ctx: NpuContext) -> NpuCall:
     """``torch.ops.cann_ops_transformer.quant_lightning_indexer`` (seven positional, the rest keyword-only, every
     value explicit); a ``metadata`` of None becomes :func:`qli2_metadata_call` (:func:`_metadata`). Query / key go
     as views of the caller's bytes in the torch dtype their quant_mode names (2 int8, 1 float8_e4m3fn, 4 HiFloat8 as
-    uint8, as the pytest golden passes them; the schema has no dtype argument)."""
+    uint8: cannmirror/ops-transformer@25fb6b9 ``torch_extension/cann_ops_transformer/ops/csrc/
+    quant_lightning_indexer.cpp`` refuses a quant_mode 4 query / key that is not uint8 and wraps it as ACL_HIFLOAT8;
+    the schema has no dtype argument)."""
     _check_params("quant_lightning_indexer_v2", a, _QLI2_PARAMS)
     kw = {p: _int32(a.get(p)) for p in _QLI2_LENGTHS + ("block_table", "output_idx_offset")}
     kw.update(metadata=_metadata(a, qli2_metadata_call), max_seqlen_q=int(a["max_seqlen_q"]),
