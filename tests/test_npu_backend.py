@@ -334,6 +334,26 @@ def _package_cache_writer(target, op_name):
     return impl
 
 
+def _qli2(*args, **kwargs):
+    """cann_ops_transformer.quant_lightning_indexer on the fake device: binds the recorded schema, refuses a missing
+    metadata (the op_host requires it), returns the reference's indices and values (its names are the schema's)."""
+    a = _bind(mapping.QLI2_OP, args, kwargs)
+    assert a["metadata"] is not None and tuple(a["metadata"].shape) == (1024,), "metadata must not be null"
+    idx, vals = run("quant_lightning_indexer_v2", {k: _host(v) for k, v in a.items()}, backend="reference")
+    return to_torch(np.ascontiguousarray(idx)), to_torch(np.ascontiguousarray(vals))
+
+
+def _qkv_inplace(*args, **kwargs):
+    """cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ on the fake device: binds the recorded schema, runs
+    the reference on host copies, writes the caches' bytes into the tensors passed and returns (q_out, q_scale)."""
+    a = _bind(mapping.QKV_OP, args, kwargs)
+    host = {k: _host(v) for k, v in a.items()}
+    q_out, q_scale, *_ = run("qkv_rms_norm_rope_cache_with_k_scale", host, backend="reference")
+    for name in ("k_cache", "v_cache", "k_scale_cache"):
+        a[name].view(torch.uint8).copy_(to_torch(np.ascontiguousarray(host[name]).view(np.uint8)))
+    return to_torch(np.ascontiguousarray(q_out)), to_torch(np.ascontiguousarray(q_scale))
+
+
 _FAKE_IMPLS = {
     "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
     "torch_npu.npu_sparse_flash_attention": _sfa,
@@ -358,6 +378,9 @@ _FAKE_IMPLS = {
     mapping.MQ_META_OP: _v4_metadata(mapping.MQ_META_OP),
     mapping.IQC_OP: _package_cache_writer(mapping.IQC_OP, "indexer_quant_cache"),
     mapping.SPKS_OP: _package_cache_writer(mapping.SPKS_OP, "scatter_pa_kv_cache_with_k_scale"),
+    mapping.QLI2_OP: _qli2,
+    mapping.QLI2_META_OP: _v4_metadata(mapping.QLI2_META_OP),
+    mapping.QKV_OP: _qkv_inplace,
 }
 
 
@@ -689,10 +712,12 @@ def test_vllm_quant_lightning_indexer_computes_its_metadata_first_when_none_is_g
         fake.close()
 
 
-@pytest.mark.parametrize("op_name", ["sparse_flash_mla", "mixed_quant_sparse_flash_mla", "indexer_quant_cache",
-                                     "scatter_pa_kv_cache_with_k_scale"])
-def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_package(monkeypatch, op_name):
-    fake = FakeNpu(monkeypatch, "950", False, package=False)
+@pytest.mark.parametrize("op_name,chip", [("sparse_flash_mla", "950"), ("mixed_quant_sparse_flash_mla", "950"),
+                                          ("indexer_quant_cache", "950"), ("scatter_pa_kv_cache_with_k_scale", "950"),
+                                          ("quant_lightning_indexer_v2", "A3"),
+                                          ("qkv_rms_norm_rope_cache_with_k_scale", "950")])
+def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_package(monkeypatch, op_name, chip):
+    fake = FakeNpu(monkeypatch, chip, False, package=False)
     try:
         args = _as_torch(_example(op_name))
         before = {n: args[n].clone() for n in operators()[op_name].contract.inplace}
@@ -753,5 +778,49 @@ def test_indexer_quant_cache_runs_the_package_op_in_place(monkeypatch, mode):
         for got, want in zip((cache, scale), expected):
             assert np.ascontiguousarray(to_numpy(got.view(torch.uint8) if got.element_size() == 1 else got)).view(
                 np.uint8).tobytes() == np.ascontiguousarray(want).view(np.uint8).tobytes()
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("metadata", [None, "given"])
+@pytest.mark.parametrize("chip,fmt,layout_q,layout_k", [("A3", "int8", "BSND", "PA_BBND"),
+                                                        ("950", "float8_e4m3fn", "TND", "TND"),
+                                                        ("950", "hifloat8", "BSND", "PA_BBND")])
+def test_qli2_runs_the_package_op_after_its_metadata_operator(monkeypatch, chip, fmt, layout_q, layout_k, metadata):
+    from qsfa.ops.quant_lightning_indexer_v2 import qli2_case
+
+    fake = FakeNpu(monkeypatch, chip, False)
+    try:
+        args = qli2_case(fmt=fmt, layout_q=layout_q, layout_k=layout_k)
+        args["metadata"] = None if metadata is None else np.zeros(1024, np.int32)
+        want = run("quant_lightning_indexer_v2", copy_args(args), backend="reference")
+        idx, vals = run("quant_lightning_indexer_v2", _as_torch(args), backend="npu")
+        meta = [mapping.QLI2_META_OP] if metadata is None else []
+        assert fake.calls == meta + [mapping.QLI2_OP]
+        assert np.array_equal(to_numpy(idx), want[0]) and to_numpy(idx).dtype == want[0].dtype
+        assert (tuple(vals.shape), dtype_name(vals)) == (want[1].shape, dtype_name(want[1]))
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("layouts", [("TND", "NTD"), ("NTD", "NTD"), ("TND", "TND")])
+def test_qkv_runs_the_package_op_in_place(monkeypatch, layouts):
+    from qsfa.ops.qkv_k_scale import qkv_case
+
+    fake = FakeNpu(monkeypatch, "950", False)
+    try:
+        args = qkv_case(layout_qkv=layouts[0], layout_q_out=layouts[1])
+        expected = run("qkv_rms_norm_rope_cache_with_k_scale", copy_args(args), backend="reference")
+        targs = _as_torch(args)
+        caches = (targs["k_cache"], targs["v_cache"], targs["k_scale_cache"])
+        before = [c.clone() for c in caches]
+        got = run("qkv_rms_norm_rope_cache_with_k_scale", targs, backend="npu")
+        assert fake.calls == [mapping.QKV_OP]
+        assert all(g is c for g, c in zip(got[2:], caches))  # the caller's tensors, written in place
+        assert not all(torch.equal(b.view(torch.uint8), c.view(torch.uint8)) for b, c in zip(before, caches))
+        for g, w in zip(got, expected):
+            assert tuple(g.shape) == w.shape and dtype_name(g) == dtype_name(w)
+            assert np.ascontiguousarray(to_numpy(g.view(torch.uint8) if g.element_size() == 1 else g)).view(
+                np.uint8).tobytes() == np.ascontiguousarray(w).view(np.uint8).tobytes()
     finally:
         fake.close()

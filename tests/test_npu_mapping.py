@@ -466,8 +466,10 @@ def test_every_recorded_signature_is_a_mapping_target():
     for op in V4_ATTENTION:
         call = mapping.map_call(op, _v4_args(op), _V4_CTX)
         hit.update({call.target, call.kwargs["metadata"].target})
-    for op in ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale"):
+    for op in ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale", "qkv_rms_norm_rope_cache_with_k_scale"):
         hit.add(mapping.map_call(op, _torch_example(op), NpuContext(chip="950")).target)
+    qli2 = mapping.map_call("quant_lightning_indexer_v2", _qli2_args(), NpuContext(chip="950"))
+    hit.update({qli2.target, qli2.kwargs["metadata"].target})
     assert hit == set(signatures.targets())
 
 
@@ -655,7 +657,8 @@ def test_v4_attention_mapping_binds_passes_every_value_and_builds_the_metadata(o
     assert got[0] is out and (got[1] is lse_out if lse else (tuple(got[1].shape), got[1].dtype) == ((0,), torch.float32))
 
 
-@pytest.mark.parametrize("op", V4_ATTENTION + ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale"))
+@pytest.mark.parametrize("op", V4_ATTENTION + ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale",
+                                "quant_lightning_indexer_v2", "qkv_rms_norm_rope_cache_with_k_scale"))
 def test_v4_mappings_consume_every_operator_parameter(op):
     """Each parameter of the operator's contract reaches the call or is listed in IGNORED (reference-only)."""
     from qsfa._dispatch import operators
@@ -730,3 +733,92 @@ def test_scatter_pa_kv_cache_with_k_scale_mapping_is_the_packages_positional_cal
     got = call.unpack(tuple(t.clone() for t in call.args[2:4] + call.args[6:7]))
     assert got == (a["key_cache"], a["value_cache"], a["key_scale_cache"])  # the caller's tensors, not the aliases
     assert got[0] is a["key_cache"]
+
+
+# ------------------------------------------------------- cann_ops_transformer QLI v2 and the QKV cache writer
+
+
+def _qli2_args(**kw):
+    from qsfa._dispatch import operators
+    from qsfa.ops.quant_lightning_indexer_v2 import qli2_case
+
+    return _torch_args(dict(operators()["quant_lightning_indexer_v2"].contract.validate(qli2_case(**kw))))
+
+
+_QLI2_VARIANTS = [dict(fmt=f, layout_q=lq, layout_k=lk, mask_mode=m, cmp_ratio=r)
+                  for f in ("int8", "float8_e4m3fn", "hifloat8") for lq in ("BSND", "TND")
+                  for lk in ("PA_BBND", lq) for m, r in ((3, 4), (0, 1))]
+
+
+@pytest.mark.parametrize("kw", _QLI2_VARIANTS, ids=["-".join(str(v) for v in kw.values()) for kw in _QLI2_VARIANTS])
+def test_qli2_mapping_binds_passes_every_value_and_builds_the_metadata(kw):
+    a = _qli2_args(**kw)
+    call = mapping.map_call("quant_lightning_indexer_v2", a, NpuContext(chip="950"))
+    assert call.target == mapping.QLI2_OP
+    meta = call.kwargs["metadata"]
+    assert isinstance(meta, mapping.NpuCall) and meta.target == mapping.QLI2_META_OP
+    _assert_binds(meta)
+    given = torch.zeros(1024, dtype=torch.int32)
+    call = mapping.map_call("quant_lightning_indexer_v2", {**a, "metadata": given}, NpuContext(chip="950"))
+    _assert_binds(call)
+    # every schema parameter is passed, none left to a registered default
+    bound = signatures.signature(mapping.QLI2_OP).bind(*call.args, **call.kwargs).arguments
+    assert set(bound) == {p["name"] for p in signatures.record(mapping.QLI2_OP)["params"]}
+    assert bound["metadata"] is given
+    for p in ("weights", "query_dequant_scale", "key_dequant_scale"):
+        assert bound[p] is a[p], p
+    want = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "hifloat8": torch.uint8}[kw["fmt"]]
+    for p in ("query", "key"):  # a view of the caller's bytes (held as int8 here) in the format's dtype
+        assert bound[p].dtype == want and bound[p].data_ptr() == a[p].data_ptr() and a[p].dtype == torch.int8, p
+    for p in ("topk", "quant_mode", "max_seqlen_q", "layout_q", "layout_k", "mask_mode", "cmp_ratio", "return_value"):
+        assert bound[p] == a[p], p
+    for p in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "cmp_residual_k", "block_table"):
+        assert (bound[p] is None) is (a[p] is None), p
+        if a[p] is not None:
+            assert bound[p].dtype == torch.int32 and torch.equal(bound[p].long(), a[p].long()), p
+    assert bound["quant_mode"] == {"int8": 2, "float8_e4m3fn": 1, "hifloat8": 4}[kw["fmt"]]
+    # the metadata operator: shapes, batch, the largest per-batch query / compressed key length, every value given
+    m = signatures.signature(mapping.QLI2_META_OP).bind(*meta.args, **meta.kwargs).arguments
+    assert set(m) == {p["name"] for p in signatures.record(mapping.QLI2_META_OP)["params"]}
+    assert (m["num_heads_q"], m["num_heads_k"], m["head_dim"], m["topk"]) == (64, 1, 128, a["topk"])
+    assert (m["batch_size"], m["max_seqlen_q"], m["max_seqlen_k"]) == (2, 2, 6)  # qli2_case: B 2, S1 2, S2 6
+    for p in ("quant_mode", "layout_q", "layout_k", "mask_mode", "cmp_ratio"):
+        assert m[p] == a[p], p
+    assert (m["cmp_residual_k"] is None) is (a["cmp_residual_k"] is None)
+    idx, vals = torch.zeros(2, dtype=torch.int32), torch.zeros(0, dtype=torch.bfloat16)
+    got = call.unpack((idx, vals))
+    assert got[0] is idx and got[1] is vals
+
+
+def test_qkv_mapping_is_the_packages_in_place_call_on_the_callers_caches():
+    a = _torch_example("qkv_rms_norm_rope_cache_with_k_scale")  # 1-byte caches as int8 bytes (_torch_args)
+    for layout_qkv, layout_q_out in (("TND", "NTD"), ("NTD", "NTD"), ("TND", "TND")):
+        b = {**a, "layout_qkv": layout_qkv, "layout_q_out": layout_q_out, "epsilon": 1e-5}
+        call = mapping.map_call("qkv_rms_norm_rope_cache_with_k_scale", b, NpuContext(chip="950"))
+        assert call.target == mapping.QKV_OP
+        _assert_binds(call)
+        bound = signatures.signature(mapping.QKV_OP).bind(*call.args, **call.kwargs).arguments
+        assert set(bound) == {p["name"] for p in signatures.record(mapping.QKV_OP)["params"]}
+        for p in ("qkv", "q_gamma", "k_gamma", "cos_sin", "k_scale_cache", "rotation", "v_scale"):
+            assert bound[p] is b[p], p
+        for p in ("k_cache", "v_cache"):  # float8_e4m3fn views of the caller's bytes: written in place
+            assert bound[p].dtype == torch.float8_e4m3fn and bound[p].data_ptr() == b[p].data_ptr(), p
+        for p in ("slot_mapping", "query_start_loc", "seq_lens"):
+            assert bound[p].dtype == torch.int32 and torch.equal(bound[p].long(), b[p].long()), p
+        assert bound["head_nums"] == [int(n) for n in b["head_nums"]]
+        assert (bound["layout_qkv"], bound["layout_q_out"]) == (layout_qkv, layout_q_out)
+        assert bound["epsilon"] == pytest.approx(1e-5)
+        q_out, q_scale = torch.zeros(1), torch.ones(1)
+        got = call.unpack((q_out, q_scale))
+        assert got[0] is q_out and got[1] is q_scale
+        assert got[2] is b["k_cache"] and got[3] is b["v_cache"] and got[4] is b["k_scale_cache"]
+    rec = {p["name"]: p for p in signatures.record(mapping.QKV_OP)["params"]}
+    assert [rec[n]["type"] for n in ("k_cache", "v_cache", "k_scale_cache")] == ["Tensor(a!)", "Tensor(b!)",
+                                                                                 "Tensor(c!)"]
+
+
+def test_qli2_exact_precision_is_refused_by_the_npu_limits():
+    a = _qli2_args()
+    lim = device.backend_limits("quant_lightning_indexer_v2", chip="A3", custom_ops=frozenset())
+    assert [c.id for c in lim if c.check(Args(a))] == []
+    assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.quant_lightning_indexer_v2.precision"]

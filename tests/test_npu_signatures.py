@@ -340,3 +340,40 @@ def test_extract_dtype_tables_hand_written():
     assert t["TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP"] == {"line": 3, "entries": {"1": "torch.int8",
                                                                                      "290": "torch.uint8"}}
     assert t["TORCH_NPU_DTYPE_TO_STRING_MAP"]["entries"] == {"290": "torch_npu.hifloat8"}
+
+
+def test_hand_read_facts_of_the_qli2_and_qkv_package_schemas():
+    """Read by hand from cannmirror/ops-transformer@25fb6b9 torch_extension/cann_ops_transformer/ops/
+    quant_lightning_indexer.py and qkv_rms_norm_rope_cache_with_k_scale.py (the same schemas as at cbd7c6b / c4f5cf7,
+    where the files were added)."""
+    qli = signatures.record(mapping.QLI2_OP)
+    assert qli["source"]["commit"].startswith("25fb6b9") and qli["returns"] == ["Tensor", "Tensor"]
+    p = _params(mapping.QLI2_OP)
+    assert [n for n, q in p.items() if q["kind"] == "positional"] == [
+        "query", "key", "weights", "query_dequant_scale", "key_dequant_scale", "topk", "quant_mode"]
+    assert {n: p[n]["default"] for n in ("max_seqlen_q", "layout_q", "layout_k", "mask_mode", "cmp_ratio",
+                                          "return_value")} == dict(max_seqlen_q=-1, layout_q="BSND", layout_k="BSND",
+                                                                   mask_mode=0, cmp_ratio=1, return_value=0)
+    assert p["cmp_residual_k"] == {"name": "cmp_residual_k", "type": "Tensor?", "kind": "keyword_only", "default": None}
+    meta = _params(mapping.QLI2_META_OP)
+    assert [n for n, q in meta.items() if q["kind"] == "positional"] == [
+        "num_heads_q", "num_heads_k", "head_dim", "topk", "quant_mode"]
+    assert all(q["default"] is None for q in meta.values() if q["kind"] == "keyword_only")
+    assert signatures.record(mapping.QLI2_META_OP)["returns"] == ["Tensor"]
+    q = _params(mapping.QKV_OP)
+    assert q["head_nums"]["type"] == "int[]" and q["epsilon"] == {"name": "epsilon", "type": "float",
+                                                                  "kind": "keyword_only", "default": 1e-06}
+    assert (q["layout_qkv"]["default"], q["layout_q_out"]["default"]) == ("TND", "NTD")
+    assert signatures.record(mapping.QKV_OP)["returns"] == ["Tensor", "Tensor"]
+
+
+def test_int_list_schema_type():
+    import torch
+
+    t = torch.zeros(1)
+    args = (t,) * 10
+    assert signatures.type_problems(mapping.QKV_OP, args + ([16, 2, 2],)) == []
+    assert signatures.type_problems(mapping.QKV_OP, args + ((16, 2, 2),)) == []
+    assert signatures.type_problems(mapping.QKV_OP, args + ([16, True, 2],)) == [
+        f"{mapping.QKV_OP}: head_nums expects int[], got [16, True, 2]"]
+    assert signatures.type_problems(mapping.QKV_OP, args + (16,)) == [f"{mapping.QKV_OP}: head_nums expects int[], got 16"]

@@ -88,6 +88,9 @@ PACKAGE_OPS = {
     "mixed_quant_sparse_flash_mla_metadata": "mixed_quant_sparse_flash_mla.py",
     "indexer_quant_cache": "indexer_quant_cache.py",
     "scatter_pa_kv_cache_with_k_scale": "scatter_pa_kv_cache_with_k_scale.py",
+    "quant_lightning_indexer": "quant_lightning_indexer.py",
+    "quant_lightning_indexer_metadata": "quant_lightning_indexer.py",
+    "qkv_rms_norm_rope_cache_with_k_scale_": "qkv_rms_norm_rope_cache_with_k_scale.py",
 }
 PACKAGE_OPS_DIR = "torch_extension/cann_ops_transformer/ops"
 

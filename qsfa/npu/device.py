@@ -179,7 +179,8 @@ def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[
     loaded = (lambda name: custom_op_loaded(name)) if custom_ops is None else (lambda name: name in custom_ops)
     out: list[Constraint] = []
     if op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention", "sparse_attn_sharedkv",
-              "kv_quant_sparse_attn_sharedkv", "sparse_flash_mla", "mixed_quant_sparse_flash_mla"):
+              "kv_quant_sparse_attn_sharedkv", "sparse_flash_mla", "mixed_quant_sparse_flash_mla",
+              "quant_lightning_indexer_v2"):
         out.append(_precision_faithful(op))
     if op == "kv_quant_sparse_flash_attention":
         custom = "npu_kv_quant_sparse_flash_attention"

@@ -38,6 +38,9 @@ Routing (settled from public sources):
   ``scatter_pa_kv_cache_with_k_scale``: ``torch.ops.cann_ops_transformer.*``, ops of ops-transformer's separately
   built torch extension (``torch_extension/cann_ops_transformer``); the backend imports that package when such an
   operator is called (qsfa.npu.backend.resolve) and refuses the call naming it when it is missing.
+* ``quant_lightning_indexer_v2`` / ``qkv_rms_norm_rope_cache_with_k_scale``: the same package's
+  ``quant_lightning_indexer`` (after ``quant_lightning_indexer_metadata`` when ``metadata`` is None) and the in-place
+  ``qkv_rms_norm_rope_cache_with_k_scale_``.
 * dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
   TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
   hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
@@ -93,6 +96,9 @@ MQ_OP = f"torch.ops.{PACKAGE}.mixed_quant_sparse_flash_mla"
 MQ_META_OP = f"torch.ops.{PACKAGE}.mixed_quant_sparse_flash_mla_metadata"
 IQC_OP = f"torch.ops.{PACKAGE}.indexer_quant_cache"
 SPKS_OP = f"torch.ops.{PACKAGE}.scatter_pa_kv_cache_with_k_scale"
+QLI2_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer"
+QLI2_META_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer_metadata"
+QKV_OP = f"torch.ops.{PACKAGE}.qkv_rms_norm_rope_cache_with_k_scale_"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -149,6 +155,10 @@ IGNORED = {
                      "door rejects a buffer there before any mapping (qsfa/ops/_out_buffers.py)",
     "softmax_max_out": "a NumPy output buffer of the reference (as attention_out)",
     "softmax_sum_out": "a NumPy output buffer of the reference (as attention_out)",
+    "zero_head": "OPEN fact of the reference model (docs/numerics/open-facts.md#zero_head); the device does what it does",
+    "q_quant_mode": "the contract accepts only 'PerTokenPerHead', the one Q quantisation the package's "
+                    "qkv_rms_norm_rope_cache_with_k_scale_ runs (its schema has no quant-mode argument)",
+    "k_quant_mode": "as q_quant_mode, for K",
 }
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
@@ -188,16 +198,6 @@ NOT_MAPPED = {
     "formats.decode": "no torch_npu function decodes raw format codes to float32",
     "formats.pack_fp4": "no torch_npu function packs FP4 codes",
     "formats.unpack_fp4": "no torch_npu function unpacks FP4 codes",
-    "quant_lightning_indexer_v2": (
-        "its callables, torch.ops.cann_ops_transformer.quant_lightning_indexer and quant_lightning_indexer_metadata, "
-        "exist at cannmirror/ops-transformer@1ecdfd4 (attention/quant_lightning_indexer_v2/tests/pytest/"
-        "quant_lightning_indexer_v2_golden.py) and are gone from the package at 25fb6b9, the snapshot whose schemas "
-        "signatures.json records; neither torch_npu 2.14.0 nor vLLM-Ascend's _C_ascend has them (vLLM-Ascend's own "
-        "variant is vllm_quant_lightning_indexer, which is mapped)"),
-    "qkv_rms_norm_rope_cache_with_k_scale": (
-        "mapping not written yet: the callable is cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ "
-        "(ops-transformer posembedding/qkv_rms_norm_rope_cache_with_k_scale/, Ascend 950), in the package the npu "
-        "backend loads lazily for the V4 operators, but its schema is not recorded in signatures.json"),
     "quant_sparse_flash_mla": (
         "mapping not written yet: the callable is cann_ops_transformer.quant_sparse_flash_mla(q, quant_mode, *, ...) "
         "with quant_sparse_flash_mla_metadata first (hicann/ops-transformer@0568343 torch_extension/"
@@ -822,6 +822,81 @@ def map_scatter_pa_kv_cache_with_k_scale(a: Mapping, ctx: NpuContext) -> NpuCall
                    unpack=lambda r: (a["key_cache"], a["value_cache"], a["key_scale_cache"]))
 
 
+
+# ------------------------------------------------------------------ cann_ops_transformer QLI v2 and QKV writer
+
+_QLI2_PARAMS = (
+    "query", "key", "weights", "query_dequant_scale", "key_dequant_scale", "topk", "quant_mode", "cu_seqlens_q",
+    "cu_seqlens_k", "seqused_q", "seqused_k", "cmp_residual_k", "block_table", "output_idx_offset", "metadata",
+    "max_seqlen_q", "layout_q", "layout_k", "mask_mode", "cmp_ratio", "return_value",
+)
+_QLI2_LENGTHS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "cmp_residual_k")
+#: quant_mode -> the format query / key carry (qsfa.ops.quant_lightning_indexer_v2.QLI2_QUANT_MODES)
+_QLI2_FORMATS = {2: "int8", 1: "float8_e4m3fn", 4: "hifloat8"}
+
+
+def qli2_metadata_call(a: Mapping) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.quant_lightning_indexer_metadata`` for ``quant_lightning_indexer_v2``
+    arguments. Every schema default (None) is replaced by a value: the batch size, and the largest query / compressed
+    key length per batch (ops-transformer's QLI v2 pytest passes the largest per-batch lengths; the key's counts
+    compressed tokens)."""
+    q, k = a["query"], a["key"]
+    tnd_q, layout_k = str(a["layout_q"]) == "TND", str(a["layout_k"])
+    batch = int(a["cu_seqlens_q"].numel()) - 1 if tnd_q else int(q.shape[0])
+    if a.get("seqused_q") is not None:
+        max_q = _max_len(a["seqused_q"])
+    else:
+        max_q = _max_len(a["cu_seqlens_q"], cumulative=True) if tnd_q else int(q.shape[1])
+    if layout_k == "TND":
+        max_k = _max_len(a["cu_seqlens_k"], cumulative=True)
+    elif a.get("seqused_k") is not None:
+        max_k = _max_len(a["seqused_k"])
+    else:
+        max_k = int(k.shape[1]) if layout_k == "BSND" else -1  # the wrapper's own value for "not given"
+    kw = {p: _int32(a.get(p)) for p in _QLI2_LENGTHS}
+    kw.update(batch_size=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, layout_q=str(a["layout_q"]),
+              layout_k=layout_k, mask_mode=int(a["mask_mode"]), cmp_ratio=int(a["cmp_ratio"]))
+    args = (int(q.shape[-2]), int(k.shape[-2]), int(q.shape[-1]), int(a["topk"]), int(a["quant_mode"]))
+    return NpuCall(QLI2_META_OP, args, kw, unpack=lambda r: (r,))
+
+
+def map_quant_lightning_indexer_v2(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.quant_lightning_indexer`` (seven positional, the rest keyword-only, every
+    value explicit); a ``metadata`` of None becomes :func:`qli2_metadata_call` (:func:`_metadata`). Query / key go
+    as views of the caller's bytes in the torch dtype their quant_mode names (2 int8, 1 float8_e4m3fn, 4 HiFloat8 as
+    uint8: cannmirror/ops-transformer@25fb6b9 ``torch_extension/cann_ops_transformer/ops/csrc/
+    quant_lightning_indexer.cpp`` refuses a quant_mode 4 query / key that is not uint8 and wraps it as ACL_HIFLOAT8;
+    the schema has no dtype argument)."""
+    _check_params("quant_lightning_indexer_v2", a, _QLI2_PARAMS)
+    kw = {p: _int32(a.get(p)) for p in _QLI2_LENGTHS + ("block_table", "output_idx_offset")}
+    kw.update(metadata=_metadata(a, qli2_metadata_call), max_seqlen_q=int(a["max_seqlen_q"]),
+              layout_q=str(a["layout_q"]), layout_k=str(a["layout_k"]), mask_mode=int(a["mask_mode"]),
+              cmp_ratio=int(a["cmp_ratio"]), return_value=int(a["return_value"]))
+    fmt = _QLI2_FORMATS.get(int(a["quant_mode"]))
+    q, k = (_as_format(a[n], fmt) if fmt else a[n] for n in ("query", "key"))
+    args = (q, k, a["weights"], a["query_dequant_scale"], a["key_dequant_scale"], int(a["topk"]), int(a["quant_mode"]))
+    return NpuCall(QLI2_OP, args, kw, unpack=lambda r: (r[0], r[1]))
+
+
+_QKV_TENSORS = ("qkv", "q_gamma", "k_gamma", "cos_sin", "slot_mapping", "k_cache", "v_cache", "k_scale_cache",
+                "query_start_loc", "seq_lens")
+
+
+def map_qkv_rms_norm_rope_cache_with_k_scale(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_``, the in-place variant: the K / V
+    caches go as float8_e4m3fn views of the caller's bytes (the schema's ``Tensor(a!)`` / ``Tensor(b!)``), the
+    K-scale cache as it is; the op returns ``(q_out, q_scale)`` and the caches come back as the caller's tensors."""
+    _check_params("qkv_rms_norm_rope_cache_with_k_scale", a, _QKV_TENSORS + (
+        "head_nums", "rotation", "v_scale", "layout_qkv", "layout_q_out", "epsilon"))
+    args = [a[n] for n in _QKV_TENSORS]
+    args[5], args[6] = _as_format(a["k_cache"], "float8_e4m3fn"), _as_format(a["v_cache"], "float8_e4m3fn")
+    args[4], args[8], args[9] = (_int32(a[n]) for n in ("slot_mapping", "query_start_loc", "seq_lens"))
+    kw = dict(rotation=a["rotation"], v_scale=a["v_scale"], layout_qkv=str(a["layout_qkv"]),
+              layout_q_out=str(a["layout_q_out"]), epsilon=float(a["epsilon"]))
+    return NpuCall(QKV_OP, tuple(args) + ([int(n) for n in a["head_nums"]],), kw,
+                   unpack=lambda r: (r[0], r[1], a["k_cache"], a["v_cache"], a["k_scale_cache"]))
+
+
 #: operator name -> mapping function
 MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_quant_sparse_flash_attention": map_kv_quant_sparse_flash_attention,
@@ -840,6 +915,8 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "mixed_quant_sparse_flash_mla": map_mixed_quant_sparse_flash_mla,
     "indexer_quant_cache": map_indexer_quant_cache,
     "scatter_pa_kv_cache_with_k_scale": map_scatter_pa_kv_cache_with_k_scale,
+    "quant_lightning_indexer_v2": map_quant_lightning_indexer_v2,
+    "qkv_rms_norm_rope_cache_with_k_scale": map_qkv_rms_norm_rope_cache_with_k_scale,
 }
 
 

@@ -76,6 +76,8 @@ def _type_ok(schema_type: str, v) -> bool:
         return isinstance(v, bool)
     if t == "str":
         return isinstance(v, str)
+    if t == "int[]":
+        return isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
     raise ValueError(f"schema type {schema_type!r} is not handled")
 
 

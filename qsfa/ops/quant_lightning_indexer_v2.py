@@ -6,8 +6,9 @@
 the one of ``vllm_quant_lightning_indexer`` (:func:`qsfa.reference.indexer_v4.select_top_k`, one reference for
 both front doors); tests: tests/test_quant_lightning_indexer_v2.py. Sources: cannmirror/ops-transformer@1ecdfd4
 ``attention/quant_lightning_indexer_v2/op_host/quant_lightning_indexer_v2_tiling.cpp`` (checks),
-``.../tests/pytest/quant_lightning_indexer_v2_golden.py`` (CPU golden and the torch schema it calls); the operator
-is gone from the newest ops-transformer snapshot.
+``.../tests/pytest/quant_lightning_indexer_v2_golden.py`` (CPU golden and the torch schema it calls); both files
+and the package callable (torch_extension/cann_ops_transformer/ops/quant_lightning_indexer.py) are still there at
+25fb6b9, the snapshot the npu backend's recorded schema comes from.
 """
 
 from __future__ import annotations
