@@ -760,7 +760,9 @@ def _mq_reference(q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, met
     def deq(x):
         if x is None:
             return None
-        return _ref.dequant_mode1(x, k_rounding) if quant_mode == 1 else _ref.dequant_mode2(x)
+        if quant_mode == 1:  # 608-byte rows: each decoded where it is read
+            return _ref.LazyRows(x, lambda r: _ref.dequant_mode1(r, k_rounding), 512)
+        return _ref.dequant_mode2(x)  # MODEL1 blocks keep a row's scales apart from its codes: whole blocks
 
     if seqused_cmp_kv is None and cmp_kv is not None and kw.get("seqused_ori_kv") is not None:
         seqused_cmp_kv = np.asarray(kw["seqused_ori_kv"], np.int64) // kw["cmp_ratio"]
@@ -777,15 +779,19 @@ def _mq_numerics(chip, args):
 define_operator(MQ, MQ_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_mq_reference,
                 numerics=_mq_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention over per-token-group FP8 KV, aclnnMixedQuantSparseFlashMla.")
+
+
 def _kqs_reference(q, ori_kv, cmp_kv, kv_quant_mode, tile_size, rope_head_dim, **kw):
-    """640-byte rows dequantised (exact E8M0 scaling) in front of the sharedkv conventions."""
-    deq = (lambda x: None if x is None else _ref.dequant_640(x))
+    """640-byte rows dequantised (exact E8M0 scaling) in front of the sharedkv conventions, each where it is read."""
+    deq = (lambda x: None if x is None else _ref.LazyRows(x, _ref.dequant_640, 512))
     return _sas_reference(q, deq(ori_kv), deq(cmp_kv), **kw)
 
 
 define_operator(KQS, KQS_CONTRACT, outputs=("attention_out", "softmax_lse"), reference=_kqs_reference,
                 numerics=_chips.sharedkv_numerics,
                 doc="DeepSeek-V4 shared-KV sparse attention over 640-byte FP8 rows (vLLM-Ascend, Ascend 950).")
+
+
 def _qs_reference(q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, metadata, ori_topk_length,
                   cmp_topk_length, topk_value_mode, quant_mode, **kw):
     """The HiFloat8 arithmetic (qsfa.reference.sharedkv_hif8) over the shared token selection; seqused_cmp_kv

@@ -91,6 +91,24 @@ def _query_rows(q, layout_q, cu_seqlens_q, seqused_q):
     return q, bat, pos, s1_act, valid, b_
 
 
+class LazyRows:
+    """Quantised cache rows ``[..., row_bytes]`` seen as dequantised rows ``[..., d]``, decoded only where the core
+    gathers them (integer indexing of the flat view). A 950 cache holds every token of every request while a call
+    reads a window and a top-k of it; ``decode`` works row by row, so the gathered rows are the bytes a whole-cache
+    dequantisation would give."""
+
+    def __init__(self, raw: np.ndarray, decode, d: int):
+        self._raw, self._decode = raw, decode
+        self.shape = tuple(raw.shape[:-1]) + (int(d),)
+
+    def reshape(self, *shape):
+        assert shape == (-1, self.shape[-1]), shape  # the only view the core takes (_kv_source)
+        return LazyRows(self._raw.reshape(-1, self._raw.shape[-1]), self._decode, self.shape[-1])
+
+    def __getitem__(self, idx):
+        return self._decode(self._raw[idx])
+
+
 def _kv_source(kv, layout_kv, block_table, cu, seqused, b_):
     """(flat rows [n, D], lengths [B] or None, row_of(batch, token) -> flat row index)."""
     d = kv.shape[-1]
