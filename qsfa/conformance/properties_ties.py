@@ -450,8 +450,10 @@ _WHAT = {KRR: "the 8-bit and 16-bit cache casts, the HiFloat8 overflow",
          MQ: "the quant_mode 1 K dequantisation, P and the output"}
 
 
-def _fmt(v):
-    return f"0x{int(v):02X}" if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 else repr(v)
+def _fmt(v, code=False):
+    if code:
+        return f"0x{int(v):02X}"
+    return repr(int(v)) if isinstance(v, (int, np.integer)) else repr(float(v))
 
 
 def _property(op, P, Example):
@@ -489,17 +491,19 @@ def _property(op, P, Example):
         outs = call(op, ex.args, backend)
         for name, idx, want, other, what in cell.expect(ex.args, ex.seed >> 8, chip):
             arr = np.asarray(outs[name])
+            code = isinstance(want, np.uint32) or (isinstance(want, (int, np.integer)) and arr.dtype.itemsize == 1
+                                                    and arr.dtype != np.int8)
             if isinstance(want, np.uint32):
                 got = np.asarray(arr[idx], np.float32).view(np.uint32)
-            elif isinstance(want, (int, np.integer)) and arr.dtype.itemsize == 1 and arr.dtype != np.int8:
+            elif code:
                 got = np.asarray(arr).view(np.uint8)[idx]  # a code byte
             else:
                 got = np.asarray(arr[idx], np.float64)
             bad = np.asarray(got).reshape(-1)[np.asarray(got != want).reshape(-1)]
             if bad.size:
-                hint = f" (the other mode gives {_fmt(other)})" if other is not None and bad[0] == other else ""
+                hint = f" (the other mode gives {_fmt(other, code)})" if other is not None and bad[0] == other else ""
                 fail(f"{chip}: {what} at {cell.edge} (docs/numerics/chips.md): {name}{_idx(idx)} must be "
-                     f"{_fmt(want)}, got {_fmt(bad[0])}{hint}")
+                     f"{_fmt(want, code)}, got {_fmt(bad[0], code)}{hint}")
 
     return P(f"{op}.rounding_ties", (op,), "metamorphic",
              f"Examples built to land exactly on a tie of the target format at each rounding point of {op} in "
