@@ -1145,6 +1145,14 @@ def _tie_cells():
 
         return _args(ch)
 
+    def tile_flipped(kw):
+        kw["s2_tile"] = 128 if kw.get("s2_tile", 512) == 512 else 512
+        return kw
+
+    for chip in ("A2", "950"):
+        _add(f"sfm.s2_tile_flipped.{chip}", "sparse_flash_mla",
+             f"{chip}: the online softmax steps over the other chip's S2 tile (512 <-> 128 tokens)", _args(tile_flipped),
+             chip)
     names = {"k": "the quant_mode 1 dequantised K", "p": "P = exp(S - m')", "out": "the attention output"}
     for op, tag, chips, points in (("sparse_flash_mla", "sfm", ("A2", "950"), ("p", "out")),
                                    ("sparse_attn_sharedkv", "sas", ("A3",), ("p", "out")),

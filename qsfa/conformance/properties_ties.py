@@ -47,6 +47,12 @@ Cells (the ``edge`` pin names; each runs in the edge phase):
     1.0234375 = 196.5 / 128: RINT 196 / 128 (qsfa's default, OPEN for the kernel:
     docs/numerics/open-facts.md#mixed-quant-k-rounding), ROUND 197 / 128.
 
+  - ``s2_tile:float16`` (sparse_flash_mla): CSA, 128 window tokens and compressed tokens 0..127 scoring x
+    (exp(x) = 3073 / 4096, an fp16 midpoint), compressed token 128 scoring 0; V lane +4096 at compressed token 0,
+    -3072 at token 128. A 128-token tile (950) gives P = 1 to token 0 and rescales it by exp(x) exactly: out =
+    1 / l; a 512-token tile (A2/A3) rounds its P against the final max, ROUND(exp(x)) = 0.75048828125: out = 2 / l
+    (l = 256 exp(x) + 1). Checked to 2^-9 relative (the two differ by a factor 2).
+
   The quantised operators keep V lanes in the RoPE part (bf16 values, copied raw), where 100 and 258 are exact.
 """
 
@@ -75,6 +81,13 @@ class Cell(NamedTuple):
     chips: tuple
     build: Callable
     expect: Callable
+
+
+class _Near(NamedTuple):
+    """An expected value known to a relative bound (the S2 tile cell: the two tile sizes differ by a factor 2)."""
+
+    value: float
+    rtol: float
 
 
 def _chip_of(op, args, backend) -> str:
@@ -411,6 +424,8 @@ def _v4_cells(op):
     for qdt in dtypes:
         cells.append(Cell(f"p:{qdt}", _V4_CHIPS[op], p_build(qdt), expect_for("p")))
         cells.append(Cell(f"out:{qdt}", _V4_CHIPS[op], out_build(qdt), expect_for("out")))
+    if op == SFM:
+        cells.append(Cell("s2_tile:float16", _V4_CHIPS[op], _s2_build, _s2_expect))
     if op == MQ:
         def k_build(draw, chip):
             lane = draw(st.integers(0, 447))
@@ -427,6 +442,57 @@ def _v4_cells(op):
 
         cells.append(Cell("k:bfloat16", ("950",), k_build, k_expect))
     return cells
+
+
+#: the S2 tile construction (fp16): scores TIE_X (window and compressed tokens 0..127) and 0 (compressed token
+#: 128); V lane L: +4096 at compressed token 0, -3072 at token 128
+_S2_V = (4096.0, -3072.0)
+_S2_CMP = 129
+
+
+def _s2_build(draw, chip):
+    from .properties_chips import TIE_X
+
+    from ..chips import _bind
+
+    lane = draw(st.integers(1, 511))
+    sign = draw(st.sampled_from((1, -1)))
+    heads = draw(st.sampled_from(_v4_heads(SFM, chip)))
+    s2 = _S2_CMP * 4  # CSA, cmp_ratio 4, residual 0: the compressed bound is S2 / 4 = 129 tokens
+    ori = np.zeros((1, s2, 1, 512), np.float32)
+    ori[0, s2 - 128:, 0, 0] = 1.0  # the band window: the last 128 tokens, score TIE_X
+    cmp = np.zeros((1, _S2_CMP, 1, 512), np.float32)
+    cmp[0, :128, 0, 0] = 1.0
+    cmp[0, 0, 0, lane] = _S2_V[0] * sign
+    cmp[0, 128, 0, lane] = _S2_V[1] * sign
+    idx = np.full((1, 1, 1, 512), -1, np.int32)
+    idx[..., :_S2_CMP] = np.arange(_S2_CMP)
+    q = np.zeros((1, 1, heads, 512), np.float16)
+    q[..., 0] = 1
+    kw = dict(ori_kv=ori.astype(np.float16), cmp_kv=cmp.astype(np.float16), cmp_sparse_indices=idx,
+              cmp_residual_kv=np.zeros(1, np.int32), sinks=np.full(heads, -np.inf, np.float32),
+              softmax_scale=float(TIE_X["float16"]), cmp_ratio=4, ori_mask_mode=4, cmp_mask_mode=3,
+              ori_win_left=127, ori_win_right=0)
+    a = _bind(SFM, (q,), kw)
+    a.pop("chip", None)
+    a.pop("backend", None)
+    return a, lane * 2 + (sign < 0)
+
+
+def _s2_expect(a, param, chip):
+    """e = RN32(exp(TIE_X)) = 0x3F401000 = 3073 / 4096, an fp16 midpoint; l = 256 e + 1 on every chip (128 window
+    and 128 compressed tokens at e against the final max 0, one at 1). A 128-token tile (950) sees compressed
+    tokens 0..127 alone: P = 1 there, rescaled by e when token 128 raises the max: O = 4096 e - 3072 = 1. A 512-token
+    tile (A2/A3) rounds P of token 0 against the final max: ROUND(e) = 0.75048828125, O = 3074 - 3072 = 2."""
+    from .. import chips as C
+
+    lane, sign = param >> 1, (-1.0 if param & 1 else 1.0)
+    e = 3073 / 4096
+    l_ = 256 * e + 1
+    tile = C.SHAREDKV_NUMERICS[chip]["s2_tile"]
+    want, other = (1.0, 2.0) if tile == 128 else (2.0, 1.0)
+    return [("attention_out", (..., lane), _Near(sign * want / l_, 2.0 ** -9), _Near(sign * other / l_, 0),
+             f"S2 tile of {tile} tokens (P against the tile's running max)")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -493,6 +559,14 @@ def _property(op, P, Example):
             arr = np.asarray(outs[name])
             code = isinstance(want, np.uint32) or (isinstance(want, (int, np.integer)) and arr.dtype.itemsize == 1
                                                     and arr.dtype != np.int8)
+            if isinstance(want, _Near):
+                got = np.asarray(arr[idx], np.float64)
+                far = np.abs(got - want.value) > want.rtol * abs(want.value)
+                if far.any():
+                    fail(f"{chip}: {what} at {cell.edge} (docs/numerics/chips.md): {name}{_idx(idx)} must be "
+                         f"{want.value!r} within {want.rtol:g} (relative), got {float(got[far].reshape(-1)[0])!r} "
+                         f"(the other tile size gives about {other.value!r})")
+                continue
             if isinstance(want, np.uint32):
                 got = np.asarray(arr[idx], np.float32).view(np.uint32)
             elif code:
