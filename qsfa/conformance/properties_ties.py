@@ -159,8 +159,10 @@ def _krr_q8(fmt):
         return [(out, (0, 0, 0, lane + i), sign * w, sign * o, f"{name} {fmt} cast (RINT)")
                 for i, (w, o) in enumerate(zip(want, other))]
 
-    chips = _A2A3 if fmt == "int8" else ()
-    return [Cell(f"{fmt}:A2", chips, build, expect)] * bool(chips) + [Cell(f"{fmt}:950", ("950",), build, expect)]
+    cells = [Cell(f"{fmt}:950", ("950",), build, expect)]
+    if fmt == "int8":  # A2/A3 quantise to int8 only
+        cells.insert(0, Cell(f"{fmt}:A2", _A2A3, build, expect))
+    return cells
 
 
 def _krr_hif8():
