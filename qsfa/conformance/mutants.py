@@ -1043,6 +1043,128 @@ def _chip_cells():
                      flipped(point), chip)
 
 
+def _tie_cells():
+    """One mutant per non-attention and V4 cell of docs/numerics/chips.md, on each chip that has it: the kernel of
+    that chip rounds (or saturates) that point the other way - each a bug the ``<op>.rounding_ties`` properties
+    (qsfa.conformance.properties_ties) build exact ties for."""
+    R = _m("kv_rmsnorm_rope_cache")
+    F = _m("formats")
+    KRR, DBQ = "kv_rmsnorm_rope_cache", "dynamic_block_quant"
+    swap = {"rint": "round", "round": "rint"}
+
+    def int8_away(orig):
+        def f(x, fmt, scale, offset=None, *more, **kw):
+            if fmt != "int8":
+                return orig(x, fmt, scale, offset, *more, **kw)
+            n, d = x.shape[1], x.shape[-1]
+            y = (x * R._bcast_param(scale, n, d)).astype(np.float32)
+            if offset is not None:
+                y = (y + R._bcast_param(offset, n, d)).astype(np.float32)
+            return np.clip(_away(y), -128, 127).astype(np.int8).view(np.uint8)
+
+        return f
+
+    def encode_flipped(fmts):
+        def factory(orig):
+            def f(x, fmt, *a, rounding="rint", **kw):
+                return orig(x, fmt, *a, rounding=swap.get(rounding, rounding) if fmt in fmts else rounding, **kw)
+
+            return f
+
+        return factory
+
+    def q16_away(orig):
+        def f(x, dtype):
+            dt = np.dtype(dtype) if not isinstance(dtype, str) else None
+            name = {np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}.get(dt)
+            if name is None:
+                return orig(x, dtype)
+            from ..reference.attention import round_q16
+
+            return round_q16(np.asarray(x, np.float32), name, "round")
+
+        return f
+
+    for chip in ("A2", "950"):
+        _add(f"kv_rmsnorm_rope_cache.int8_rounding_flipped.{chip}", KRR,
+             f"{chip}: the int8 cache cast rounds ties away from zero (RINT in the kernel)",
+             _patch((R, "static_quant", int8_away)), chip)
+        _add(f"kv_rmsnorm_rope_cache.16bit_rounding_flipped.{chip}", KRR,
+             f"{chip}: the 16-bit cache cast rounds ties away from zero (RINT in the kernel)",
+             _patch((R, "round_to_dtype", q16_away)), chip)
+    _add("kv_rmsnorm_rope_cache.fp8_rounding_flipped.950", KRR,
+         "950: the FP8 cache casts round ties away from zero (RINT in the kernel)",
+         _patch((F, "encode", encode_flipped(("float8_e4m3fn", "float8_e5m2")))), "950")
+    def hif8_toward_zero(orig):  # ties one code toward zero: "round" of the next fp32 value toward zero
+        def f(x, fmt, *a, rounding="rint", **kw):
+            if fmt == "hifloat8" and rounding == "round":
+                x = np.asarray(x, np.float32)
+                x = np.where(np.isfinite(x), np.nextafter(x, np.float32(0)), x).astype(np.float32)
+            return orig(x, fmt, *a, rounding=rounding, **kw)
+
+        return f
+
+    _add("kv_rmsnorm_rope_cache.hifloat8_ties_toward_zero.950", KRR,
+         "950: the HiFloat8 cache cast rounds ties toward zero (ROUND, ties away, in the kernel)",
+         _patch((F, "encode", hif8_toward_zero)), "950")
+
+    def saturating(kw):
+        kw["hifloat8_overflow"] = "saturate"
+        return kw
+
+    _add("kv_rmsnorm_rope_cache.hifloat8_saturates.950", KRR,
+         "950: the HiFloat8 cache cast saturates to 32768 (the kernel's SatMode::NO_SAT writes Inf)",
+         _args(saturating), "950")
+
+    def order_flipped(kw):
+        kw["scale_order"] = {"reciprocal": "divide", "divide": "reciprocal"}.get(kw["scale_order"], kw["scale_order"])
+        return kw
+
+    def mode_flipped(dsts):
+        def ch(kw):
+            if kw["dst_type"] in dsts:
+                kw["round_mode"] = swap.get(kw["round_mode"], kw["round_mode"])
+            return kw
+
+        return _args(ch)
+
+    for chip in ("A2", "950"):
+        _add(f"dynamic_block_quant.scale_order_flipped.{chip}", DBQ,
+             f"{chip}: the other chip's scale order (reciprocal multiply <-> divide)", _args(order_flipped), chip)
+        _add(f"dynamic_block_quant.int8_rounding_flipped.{chip}", DBQ,
+             f"{chip}: the int8 cast rounds with the other mode than round_mode", mode_flipped(("int8",)), chip)
+    _add("dynamic_block_quant.fp8_rounding_flipped.950", DBQ, "950: the FP8 casts round with the other mode than "
+         "round_mode", mode_flipped(("float8_e4m3fn", "float8_e5m2")), "950")
+    _add("dynamic_block_quant.hifloat8_ties_toward_zero.950", DBQ, "950: the HiFloat8 cast of round_mode 'round' "
+         "rounds ties toward zero", _patch((F, "encode", hif8_toward_zero)), "950")
+
+    def flipped(point):
+        def ch(kw):
+            kw[f"{point}_rounding"] = swap[kw.get(f"{point}_rounding", "rint")]
+            return kw
+
+        return _args(ch)
+
+    def tile_flipped(kw):
+        kw["s2_tile"] = 128 if kw.get("s2_tile", 512) == 512 else 512
+        return kw
+
+    for chip in ("A2", "950"):
+        _add(f"sfm.s2_tile_flipped.{chip}", "sparse_flash_mla",
+             f"{chip}: the online softmax steps over the other chip's S2 tile (512 <-> 128 tokens)", _args(tile_flipped),
+             chip)
+    names = {"k": "the quant_mode 1 dequantised K", "p": "P = exp(S - m')", "out": "the attention output"}
+    for op, tag, chips, points in (("sparse_flash_mla", "sfm", ("A2", "950"), ("p", "out")),
+                                   ("sparse_attn_sharedkv", "sas", ("A3",), ("p", "out")),
+                                   ("mixed_quant_sparse_flash_mla", "mqsfm", ("950",), ("k", "p", "out")),
+                                   ("kv_quant_sparse_attn_sharedkv", "kqsas", ("950",), ("p", "out"))):
+        for chip in chips:
+            for point in points:
+                _add(f"{tag}.{point}_rounding_flipped.{chip}", op,
+                     f"{chip}: {names[point]} cast to bf16 / fp16 with the other rounding mode (RINT <-> ROUND)",
+                     flipped(point), chip)
+
+
 def scratch_writer(op: str, output: str, *, shift: int = 0):
     """A mutant maker that fills the bytes ``op``'s layout leaves unspecified in ``output``
     (:func:`qsfa.layouts.unspecified_bytes`) with fresh random bytes on every call, as a kernel that leaves scratch
@@ -1284,7 +1406,7 @@ def _build():
         return
     _BUILT = True
     for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
-              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2, _qkv_k_scale, _compressor):
+              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2, _qkv_k_scale, _compressor, _tie_cells):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

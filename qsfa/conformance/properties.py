@@ -868,6 +868,9 @@ def _build() -> list[Property]:
     from .properties_chips import rounding_properties
 
     props += rounding_properties(have, Property, Example)
+    from .properties_ties import tie_properties
+
+    props += tie_properties(have, Property, Example)
     from .properties_v4 import v4_properties
 
     props += v4_properties(have, Property, _examples)

@@ -5,8 +5,8 @@
 the backend, not a result of the reference:
 
 * ``minus_inf_sinks``: sinks of -inf are no sinks - the call with ``sinks=None`` gives the same bytes;
-* ``topk_permutation``: permuting a CSA row's top-k entries (an indexer's list: distinct tokens below the bound,
-  then -1; K no larger than the S2 tile) changes no byte (faithful: every fp32 sum is the correctly rounded
+* ``topk_permutation``: permuting a CSA row's top-k entries within each S2 tile of the chip (an indexer's list:
+  distinct tokens below the bound, then -1; the 950's tile of 128 is shorter than its K = 512) changes no byte (faithful: every fp32 sum is the correctly rounded
   exact sum, so the order does not matter; exact mode's float64 BLAS sums do depend on it);
 * ``split_merge`` (sparse_flash_mla, exact, BSND): the window part with the sinks and the compressed part without
   them, merged by their LSE (float64), equal the whole call within the float criterion.
@@ -30,6 +30,17 @@ def _same(a, b, what):
         fail(f"{what}: outputs differ ({n} bytes)")
 
 
+def _s2_tile(op, args, backend) -> int:
+    """The S2 tile of the chip the call models (qsfa.chips.SHAREDKV_NUMERICS): the compressed tokens are cut into
+    tiles by their position in the top-k row, so a permutation within a tile keeps every tile's set."""
+    from .. import chips as C
+    from .._dispatch import get_backend, operator
+    from ._support import current_chip
+
+    chip = current_chip() or get_backend(backend).chip() or C.chip_for_args(operator(op).contract, args)
+    return C.SHAREDKV_NUMERICS[chip]["s2_tile"]
+
+
 def _minus_inf(op, P, examples):
     def check(ex, backend: str):
         a = ex.args
@@ -39,10 +50,13 @@ def _minus_inf(op, P, examples):
         _same(x["attention_out"], y["attention_out"], "sinks of -inf vs no sinks")
         _same(x["softmax_lse"], y["softmax_lse"], "sinks of -inf vs no sinks (softmax_lse)")
 
+    # the check sets the sinks itself (-inf, then None); the pin "none" makes a chip whose kernels need sinks (every
+    # V4 chip rule: "sinks must be given") report the property as not applicable before drawing, instead of failing
+    # on the sinks=None call (qsfa.strategies.chips.merge_pins)
+    pins = {"return_softmax_lse": True, "sinks": "none"}
     return P(f"{op}.minus_inf_sinks", (op,), "metamorphic",
              "Sinks of -inf add exp(-inf) = 0 to every denominator: the call equals the call with sinks=None, "
-             "byte for byte (output and LSE).", examples(op, {"return_softmax_lse": True}), check,
-             {"return_softmax_lse": True})
+             "byte for byte (output and LSE).", examples(op, pins), check, pins)
 
 
 def _permutation(op, P, examples):
@@ -52,18 +66,22 @@ def _permutation(op, P, examples):
         if idx is None:
             return
         rng = np.random.default_rng(ex.seed)
+        tile = _s2_tile(op, a, backend)
         flat = np.array(idx, copy=True).reshape(-1, idx.shape[-1])
         for r in range(flat.shape[0]):
             n = int(np.argmin(np.append(flat[r] != -1, False)))  # the valid prefix
-            flat[r, :n] = rng.permutation(flat[r, :n])
+            for lo in range(0, n, tile):  # within each S2 tile: the 950's tile (128) is shorter than K = 512
+                hi = min(lo + tile, n)
+                flat[r, lo:hi] = rng.permutation(flat[r, lo:hi])
         x = call(op, a, backend)
         y = call(op, {**a, "cmp_sparse_indices": flat.reshape(idx.shape)}, backend)
         _same(x["attention_out"], y["attention_out"], "top-k entries permuted")
 
     pins = {"scenario": "CSA", "topk": "indexer", "precision": "faithful"}  # exact: float64 sums follow the order
     return P(f"{op}.topk_permutation", (op,), "metamorphic",
-             "Permuting the valid entries of every CSA top-k row (distinct tokens below the bound, K within one S2 "
-             "tile) changes no output byte: the selected set, and so every tile's sums, stay the same.",
+             "Permuting the valid entries of every CSA top-k row within each S2 tile of the chip (512 tokens on "
+             "A2/A3, 128 on the 950; distinct tokens below the bound) changes no output byte: every tile's set, and "
+             "so its sums, stay the same.",
              examples(op, pins), check, pins)
 
 
@@ -76,10 +94,12 @@ def _split_merge(P, examples, op="sparse_flash_mla"):
         whole = call(op, a, backend)
         ori = call(op, {**a, "cmp_kv": None, "cmp_sparse_indices": None, "cmp_residual_kv": None,
                         "seqused_cmp_kv": None, "cmp_block_table": None, "cu_seqlens_cmp_kv": None,
-                        "cmp_mask_mode": 0, **({"cmp_ratio": 1, "cmp_kv_descale": None} if "q_descale" in a else {})},
+                        "cmp_mask_mode": 0, "cmp_ratio": 1, **({"cmp_kv_descale": None} if "q_descale" in a else {})},
                    backend)
         bsz = a["q"].shape[0]
-        cmp = call(op, {**a, "ori_mask_mode": 0, "seqused_ori_kv": np.zeros(bsz, np.int32), "sinks": None,
+        # no sinks as sinks of -inf (minus_inf_sinks): the 950 kernel needs sinks given
+        cmp = call(op, {**a, "ori_mask_mode": 0, "seqused_ori_kv": np.zeros(bsz, np.int32),
+                        "sinks": np.full(a["q"].shape[-2], -np.inf, np.float32),
                         **({"ori_win_left": -1, "ori_win_right": -1} if "q_descale" in a else {})}, backend)
         lo, lc = ori["softmax_lse"].astype(np.float64), cmp["softmax_lse"].astype(np.float64)
         with np.errstate(invalid="ignore"):
@@ -93,10 +113,24 @@ def _split_merge(P, examples, op="sparse_flash_mla"):
 
     pins = {"scenario": ("CSA", "HCA"), "layout_q": "BSND", "layout_kv": "BSND", "ori_mask_mode": (3, 4),
             "cmp_mask_mode": 3, "residual": "exact", "precision": "exact"}
+    draw = examples(op, pins)
+
+    def make(bounds, chip=None, extra=None):
+        from ..strategies.chips import NotApplicable
+
+        # decided before drawing: the compressed part alone (ori_mask_mode 0, no window) is a call the chip refuses
+        if chip in ("A2", "A3"):
+            raise NotApplicable(op, chip, "chip_mask_modes", "Atlas A2/A3 need ori_mask_mode 4; the property "
+                                "calls the compressed part alone with ori_mask_mode 0")
+        if chip == "950" and op == "quant_sparse_flash_mla":
+            raise NotApplicable(op, chip, "chip_window", "Ascend 950 needs ori_win_left 127 and ori_win_right 0; the "
+                                "property calls the compressed part alone with no window")
+        return draw(bounds, chip, extra)
+
     return P(f"{op}.split_merge", (op,), "metamorphic",
-             "The window part (with the sinks) and the compressed part (ori_mask_mode 0 over zero window tokens, no "
-             "sinks), merged by their LSE in float64, equal the whole exact call within the float criterion.",
-             examples(op, pins), check, pins)
+             "The window part (with the sinks, cmp_ratio 1) and the compressed part (ori_mask_mode 0 over zero window "
+             "tokens, sinks of -inf), merged by their LSE in float64, equal the whole exact call within the float "
+             "criterion.", make, check, pins)
 
 
 def v4_properties(have: set, P, examples) -> list:

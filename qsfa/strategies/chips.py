@@ -56,6 +56,17 @@ _V4_SINKS = ("values", "-inf", "zero")
 _V4_SHAREDKV = {"residual": "exact", "sinks": _V4_SINKS, "n1": 64, "return_softmax_lse": False,
                 "layout_kv": "PA_ND", "cmp_ratio_by_scenario": True}
 
+def _rows_64(b) -> tuple:
+    """Query rows of a draw the chip runs with 64 heads only: at most the work of the bounds' own max_heads x
+    max_q_tokens query-row heads (``ci``: 8 x 4 = 32 -> one row; ``dev``: 16 x 8 -> two), so a chip run does not
+    cost several times the run without a chip."""
+    return tuple(range(1, max(1, b.max_q_tokens * b.max_heads // 64) + 1))
+
+
+def _v4_64(pins: dict) -> Callable:
+    return lambda b: {**pins, "s1": _rows_64(b)}
+
+
 #: operator -> ``(chips, rule id, pins(bounds) | ABSENT, reason)``: the pins that keep a draw within the contract
 #: rule ``<op>.<rule id>`` on those chips (reason: the rule's own words)
 CHIP_RULES: dict[str, tuple] = {
@@ -139,22 +150,23 @@ CHIP_RULES: dict[str, tuple] = {
         (_A2A3, "chip_window", _const({**_V4_WINDOW, "residual": "exact", "sinks": _V4_SINKS,
                                         "cmp_ratio_by_scenario": True}),
          "Atlas A2/A3: band window 127 / 0, mask modes 4 / 3, top-k 512, cmp_ratio 1 / 4 / 128"),
-        (("950",), "chip_q_heads_950", _const({**_V4_WINDOW, "n1": (2, 4, 8, 16, 64), "sinks": _V4_SINKS}),
+        (("950",), "chip_q_heads_950", lambda b: {**_V4_WINDOW, "sinks": _V4_SINKS, "n1": tuple(
+            h for h in (2, 4, 8, 16, 64) if h <= b.max_heads) or (2,)},
          "Ascend 950: N1 of 2 to 64 (not 1), band window 127 / 0, mask modes 4 / 3, top-k 512"),
     ),
     "sparse_attn_sharedkv": (
         (("A2", "950"), "chip_supported", ABSENT, "sparse_attn_sharedkv runs on Atlas A3 only"),
-        (("A3",), "chip_window", _const({**_V4_WINDOW, **_V4_SHAREDKV}),
+        (("A3",), "chip_window", _v4_64({**_V4_WINDOW, **_V4_SHAREDKV}),
          "Atlas A3: PA_ND, 64 heads, no LSE, band window 127 / 0, mask modes 4 / 3, top-k 512"),
     ),
     "mixed_quant_sparse_flash_mla": (
         (_A2A3, "chip_supported", ABSENT, "mixed_quant_sparse_flash_mla runs on Ascend 950 only"),
-        (("950",), "chip_window", _const({**_V4_WINDOW, "sinks": _V4_SINKS, "n1": 64, "return_softmax_lse": False}),
+        (("950",), "chip_window", _v4_64({**_V4_WINDOW, "sinks": _V4_SINKS, "n1": 64, "return_softmax_lse": False}),
          "Ascend 950: 64 heads, no LSE, band window 127 / 0, mask modes 4 / 3, top-k 512"),
     ),
     "kv_quant_sparse_attn_sharedkv": (
         (_A2A3, "chip_supported", ABSENT, "kv_quant_sparse_attn_sharedkv runs on Ascend 950 only"),
-        (("950",), "chip_window", _const({**_V4_WINDOW, **_V4_SHAREDKV}),
+        (("950",), "chip_window", _v4_64({**_V4_WINDOW, **_V4_SHAREDKV}),
          "Ascend 950: PA_ND, 64 heads, no LSE, band window 127 / 0, mask modes 4 / 3, top-k 512"),
     ),
     "quant_sparse_flash_mla": (
