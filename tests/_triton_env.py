@@ -21,6 +21,7 @@ the user set themselves is never touched.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -62,7 +63,64 @@ def prepare(module_name: str) -> tuple[str, bool]:
             os.environ[VAR] = "1"
             SET_HERE = True
     interpreted = os.environ.get(VAR) == "1"
+    if interpreted:
+        share_interpreter_patch()
     return ("cpu" if interpreted else "cuda"), interpreted
+
+
+def share_interpreter_patch() -> bool:
+    """Speed only: let the Triton interpreter patch ``triton.language`` once per launch instead of once per call.
+
+    Triton 3.9's interpreter (``triton/runtime/interpreter.py``) patches the language modules seen by a kernel
+    (``_patch_lang``: every builtin of ``tl``, ``tl.math``, ``tl.tensor``, ...) when a launch starts, restores them
+    when it ends, and patches them *again* at every call of a nested ``@triton.jit`` function. The nested patch
+    finds the builtins already replaced (they are no longer builtins, so nothing is wrapped twice), re-installs
+    equivalent closures, is never restored, and is undone by the launch's own restore: it changes nothing but
+    costs an ``inspect.getmembers`` scan of the language per call - a third or more of the CPU time of an
+    attention launch, whose kernel calls helper functions hundreds of times.
+
+    Here a nested call skips the patch when the running launch already patched every language module the
+    helper sees; any other call (a helper seeing a module the kernel does not) goes to Triton's own code, as
+    before. Nothing else changes: the kernels, their results and the launch's restore are Triton's.
+    Returns True when installed (or already installed); False, leaving Triton untouched, when the interpreter
+    does not have the shape this relies on (another Triton version).
+    """
+    from triton.runtime import interpreter as itp
+
+    if getattr(getattr(itp, "_patch_lang", None), "_qsfa_shared", False):
+        return True
+    need = ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction", "tl")
+    if not all(hasattr(itp, n) for n in need) or not all(
+            "_patch_lang" in f.__code__.co_names for f in (itp.GridExecutor.__call__, itp.InterpretedFunction.__call__)):
+        return False
+    real_patch, real_launch = itp._patch_lang, itp.GridExecutor.__call__
+    # the language modules the running launch patched: [] outside a launch, [None] while it has not patched yet
+    active: list = []
+
+    def langs(fn) -> frozenset:  # the language modules _patch_lang(fn) patches, by identity
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (itp.tl, itp.tl.core))
+
+    def patch_lang(fn):
+        if active and active[-1] is not None and langs(fn) <= active[-1]:
+            return itp._LangPatchScope()  # an empty scope: the launch's scope holds (and restores) these patches
+        scope = real_patch(fn)
+        if active and active[-1] is None:  # the launch's own patch
+            active[-1] = langs(fn)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        active.append(None)
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            active.pop()
+
+    patch_lang._qsfa_shared = True
+    # both pairs, for tests/test_triton_kernels.py's identity check
+    patch_lang._qsfa_pairs = {"triton": (real_patch, real_launch), "shared": (patch_lang, launch)}
+    itp._patch_lang = patch_lang
+    itp.GridExecutor.__call__ = launch
+    return True
 
 
 def scope(request) -> None:

@@ -19,6 +19,7 @@ loops: another float32 ``np.exp``).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -48,8 +49,11 @@ def _packed_cache(rng, n_tokens, qdt, fmt):
     return rows.reshape(n_tokens // BLOCK, BLOCK, 1, 656)
 
 
+@functools.lru_cache(maxsize=1)
 def cases():
-    """name -> (function, kwargs): decode-sized, seeded (the same arrays in every interpreter)."""
+    """name -> (function, kwargs): decode-sized, seeded (the same arrays in every interpreter).
+
+    Drawn once per process (every variant runs the same cases) and read-only, so that no run can alter the next."""
     rng = np.random.default_rng(20240607)
     batch, heads, kv, sparse = 2, 64, 4096, 2048
     out = {}
@@ -91,6 +95,10 @@ def cases():
         key_dequant_scale=rng.uniform(0.001, 0.01, (batch, kv, 1)).astype(np.float16),
         query_quant_mode=0, key_quant_mode=0, actual_seq_lengths_key=np.full(batch, kv, np.int32),
         sparse_count=sparse))
+    for _, kw in out.values():
+        for v in kw.values():
+            if isinstance(v, np.ndarray):
+                v.flags.writeable = False
     return out
 
 
@@ -142,25 +150,37 @@ def _gemm(fn):
     return matmul
 
 
+def _k_major(a, b):
+    """``a`` transposed and ``b`` as contiguous copies (the oracles pass transposed views), so that each step of
+    :func:`_sum_products` reads two contiguous rows: the same products in the same order, about 3x less CPU."""
+    return np.ascontiguousarray(np.swapaxes(a, -1, -2)), np.ascontiguousarray(b)
+
+
+def _sum_products(a_k, b_k, ks):
+    """Adds the products ``a[..., m, k] * b[..., k, n]`` one k at a time, in the order of ``ks`` (operands from
+    :func:`_k_major`)."""
+    shape = np.broadcast_shapes(a_k.shape[:-2], b_k.shape[:-2]) + (a_k.shape[-1], b_k.shape[-1])
+    acc = np.zeros(shape, np.float64)
+    for k in ks:
+        acc += a_k[..., k, :, None] * b_k[..., None, k, :]
+    return acc
+
+
 def _ordered(order):
     """Adds the K products ``a[..., m, k] * b[..., k, n]`` one k at a time in ``order(K)``."""
-
-    def fn(a, b):
-        shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
-        acc = np.zeros(shape, np.float64)
-        for k in order(a.shape[-1]):
-            acc += a[..., :, k, None] * b[..., None, k, :]
-        return acc
-
-    return fn
+    return lambda a, b: _sum_products(*_k_major(a, b), order(a.shape[-1]))
 
 
 def _blocked(a, b):
     """Blocks of 7 along K, each block summed in order, the block sums added from the last block to the first."""
     k = a.shape[-1]
-    partial = [_ordered(lambda n, s=s: range(s, min(s + 7, k)))(a, b) for s in range(0, k, 7)]
-    acc = np.zeros_like(partial[0]) if partial else _REAL_MATMUL(a, b)
-    for p in reversed(partial):
+    if k == 0:
+        return _REAL_MATMUL(a, b)
+    a_k, b_k = _k_major(a, b)
+    acc = None
+    for s in reversed(range(0, k, 7)):  # each block's sum as it is made: one block in memory, not K / 7
+        p = _sum_products(a_k, b_k, range(s, min(s + 7, k)))
+        acc = np.zeros_like(p) if acc is None else acc
         acc += p
     return acc
 

@@ -646,6 +646,32 @@ def test_attention_kernel_block_sparse_and_tilings():
     check_attention_naive(args, config=KernelConfig(block_h=16, block_n=32, block_dv=128, num_warps=1))
 
 
+def test_shared_interpreter_patch_changes_no_bit():
+    """tests/_triton_env.py's share_interpreter_patch (speed only) against Triton's own per-call patching: the same
+    launch (two-pass with split KV: the attention and merge kernels) gives the same bytes, and triton.language is
+    restored after it."""
+    from triton.runtime import interpreter as itp
+
+    pairs = getattr(getattr(itp, "_patch_lang", None), "_qsfa_pairs", None)
+    if DEV != "cpu" or pairs is None:
+        pytest.skip("the shared patch is installed only in Triton 3.9's interpreter")
+    args = make_attention_case(np.random.default_rng(7), dtype="float16", rope=64, layouts=("TND", "PA_BSND"),
+                               sbs=2, q_n=2, K=12, stray_stop=True, max_kv=24, max_q=2)
+    cfgs = (dict(config=KernelConfig(block_h=16, block_n=16, two_pass=True, num_warps=1), split_kv=16),)
+    tl_max, tl_add = tl.max, tl.tensor.__add__
+    out = {}
+    for mode in ("triton", "shared"):
+        itp._patch_lang, itp.GridExecutor.__call__ = pairs[mode]
+        try:
+            out[mode] = [_np(x) for kw in cfgs for x in _launch(args, **kw)]
+        finally:
+            itp._patch_lang, itp.GridExecutor.__call__ = pairs["shared"]
+        assert tl.max is tl_max and tl.tensor.__add__ is tl_add
+    assert len(out["shared"]) == 3 and any(np.abs(o.astype(np.float32)).sum() > 0 for o in out["shared"][:1])
+    for a, b in zip(out["shared"], out["triton"]):
+        assert_bytes_equal(a, b, name="shared interpreter patch")
+
+
 def test_attention_rope0_equals_zero_rope():
     """docs/numerics/attention.md#rope-0: rope 0 gives results bit-identical to the same data with zero RoPE (Q_D 576, KV_D 656)."""
     a0 = _prefill_case("bfloat16", 0)
