@@ -190,7 +190,7 @@ def shard(props: list, i: int, n: int) -> list:
 def settings_for(profile: str | None = None, *, max_examples: int | None = None, seed: int | None = None) -> dict:
     """Keyword arguments for ``hypothesis.settings`` of a run: the profile's, no example database, one
     reported failure per property, every health check that a filtered strategy may trip suppressed."""
-    from hypothesis import HealthCheck
+    from hypothesis import HealthCheck, Phase
 
     from .._profiles import PROFILES, active_profile
 
@@ -202,7 +202,10 @@ def settings_for(profile: str | None = None, *, max_examples: int | None = None,
         kw["max_examples"] = int(max_examples)
     if seed is not None:
         kw["derandomize"] = False
-    kw.update(database=None, report_multiple_bugs=False, suppress_health_check=list(HealthCheck), print_blob=True)
+    kw.update(database=None, report_multiple_bugs=False, suppress_health_check=list(HealthCheck), print_blob=True,
+              # no explain phase: it re-runs the shrunk failure many times to annotate which parts of it matter, and
+              # the report is built from the failure itself (message, example, reproduce line), never from that
+              phases=tuple(p for p in Phase if p is not Phase.explain))
     return kw
 
 
