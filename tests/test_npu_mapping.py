@@ -466,7 +466,8 @@ def test_every_recorded_signature_is_a_mapping_target():
     for op in V4_ATTENTION:
         call = mapping.map_call(op, _v4_args(op), _V4_CTX)
         hit.update({call.target, call.kwargs["metadata"].target})
-    for op in ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale", "qkv_rms_norm_rope_cache_with_k_scale"):
+    for op in ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale", "qkv_rms_norm_rope_cache_with_k_scale",
+               "compressor"):
         hit.add(mapping.map_call(op, _torch_example(op), NpuContext(chip="950")).target)
     qli2 = mapping.map_call("quant_lightning_indexer_v2", _qli2_args(), NpuContext(chip="950"))
     hit.update({qli2.target, qli2.kwargs["metadata"].target})
@@ -658,7 +659,8 @@ def test_v4_attention_mapping_binds_passes_every_value_and_builds_the_metadata(o
 
 
 @pytest.mark.parametrize("op", V4_ATTENTION + ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale",
-                                "quant_lightning_indexer_v2", "qkv_rms_norm_rope_cache_with_k_scale"))
+                                "quant_lightning_indexer_v2", "qkv_rms_norm_rope_cache_with_k_scale",
+                                "compressor"))
 def test_v4_mappings_consume_every_operator_parameter(op):
     """Each parameter of the operator's contract reaches the call or is listed in IGNORED (reference-only)."""
     from qsfa._dispatch import operators
@@ -822,3 +824,68 @@ def test_qli2_exact_precision_is_refused_by_the_npu_limits():
     lim = device.backend_limits("quant_lightning_indexer_v2", chip="A3", custom_ops=frozenset())
     assert [c.id for c in lim if c.check(Args(a))] == []
     assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.quant_lightning_indexer_v2.precision"]
+
+
+# ------------------------------------------------------------------------- cann_ops_transformer compressor
+
+
+def _cmp_args(**kw):
+    from qsfa._dispatch import operators
+    from qsfa.ops.compressor import compressor_case
+
+    drop_start = kw.pop("no_start_pos", False)
+    case = compressor_case(**kw)
+    case.update(cmp_ratio=kw.get("scenario", (4, 2, 128))[0], coff=kw.get("scenario", (4, 2, 128))[1],
+                cache_mode=kw.get("cache_mode", 1), precision="faithful")
+    case.setdefault("cu_seqlens", None)
+    case.setdefault("seqused", None)
+    if drop_start:
+        case["start_pos"] = None
+    return _torch_args(dict(operators()["compressor"].contract.validate(case)))
+
+
+_CMP_VARIANTS = [dict(scenario=sc, layout=lay, cache_mode=cm, seqused=su, no_start_pos=ns)
+                 for sc in ((4, 2, 128), (128, 1, 512)) for lay in ("TH", "BSH") for cm in (1, 2)
+                 for su, ns in ((None, False), ((4, 1), True))]
+
+
+@pytest.mark.parametrize("kw", _CMP_VARIANTS, ids=["-".join(str(v) for v in kw.values()) for kw in _CMP_VARIANTS])
+def test_compressor_mapping_binds_passes_every_value_and_hands_back_the_callers_state(kw):
+    a = _cmp_args(**kw)
+    call = mapping.map_call("compressor", a, NpuContext(chip="A3"))
+    assert call.target == mapping.CMP_OP
+    _assert_binds(call)
+    # every schema parameter is passed, none left to a registered default (cmp_ratio=4, coff=1, cache_mode=1)
+    bound = signatures.signature(mapping.CMP_OP).bind(*call.args, **call.kwargs).arguments
+    assert set(bound) == {p["name"] for p in signatures.record(mapping.CMP_OP)["params"]}
+    for p in ("x", "wkv", "wgate", "state_cache", "ape"):
+        assert bound[p] is a[p], p
+    assert (bound["cmp_ratio"], bound["coff"], bound["cache_mode"]) == kw["scenario"][:2] + (kw["cache_mode"],)
+    for p in ("state_block_table", "cu_seqlens", "seqused", "start_pos"):
+        assert (bound[p] is None) is (a[p] is None), p
+        if a[p] is not None:
+            assert bound[p].dtype == torch.int32 and torch.equal(bound[p].long(), a[p].long()), p
+    assert (bound["cu_seqlens"] is None) is (kw["layout"] == "BSH")
+    assert (bound["seqused"] is None) is (kw["seqused"] is None)
+    assert (bound["start_pos"] is None) is kw["no_start_pos"]
+    cmp_kv = torch.zeros(2, dtype=torch.bfloat16)
+    got = call.unpack(cmp_kv)  # the op returns cmp_kv alone; the state was written in place
+    assert got[0] is cmp_kv and got[1] is a["state_cache"]
+
+
+def test_compressor_schema_declares_the_state_in_place():
+    """Read by hand from cannmirror/ops-transformer@25fb6b9 torch_extension/cann_ops_transformer/ops/compressor.py."""
+    rec = signatures.record(mapping.CMP_OP)
+    assert rec["source"]["commit"].startswith("25fb6b9") and rec["returns"] == ["Tensor"]
+    p = {q["name"]: q for q in rec["params"]}
+    assert [n for n, q in p.items() if q["kind"] == "positional"] == ["x", "wkv", "wgate", "state_cache", "ape",
+                                                                        "cmp_ratio"]
+    assert p["state_cache"]["type"] == "Tensor(a!)"
+    assert {n: p[n]["default"] for n in ("cmp_ratio", "coff", "cache_mode")} == dict(cmp_ratio=4, coff=1, cache_mode=1)
+
+
+def test_compressor_exact_precision_is_refused_by_the_npu_limits():
+    a = _cmp_args()
+    lim = device.backend_limits("compressor", chip="A3", custom_ops=frozenset())
+    assert [c.id for c in lim if c.check(Args(a))] == []
+    assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.compressor.precision"]

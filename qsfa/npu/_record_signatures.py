@@ -91,6 +91,7 @@ PACKAGE_OPS = {
     "quant_lightning_indexer": "quant_lightning_indexer.py",
     "quant_lightning_indexer_metadata": "quant_lightning_indexer.py",
     "qkv_rms_norm_rope_cache_with_k_scale_": "qkv_rms_norm_rope_cache_with_k_scale.py",
+    "compressor": "compressor.py",
 }
 PACKAGE_OPS_DIR = "torch_extension/cann_ops_transformer/ops"
 

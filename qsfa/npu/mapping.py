@@ -41,6 +41,8 @@ Routing (settled from public sources):
 * ``quant_lightning_indexer_v2`` / ``qkv_rms_norm_rope_cache_with_k_scale``: the same package's
   ``quant_lightning_indexer`` (after ``quant_lightning_indexer_metadata`` when ``metadata`` is None) and the in-place
   ``qkv_rms_norm_rope_cache_with_k_scale_``.
+* ``compressor``: the same package's ``compressor`` (Atlas A3, Ascend 950), ``state_cache`` in place (the schema's
+  ``Tensor(a!)``); it returns ``cmp_kv`` and the state comes back as the caller's tensor.
 * dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
   TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
   hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
@@ -99,6 +101,7 @@ SPKS_OP = f"torch.ops.{PACKAGE}.scatter_pa_kv_cache_with_k_scale"
 QLI2_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer"
 QLI2_META_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer_metadata"
 QKV_OP = f"torch.ops.{PACKAGE}.qkv_rms_norm_rope_cache_with_k_scale_"
+CMP_OP = f"torch.ops.{PACKAGE}.compressor"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -163,15 +166,6 @@ IGNORED = {
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
 NOT_MAPPED = {
-    "compressor": (
-        "its callable, cann_ops_transformer.ops.compressor(x, wkv, wgate, state_cache, ape, cmp_ratio=, "
-        "state_block_table=, cu_seqlens=, seqused=, start_pos=, coff=, cache_mode=) -> cmp_kv (ops-transformer "
-        "attention/compressor/, the call of its tests/pytest/compressor_golden.py; Atlas A3 and Ascend 950), is in "
-        "the cann_ops_transformer package the npu backend loads lazily, but no mapping is written and its schema is "
-        "not recorded in signatures.json yet; vLLM-Ascend's "
-        "torch.ops._C_ascend.compressor (csrc/torch_binding.cpp) is a different variant - it adds norm_weight, "
-        "rope_sin, rope_cos, rope_head_dim, norm_eps and rotary_mode (RMSNorm and RoPE of the rows) and sizes a TH "
-        "output by rope_sin.size(0) - so it cannot run this operator"),
     "quant_compressor": (
         "its callable, torch.ops.custom.quant_compressor(x, wkv, wgate, state_cache, ape, x_descale=, wkv_descale=, "
         "wgate_descale=, state_block_table=, cu_seqlens=, seqused=, start_pos=, quant_mode=, cmp_ratio=, coff=, "
@@ -897,6 +891,22 @@ def map_qkv_rms_norm_rope_cache_with_k_scale(a: Mapping, ctx: NpuContext) -> Npu
                    unpack=lambda r: (r[0], r[1], a["k_cache"], a["v_cache"], a["k_scale_cache"]))
 
 
+_CMP_TABLES = ("state_block_table", "cu_seqlens", "seqused", "start_pos")
+
+
+def map_compressor(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.compressor``: x, wkv, wgate, state_cache, ape and cmp_ratio positional, the
+    rest keyword-only, every value explicit (the schema's defaults cmp_ratio=4, coff=1, cache_mode=1 are never
+    relied on); index tensors as int32. ``state_cache`` (``Tensor(a!)``) is the caller's float32 tensor, updated in
+    place; the op returns ``cmp_kv`` alone."""
+    _check_params("compressor", a, ("x", "wkv", "wgate", "state_cache", "ape", "cmp_ratio", "coff", "cache_mode")
+                  + _CMP_TABLES)
+    args = (a["x"], a["wkv"], a["wgate"], a["state_cache"], a["ape"], int(a["cmp_ratio"]))
+    kw = {p: _int32(a.get(p)) for p in _CMP_TABLES}
+    kw.update(coff=int(a["coff"]), cache_mode=int(a["cache_mode"]))
+    return NpuCall(CMP_OP, args, kw, unpack=lambda r: (r, a["state_cache"]))
+
+
 #: operator name -> mapping function
 MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_quant_sparse_flash_attention": map_kv_quant_sparse_flash_attention,
@@ -917,6 +927,7 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "scatter_pa_kv_cache_with_k_scale": map_scatter_pa_kv_cache_with_k_scale,
     "quant_lightning_indexer_v2": map_quant_lightning_indexer_v2,
     "qkv_rms_norm_rope_cache_with_k_scale": map_qkv_rms_norm_rope_cache_with_k_scale,
+    "compressor": map_compressor,
 }
 
 
