@@ -354,16 +354,18 @@ def _qkv_inplace(*args, **kwargs):
     return to_torch(np.ascontiguousarray(q_out)), to_torch(np.ascontiguousarray(q_scale))
 
 
-def _compressor(*args, **kwargs):
-    """cann_ops_transformer.compressor on the fake device: binds the recorded schema, runs the reference (its parameter
-    names are the schema's) on host copies for the fake's chip, writes the state's bytes into the tensor passed and
-    returns cmp_kv alone, as the package's op does."""
-    a = _bind(mapping.CMP_OP, args, kwargs)
-    host = {k: _host(v) for k, v in a.items()}
-    cmp_kv, state = run("compressor", {**host, "precision": "faithful"}, backend="reference",
-                        chip=device.chip_family())
-    a["state_cache"].copy_(to_torch(np.ascontiguousarray(state)))
-    return to_torch(np.ascontiguousarray(cmp_kv))
+def _compressor(target, op_name):
+    """cann_ops_transformer.[quant_]compressor on the fake device: binds the recorded schema, runs the reference (its
+    parameter names are the schema's) on host copies for the fake's chip, writes the state's bytes into the tensor
+    passed and returns cmp_kv alone, as the package's op does."""
+    def impl(*args, **kwargs):
+        a = _bind(target, args, kwargs)
+        host = {k: _host(v) for k, v in a.items()}
+        cmp_kv, state = run(op_name, {**host, "precision": "faithful"}, backend="reference", chip=device.chip_family())
+        a["state_cache"].copy_(to_torch(np.ascontiguousarray(state)))
+        return to_torch(np.ascontiguousarray(cmp_kv))
+
+    return impl
 
 
 _FAKE_IMPLS = {
@@ -393,7 +395,8 @@ _FAKE_IMPLS = {
     mapping.QLI2_OP: _qli2,
     mapping.QLI2_META_OP: _v4_metadata(mapping.QLI2_META_OP),
     mapping.QKV_OP: _qkv_inplace,
-    mapping.CMP_OP: _compressor,
+    mapping.CMP_OP: _compressor(mapping.CMP_OP, "compressor"),
+    mapping.QCMP_OP: _compressor(mapping.QCMP_OP, "quant_compressor"),
 }
 
 
@@ -728,7 +731,8 @@ def test_vllm_quant_lightning_indexer_computes_its_metadata_first_when_none_is_g
 @pytest.mark.parametrize("op_name,chip", [("sparse_flash_mla", "950"), ("mixed_quant_sparse_flash_mla", "950"),
                                           ("indexer_quant_cache", "950"), ("scatter_pa_kv_cache_with_k_scale", "950"),
                                           ("quant_lightning_indexer_v2", "A3"),
-                                          ("qkv_rms_norm_rope_cache_with_k_scale", "950"), ("compressor", "A3")])
+                                          ("qkv_rms_norm_rope_cache_with_k_scale", "950"), ("compressor", "A3"),
+                                          ("quant_compressor", "950")])
 def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_package(monkeypatch, op_name, chip):
     fake = FakeNpu(monkeypatch, chip, False, package=False)
     try:
@@ -839,22 +843,33 @@ def test_qkv_runs_the_package_op_in_place(monkeypatch, layouts):
         fake.close()
 
 
-@pytest.mark.parametrize("chip,layout,cache_mode,scenario", [("A3", "TH", 1, (4, 2, 128)), ("A3", "BSH", 1, (128, 1, 512)),
-                                                             ("950", "TH", 2, (4, 2, 512)), ("950", "BSH", 1, (4, 2, 128))])
-def test_compressor_runs_the_package_op_with_the_state_in_place(monkeypatch, chip, layout, cache_mode, scenario):
+_CMP_RUNS = [("A3", "TH", 1, (4, 2, 128)), ("A3", "BSH", 1, (128, 1, 512)), ("950", "TH", 2, (4, 2, 512)),
+             ("950", "BSH", 1, (4, 2, 128))]
+
+
+@pytest.mark.parametrize("chip,layout,cache_mode,scenario,quant", [r + (False,) for r in _CMP_RUNS] +
+                         [r + (True,) for r in _CMP_RUNS if r[0] == "950"])  # quant_compressor: 950 only (its doc)
+def test_compressor_runs_the_package_op_with_the_state_in_place(monkeypatch, chip, layout, cache_mode, scenario, quant):
+    from qsfa.formats import encode
     from qsfa.ops.compressor import compressor_case
 
+    op_name = "quant_compressor" if quant else "compressor"
     fake = FakeNpu(monkeypatch, chip, False)
     try:
         args = compressor_case(scenario=scenario, layout=layout, cache_mode=cache_mode, seqused=(4, 1))
         args.update(cmp_ratio=scenario[0], coff=scenario[1], cache_mode=cache_mode, precision="faithful")
         args.setdefault("cu_seqlens", None)  # BSH: no cu_seqlens (the public function passes every parameter)
-        want_kv, want_state = run("compressor", copy_args(args), backend="reference", chip=chip)
+        if quant:
+            cd = args["wkv"].shape[0]
+            args.update({n: encode(args[n].astype(np.float32), "hifloat8", saturate=True) for n in ("x", "wkv", "wgate")})
+            args.update(x_descale=np.array([0.5], np.float32), wkv_descale=np.full(cd, 0.25, np.float32),
+                        wgate_descale=np.full(cd, 0.125, np.float32), quant_mode=1)
+        want_kv, want_state = run(op_name, copy_args(args), backend="reference", chip=chip)
         targs = _as_torch(args)
         state = targs["state_cache"]
         before = state.clone()
-        cmp_kv, got_state = run("compressor", targs, backend="npu", chip=chip)
-        assert fake.calls == [mapping.CMP_OP]
+        cmp_kv, got_state = run(op_name, targs, backend="npu", chip=chip)
+        assert fake.calls == [mapping.QCMP_OP if quant else mapping.CMP_OP]
         assert got_state is state and not torch.equal(state, before)  # the caller's tensor, written in place
         for got, want in ((cmp_kv, want_kv), (got_state, want_state)):
             assert tuple(got.shape) == want.shape and dtype_name(got) == dtype_name(want)

@@ -467,7 +467,7 @@ def test_every_recorded_signature_is_a_mapping_target():
         call = mapping.map_call(op, _v4_args(op), _V4_CTX)
         hit.update({call.target, call.kwargs["metadata"].target})
     for op in ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale", "qkv_rms_norm_rope_cache_with_k_scale",
-               "compressor"):
+               "compressor", "quant_compressor"):
         hit.add(mapping.map_call(op, _torch_example(op), NpuContext(chip="950")).target)
     qli2 = mapping.map_call("quant_lightning_indexer_v2", _qli2_args(), NpuContext(chip="950"))
     hit.update({qli2.target, qli2.kwargs["metadata"].target})
@@ -660,7 +660,7 @@ def test_v4_attention_mapping_binds_passes_every_value_and_builds_the_metadata(o
 
 @pytest.mark.parametrize("op", V4_ATTENTION + ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale",
                                 "quant_lightning_indexer_v2", "qkv_rms_norm_rope_cache_with_k_scale",
-                                "compressor"))
+                                "compressor", "quant_compressor"))
 def test_v4_mappings_consume_every_operator_parameter(op):
     """Each parameter of the operator's contract reaches the call or is listed in IGNORED (reference-only)."""
     from qsfa._dispatch import operators
@@ -829,19 +829,25 @@ def test_qli2_exact_precision_is_refused_by_the_npu_limits():
 # ------------------------------------------------------------------------- cann_ops_transformer compressor
 
 
-def _cmp_args(**kw):
+def _cmp_args(quant=False, **kw):
     from qsfa._dispatch import operators
+    from qsfa.formats import encode
     from qsfa.ops.compressor import compressor_case
 
     drop_start = kw.pop("no_start_pos", False)
     case = compressor_case(**kw)
+    if quant:  # HiFloat8 codes of the same values, fp32 descales (quant_mode 1, the only mode)
+        cd = case["wkv"].shape[0]
+        case.update({n: encode(case[n].astype(np.float32), "hifloat8", saturate=True) for n in ("x", "wkv", "wgate")})
+        case.update(x_descale=np.array([0.5], np.float32), wkv_descale=np.full(cd, 0.25, np.float32),
+                    wgate_descale=np.full(cd, 0.125, np.float32), quant_mode=1)
     case.update(cmp_ratio=kw.get("scenario", (4, 2, 128))[0], coff=kw.get("scenario", (4, 2, 128))[1],
                 cache_mode=kw.get("cache_mode", 1), precision="faithful")
     case.setdefault("cu_seqlens", None)
     case.setdefault("seqused", None)
     if drop_start:
         case["start_pos"] = None
-    return _torch_args(dict(operators()["compressor"].contract.validate(case)))
+    return _torch_args(dict(operators()["quant_compressor" if quant else "compressor"].contract.validate(case)))
 
 
 _CMP_VARIANTS = [dict(scenario=sc, layout=lay, cache_mode=cm, seqused=su, no_start_pos=ns)
@@ -889,3 +895,48 @@ def test_compressor_exact_precision_is_refused_by_the_npu_limits():
     lim = device.backend_limits("compressor", chip="A3", custom_ops=frozenset())
     assert [c.id for c in lim if c.check(Args(a))] == []
     assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.compressor.precision"]
+
+
+@pytest.mark.parametrize("kw", _CMP_VARIANTS[::3], ids=["-".join(str(v) for v in kw.values()) for kw in _CMP_VARIANTS[::3]])
+def test_quant_compressor_mapping_binds_passes_every_value_and_views_the_codes(kw):
+    a = _cmp_args(quant=True, **kw)  # the HiFloat8 codes as int8 bytes (_torch_args), as a caller may hold them
+    call = mapping.map_call("quant_compressor", a, NpuContext(chip="950"))
+    assert call.target == mapping.QCMP_OP
+    _assert_binds(call)
+    bound = signatures.signature(mapping.QCMP_OP).bind(*call.args, **call.kwargs).arguments
+    assert set(bound) == {p["name"] for p in signatures.record(mapping.QCMP_OP)["params"]}
+    for p in ("x", "wkv", "wgate"):  # uint8 views of the caller's bytes
+        assert bound[p].dtype == torch.uint8 and _same_memory(bound[p], a[p]), p
+    for p in ("state_cache", "ape", "x_descale", "wkv_descale", "wgate_descale"):
+        assert bound[p] is a[p], p
+    assert (bound["quant_mode"], bound["cmp_ratio"], bound["coff"], bound["cache_mode"]) == \
+        (1,) + kw["scenario"][:2] + (kw["cache_mode"],)
+    for p in ("state_block_table", "cu_seqlens", "seqused", "start_pos"):
+        assert (bound[p] is None) is (a[p] is None), p
+        if a[p] is not None:
+            assert bound[p].dtype == torch.int32 and torch.equal(bound[p].long(), a[p].long()), p
+    cmp_kv = torch.zeros(2, dtype=torch.bfloat16)
+    got = call.unpack(cmp_kv)
+    assert got[0] is cmp_kv and got[1] is a["state_cache"]
+
+
+def test_quant_compressor_schema_is_the_upstream_packages():
+    """Read by hand from hicann/ops-transformer@3d7eca4 torch_extension/cann_ops_transformer/ops/quant_compressor.py
+    (the file is not in the cannmirror snapshot the other package schemas come from)."""
+    rec = signatures.record(mapping.QCMP_OP)
+    assert rec["source"]["repo"] == "hicann/ops-transformer" and rec["source"]["commit"].startswith("3d7eca4")
+    assert rec["source"]["line"] == 38 and rec["returns"] == ["Tensor"]
+    p = {q["name"]: q for q in rec["params"]}
+    assert [n for n, q in p.items() if q["kind"] == "positional"] == ["x", "wkv", "wgate", "state_cache", "ape",
+                                                                        "quant_mode", "cmp_ratio"]
+    assert "default" not in p["quant_mode"] and "default" not in p["cmp_ratio"]
+    assert p["state_cache"]["type"] == "Tensor(a!)"
+    assert [p[n]["type"] for n in ("x_descale", "wkv_descale", "wgate_descale")] == ["Tensor?"] * 3
+    assert (p["coff"]["default"], p["cache_mode"]["default"]) == (1, 1)
+
+
+def test_quant_compressor_exact_precision_is_refused_by_the_npu_limits():
+    a = _cmp_args(quant=True)
+    lim = device.backend_limits("quant_compressor", chip="950", custom_ops=frozenset())
+    assert [c.id for c in lim if c.check(Args(a))] == []
+    assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.quant_compressor.precision"]

@@ -42,7 +42,9 @@ Routing (settled from public sources):
   ``quant_lightning_indexer`` (after ``quant_lightning_indexer_metadata`` when ``metadata`` is None) and the in-place
   ``qkv_rms_norm_rope_cache_with_k_scale_``.
 * ``compressor``: the same package's ``compressor`` (Atlas A3, Ascend 950), ``state_cache`` in place (the schema's
-  ``Tensor(a!)``); it returns ``cmp_kv`` and the state comes back as the caller's tensor.
+  ``Tensor(a!)``); it returns ``cmp_kv`` and the state comes back as the caller's tensor. ``quant_compressor``: the
+  package's ``quant_compressor`` (Ascend 950; schema from hicann/ops-transformer, see signatures.json), the same way,
+  with the HiFloat8 ``x`` / ``wkv`` / ``wgate`` as uint8 views (its doc's dtype for HIFLOAT8).
 * dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
   TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
   hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
@@ -102,6 +104,7 @@ QLI2_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer"
 QLI2_META_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer_metadata"
 QKV_OP = f"torch.ops.{PACKAGE}.qkv_rms_norm_rope_cache_with_k_scale_"
 CMP_OP = f"torch.ops.{PACKAGE}.compressor"
+QCMP_OP = f"torch.ops.{PACKAGE}.quant_compressor"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -166,12 +169,6 @@ IGNORED = {
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
 NOT_MAPPED = {
-    "quant_compressor": (
-        "its callable, torch.ops.custom.quant_compressor(x, wkv, wgate, state_cache, ape, x_descale=, wkv_descale=, "
-        "wgate_descale=, state_block_table=, cu_seqlens=, seqused=, start_pos=, quant_mode=, cmp_ratio=, coff=, "
-        "cache_mode=) (the call of ops-transformer experimental/attention/quant_compressor/tests/pytest/"
-        "compressor_golden.py), comes from the experimental build's custom_ops package, which the npu backend does not "
-        "load; neither torch_npu 2.14.0 nor vLLM-Ascend's _C_ascend has it"),
     "kv_compress_epilog": (
         "torch_npu 2.14.0 exposes no KvCompressEpilog function (absent from op_plugin/meta/_meta_registrations.py "
         "and the codegen yaml); vLLM-Ascend's torch.ops._C_ascend.kv_compress_epilog (csrc/torch_binding.cpp, "
@@ -894,17 +891,37 @@ def map_qkv_rms_norm_rope_cache_with_k_scale(a: Mapping, ctx: NpuContext) -> Npu
 _CMP_TABLES = ("state_block_table", "cu_seqlens", "seqused", "start_pos")
 
 
+_CMP_COMMON = ("x", "wkv", "wgate", "state_cache", "ape", "cmp_ratio", "coff", "cache_mode") + _CMP_TABLES
+_QCMP_DESCALES = ("x_descale", "wkv_descale", "wgate_descale")
+
+
+def _compressor_call(op: str, a: Mapping, quant: bool) -> NpuCall:
+    tensors = [a[n] for n in ("x", "wkv", "wgate", "state_cache", "ape")]
+    if quant:  # HiFloat8 codes: uint8 views of the caller's bytes
+        tensors[:3] = (_as_format(t, "hifloat8") for t in tensors[:3])
+    args = tuple(tensors) + ((int(a["quant_mode"]),) if quant else ()) + (int(a["cmp_ratio"]),)
+    kw = {p: a[p] for p in _QCMP_DESCALES} if quant else {}
+    kw.update({p: _int32(a.get(p)) for p in _CMP_TABLES})
+    kw.update(coff=int(a["coff"]), cache_mode=int(a["cache_mode"]))
+    return NpuCall(op, args, kw, unpack=lambda r: (r, a["state_cache"]))
+
+
 def map_compressor(a: Mapping, ctx: NpuContext) -> NpuCall:
     """``torch.ops.cann_ops_transformer.compressor``: x, wkv, wgate, state_cache, ape and cmp_ratio positional, the
     rest keyword-only, every value explicit (the schema's defaults cmp_ratio=4, coff=1, cache_mode=1 are never
     relied on); index tensors as int32. ``state_cache`` (``Tensor(a!)``) is the caller's float32 tensor, updated in
     place; the op returns ``cmp_kv`` alone."""
-    _check_params("compressor", a, ("x", "wkv", "wgate", "state_cache", "ape", "cmp_ratio", "coff", "cache_mode")
-                  + _CMP_TABLES)
-    args = (a["x"], a["wkv"], a["wgate"], a["state_cache"], a["ape"], int(a["cmp_ratio"]))
-    kw = {p: _int32(a.get(p)) for p in _CMP_TABLES}
-    kw.update(coff=int(a["coff"]), cache_mode=int(a["cache_mode"]))
-    return NpuCall(CMP_OP, args, kw, unpack=lambda r: (r, a["state_cache"]))
+    _check_params("compressor", a, _CMP_COMMON)
+    return _compressor_call(CMP_OP, a, quant=False)
+
+
+def map_quant_compressor(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.quant_compressor``: as :func:`map_compressor` with ``quant_mode`` between
+    ape and cmp_ratio (both positional, no default), the three descales keyword-only, and x / wkv / wgate as uint8
+    views of the HiFloat8 codes (hicann/ops-transformer@3d7eca4 ``torch_extension/cann_ops_transformer/docs/zh/
+    quant_compressor.md``: uint8 carries HIFLOAT8)."""
+    _check_params("quant_compressor", a, _CMP_COMMON + _QCMP_DESCALES + ("quant_mode",))
+    return _compressor_call(QCMP_OP, a, quant=True)
 
 
 #: operator name -> mapping function
@@ -928,6 +945,7 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "quant_lightning_indexer_v2": map_quant_lightning_indexer_v2,
     "qkv_rms_norm_rope_cache_with_k_scale": map_qkv_rms_norm_rope_cache_with_k_scale,
     "compressor": map_compressor,
+    "quant_compressor": map_quant_compressor,
 }
 
 
