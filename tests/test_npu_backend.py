@@ -282,9 +282,10 @@ def _vqli_meta(*args, **kwargs):
     return torch.zeros(1024, dtype=torch.int32)
 
 
-def _v4_attention(target):
+def _v4_attention(target, out_dtype=None):
     """A V4 shared-KV attention op on the fake device: binds the recorded schema, refuses a missing metadata (the
-    kernels require one), returns q-shaped output and the LSE shaped as ops-transformer's sparse_flash_mla Meta
+    kernels require one), returns q-shaped output (in ``out_dtype``, else q's: quant_sparse_flash_mla's Meta
+    registration gives bf16 for its HiFloat8 q) and the LSE shaped as ops-transformer's sparse_flash_mla Meta
     registration computes it ([B, N2, S1, N1 / N2] BSND, [N2, T1, N1 / N2] TND; empty without the switch)."""
     def impl(*args, **kwargs):
         a = _bind(target, args, kwargs)
@@ -297,7 +298,7 @@ def _v4_attention(target):
             s = (n2, q.shape[0], q.shape[1] // n2)
         else:
             s = (q.shape[0], n2, q.shape[1], q.shape[2] // n2)
-        return q.new_zeros(q.shape), _f32(*s, like=q)
+        return q.new_zeros(q.shape, dtype=out_dtype or q.dtype), _f32(*s, like=q)
 
     return impl
 
@@ -386,6 +387,8 @@ _FAKE_IMPLS = {
     mapping.KQS_CUSTOM_OP: _v4_attention(mapping.KQS_CUSTOM_OP),
     mapping.SFM_OP: _v4_attention(mapping.SFM_OP),
     mapping.MQ_OP: _v4_attention(mapping.MQ_OP),
+    mapping.QS_OP: _v4_attention(mapping.QS_OP, torch.bfloat16),
+    mapping.QS_META_OP: _v4_metadata(mapping.QS_META_OP),
     mapping.SAS_META_CUSTOM_OP: _v4_metadata(mapping.SAS_META_CUSTOM_OP),
     mapping.KQS_META_CUSTOM_OP: _v4_metadata(mapping.KQS_META_CUSTOM_OP),
     mapping.SFM_META_OP: _v4_metadata(mapping.SFM_META_OP),
@@ -732,7 +735,7 @@ def test_vllm_quant_lightning_indexer_computes_its_metadata_first_when_none_is_g
                                           ("indexer_quant_cache", "950"), ("scatter_pa_kv_cache_with_k_scale", "950"),
                                           ("quant_lightning_indexer_v2", "A3"),
                                           ("qkv_rms_norm_rope_cache_with_k_scale", "950"), ("compressor", "A3"),
-                                          ("quant_compressor", "950")])
+                                          ("quant_compressor", "950"), ("quant_sparse_flash_mla", "950")])
 def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_package(monkeypatch, op_name, chip):
     fake = FakeNpu(monkeypatch, chip, False, package=False)
     try:
@@ -749,7 +752,8 @@ def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_p
 
 @pytest.mark.parametrize("metadata", [None, "given"])
 @pytest.mark.parametrize("op_name,chip", [("kv_quant_sparse_attn_sharedkv", "950"), ("sparse_attn_sharedkv", "A3"),
-                                          ("sparse_flash_mla", "A2"), ("mixed_quant_sparse_flash_mla", "950")])
+                                          ("sparse_flash_mla", "A2"), ("mixed_quant_sparse_flash_mla", "950"),
+                                          ("quant_sparse_flash_mla", "950")])
 def test_v4_attention_runs_its_metadata_operator_first_when_none_is_given(monkeypatch, op_name, chip, metadata):
     fake = FakeNpu(monkeypatch, chip, True)
     try:
@@ -760,10 +764,17 @@ def test_v4_attention_runs_its_metadata_operator_first_when_none_is_given(monkey
             args["return_softmax_lse"] = True
         except InvalidArgument:
             pass
+        if op_name == "quant_sparse_flash_mla" and metadata is None:
+            # its contract requires metadata on the 950 (op_host check_single_para), before any mapping or call
+            with pytest.raises(InvalidArgument, match="metadata"):
+                run(op_name, _as_torch(args), backend="npu")
+            assert fake.calls == []
+            return
         want = run(op_name, copy_args(args), backend="reference")
         out, lse = run(op_name, _as_torch(args), backend="npu")
         target = {"kv_quant_sparse_attn_sharedkv": mapping.KQS_CUSTOM_OP, "sparse_attn_sharedkv": mapping.SAS_CUSTOM_OP,
-                  "sparse_flash_mla": mapping.SFM_OP, "mixed_quant_sparse_flash_mla": mapping.MQ_OP}[op_name]
+                  "sparse_flash_mla": mapping.SFM_OP, "mixed_quant_sparse_flash_mla": mapping.MQ_OP,
+                  "quant_sparse_flash_mla": mapping.QS_OP}[op_name]
         meta = [target + "_metadata"] if metadata is None else []
         assert fake.calls == meta + [target]
         assert (tuple(out.shape), dtype_name(out)) == (want[0].shape, dtype_name(want[0]))

@@ -560,12 +560,13 @@ def test_vllm_quant_lightning_indexer_mapping_calls_the_metadata_operator_when_n
 # ------------------------------------------------------------------------ DeepSeek-V4 operators
 
 V4_ATTENTION = ("sparse_attn_sharedkv", "kv_quant_sparse_attn_sharedkv", "sparse_flash_mla",
-                "mixed_quant_sparse_flash_mla")
+                "mixed_quant_sparse_flash_mla", "quant_sparse_flash_mla")
 _V4_CTX = NpuContext(chip="950", custom_ops=frozenset({mapping.SAS_CUSTOM_NAME, mapping.KQS_CUSTOM_NAME}))
 _V4_TARGETS = {"sparse_attn_sharedkv": (mapping.SAS_CUSTOM_OP, mapping.SAS_META_CUSTOM_OP),
                "kv_quant_sparse_attn_sharedkv": (mapping.KQS_CUSTOM_OP, mapping.KQS_META_CUSTOM_OP),
                "sparse_flash_mla": (mapping.SFM_OP, mapping.SFM_META_OP),
-               "mixed_quant_sparse_flash_mla": (mapping.MQ_OP, mapping.MQ_META_OP)}
+               "mixed_quant_sparse_flash_mla": (mapping.MQ_OP, mapping.MQ_META_OP),
+               "quant_sparse_flash_mla": (mapping.QS_OP, mapping.QS_META_OP)}
 
 
 def _torch_args(a):
@@ -588,14 +589,15 @@ def _v4_args(op, **kw):
     from qsfa.ops import sharedkv
 
     build = {"sparse_attn_sharedkv": sharedkv.sas_case, "kv_quant_sparse_attn_sharedkv": sharedkv.kqs_case,
-             "sparse_flash_mla": sharedkv.sfm_case, "mixed_quant_sparse_flash_mla": sharedkv.mq_case}[op]
+             "sparse_flash_mla": sharedkv.sfm_case, "mixed_quant_sparse_flash_mla": sharedkv.mq_case,
+             "quant_sparse_flash_mla": sharedkv.qs_case}[op]
     a = dict(operators()[op].contract.validate(build(**kw)))
     a["metadata"] = None
     return _torch_args(a)
 
 
 _V4_PA = {"sparse_attn_sharedkv": "PA_ND", "kv_quant_sparse_attn_sharedkv": "PA_ND", "sparse_flash_mla": "PA_BBND",
-          "mixed_quant_sparse_flash_mla": "PA_BBND"}
+          "mixed_quant_sparse_flash_mla": "PA_BBND", "quant_sparse_flash_mla": "PA_BBND"}
 _V4_VARIANTS = [(op, dict(scenario=sc, layout_q=lq, layout_kv=lkv or _V4_PA[op]), lse)
                 for op in V4_ATTENTION for sc in ("SWA", "CSA", "HCA") for lq, lkv in
                 (("BSND", None), ("TND", None), ("TND", "TND"), ("BSND", "BSND"))
@@ -633,6 +635,12 @@ def test_v4_attention_mapping_binds_passes_every_value_and_builds_the_metadata(o
         for p in ("ori_kv", "cmp_kv"):  # float8_e4m3fn views of the caller's bytes
             assert bound[p] is None if a[p] is None else (bound[p].dtype == torch.float8_e4m3fn
                                                           and bound[p].data_ptr() == a[p].data_ptr()), p
+    if op == "quant_sparse_flash_mla":
+        for p in ("q", "ori_kv", "cmp_kv"):  # uint8 views of the caller's HiFloat8 bytes (held as int8 here)
+            assert bound[p] is None if a[p] is None else (bound[p].dtype == torch.uint8
+                                                          and _same_memory(bound[p], a[p])), p
+        for p in ("q_descale", "ori_kv_descale", "cmp_kv_descale"):
+            assert bound[p] is a[p], p
     # the metadata operator gets the same shape facts the attention call implies
     m = signatures.signature(meta_target).bind(*meta.args, **meta.kwargs).arguments
     q = a["q"]
@@ -940,3 +948,31 @@ def test_quant_compressor_exact_precision_is_refused_by_the_npu_limits():
     lim = device.backend_limits("quant_compressor", chip="950", custom_ops=frozenset())
     assert [c.id for c in lim if c.check(Args(a))] == []
     assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.quant_compressor.precision"]
+
+
+def test_quant_sparse_flash_mla_schema_is_the_upstream_packages():
+    """Read by hand from hicann/ops-transformer@2492330 torch_extension/cann_ops_transformer/ops/
+    quant_sparse_flash_mla.py (the same schemas as at 97deb42; the file is not in the cannmirror snapshot)."""
+    for t, line in ((mapping.QS_OP, 40), (mapping.QS_META_OP, 31)):
+        src = signatures.record(t)["source"]
+        assert (src["repo"], src["commit"][:7], src["line"]) == ("hicann/ops-transformer", "2492330", line)
+    p = {q["name"]: q for q in signatures.record(mapping.QS_OP)["params"]}
+    assert [n for n, q in p.items() if q["kind"] == "positional"] == ["q"]
+    assert {n: p[n]["default"] for n in ("quant_mode", "softmax_scale", "cmp_ratio", "ori_win_left",
+                                          "topk_value_mode")} == dict(quant_mode=None, softmax_scale=None,
+                                                                      cmp_ratio=None, ori_win_left=-1,
+                                                                      topk_value_mode=1)
+    assert [p[n]["type"] for n in ("q_descale", "ori_kv_descale", "cmp_kv_descale")] == ["Tensor?"] * 3
+    assert signatures.record(mapping.QS_OP)["returns"] == ["Tensor", "Tensor"]
+    m = {q["name"]: q for q in signatures.record(mapping.QS_META_OP)["params"]}
+    assert [n for n, q in m.items() if q["kind"] == "positional"] == ["num_heads_q", "num_heads_kv", "head_dim",
+                                                                        "quant_mode"]
+    assert "rope_head_dim" not in m and all(q["default"] is None for q in m.values() if q["kind"] == "keyword_only")
+
+
+def test_quant_sparse_flash_mla_exact_precision_is_refused_by_the_npu_limits():
+    a = _v4_args("quant_sparse_flash_mla")
+    lim = device.backend_limits("quant_sparse_flash_mla", chip="950", custom_ops=frozenset())
+    assert [c.id for c in lim if c.check(Args(a))] == []
+    assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == [
+        "npu.quant_sparse_flash_mla.precision"]

@@ -45,6 +45,9 @@ Routing (settled from public sources):
   ``Tensor(a!)``); it returns ``cmp_kv`` and the state comes back as the caller's tensor. ``quant_compressor``: the
   package's ``quant_compressor`` (Ascend 950; schema from hicann/ops-transformer, see signatures.json), the same way,
   with the HiFloat8 ``x`` / ``wkv`` / ``wgate`` as uint8 views (its doc's dtype for HIFLOAT8).
+* ``quant_sparse_flash_mla``: the package's ``quant_sparse_flash_mla`` (Ascend 950; schema from
+  hicann/ops-transformer), after ``quant_sparse_flash_mla_metadata`` when ``metadata`` is None, as sparse_flash_mla;
+  HiFloat8 q / ori_kv / cmp_kv as uint8 views.
 * dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
   TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
   hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
@@ -105,6 +108,8 @@ QLI2_META_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer_metadata"
 QKV_OP = f"torch.ops.{PACKAGE}.qkv_rms_norm_rope_cache_with_k_scale_"
 CMP_OP = f"torch.ops.{PACKAGE}.compressor"
 QCMP_OP = f"torch.ops.{PACKAGE}.quant_compressor"
+QS_OP = f"torch.ops.{PACKAGE}.quant_sparse_flash_mla"
+QS_META_OP = f"torch.ops.{PACKAGE}.quant_sparse_flash_mla_metadata"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -189,12 +194,6 @@ NOT_MAPPED = {
     "formats.decode": "no torch_npu function decodes raw format codes to float32",
     "formats.pack_fp4": "no torch_npu function packs FP4 codes",
     "formats.unpack_fp4": "no torch_npu function unpacks FP4 codes",
-    "quant_sparse_flash_mla": (
-        "mapping not written yet: the callable is cann_ops_transformer.quant_sparse_flash_mla(q, quant_mode, *, ...) "
-        "with quant_sparse_flash_mla_metadata first (hicann/ops-transformer@0568343 torch_extension/"
-        "cann_ops_transformer/docs/zh/quant_sparse_flash_mla.md); torch_npu 2.14.0 (every file of the wheel), "
-        "vllm-project/vllm-ascend@182b75e and Ascend/op-plugin@517f2e7 have no quant_sparse_flash_mla; its "
-        "signature is not recorded in signatures.json"),
 }
 
 
@@ -640,6 +639,8 @@ _KQS_PARAMS = _SAS_PARAMS + ("kv_quant_mode", "tile_size", "rope_head_dim")
 _SFM_PARAMS = _V4_COMMON + ("seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length",
                             "cmp_topk_length", "topk_value_mode")
 _MQ_PARAMS = _SFM_PARAMS + ("quant_mode", "rope_head_dim")
+_QS_DESCALES = ("q_descale", "ori_kv_descale", "cmp_kv_descale")
+_QS_PARAMS = _SFM_PARAMS + ("quant_mode",) + _QS_DESCALES
 _V4_LENGTHS = ("cu_seqlens_q", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", "seqused_kv", "seqused_ori_kv",
                "seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length", "cmp_topk_length")
 
@@ -746,6 +747,12 @@ def mq_metadata_call(a: Mapping) -> NpuCall:
     return NpuCall(MQ_META_OP, _v4_heads(a) + (int(a["quant_mode"]),), kw, unpack=lambda r: (r,))
 
 
+def qs_metadata_call(a: Mapping) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.quant_sparse_flash_mla_metadata`` (sparse_flash_mla's arguments plus the
+    positional quant_mode)."""
+    return NpuCall(QS_META_OP, _v4_heads(a) + (int(a["quant_mode"]),), _sfm_meta_kwargs(a), unpack=lambda r: (r,))
+
+
 def map_sparse_attn_sharedkv(a: Mapping, ctx: NpuContext) -> NpuCall:
     """vLLM-Ascend's ``torch.ops._C_ascend.npu_sparse_attn_sharedkv`` (q positional, the rest keyword-only)."""
     _check_params("sparse_attn_sharedkv", a, _SAS_PARAMS)
@@ -785,6 +792,18 @@ def map_mixed_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
               quant_mode=int(a["quant_mode"]), rope_head_dim=int(a["rope_head_dim"]), key_dtype=None,
               value_dtype=None)
     return NpuCall(MQ_OP, (a["q"],), kw, unpack=_v4_unpack(a))
+
+
+def map_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.quant_sparse_flash_mla``: q / ori_kv / cmp_kv as uint8 views of the HiFloat8
+    codes (the package wraps them as ACL_HIFLOAT8; the schema has no dtype argument), the per-tensor descales as
+    given, every value explicit (the schema's quant_mode / softmax_scale / cmp_ratio default to None)."""
+    _check_params("quant_sparse_flash_mla", a, _QS_PARAMS)
+    kw = _v4_kwargs(a, "hifloat8")
+    kw.update({p: a[p] for p in _QS_DESCALES})
+    kw.update(metadata=_metadata(a, qs_metadata_call), topk_value_mode=int(a["topk_value_mode"]),
+              quant_mode=int(a["quant_mode"]))
+    return NpuCall(QS_OP, (_as_format(a["q"], "hifloat8"),), kw, unpack=_v4_unpack(a))
 
 
 # --------------------------------------------------------------------- cann_ops_transformer cache writers
@@ -946,6 +965,7 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "qkv_rms_norm_rope_cache_with_k_scale": map_qkv_rms_norm_rope_cache_with_k_scale,
     "compressor": map_compressor,
     "quant_compressor": map_quant_compressor,
+    "quant_sparse_flash_mla": map_quant_sparse_flash_mla,
 }
 
 
