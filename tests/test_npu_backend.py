@@ -282,9 +282,10 @@ def _vqli_meta(*args, **kwargs):
     return torch.zeros(1024, dtype=torch.int32)
 
 
-def _v4_attention(target):
+def _v4_attention(target, out_dtype=None):
     """A V4 shared-KV attention op on the fake device: binds the recorded schema, refuses a missing metadata (the
-    kernels require one), returns q-shaped output and the LSE shaped as ops-transformer's sparse_flash_mla Meta
+    kernels require one), returns q-shaped output (in ``out_dtype``, else q's: quant_sparse_flash_mla's Meta
+    registration gives bf16 for its HiFloat8 q) and the LSE shaped as ops-transformer's sparse_flash_mla Meta
     registration computes it ([B, N2, S1, N1 / N2] BSND, [N2, T1, N1 / N2] TND; empty without the switch)."""
     def impl(*args, **kwargs):
         a = _bind(target, args, kwargs)
@@ -297,7 +298,7 @@ def _v4_attention(target):
             s = (n2, q.shape[0], q.shape[1] // n2)
         else:
             s = (q.shape[0], n2, q.shape[1], q.shape[2] // n2)
-        return q.new_zeros(q.shape), _f32(*s, like=q)
+        return q.new_zeros(q.shape, dtype=out_dtype or q.dtype), _f32(*s, like=q)
 
     return impl
 
@@ -354,6 +355,20 @@ def _qkv_inplace(*args, **kwargs):
     return to_torch(np.ascontiguousarray(q_out)), to_torch(np.ascontiguousarray(q_scale))
 
 
+def _compressor(target, op_name):
+    """cann_ops_transformer.[quant_]compressor on the fake device: binds the recorded schema, runs the reference (its
+    parameter names are the schema's) on host copies for the fake's chip, writes the state's bytes into the tensor
+    passed and returns cmp_kv alone, as the package's op does."""
+    def impl(*args, **kwargs):
+        a = _bind(target, args, kwargs)
+        host = {k: _host(v) for k, v in a.items()}
+        cmp_kv, state = run(op_name, {**host, "precision": "faithful"}, backend="reference", chip=device.chip_family())
+        a["state_cache"].copy_(to_torch(np.ascontiguousarray(state)))
+        return to_torch(np.ascontiguousarray(cmp_kv))
+
+    return impl
+
+
 _FAKE_IMPLS = {
     "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
     "torch_npu.npu_sparse_flash_attention": _sfa,
@@ -372,6 +387,8 @@ _FAKE_IMPLS = {
     mapping.KQS_CUSTOM_OP: _v4_attention(mapping.KQS_CUSTOM_OP),
     mapping.SFM_OP: _v4_attention(mapping.SFM_OP),
     mapping.MQ_OP: _v4_attention(mapping.MQ_OP),
+    mapping.QS_OP: _v4_attention(mapping.QS_OP, torch.bfloat16),
+    mapping.QS_META_OP: _v4_metadata(mapping.QS_META_OP),
     mapping.SAS_META_CUSTOM_OP: _v4_metadata(mapping.SAS_META_CUSTOM_OP),
     mapping.KQS_META_CUSTOM_OP: _v4_metadata(mapping.KQS_META_CUSTOM_OP),
     mapping.SFM_META_OP: _v4_metadata(mapping.SFM_META_OP),
@@ -381,6 +398,8 @@ _FAKE_IMPLS = {
     mapping.QLI2_OP: _qli2,
     mapping.QLI2_META_OP: _v4_metadata(mapping.QLI2_META_OP),
     mapping.QKV_OP: _qkv_inplace,
+    mapping.CMP_OP: _compressor(mapping.CMP_OP, "compressor"),
+    mapping.QCMP_OP: _compressor(mapping.QCMP_OP, "quant_compressor"),
 }
 
 
@@ -715,7 +734,8 @@ def test_vllm_quant_lightning_indexer_computes_its_metadata_first_when_none_is_g
 @pytest.mark.parametrize("op_name,chip", [("sparse_flash_mla", "950"), ("mixed_quant_sparse_flash_mla", "950"),
                                           ("indexer_quant_cache", "950"), ("scatter_pa_kv_cache_with_k_scale", "950"),
                                           ("quant_lightning_indexer_v2", "A3"),
-                                          ("qkv_rms_norm_rope_cache_with_k_scale", "950")])
+                                          ("qkv_rms_norm_rope_cache_with_k_scale", "950"), ("compressor", "A3"),
+                                          ("quant_compressor", "950"), ("quant_sparse_flash_mla", "950")])
 def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_package(monkeypatch, op_name, chip):
     fake = FakeNpu(monkeypatch, chip, False, package=False)
     try:
@@ -732,7 +752,8 @@ def test_package_operators_without_cann_ops_transformer_are_refused_naming_the_p
 
 @pytest.mark.parametrize("metadata", [None, "given"])
 @pytest.mark.parametrize("op_name,chip", [("kv_quant_sparse_attn_sharedkv", "950"), ("sparse_attn_sharedkv", "A3"),
-                                          ("sparse_flash_mla", "A2"), ("mixed_quant_sparse_flash_mla", "950")])
+                                          ("sparse_flash_mla", "A2"), ("mixed_quant_sparse_flash_mla", "950"),
+                                          ("quant_sparse_flash_mla", "950")])
 def test_v4_attention_runs_its_metadata_operator_first_when_none_is_given(monkeypatch, op_name, chip, metadata):
     fake = FakeNpu(monkeypatch, chip, True)
     try:
@@ -743,10 +764,17 @@ def test_v4_attention_runs_its_metadata_operator_first_when_none_is_given(monkey
             args["return_softmax_lse"] = True
         except InvalidArgument:
             pass
+        if op_name == "quant_sparse_flash_mla" and metadata is None:
+            # its contract requires metadata on the 950 (op_host check_single_para), before any mapping or call
+            with pytest.raises(InvalidArgument, match="metadata"):
+                run(op_name, _as_torch(args), backend="npu")
+            assert fake.calls == []
+            return
         want = run(op_name, copy_args(args), backend="reference")
         out, lse = run(op_name, _as_torch(args), backend="npu")
         target = {"kv_quant_sparse_attn_sharedkv": mapping.KQS_CUSTOM_OP, "sparse_attn_sharedkv": mapping.SAS_CUSTOM_OP,
-                  "sparse_flash_mla": mapping.SFM_OP, "mixed_quant_sparse_flash_mla": mapping.MQ_OP}[op_name]
+                  "sparse_flash_mla": mapping.SFM_OP, "mixed_quant_sparse_flash_mla": mapping.MQ_OP,
+                  "quant_sparse_flash_mla": mapping.QS_OP}[op_name]
         meta = [target + "_metadata"] if metadata is None else []
         assert fake.calls == meta + [target]
         assert (tuple(out.shape), dtype_name(out)) == (want[0].shape, dtype_name(want[0]))
@@ -822,5 +850,41 @@ def test_qkv_runs_the_package_op_in_place(monkeypatch, layouts):
             assert tuple(g.shape) == w.shape and dtype_name(g) == dtype_name(w)
             assert np.ascontiguousarray(to_numpy(g.view(torch.uint8) if g.element_size() == 1 else g)).view(
                 np.uint8).tobytes() == np.ascontiguousarray(w).view(np.uint8).tobytes()
+    finally:
+        fake.close()
+
+
+_CMP_RUNS = [("A3", "TH", 1, (4, 2, 128)), ("A3", "BSH", 1, (128, 1, 512)), ("950", "TH", 2, (4, 2, 512)),
+             ("950", "BSH", 1, (4, 2, 128))]
+
+
+@pytest.mark.parametrize("chip,layout,cache_mode,scenario,quant", [r + (False,) for r in _CMP_RUNS] +
+                         [r + (True,) for r in _CMP_RUNS if r[0] == "950"])  # quant_compressor: 950 only (its doc)
+def test_compressor_runs_the_package_op_with_the_state_in_place(monkeypatch, chip, layout, cache_mode, scenario, quant):
+    from qsfa.formats import encode
+    from qsfa.ops.compressor import compressor_case
+
+    op_name = "quant_compressor" if quant else "compressor"
+    fake = FakeNpu(monkeypatch, chip, False)
+    try:
+        args = compressor_case(scenario=scenario, layout=layout, cache_mode=cache_mode, seqused=(4, 1))
+        args.update(cmp_ratio=scenario[0], coff=scenario[1], cache_mode=cache_mode, precision="faithful")
+        args.setdefault("cu_seqlens", None)  # BSH: no cu_seqlens (the public function passes every parameter)
+        if quant:
+            cd = args["wkv"].shape[0]
+            args.update({n: encode(args[n].astype(np.float32), "hifloat8", saturate=True) for n in ("x", "wkv", "wgate")})
+            args.update(x_descale=np.array([0.5], np.float32), wkv_descale=np.full(cd, 0.25, np.float32),
+                        wgate_descale=np.full(cd, 0.125, np.float32), quant_mode=1)
+        want_kv, want_state = run(op_name, copy_args(args), backend="reference", chip=chip)
+        targs = _as_torch(args)
+        state = targs["state_cache"]
+        before = state.clone()
+        cmp_kv, got_state = run(op_name, targs, backend="npu", chip=chip)
+        assert fake.calls == [mapping.QCMP_OP if quant else mapping.CMP_OP]
+        assert got_state is state and not torch.equal(state, before)  # the caller's tensor, written in place
+        for got, want in ((cmp_kv, want_kv), (got_state, want_state)):
+            assert tuple(got.shape) == want.shape and dtype_name(got) == dtype_name(want)
+            assert np.ascontiguousarray(to_numpy(got)).view(np.uint8).tobytes() == \
+                np.ascontiguousarray(want).view(np.uint8).tobytes()
     finally:
         fake.close()

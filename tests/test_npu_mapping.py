@@ -466,7 +466,8 @@ def test_every_recorded_signature_is_a_mapping_target():
     for op in V4_ATTENTION:
         call = mapping.map_call(op, _v4_args(op), _V4_CTX)
         hit.update({call.target, call.kwargs["metadata"].target})
-    for op in ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale", "qkv_rms_norm_rope_cache_with_k_scale"):
+    for op in ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale", "qkv_rms_norm_rope_cache_with_k_scale",
+               "compressor", "quant_compressor"):
         hit.add(mapping.map_call(op, _torch_example(op), NpuContext(chip="950")).target)
     qli2 = mapping.map_call("quant_lightning_indexer_v2", _qli2_args(), NpuContext(chip="950"))
     hit.update({qli2.target, qli2.kwargs["metadata"].target})
@@ -559,12 +560,13 @@ def test_vllm_quant_lightning_indexer_mapping_calls_the_metadata_operator_when_n
 # ------------------------------------------------------------------------ DeepSeek-V4 operators
 
 V4_ATTENTION = ("sparse_attn_sharedkv", "kv_quant_sparse_attn_sharedkv", "sparse_flash_mla",
-                "mixed_quant_sparse_flash_mla")
+                "mixed_quant_sparse_flash_mla", "quant_sparse_flash_mla")
 _V4_CTX = NpuContext(chip="950", custom_ops=frozenset({mapping.SAS_CUSTOM_NAME, mapping.KQS_CUSTOM_NAME}))
 _V4_TARGETS = {"sparse_attn_sharedkv": (mapping.SAS_CUSTOM_OP, mapping.SAS_META_CUSTOM_OP),
                "kv_quant_sparse_attn_sharedkv": (mapping.KQS_CUSTOM_OP, mapping.KQS_META_CUSTOM_OP),
                "sparse_flash_mla": (mapping.SFM_OP, mapping.SFM_META_OP),
-               "mixed_quant_sparse_flash_mla": (mapping.MQ_OP, mapping.MQ_META_OP)}
+               "mixed_quant_sparse_flash_mla": (mapping.MQ_OP, mapping.MQ_META_OP),
+               "quant_sparse_flash_mla": (mapping.QS_OP, mapping.QS_META_OP)}
 
 
 def _torch_args(a):
@@ -587,14 +589,15 @@ def _v4_args(op, **kw):
     from qsfa.ops import sharedkv
 
     build = {"sparse_attn_sharedkv": sharedkv.sas_case, "kv_quant_sparse_attn_sharedkv": sharedkv.kqs_case,
-             "sparse_flash_mla": sharedkv.sfm_case, "mixed_quant_sparse_flash_mla": sharedkv.mq_case}[op]
+             "sparse_flash_mla": sharedkv.sfm_case, "mixed_quant_sparse_flash_mla": sharedkv.mq_case,
+             "quant_sparse_flash_mla": sharedkv.qs_case}[op]
     a = dict(operators()[op].contract.validate(build(**kw)))
     a["metadata"] = None
     return _torch_args(a)
 
 
 _V4_PA = {"sparse_attn_sharedkv": "PA_ND", "kv_quant_sparse_attn_sharedkv": "PA_ND", "sparse_flash_mla": "PA_BBND",
-          "mixed_quant_sparse_flash_mla": "PA_BBND"}
+          "mixed_quant_sparse_flash_mla": "PA_BBND", "quant_sparse_flash_mla": "PA_BBND"}
 _V4_VARIANTS = [(op, dict(scenario=sc, layout_q=lq, layout_kv=lkv or _V4_PA[op]), lse)
                 for op in V4_ATTENTION for sc in ("SWA", "CSA", "HCA") for lq, lkv in
                 (("BSND", None), ("TND", None), ("TND", "TND"), ("BSND", "BSND"))
@@ -632,6 +635,12 @@ def test_v4_attention_mapping_binds_passes_every_value_and_builds_the_metadata(o
         for p in ("ori_kv", "cmp_kv"):  # float8_e4m3fn views of the caller's bytes
             assert bound[p] is None if a[p] is None else (bound[p].dtype == torch.float8_e4m3fn
                                                           and bound[p].data_ptr() == a[p].data_ptr()), p
+    if op == "quant_sparse_flash_mla":
+        for p in ("q", "ori_kv", "cmp_kv"):  # uint8 views of the caller's HiFloat8 bytes (held as int8 here)
+            assert bound[p] is None if a[p] is None else (bound[p].dtype == torch.uint8
+                                                          and _same_memory(bound[p], a[p])), p
+        for p in ("q_descale", "ori_kv_descale", "cmp_kv_descale"):
+            assert bound[p] is a[p], p
     # the metadata operator gets the same shape facts the attention call implies
     m = signatures.signature(meta_target).bind(*meta.args, **meta.kwargs).arguments
     q = a["q"]
@@ -658,7 +667,8 @@ def test_v4_attention_mapping_binds_passes_every_value_and_builds_the_metadata(o
 
 
 @pytest.mark.parametrize("op", V4_ATTENTION + ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale",
-                                "quant_lightning_indexer_v2", "qkv_rms_norm_rope_cache_with_k_scale"))
+                                "quant_lightning_indexer_v2", "qkv_rms_norm_rope_cache_with_k_scale",
+                                "compressor", "quant_compressor"))
 def test_v4_mappings_consume_every_operator_parameter(op):
     """Each parameter of the operator's contract reaches the call or is listed in IGNORED (reference-only)."""
     from qsfa._dispatch import operators
@@ -822,3 +832,147 @@ def test_qli2_exact_precision_is_refused_by_the_npu_limits():
     lim = device.backend_limits("quant_lightning_indexer_v2", chip="A3", custom_ops=frozenset())
     assert [c.id for c in lim if c.check(Args(a))] == []
     assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.quant_lightning_indexer_v2.precision"]
+
+
+# ------------------------------------------------------------------------- cann_ops_transformer compressor
+
+
+def _cmp_args(quant=False, **kw):
+    from qsfa._dispatch import operators
+    from qsfa.formats import encode
+    from qsfa.ops.compressor import compressor_case
+
+    drop_start = kw.pop("no_start_pos", False)
+    case = compressor_case(**kw)
+    if quant:  # HiFloat8 codes of the same values, fp32 descales (quant_mode 1, the only mode)
+        cd = case["wkv"].shape[0]
+        case.update({n: encode(case[n].astype(np.float32), "hifloat8", saturate=True) for n in ("x", "wkv", "wgate")})
+        case.update(x_descale=np.array([0.5], np.float32), wkv_descale=np.full(cd, 0.25, np.float32),
+                    wgate_descale=np.full(cd, 0.125, np.float32), quant_mode=1)
+    case.update(cmp_ratio=kw.get("scenario", (4, 2, 128))[0], coff=kw.get("scenario", (4, 2, 128))[1],
+                cache_mode=kw.get("cache_mode", 1), precision="faithful")
+    case.setdefault("cu_seqlens", None)
+    case.setdefault("seqused", None)
+    if drop_start:
+        case["start_pos"] = None
+    return _torch_args(dict(operators()["quant_compressor" if quant else "compressor"].contract.validate(case)))
+
+
+_CMP_VARIANTS = [dict(scenario=sc, layout=lay, cache_mode=cm, seqused=su, no_start_pos=ns)
+                 for sc in ((4, 2, 128), (128, 1, 512)) for lay in ("TH", "BSH") for cm in (1, 2)
+                 for su, ns in ((None, False), ((4, 1), True))]
+
+
+@pytest.mark.parametrize("kw", _CMP_VARIANTS, ids=["-".join(str(v) for v in kw.values()) for kw in _CMP_VARIANTS])
+def test_compressor_mapping_binds_passes_every_value_and_hands_back_the_callers_state(kw):
+    a = _cmp_args(**kw)
+    call = mapping.map_call("compressor", a, NpuContext(chip="A3"))
+    assert call.target == mapping.CMP_OP
+    _assert_binds(call)
+    # every schema parameter is passed, none left to a registered default (cmp_ratio=4, coff=1, cache_mode=1)
+    bound = signatures.signature(mapping.CMP_OP).bind(*call.args, **call.kwargs).arguments
+    assert set(bound) == {p["name"] for p in signatures.record(mapping.CMP_OP)["params"]}
+    for p in ("x", "wkv", "wgate", "state_cache", "ape"):
+        assert bound[p] is a[p], p
+    assert (bound["cmp_ratio"], bound["coff"], bound["cache_mode"]) == kw["scenario"][:2] + (kw["cache_mode"],)
+    for p in ("state_block_table", "cu_seqlens", "seqused", "start_pos"):
+        assert (bound[p] is None) is (a[p] is None), p
+        if a[p] is not None:
+            assert bound[p].dtype == torch.int32 and torch.equal(bound[p].long(), a[p].long()), p
+    assert (bound["cu_seqlens"] is None) is (kw["layout"] == "BSH")
+    assert (bound["seqused"] is None) is (kw["seqused"] is None)
+    assert (bound["start_pos"] is None) is kw["no_start_pos"]
+    cmp_kv = torch.zeros(2, dtype=torch.bfloat16)
+    got = call.unpack(cmp_kv)  # the op returns cmp_kv alone; the state was written in place
+    assert got[0] is cmp_kv and got[1] is a["state_cache"]
+
+
+def test_compressor_schema_declares_the_state_in_place():
+    """Read by hand from cannmirror/ops-transformer@25fb6b9 torch_extension/cann_ops_transformer/ops/compressor.py."""
+    rec = signatures.record(mapping.CMP_OP)
+    assert rec["source"]["commit"].startswith("25fb6b9") and rec["returns"] == ["Tensor"]
+    p = {q["name"]: q for q in rec["params"]}
+    assert [n for n, q in p.items() if q["kind"] == "positional"] == ["x", "wkv", "wgate", "state_cache", "ape",
+                                                                        "cmp_ratio"]
+    assert p["state_cache"]["type"] == "Tensor(a!)"
+    assert {n: p[n]["default"] for n in ("cmp_ratio", "coff", "cache_mode")} == dict(cmp_ratio=4, coff=1, cache_mode=1)
+
+
+def test_compressor_exact_precision_is_refused_by_the_npu_limits():
+    a = _cmp_args()
+    lim = device.backend_limits("compressor", chip="A3", custom_ops=frozenset())
+    assert [c.id for c in lim if c.check(Args(a))] == []
+    assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.compressor.precision"]
+
+
+@pytest.mark.parametrize("kw", _CMP_VARIANTS[::3], ids=["-".join(str(v) for v in kw.values()) for kw in _CMP_VARIANTS[::3]])
+def test_quant_compressor_mapping_binds_passes_every_value_and_views_the_codes(kw):
+    a = _cmp_args(quant=True, **kw)  # the HiFloat8 codes as int8 bytes (_torch_args), as a caller may hold them
+    call = mapping.map_call("quant_compressor", a, NpuContext(chip="950"))
+    assert call.target == mapping.QCMP_OP
+    _assert_binds(call)
+    bound = signatures.signature(mapping.QCMP_OP).bind(*call.args, **call.kwargs).arguments
+    assert set(bound) == {p["name"] for p in signatures.record(mapping.QCMP_OP)["params"]}
+    for p in ("x", "wkv", "wgate"):  # uint8 views of the caller's bytes
+        assert bound[p].dtype == torch.uint8 and _same_memory(bound[p], a[p]), p
+    for p in ("state_cache", "ape", "x_descale", "wkv_descale", "wgate_descale"):
+        assert bound[p] is a[p], p
+    assert (bound["quant_mode"], bound["cmp_ratio"], bound["coff"], bound["cache_mode"]) == \
+        (1,) + kw["scenario"][:2] + (kw["cache_mode"],)
+    for p in ("state_block_table", "cu_seqlens", "seqused", "start_pos"):
+        assert (bound[p] is None) is (a[p] is None), p
+        if a[p] is not None:
+            assert bound[p].dtype == torch.int32 and torch.equal(bound[p].long(), a[p].long()), p
+    cmp_kv = torch.zeros(2, dtype=torch.bfloat16)
+    got = call.unpack(cmp_kv)
+    assert got[0] is cmp_kv and got[1] is a["state_cache"]
+
+
+def test_quant_compressor_schema_is_the_upstream_packages():
+    """Read by hand from hicann/ops-transformer@3d7eca4 torch_extension/cann_ops_transformer/ops/quant_compressor.py
+    (the file is not in the cannmirror snapshot the other package schemas come from)."""
+    rec = signatures.record(mapping.QCMP_OP)
+    assert rec["source"]["repo"] == "hicann/ops-transformer" and rec["source"]["commit"].startswith("3d7eca4")
+    assert rec["source"]["line"] == 38 and rec["returns"] == ["Tensor"]
+    p = {q["name"]: q for q in rec["params"]}
+    assert [n for n, q in p.items() if q["kind"] == "positional"] == ["x", "wkv", "wgate", "state_cache", "ape",
+                                                                        "quant_mode", "cmp_ratio"]
+    assert "default" not in p["quant_mode"] and "default" not in p["cmp_ratio"]
+    assert p["state_cache"]["type"] == "Tensor(a!)"
+    assert [p[n]["type"] for n in ("x_descale", "wkv_descale", "wgate_descale")] == ["Tensor?"] * 3
+    assert (p["coff"]["default"], p["cache_mode"]["default"]) == (1, 1)
+
+
+def test_quant_compressor_exact_precision_is_refused_by_the_npu_limits():
+    a = _cmp_args(quant=True)
+    lim = device.backend_limits("quant_compressor", chip="950", custom_ops=frozenset())
+    assert [c.id for c in lim if c.check(Args(a))] == []
+    assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == ["npu.quant_compressor.precision"]
+
+
+def test_quant_sparse_flash_mla_schema_is_the_upstream_packages():
+    """Read by hand from hicann/ops-transformer@2492330 torch_extension/cann_ops_transformer/ops/
+    quant_sparse_flash_mla.py (the same schemas as at 97deb42; the file is not in the cannmirror snapshot)."""
+    for t, line in ((mapping.QS_OP, 40), (mapping.QS_META_OP, 31)):
+        src = signatures.record(t)["source"]
+        assert (src["repo"], src["commit"][:7], src["line"]) == ("hicann/ops-transformer", "2492330", line)
+    p = {q["name"]: q for q in signatures.record(mapping.QS_OP)["params"]}
+    assert [n for n, q in p.items() if q["kind"] == "positional"] == ["q"]
+    assert {n: p[n]["default"] for n in ("quant_mode", "softmax_scale", "cmp_ratio", "ori_win_left",
+                                          "topk_value_mode")} == dict(quant_mode=None, softmax_scale=None,
+                                                                      cmp_ratio=None, ori_win_left=-1,
+                                                                      topk_value_mode=1)
+    assert [p[n]["type"] for n in ("q_descale", "ori_kv_descale", "cmp_kv_descale")] == ["Tensor?"] * 3
+    assert signatures.record(mapping.QS_OP)["returns"] == ["Tensor", "Tensor"]
+    m = {q["name"]: q for q in signatures.record(mapping.QS_META_OP)["params"]}
+    assert [n for n, q in m.items() if q["kind"] == "positional"] == ["num_heads_q", "num_heads_kv", "head_dim",
+                                                                        "quant_mode"]
+    assert "rope_head_dim" not in m and all(q["default"] is None for q in m.values() if q["kind"] == "keyword_only")
+
+
+def test_quant_sparse_flash_mla_exact_precision_is_refused_by_the_npu_limits():
+    a = _v4_args("quant_sparse_flash_mla")
+    lim = device.backend_limits("quant_sparse_flash_mla", chip="950", custom_ops=frozenset())
+    assert [c.id for c in lim if c.check(Args(a))] == []
+    assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == [
+        "npu.quant_sparse_flash_mla.precision"]

@@ -50,7 +50,7 @@ def test_recorder_cli_reproduces_the_committed_file(tmp_path):
 def test_every_mapping_target_is_recorded():
     expected = {f"torch_npu.{n}" for n in rec.TORCH_NPU_FUNCTIONS} | \
         {f"torch.ops._C_ascend.{n}" for n in rec.CUSTOM_OPS} | \
-        {f"torch.ops.{rec.PACKAGE_NAMESPACE}.{n}" for n in rec.PACKAGE_OPS}
+        {f"torch.ops.{rec.PACKAGE_NAMESPACE}.{n}" for n in (*rec.PACKAGE_OPS, *rec.UPSTREAM_PACKAGE_OPS)}
     assert set(signatures.targets()) == expected
     assert mapping.QSFA_TORCH_NPU in expected and mapping.QSFA_CUSTOM_OP in expected
 
@@ -377,3 +377,12 @@ def test_int_list_schema_type():
     assert signatures.type_problems(mapping.QKV_OP, args + ([16, True, 2],)) == [
         f"{mapping.QKV_OP}: head_nums expects int[], got [16, True, 2]"]
     assert signatures.type_problems(mapping.QKV_OP, args + (16,)) == [f"{mapping.QKV_OP}: head_nums expects int[], got 16"]
+
+
+def test_extract_package_ops_names_the_repository_it_read():
+    source = 'class B(OpBuilder):\n    def schema(self):\n        return "toy(Tensor(a!) s, int r) -> Tensor"\n'
+    out = rec.extract_package_ops({"toy.py": source}, "abc", names={"toy": "toy.py"}, repo=rec.UPSTREAM_REPO)
+    assert out["torch.ops.cann_ops_transformer.toy"]["source"]["repo"] == "hicann/ops-transformer"
+    assert rec.extract_package_ops({"toy.py": source}, "abc", names={"toy": "toy.py"})[
+        "torch.ops.cann_ops_transformer.toy"]["source"]["repo"] == rec.PACKAGE_REPO == "cannmirror/ops-transformer"
+    assert set(rec.PACKAGE_OPS).isdisjoint(rec.UPSTREAM_PACKAGE_OPS)

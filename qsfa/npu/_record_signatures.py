@@ -26,7 +26,9 @@ Procedure (no torch or torch_npu import is needed; the files are parsed as text)
 4. The ``cann_ops_transformer`` part (ops-transformer's ``torch_extension`` package) is kept as it is unless
    ``--ops-transformer DIR --ops-transformer-commit SHA`` is given: DIR is an ops-transformer checkout at SHA;
    the schema strings returned by each OpBuilder's ``schema()`` in ``torch_extension/cann_ops_transformer/ops/``
-   are parsed for :data:`PACKAGE_OPS`.
+   are parsed for :data:`PACKAGE_OPS`. Likewise ``--upstream-ops-transformer DIR SHA`` (a hicann/ops-transformer
+   checkout at SHA; repeatable) for the ops of :data:`UPSTREAM_PACKAGE_OPS` whose file DIR has; records not
+   re-read are kept as they are.
 
 ``tests/test_npu_signatures.py`` re-runs step 2 against ``/tmp/npuwheel/torch_npu`` (or
 ``$QSFA_TORCH_NPU_DIR``) when it exists and fails if the recorded data is not current.
@@ -56,6 +58,9 @@ __all__ = [
     "extract_package_ops",
     "PACKAGE_OPS",
     "PACKAGE_NAMESPACE",
+    "PACKAGE_REPO",
+    "UPSTREAM_REPO",
+    "UPSTREAM_PACKAGE_OPS",
     "main",
 ]
 
@@ -91,8 +96,20 @@ PACKAGE_OPS = {
     "quant_lightning_indexer": "quant_lightning_indexer.py",
     "quant_lightning_indexer_metadata": "quant_lightning_indexer.py",
     "qkv_rms_norm_rope_cache_with_k_scale_": "qkv_rms_norm_rope_cache_with_k_scale.py",
+    "compressor": "compressor.py",
 }
 PACKAGE_OPS_DIR = "torch_extension/cann_ops_transformer/ops"
+#: the repository the PACKAGE_OPS schemas are read from
+PACKAGE_REPO = "cannmirror/ops-transformer"
+#: ops of the same package whose OpBuilder file exists only in the upstream repository (not in the cannmirror
+#: snapshot the rest is recorded from): op name -> file, read from :data:`UPSTREAM_REPO` checkouts (each op from the
+#: checkout that has its file; they may be at different commits)
+UPSTREAM_REPO = "hicann/ops-transformer"
+UPSTREAM_PACKAGE_OPS = {
+    "quant_compressor": "quant_compressor.py",
+    "quant_sparse_flash_mla": "quant_sparse_flash_mla.py",
+    "quant_sparse_flash_mla_metadata": "quant_sparse_flash_mla.py",
+}
 
 META_FILE = "op_plugin/meta/_meta_registrations.py"
 SCHEMA_FILE = "csrc/aten/npu_native_functions_by_codegen.yaml"
@@ -338,9 +355,9 @@ def _schema_strings(py_source: str):
                     yield item.lineno, item.value
 
 
-def extract_package_ops(sources: dict, commit: str, names=PACKAGE_OPS) -> dict:
+def extract_package_ops(sources: dict, commit: str, names=PACKAGE_OPS, repo: str = PACKAGE_REPO) -> dict:
     """Schemas of the ``cann_ops_transformer`` ops ``names`` (op -> file name) from ``sources`` (file name -> the
-    text of ``torch_extension/cann_ops_transformer/ops/<file>`` at ops-transformer ``commit``)."""
+    text of ``torch_extension/cann_ops_transformer/ops/<file>`` at ``repo``'s ``commit``)."""
     out = {}
     for op, fname in names.items():
         for line, text in _schema_strings(sources[fname]):
@@ -352,7 +369,7 @@ def extract_package_ops(sources: dict, commit: str, names=PACKAGE_OPS) -> dict:
             parsed = parse_schema(schema)
             out[f"torch.ops.{PACKAGE_NAMESPACE}.{op}"] = {
                 "source": {"origin": "ops-transformer torch_extension package cann_ops_transformer (OpBuilder.schema)",
-                           "repo": "cannmirror/ops-transformer", "commit": commit,
+                           "repo": repo, "commit": commit,
                            "file": f"{PACKAGE_OPS_DIR}/{fname}", "line": line},
                 "schema": schema,
                 "params": parsed["params"],
@@ -376,6 +393,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-commit", help="the commit that file was read at")
     ap.add_argument("--ops-transformer", help="an ops-transformer checkout (for the cann_ops_transformer ops)")
     ap.add_argument("--ops-transformer-commit", help="the commit that checkout is at")
+    ap.add_argument("--upstream-ops-transformer", nargs=2, action="append", default=[], metavar=("DIR", "SHA"),
+                    help=f"a {UPSTREAM_REPO} checkout and its commit (for UPSTREAM_PACKAGE_OPS; repeatable)")
     ap.add_argument("--out", default=str(JSON_PATH))
     ns = ap.parse_args(argv)
     old = json.loads(Path(ns.out).read_text()) if Path(ns.out).exists() else {}
@@ -391,8 +410,16 @@ def main(argv=None) -> int:
         if not ns.ops_transformer_commit:
             ap.error("--ops-transformer-commit is required with --ops-transformer")
         root = Path(ns.ops_transformer) / PACKAGE_OPS_DIR
-        package = extract_package_ops({f: (root / f).read_text(encoding="utf-8") for f in set(PACKAGE_OPS.values())},
-                                      ns.ops_transformer_commit)
+        package = {k: v for k, v in package.items() if v["source"]["repo"] != PACKAGE_REPO}
+        package.update(extract_package_ops({f: (root / f).read_text(encoding="utf-8") for f in set(PACKAGE_OPS.values())},
+                                           ns.ops_transformer_commit))
+    for checkout, commit in ns.upstream_ops_transformer:
+        root = Path(checkout) / PACKAGE_OPS_DIR
+        names = {op: f for op, f in UPSTREAM_PACKAGE_OPS.items() if (root / f).exists()}
+        if not names:
+            ap.error(f"{checkout} has none of the files of UPSTREAM_PACKAGE_OPS under {PACKAGE_OPS_DIR}")
+        package.update(extract_package_ops({f: (root / f).read_text(encoding="utf-8") for f in set(names.values())},
+                                           commit, names, UPSTREAM_REPO))
     if not custom:
         ap.error("no vLLM-Ascend custom-op record yet: pass --vllm-binding and --vllm-commit")
     if not package:

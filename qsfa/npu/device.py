@@ -180,7 +180,8 @@ def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[
     out: list[Constraint] = []
     if op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention", "sparse_attn_sharedkv",
               "kv_quant_sparse_attn_sharedkv", "sparse_flash_mla", "mixed_quant_sparse_flash_mla",
-              "quant_lightning_indexer_v2"):
+              "quant_lightning_indexer_v2", "compressor", "quant_compressor",
+              "quant_sparse_flash_mla"):
         out.append(_precision_faithful(op))
     if op == "kv_quant_sparse_flash_attention":
         custom = "npu_kv_quant_sparse_flash_attention"

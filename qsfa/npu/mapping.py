@@ -41,6 +41,13 @@ Routing (settled from public sources):
 * ``quant_lightning_indexer_v2`` / ``qkv_rms_norm_rope_cache_with_k_scale``: the same package's
   ``quant_lightning_indexer`` (after ``quant_lightning_indexer_metadata`` when ``metadata`` is None) and the in-place
   ``qkv_rms_norm_rope_cache_with_k_scale_``.
+* ``compressor``: the same package's ``compressor`` (Atlas A3, Ascend 950), ``state_cache`` in place (the schema's
+  ``Tensor(a!)``); it returns ``cmp_kv`` and the state comes back as the caller's tensor. ``quant_compressor``: the
+  package's ``quant_compressor`` (Ascend 950; schema from hicann/ops-transformer, see signatures.json), the same way,
+  with the HiFloat8 ``x`` / ``wkv`` / ``wgate`` as uint8 views (its doc's dtype for HIFLOAT8).
+* ``quant_sparse_flash_mla``: the package's ``quant_sparse_flash_mla`` (Ascend 950; schema from
+  hicann/ops-transformer), after ``quant_sparse_flash_mla_metadata`` when ``metadata`` is None, as sparse_flash_mla;
+  HiFloat8 q / ori_kv / cmp_kv as uint8 views.
 * dtype codes: torch_npu takes integer dtype codes (``op_plugin/meta/_meta_registrations.py``
   TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP / TORCH_NPU_DTYPE_TO_STRING_MAP): int8 1,
   hifloat8 290 (``torch_npu.hifloat8``, carried in uint8 tensors), float8_e5m2 291, float8_e4m3fn 292 (the
@@ -99,6 +106,10 @@ SPKS_OP = f"torch.ops.{PACKAGE}.scatter_pa_kv_cache_with_k_scale"
 QLI2_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer"
 QLI2_META_OP = f"torch.ops.{PACKAGE}.quant_lightning_indexer_metadata"
 QKV_OP = f"torch.ops.{PACKAGE}.qkv_rms_norm_rope_cache_with_k_scale_"
+CMP_OP = f"torch.ops.{PACKAGE}.compressor"
+QCMP_OP = f"torch.ops.{PACKAGE}.quant_compressor"
+QS_OP = f"torch.ops.{PACKAGE}.quant_sparse_flash_mla"
+QS_META_OP = f"torch.ops.{PACKAGE}.quant_sparse_flash_mla_metadata"
 
 #: qsfa format name -> torch_npu integer dtype code (see the module docstring for the source).
 DTYPE_CODES = {"int8": 1, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292}
@@ -163,21 +174,6 @@ IGNORED = {
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
 NOT_MAPPED = {
-    "compressor": (
-        "its callable, cann_ops_transformer.ops.compressor(x, wkv, wgate, state_cache, ape, cmp_ratio=, "
-        "state_block_table=, cu_seqlens=, seqused=, start_pos=, coff=, cache_mode=) -> cmp_kv (ops-transformer "
-        "attention/compressor/, the call of its tests/pytest/compressor_golden.py; Atlas A3 and Ascend 950), is in "
-        "the cann_ops_transformer package the npu backend loads lazily, but no mapping is written and its schema is "
-        "not recorded in signatures.json yet; vLLM-Ascend's "
-        "torch.ops._C_ascend.compressor (csrc/torch_binding.cpp) is a different variant - it adds norm_weight, "
-        "rope_sin, rope_cos, rope_head_dim, norm_eps and rotary_mode (RMSNorm and RoPE of the rows) and sizes a TH "
-        "output by rope_sin.size(0) - so it cannot run this operator"),
-    "quant_compressor": (
-        "its callable, torch.ops.custom.quant_compressor(x, wkv, wgate, state_cache, ape, x_descale=, wkv_descale=, "
-        "wgate_descale=, state_block_table=, cu_seqlens=, seqused=, start_pos=, quant_mode=, cmp_ratio=, coff=, "
-        "cache_mode=) (the call of ops-transformer experimental/attention/quant_compressor/tests/pytest/"
-        "compressor_golden.py), comes from the experimental build's custom_ops package, which the npu backend does not "
-        "load; neither torch_npu 2.14.0 nor vLLM-Ascend's _C_ascend has it"),
     "kv_compress_epilog": (
         "torch_npu 2.14.0 exposes no KvCompressEpilog function (absent from op_plugin/meta/_meta_registrations.py "
         "and the codegen yaml); vLLM-Ascend's torch.ops._C_ascend.kv_compress_epilog (csrc/torch_binding.cpp, "
@@ -198,12 +194,6 @@ NOT_MAPPED = {
     "formats.decode": "no torch_npu function decodes raw format codes to float32",
     "formats.pack_fp4": "no torch_npu function packs FP4 codes",
     "formats.unpack_fp4": "no torch_npu function unpacks FP4 codes",
-    "quant_sparse_flash_mla": (
-        "mapping not written yet: the callable is cann_ops_transformer.quant_sparse_flash_mla(q, quant_mode, *, ...) "
-        "with quant_sparse_flash_mla_metadata first (hicann/ops-transformer@0568343 torch_extension/"
-        "cann_ops_transformer/docs/zh/quant_sparse_flash_mla.md); torch_npu 2.14.0 (every file of the wheel), "
-        "vllm-project/vllm-ascend@182b75e and Ascend/op-plugin@517f2e7 have no quant_sparse_flash_mla; its "
-        "signature is not recorded in signatures.json"),
 }
 
 
@@ -649,6 +639,8 @@ _KQS_PARAMS = _SAS_PARAMS + ("kv_quant_mode", "tile_size", "rope_head_dim")
 _SFM_PARAMS = _V4_COMMON + ("seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length",
                             "cmp_topk_length", "topk_value_mode")
 _MQ_PARAMS = _SFM_PARAMS + ("quant_mode", "rope_head_dim")
+_QS_DESCALES = ("q_descale", "ori_kv_descale", "cmp_kv_descale")
+_QS_PARAMS = _SFM_PARAMS + ("quant_mode",) + _QS_DESCALES
 _V4_LENGTHS = ("cu_seqlens_q", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", "seqused_kv", "seqused_ori_kv",
                "seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length", "cmp_topk_length")
 
@@ -755,6 +747,12 @@ def mq_metadata_call(a: Mapping) -> NpuCall:
     return NpuCall(MQ_META_OP, _v4_heads(a) + (int(a["quant_mode"]),), kw, unpack=lambda r: (r,))
 
 
+def qs_metadata_call(a: Mapping) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.quant_sparse_flash_mla_metadata`` (sparse_flash_mla's arguments plus the
+    positional quant_mode)."""
+    return NpuCall(QS_META_OP, _v4_heads(a) + (int(a["quant_mode"]),), _sfm_meta_kwargs(a), unpack=lambda r: (r,))
+
+
 def map_sparse_attn_sharedkv(a: Mapping, ctx: NpuContext) -> NpuCall:
     """vLLM-Ascend's ``torch.ops._C_ascend.npu_sparse_attn_sharedkv`` (q positional, the rest keyword-only)."""
     _check_params("sparse_attn_sharedkv", a, _SAS_PARAMS)
@@ -794,6 +792,18 @@ def map_mixed_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
               quant_mode=int(a["quant_mode"]), rope_head_dim=int(a["rope_head_dim"]), key_dtype=None,
               value_dtype=None)
     return NpuCall(MQ_OP, (a["q"],), kw, unpack=_v4_unpack(a))
+
+
+def map_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.quant_sparse_flash_mla``: q / ori_kv / cmp_kv as uint8 views of the HiFloat8
+    codes (the package wraps them as ACL_HIFLOAT8; the schema has no dtype argument), the per-tensor descales as
+    given, every value explicit (the schema's quant_mode / softmax_scale / cmp_ratio default to None)."""
+    _check_params("quant_sparse_flash_mla", a, _QS_PARAMS)
+    kw = _v4_kwargs(a, "hifloat8")
+    kw.update({p: a[p] for p in _QS_DESCALES})
+    kw.update(metadata=_metadata(a, qs_metadata_call), topk_value_mode=int(a["topk_value_mode"]),
+              quant_mode=int(a["quant_mode"]))
+    return NpuCall(QS_OP, (_as_format(a["q"], "hifloat8"),), kw, unpack=_v4_unpack(a))
 
 
 # --------------------------------------------------------------------- cann_ops_transformer cache writers
@@ -897,6 +907,42 @@ def map_qkv_rms_norm_rope_cache_with_k_scale(a: Mapping, ctx: NpuContext) -> Npu
                    unpack=lambda r: (r[0], r[1], a["k_cache"], a["v_cache"], a["k_scale_cache"]))
 
 
+_CMP_TABLES = ("state_block_table", "cu_seqlens", "seqused", "start_pos")
+
+
+_CMP_COMMON = ("x", "wkv", "wgate", "state_cache", "ape", "cmp_ratio", "coff", "cache_mode") + _CMP_TABLES
+_QCMP_DESCALES = ("x_descale", "wkv_descale", "wgate_descale")
+
+
+def _compressor_call(op: str, a: Mapping, quant: bool) -> NpuCall:
+    tensors = [a[n] for n in ("x", "wkv", "wgate", "state_cache", "ape")]
+    if quant:  # HiFloat8 codes: uint8 views of the caller's bytes
+        tensors[:3] = (_as_format(t, "hifloat8") for t in tensors[:3])
+    args = tuple(tensors) + ((int(a["quant_mode"]),) if quant else ()) + (int(a["cmp_ratio"]),)
+    kw = {p: a[p] for p in _QCMP_DESCALES} if quant else {}
+    kw.update({p: _int32(a.get(p)) for p in _CMP_TABLES})
+    kw.update(coff=int(a["coff"]), cache_mode=int(a["cache_mode"]))
+    return NpuCall(op, args, kw, unpack=lambda r: (r, a["state_cache"]))
+
+
+def map_compressor(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.compressor``: x, wkv, wgate, state_cache, ape and cmp_ratio positional, the
+    rest keyword-only, every value explicit (the schema's defaults cmp_ratio=4, coff=1, cache_mode=1 are never
+    relied on); index tensors as int32. ``state_cache`` (``Tensor(a!)``) is the caller's float32 tensor, updated in
+    place; the op returns ``cmp_kv`` alone."""
+    _check_params("compressor", a, _CMP_COMMON)
+    return _compressor_call(CMP_OP, a, quant=False)
+
+
+def map_quant_compressor(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """``torch.ops.cann_ops_transformer.quant_compressor``: as :func:`map_compressor` with ``quant_mode`` between
+    ape and cmp_ratio (both positional, no default), the three descales keyword-only, and x / wkv / wgate as uint8
+    views of the HiFloat8 codes (hicann/ops-transformer@3d7eca4 ``torch_extension/cann_ops_transformer/docs/zh/
+    quant_compressor.md``: uint8 carries HIFLOAT8)."""
+    _check_params("quant_compressor", a, _CMP_COMMON + _QCMP_DESCALES + ("quant_mode",))
+    return _compressor_call(QCMP_OP, a, quant=True)
+
+
 #: operator name -> mapping function
 MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_quant_sparse_flash_attention": map_kv_quant_sparse_flash_attention,
@@ -917,6 +963,9 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "scatter_pa_kv_cache_with_k_scale": map_scatter_pa_kv_cache_with_k_scale,
     "quant_lightning_indexer_v2": map_quant_lightning_indexer_v2,
     "qkv_rms_norm_rope_cache_with_k_scale": map_qkv_rms_norm_rope_cache_with_k_scale,
+    "compressor": map_compressor,
+    "quant_compressor": map_quant_compressor,
+    "quant_sparse_flash_mla": map_quant_sparse_flash_mla,
 }
 
 
