@@ -23,7 +23,7 @@ Paths (builder parameter ``path``):
   attention ``kv_quant_sparse_attn_sharedkv`` (kv_quant_mode 1, tile 64, rope 64).
 
 The CSA and HCA chains start with link ``compressor`` (the ``compressor`` operator, cache_mode 1, C4A ``cmp_ratio`` 4
-/ ``coff`` 2 on CSA, C128A 128 / 1 on HCA, D 512; the dispatch adaptors' ``compressor`` call), fed the step's hidden
+/ ``coff`` 2 on CSA, C128A 128 / 1 on HCA, D 512), fed the step's hidden
 rows ``x`` (TH, the query's ``cu_seqlens_q``), ``wkv`` / ``wgate`` / ``ape``, the fp32 ``state_cache`` with its
 ``state_block_table`` and ``start_pos`` (each request's length before the step); link ``cmp_cache`` writes its
 ``cmp_kv`` (:data:`CMP_ROWS`) as it comes. The compressor packs its rows: one per group the step completes, request
@@ -39,8 +39,8 @@ import numpy as np
 
 from .chain import Chain, ChainError, chain_from_dict, register_chain
 
-__all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "CMP_SCENARIOS", "RATIOS",
-           "V4_PATHS", "V4_CHAINS"]
+__all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "CMP_SCENARIOS",
+           "RATIOS", "V4_PATHS", "V4_CHAINS"]
 
 #: what link cmp_cache writes: the compressor link's packed rows (module docstring)
 CMP_ROWS = "$compressor.cmp_kv"
@@ -245,9 +245,9 @@ def gen_v4_layer(params, rng):
     first = np.concatenate([[0], np.cumsum(n_cmp)])
     pick = np.array([first[b] + j if j >= 0 else -1 for b, j in step], np.int64)
     step_slots = np.where(pick >= 0, cslots[np.maximum(pick, 0)] if cslots.size else -1, -1)
-    # the compressor link: the step's hidden rows, weights (about randn 0.03: kv of std ~0.5), ape, and the fp32 state of
-    # each request's last coff groups before the step (the only positions the step's groups read; randn, kv part
-    # * 0.5), in pages of block_size; every other table entry is 0 (block 0: not written, not read)
+    # the compressor link: the step's hidden rows, weights (about randn 0.03: kv of std ~0.5), ape, and the fp32
+    # state of each request's last coff groups before the step (the only positions the step's groups read; randn,
+    # kv part * 0.5), in pages of block_size; every other table entry is 0 (block 0: not written, not read)
     coff, start = CMP_SCENARIOS[kind][1], kv_lens - q_lens
     cd = coff * D
     lo = np.maximum(start // ratio - (coff - 1), 0) * ratio

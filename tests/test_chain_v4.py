@@ -44,16 +44,18 @@ def u8(a):
 def test_links_and_operators_per_kind_and_path():
     want = {
         ("swa", "bf16"): [("ori_cache", "scatter_by_slot"), ("attention", "sparse_attn_sharedkv")],
-        ("hca", "bf16"): [("compressor", "compressor"), ("ori_cache", "scatter_by_slot"), ("cmp_cache", "scatter_by_slot"),
-                          ("attention", "sparse_attn_sharedkv")],
-        ("csa", "bf16"): [("compressor", "compressor"), ("ori_cache", "scatter_by_slot"), ("cmp_cache", "scatter_by_slot"),
-                          ("index_cache", "scatter_by_slot"), ("index_scale", "scatter_by_slot"),
+        ("hca", "bf16"): [("compressor", "compressor"), ("ori_cache", "scatter_by_slot"),
+                          ("cmp_cache", "scatter_by_slot"), ("attention", "sparse_attn_sharedkv")],
+        ("csa", "bf16"): [("compressor", "compressor"), ("ori_cache", "scatter_by_slot"),
+                          ("cmp_cache", "scatter_by_slot"), ("index_cache", "scatter_by_slot"),
+                          ("index_scale", "scatter_by_slot"),
                           ("indexer", "vllm_quant_lightning_indexer"), ("attention", "sparse_attn_sharedkv")],
         ("swa", "fp8"): [("ori_cache", "kv_compress_epilog_vllm"), ("attention", "kv_quant_sparse_attn_sharedkv")],
-        ("hca", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"), ("cmp_cache", "kv_compress_epilog_vllm"),
-                         ("attention", "kv_quant_sparse_attn_sharedkv")],
-        ("csa", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"), ("cmp_cache", "kv_compress_epilog_vllm"),
-                         ("index_cache", "indexer_compress_epilog_v2"), ("indexer", "vllm_quant_lightning_indexer"),
+        ("hca", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
+                         ("cmp_cache", "kv_compress_epilog_vllm"), ("attention", "kv_quant_sparse_attn_sharedkv")],
+        ("csa", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
+                         ("cmp_cache", "kv_compress_epilog_vllm"), ("index_cache", "indexer_compress_epilog_v2"),
+                         ("indexer", "vllm_quant_lightning_indexer"),
                          ("attention", "kv_quant_sparse_attn_sharedkv")],
     }
     for (kind, path), links in want.items():
