@@ -156,6 +156,41 @@ def test_a_decode_step_writes_the_compressors_packed_rows_and_skips_the_padding(
         assert v["attention.attention_out"].shape == (3, 64, 512)
 
 
+def test_the_compressor_link_reads_the_generated_state_and_the_steps_token():
+    """Each completed row recomputed here in float64 from the chain inputs (the state rows of the group's earlier
+    positions at state_block_table[b, p // 16], the step's token projected with wkv / wgate plus ape[p % r], a
+    per-column softmax over the group's slots; coff 2 also weighs the previous group in columns [0, D)) is the
+    compressor link's bf16 row within bf16 rounding: the chain feeds it the right state, positions and ape."""
+    for kind, shape in (("csa", DECODE), ("hca", {"q_lens": [1, 1, 1], "kv_lens": [256, 140, 37], "block_size": 16})):
+        r, coff = V.CMP_SCENARIOS[kind]
+        for path, chip in PATHS:
+            p, x, ch = case(kind, shape, path, chip)
+            got = C.run_chain(ch, x, chip=chip, until="ori_cache")["compressor.cmp_kv"].astype(np.float64)
+            f64 = {k: x[k].astype(np.float64) for k in ("x", "wkv", "wgate", "ape", "state_cache")}
+            cd, done = coff * 512, 0
+            for b, kv in enumerate(shape["kv_lens"]):
+                if kv % r:
+                    continue
+                g, last = kv // r - 1, kv - 1  # the group the step's token completes; the token's position
+                pos = np.arange((g - coff + 1) * r, (g + 1) * r)  # coff 2: the previous group, then its own
+                rows = np.zeros((pos.size, 2 * cd))
+                for i, q in enumerate(pos):
+                    if q == last:
+                        rows[i, :cd] = f64["x"][b] @ f64["wkv"].T
+                        rows[i, cd:] = f64["x"][b] @ f64["wgate"].T + f64["ape"][q % r]
+                    elif q >= 0:
+                        rows[i] = f64["state_cache"][x["state_block_table"][b, q // 16], q % 16]
+                col = np.repeat(np.arange(coff), r)[:, None] * 512 + np.arange(512)  # [slots, D] column picked
+                kvs = np.take_along_axis(rows[:, :cd], col, 1)
+                sc = np.where((pos >= 0)[:, None], np.take_along_axis(rows[:, cd:], col, 1), -np.inf)
+                w = np.exp(sc - sc.max(0))
+                want = (w / w.sum(0) * kvs).sum(0)
+                err = np.abs(got[done] - want)
+                assert (err <= np.abs(want) * 2.0 ** -8 + 2.0 ** -20).all(), (kind, path, b, err.max())
+                done += 1
+            assert done and not got[done:].any(), (kind, path)
+
+
 # --------------------------------------------------------------------------------------------------
 # golden sets and compare --chain
 
