@@ -18,6 +18,8 @@ vllm_quant_lightning_indexer, kv_quant_sparse_attn_sharedkv): a decode step, B =
 context each, 64 query heads, ``v4-csa`` (cmp_ratio 4, the indexer's top-1024 plus the 128-token window) and
 ``v4-hca`` (cmp_ratio 128, every compressed token plus the window). Baselines per link:
 
+* ``compressor``: the float64 GEMM of its two projections, ``[B, 1024] @ [1024, 2 * coff * 512]`` (coff 2 on CSA,
+  1 on HCA; the chain's hidden size is 1024);
 * ``indexer``: the float64 GEMM of its scores over the compressed keys, ``[B, 64, 128] @ [B, 128, S_kv / 4]``;
 * ``attention``: the two float64 GEMMs over the tokens one row attends, ``[B, 64, 512] @ [B, 512, K]`` and
   ``[B, 64, K] @ [B, K, 512]``, K = 128 + 1024 (CSA) or 128 + S_kv / 128 (HCA);
@@ -96,6 +98,7 @@ def _copy_floor(tensors, key):
 def run_v4(quick: bool = False, kv: int | None = None) -> list[dict]:
     """The V4 layer chains v4-csa (top-1024) and v4-hca, 950 FP8 path, decode, B = 4 (module docstring)."""
     from qsfa import chain as C
+    from qsfa import chain_v4 as V
     from qsfa.golden.generators import get_generator
 
     kvn = kv or (512 if quick else 65536)
@@ -114,7 +117,10 @@ def run_v4(quick: bool = False, kv: int | None = None) -> list[dict]:
         x = get_generator(f"v4-{kind}")(p, np.random.default_rng(0))
         tensors = C.run_chain(ch, x, chip="950")
         k = 128 + (topk if topk else kvn // 128)
+        cd = 2 * V.CMP_SCENARIOS[kind][1] * 512  # wkv and wgate stacked
         floors = {
+            "compressor": (f"float64 GEMM [{b},{V.HIDDEN}]@[{V.HIDDEN},{cd}]",
+                           (lambda a=g(b, V.HIDDEN), w=g(V.HIDDEN, cd): a @ w)),
             "indexer": (f"float64 GEMM [{b},64,128]@[{b},128,{kvn // 4}]",
                         (lambda a=g(b, 64, 128), c=g(b, 128, kvn // 4): a @ c)),
             "attention": (f"float64 GEMMs [{b},{heads},512]@[{b},512,{k}], [{b},{heads},{k}]@[{b},{k},512]",

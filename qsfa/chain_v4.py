@@ -22,12 +22,15 @@ Paths (builder parameter ``path``):
   float8_e4m3fn ``[blocks, block_size, 1, 128]`` and its scales region as float32 ``[blocks, block_size, 1]``);
   attention ``kv_quant_sparse_attn_sharedkv`` (kv_quant_mode 1, tile 64, rope 64).
 
-The compressor is not a link yet: the compressed KV rows (``cmp_kv_rows``) and the indexer's compressed key rows
-(``index_k_rows``, with ``index_k_scale_rows`` on A3) are chain inputs. To prepend a ``compressor`` link, add it
-first in :func:`v4_layer`'s link list and replace the argument :data:`CMP_ROWS` (the ``x`` / ``rows`` argument of
-link ``cmp_cache``) with ``"$compressor.<output>"``; nothing else changes. Decode writes one compressed row per
-request (slot -1 where the request's new length is no multiple of cmp_ratio, as vLLM-Ascend pads a decode slot
-mapping); prefill writes the rows its tokens complete (one slot -1 row when none).
+The CSA and HCA chains start with link ``compressor`` (the ``compressor`` operator, cache_mode 1, C4A ``cmp_ratio`` 4
+/ ``coff`` 2 on CSA, C128A 128 / 1 on HCA, D 512), fed the step's hidden
+rows ``x`` (TH, the query's ``cu_seqlens_q``), ``wkv`` / ``wgate`` / ``ape``, the fp32 ``state_cache`` with its
+``state_block_table`` and ``start_pos`` (each request's length before the step); link ``cmp_cache`` writes its
+``cmp_kv`` (:data:`CMP_ROWS`) as it comes. The compressor packs its rows: one per group the step completes, request
+after request, then padding up to ``min(T, T // cmp_ratio + B)`` rows. ``cmp_slot_mapping`` has one entry per
+compressor row: the cache slot of the i-th completed group, -1 for every padding row (so a decode step of B
+requests writes B rows, the completed groups first; a request completing none writes nothing). The indexer's
+compressed key rows (``index_k_rows``, with ``index_k_scale_rows`` on A3) are chain inputs in the same row order.
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ import numpy as np
 
 from .chain import Chain, ChainError, chain_from_dict, register_chain
 
-__all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "RATIOS",
-           "V4_PATHS", "V4_CHAINS"]
+__all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "CMP_SCENARIOS",
+           "RATIOS", "V4_PATHS", "V4_CHAINS"]
 
-#: the chain input a compressor link would produce (the compressed KV rows of this step)
-CMP_ROWS = "$input.cmp_kv_rows"
+#: what link cmp_cache writes: the compressor link's packed rows (module docstring)
+CMP_ROWS = "$compressor.cmp_kv"
+#: kind -> (cmp_ratio, coff) of the compressor link (C4A on CSA, C128A on HCA; D 512 both)
+CMP_SCENARIOS = {"csa": (4, 2), "hca": (128, 1)}
+HIDDEN = 1024  # the chain's hidden size: the compressor's smallest (DeepSeek-V4 has 7168; cost, not numerics)
 RATIOS = {"swa": 1, "csa": 4, "hca": 128}
 #: path -> (chip of the golden sets, attention operator)
 V4_PATHS = {"bf16": ("A3", "sparse_attn_sharedkv"), "fp8": ("950", "kv_quant_sparse_attn_sharedkv")}
@@ -71,7 +77,14 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
     inputs = ["q", "kv_rows", "slot_mapping", "ori_cache", "ori_block_table", "cu_seqlens_q", "seqused_kv", "sinks"]
     links = [_writer("ori_cache", path, "$input.ori_cache", "$input.kv_rows", "$input.slot_mapping")]
     if kind != "swa":
-        inputs += ["cmp_kv_rows", "cmp_slot_mapping", "cmp_cache", "cmp_block_table"]
+        inputs += ["x", "wkv", "wgate", "ape", "state_cache", "state_block_table", "start_pos", "cmp_slot_mapping",
+                   "cmp_cache", "cmp_block_table"]
+        links.insert(0, {"name": "compressor", "op": "compressor",
+                         "args": {"x": "$input.x", "wkv": "$input.wkv", "wgate": "$input.wgate",
+                                  "state_cache": "$input.state_cache", "ape": "$input.ape",
+                                  "state_block_table": "$input.state_block_table", "cu_seqlens": "$input.cu_seqlens_q",
+                                  "start_pos": "$input.start_pos", "cmp_ratio": ratio,
+                                  "coff": CMP_SCENARIOS[kind][1], "cache_mode": 1}})
         links.append(_writer("cmp_cache", path, "$input.cmp_cache", CMP_ROWS, "$input.cmp_slot_mapping"))
     if kind == "csa":
         inputs += ["index_query", "index_query_scale", "index_weights", "index_k_rows", "index_cache",
@@ -141,21 +154,25 @@ for _name, _builder in V4_CHAINS.items():
 # inputs
 
 
-def _cmp_rows(q_lens, kv_lens, ratio: int, decode: bool):
-    """Per compressed row of this step: (request, compressed position or -1). Decode: one row per request (-1: none
-    completed); prefill: the rows the step's tokens complete, or one -1 row when there are none."""
+def _cmp_rows(q_lens, kv_lens, ratio: int):
+    """The compressor's output rows of this step: (request, compressed position) per group the step completes,
+    request after request, then (-1, -1) padding up to ``min(T, T // ratio + B)`` rows (module docstring)."""
     rows = []
     for b, (q, kv) in enumerate(zip(q_lens, kv_lens)):
-        done = range((kv - q) // ratio, kv // ratio)
-        if decode:
-            rows.append((b, done[0] if len(done) else -1))
-        else:
-            rows += [(b, j) for j in done]
-    return rows or [(0, -1)]
+        rows += [(b, j) for j in range((kv - q) // ratio, kv // ratio)]
+    t = int(sum(q_lens))
+    return rows + [(-1, -1)] * (min(t, t // ratio + len(q_lens)) - len(rows))
 
 
-def _is_decode(q_lens) -> bool:
-    return all(int(q) == 1 for q in q_lens)
+def _weights(rng, shape):
+    """Compressor weights: ``0.03 * N(0, 1)`` on a grid of 2^-11, clipped to +-255 steps (every value exact in bf16).
+    The grid bounds each weight row's exponent span, so the faithful reference proves every projection's RN32 from
+    the float64 product without exact re-summation (its cost with raw randn weights doubled the chain tests' time);
+    the compressor's own golden sets cover unbounded spans."""
+    import ml_dtypes
+
+    k = np.clip(np.rint(rng.standard_normal(shape) * (0.03 * 2 ** 11)), -255, 255)
+    return (k * 2.0 ** -11).astype(ml_dtypes.bfloat16)
 
 
 def gen_v4_layer(params, rng):
@@ -221,15 +238,32 @@ def gen_v4_layer(params, rng):
     cpos = np.concatenate([np.arange(n) for n in n_cmp]).astype(np.int64)
     creq = np.repeat(np.arange(kv_lens.size), n_cmp)
     cslots = ctable[creq, cpos // bs].astype(np.int64) * bs + cpos % bs
-    cvals = randn(rng, (cpos.size, D), "bfloat16", 2.0)
+    cvals = randn(rng, (cpos.size, D), "bfloat16", 0.5)  # the history: rows of the compressor's size
     ck = randn(rng, (cpos.size, INDEX_D), "bfloat16")
     cold = cpos < np.repeat((kv_lens - q_lens) // ratio, n_cmp)
-    step = _cmp_rows(q_lens, kv_lens, ratio, _is_decode(q_lens))
+    step = _cmp_rows(q_lens, kv_lens, ratio)
     first = np.concatenate([[0], np.cumsum(n_cmp)])
     pick = np.array([first[b] + j if j >= 0 else -1 for b, j in step], np.int64)
     step_slots = np.where(pick >= 0, cslots[np.maximum(pick, 0)] if cslots.size else -1, -1)
-    fill = randn(rng, (len(step), D), "bfloat16", 2.0)  # a -1 row's values are read by nobody
-    out.update(cmp_kv_rows=np.where((pick >= 0)[:, None], cvals[np.maximum(pick, 0)] if cvals.size else fill, fill),
+    # the compressor link: the step's hidden rows, weights (about randn 0.03: kv of std ~0.5), ape, and the fp32
+    # state of each request's last coff groups before the step (the only positions the step's groups read; randn,
+    # kv part * 0.5), in pages of block_size; every other table entry is 0 (block 0: not written, not read)
+    coff, start = CMP_SCENARIOS[kind][1], kv_lens - q_lens
+    cd = coff * D
+    lo = np.maximum(start // ratio - (coff - 1), 0) * ratio
+    width = -(-int(start.max() + q_lens.max()) // bs)  # the contract's ceil(Smax / block_size)
+    stable = np.zeros((kv_lens.size, width), np.int32)
+    need = [np.arange(int(lo[b_]) // bs, -(-int(kv_lens[b_]) // bs)) for b_ in range(kv_lens.size)]
+    ids = 1 + rng.permutation(sum(n.size for n in need))
+    k = 0
+    for b_, n in enumerate(need):
+        stable[b_, n] = ids[k:k + n.size]
+        k += n.size
+    state = np.concatenate([rng.standard_normal((k + 1, bs, cd)) * 0.5, rng.standard_normal((k + 1, bs, cd))], -1)
+    out.update(x=randn(rng, (t_q, HIDDEN), "bfloat16", 0.5), wkv=_weights(rng, (cd, HIDDEN)),
+               wgate=_weights(rng, (cd, HIDDEN)),
+               ape=rng.standard_normal((ratio, cd)).astype(np.float32), state_cache=state.astype(np.float32),
+               state_block_table=stable, start_pos=start.astype(np.int32),
                cmp_slot_mapping=step_slots.astype(np.int32 if fp8 else np.int64),
                cmp_cache=write(new_cache(c_blocks + 1), cvals[cold], cslots[cold]), cmp_block_table=ctable)
     if kind != "csa":
@@ -269,14 +303,16 @@ def gen_v4_layer(params, rng):
 
 
 def v4_request_alone(x: dict, params: dict, r: int) -> tuple[dict, slice, np.ndarray]:
-    """Request ``r`` of a V4 chain case (``x`` from :func:`gen_v4_layer`) as a case of its own: its query-token rows,
-    its compressed rows (one -1 row when it has none), its block-table rows and lengths; the caches (holding the
-    other requests' history) as they are. Returns ``(inputs, its query-row slice, its compressed-row indices)``."""
+    """Request ``r`` of a V4 chain case (``x`` from :func:`gen_v4_layer`) as a case of its own: its query-token and
+    hidden rows, its start position, its block-table and state-table rows and lengths, its compressed rows (the
+    compressor's packing for one request: its groups, then -1 padding rows); the caches and the state (holding the
+    other requests' history) as they are. Returns ``(inputs, its query-row slice, the indices of its compressed rows
+    among the batch's)`` - alone, they are its first rows in the same order."""
     q_lens, kv_lens = list(params["q_lens"]), list(params["kv_lens"])
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     rows = slice(int(cu[r]), int(cu[r + 1]))
     out = dict(x)
-    for k in ("q", "kv_rows", "slot_mapping", "index_query", "index_query_scale", "index_weights"):
+    for k in ("q", "kv_rows", "slot_mapping", "index_query", "index_query_scale", "index_weights", "x"):
         if k in x:
             out[k] = x[k][rows]
     out.update(ori_block_table=x["ori_block_table"][r:r + 1], cu_seqlens_q=np.array([0, q_lens[r]], np.int32),
@@ -284,15 +320,17 @@ def v4_request_alone(x: dict, params: dict, r: int) -> tuple[dict, slice, np.nda
     if "actual_seq_lengths_query" in x:
         out["actual_seq_lengths_query"] = np.array([q_lens[r]], np.int32)
     mine = np.array([], np.int64)
-    if "cmp_kv_rows" in x:
+    if "cmp_slot_mapping" in x:
         kind = str(params.get("kind") or params.get("chain", "")).replace("v4-", "")
-        step = _cmp_rows(q_lens, kv_lens, RATIOS[kind], _is_decode(q_lens))
-        mine = np.array([i for i, (b, j) in enumerate(step) if b == r and (j >= 0 or _is_decode(q_lens))], np.int64)
-        take = mine if mine.size else np.array([0])
-        for k in ("cmp_kv_rows", "cmp_slot_mapping", "index_k_rows", "index_k_scale_rows"):
+        ratio = RATIOS[kind]
+        step = _cmp_rows(q_lens, kv_lens, ratio)
+        mine = np.array([i for i, (b, _) in enumerate(step) if b == r], np.int64)
+        n_alone = len(_cmp_rows(q_lens[r:r + 1], kv_lens[r:r + 1], ratio))
+        take = np.concatenate([mine, np.zeros(n_alone - mine.size, np.int64)])  # padding: any row, slot -1
+        for k in ("cmp_slot_mapping", "index_k_rows", "index_k_scale_rows"):
             if k in x:
                 out[k] = x[k][take]
-        if not mine.size:  # no row of its own: one row that writes nothing
-            out["cmp_slot_mapping"] = np.full(1, -1, x["cmp_slot_mapping"].dtype)
-        out["cmp_block_table"] = x["cmp_block_table"][r:r + 1]
+        out["cmp_slot_mapping"][mine.size:] = -1
+        out.update(cmp_block_table=x["cmp_block_table"][r:r + 1], state_block_table=x["state_block_table"][r:r + 1],
+                   start_pos=x["start_pos"][r:r + 1])
     return out, rows, mine

@@ -44,16 +44,18 @@ def u8(a):
 def test_links_and_operators_per_kind_and_path():
     want = {
         ("swa", "bf16"): [("ori_cache", "scatter_by_slot"), ("attention", "sparse_attn_sharedkv")],
-        ("hca", "bf16"): [("ori_cache", "scatter_by_slot"), ("cmp_cache", "scatter_by_slot"),
-                          ("attention", "sparse_attn_sharedkv")],
-        ("csa", "bf16"): [("ori_cache", "scatter_by_slot"), ("cmp_cache", "scatter_by_slot"),
-                          ("index_cache", "scatter_by_slot"), ("index_scale", "scatter_by_slot"),
+        ("hca", "bf16"): [("compressor", "compressor"), ("ori_cache", "scatter_by_slot"),
+                          ("cmp_cache", "scatter_by_slot"), ("attention", "sparse_attn_sharedkv")],
+        ("csa", "bf16"): [("compressor", "compressor"), ("ori_cache", "scatter_by_slot"),
+                          ("cmp_cache", "scatter_by_slot"), ("index_cache", "scatter_by_slot"),
+                          ("index_scale", "scatter_by_slot"),
                           ("indexer", "vllm_quant_lightning_indexer"), ("attention", "sparse_attn_sharedkv")],
         ("swa", "fp8"): [("ori_cache", "kv_compress_epilog_vllm"), ("attention", "kv_quant_sparse_attn_sharedkv")],
-        ("hca", "fp8"): [("ori_cache", "kv_compress_epilog_vllm"), ("cmp_cache", "kv_compress_epilog_vllm"),
-                         ("attention", "kv_quant_sparse_attn_sharedkv")],
-        ("csa", "fp8"): [("ori_cache", "kv_compress_epilog_vllm"), ("cmp_cache", "kv_compress_epilog_vllm"),
-                         ("index_cache", "indexer_compress_epilog_v2"), ("indexer", "vllm_quant_lightning_indexer"),
+        ("hca", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
+                         ("cmp_cache", "kv_compress_epilog_vllm"), ("attention", "kv_quant_sparse_attn_sharedkv")],
+        ("csa", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
+                         ("cmp_cache", "kv_compress_epilog_vllm"), ("index_cache", "indexer_compress_epilog_v2"),
+                         ("indexer", "vllm_quant_lightning_indexer"),
                          ("attention", "kv_quant_sparse_attn_sharedkv")],
     }
     for (kind, path), links in want.items():
@@ -61,10 +63,13 @@ def test_links_and_operators_per_kind_and_path():
         assert [(lk.name, lk.op) for lk in ch.links] == links, (kind, path)
         att = ch.links[-1].args
         assert att["cmp_ratio"] == V.RATIOS[kind] and att["layout_kv"] == "PA_ND"
-        if kind != "swa":  # where a compressor link will plug in: the compressed rows of link cmp_cache
+        if kind != "swa":  # the compressor link's packed rows are what link cmp_cache writes
             cmp = next(lk for lk in ch.links if lk.name == "cmp_cache")
-            assert ["input.cmp_kv_rows", "cmp_cache", "x" if path == "fp8" else "rows"] in ch.edges()
-            assert V.CMP_ROWS in json.dumps(cmp.args)
+            assert ["compressor.cmp_kv", "cmp_cache", "x" if path == "fp8" else "rows"] in ch.edges()
+            assert V.CMP_ROWS in json.dumps(cmp.args) and "cmp_kv_rows" not in ch.inputs
+            c = ch.links[0].args
+            assert (c["cmp_ratio"], c["coff"], c["cache_mode"]) == ({"csa": (4, 2, 1), "hca": (128, 1, 1)}[kind])
+            assert ["input.cu_seqlens_q", "compressor", "cu_seqlens"] in ch.edges()
         if kind == "csa":
             assert ["indexer.sparse_indices", "attention", "cmp_sparse_indices"] in ch.edges()
             assert ch.links[-2].args["cmp_ratio"] == 4
@@ -118,12 +123,15 @@ def test_the_a3_caches_hold_the_rows_and_the_history():
     s = x["slot_mapping"]
     assert u8(v["ori_cache.cache"][s // 16, s % 16, 0]).tobytes() == u8(x["kv_rows"]).tobytes()
     # request 0's 5 tokens complete compressed token 0, request 1's tokens 21..23 its token 5: two rows
+    # (the compressor's rows: min(T 8, 8 // 4 + B 2) = 4, the two completed groups first, then padding at slot -1)
     cs = x["cmp_slot_mapping"]
-    assert cs.shape == (2,) and (cs >= 0).all()
-    assert cs.tolist() == [int(x["cmp_block_table"][0, 0]) * 16, int(x["cmp_block_table"][1, 0]) * 16 + 5]
-    assert u8(v["cmp_cache.cache"][cs // 16, cs % 16, 0]).tobytes() == u8(x["cmp_kv_rows"]).tobytes()
-    assert u8(v["index_cache.cache"][cs // 16, cs % 16]).tobytes() == u8(x["index_k_rows"]).tobytes()
-    assert u8(v["index_scale.cache"][cs // 16, cs % 16]).tobytes() == u8(x["index_k_scale_rows"]).tobytes()
+    assert cs.shape == (4,) == v["compressor.cmp_kv"].shape[:1]
+    assert cs.tolist() == [int(x["cmp_block_table"][0, 0]) * 16, int(x["cmp_block_table"][1, 0]) * 16 + 5, -1, -1]
+    cs = cs[:2]
+    assert u8(v["cmp_cache.cache"][cs // 16, cs % 16, 0]).tobytes() == u8(v["compressor.cmp_kv"][:2]).tobytes()
+    assert not v["compressor.cmp_kv"][2:].astype(np.float32).any()  # padding rows (zeros here), written nowhere
+    assert u8(v["index_cache.cache"][cs // 16, cs % 16]).tobytes() == u8(x["index_k_rows"][:2]).tobytes()
+    assert u8(v["index_scale.cache"][cs // 16, cs % 16]).tobytes() == u8(x["index_k_scale_rows"][:2]).tobytes()
     # the history: request 1's compressed tokens 0..4 were in the caches already, unchanged
     hist = x["cmp_block_table"][1, 0] * 16 + np.arange(5)
     assert u8(v["cmp_cache.cache"][hist // 16, hist % 16]).tobytes() == \
@@ -131,16 +139,56 @@ def test_the_a3_caches_hold_the_rows_and_the_history():
     assert np.abs(x["cmp_cache"][hist // 16, hist % 16].astype(np.float32)).min(-1).max() > 0  # written, not zeros
 
 
-def test_a_decode_step_writes_one_compressed_row_per_request_or_skips_it():
-    """Decode: one row per request, slot -1 where the new length is no multiple of cmp_ratio (kv 37: none; 20 and
-    64: compressed tokens 4 and 15)."""
+def test_a_decode_step_writes_the_compressors_packed_rows_and_skips_the_padding():
+    """Decode, B 3: the compressor gives B rows, one per completed group first (kv 20 and 64 complete compressed
+    tokens 4 and 15; kv 37 none), then a padding row at slot -1; the cache slots hold its rows byte for byte."""
     for path, chip in PATHS:
         p, x, ch = case("csa", DECODE, path, chip)
         cs = x["cmp_slot_mapping"]
         t = x["cmp_block_table"]
-        assert cs.tolist() == [-1, int(t[1, 0]) * 16 + 4, int(t[2, 0]) * 16 + 15], path
+        assert cs.tolist() == [int(t[1, 0]) * 16 + 4, int(t[2, 0]) * 16 + 15, -1], path
         v = C.run_chain(ch, x, chip=chip)
+        rows = v["compressor.cmp_kv"]
+        f = rows.astype(np.float32)
+        assert rows.shape == (3, 512) and np.abs(f[:2]).max(-1).min() > 0 and not f[2].any()
+        if path == "bf16":
+            assert u8(v["cmp_cache.cache"][cs[:2] // 16, cs[:2] % 16, 0]).tobytes() == u8(rows[:2]).tobytes()
         assert v["attention.attention_out"].shape == (3, 64, 512)
+
+
+def test_the_compressor_link_reads_the_generated_state_and_the_steps_token():
+    """Each completed row recomputed here in float64 from the chain inputs (the state rows of the group's earlier
+    positions at state_block_table[b, p // 16], the step's token projected with wkv / wgate plus ape[p % r], a
+    per-column softmax over the group's slots; coff 2 also weighs the previous group in columns [0, D)) is the
+    compressor link's bf16 row within bf16 rounding: the chain feeds it the right state, positions and ape."""
+    for kind, shape in (("csa", DECODE), ("hca", {"q_lens": [1, 1, 1], "kv_lens": [256, 140, 37], "block_size": 16})):
+        r, coff = V.CMP_SCENARIOS[kind]
+        for path, chip in PATHS:
+            p, x, ch = case(kind, shape, path, chip)
+            got = C.run_chain(ch, x, chip=chip, until="ori_cache")["compressor.cmp_kv"].astype(np.float64)
+            f64 = {k: x[k].astype(np.float64) for k in ("x", "wkv", "wgate", "ape", "state_cache")}
+            cd, done = coff * 512, 0
+            for b, kv in enumerate(shape["kv_lens"]):
+                if kv % r:
+                    continue
+                g, last = kv // r - 1, kv - 1  # the group the step's token completes; the token's position
+                pos = np.arange((g - coff + 1) * r, (g + 1) * r)  # coff 2: the previous group, then its own
+                rows = np.zeros((pos.size, 2 * cd))
+                for i, q in enumerate(pos):
+                    if q == last:
+                        rows[i, :cd] = f64["x"][b] @ f64["wkv"].T
+                        rows[i, cd:] = f64["x"][b] @ f64["wgate"].T + f64["ape"][q % r]
+                    elif q >= 0:
+                        rows[i] = f64["state_cache"][x["state_block_table"][b, q // 16], q % 16]
+                col = np.repeat(np.arange(coff), r)[:, None] * 512 + np.arange(512)  # [slots, D] column picked
+                kvs = np.take_along_axis(rows[:, :cd], col, 1)
+                sc = np.where((pos >= 0)[:, None], np.take_along_axis(rows[:, cd:], col, 1), -np.inf)
+                w = np.exp(sc - sc.max(0))
+                want = (w / w.sum(0) * kvs).sum(0)
+                err = np.abs(got[done] - want)
+                assert (err <= np.abs(want) * 2.0 ** -8 + 2.0 ** -20).all(), (kind, path, b, err.max())
+                done += 1
+            assert done and not got[done:].any(), (kind, path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,7 +234,7 @@ def test_v4_set_stores_every_intermediate_and_the_edges(csa_set, capsys):
     man = json.loads((csa_set / "manifest.json").read_text())
     (rec,) = man["chains"]
     assert rec["instance"] == "decode-950-fp8" and rec["chain"]["name"] == "v4-csa"
-    assert sorted(rec["cases"]) == ["attention", "cmp_cache", "index_cache", "indexer", "ori_cache"]
+    assert sorted(rec["cases"]) == ["attention", "cmp_cache", "compressor", "index_cache", "indexer", "ori_cache"]
     edges = rec["chain"]["edges"]
     for e in (["index_cache.indexer_compress_cache", "indexer", "key"],
               ["index_cache.indexer_compress_cache", "indexer", "key_dequant_scale"],
@@ -201,7 +249,7 @@ def test_v4_set_stores_every_intermediate_and_the_edges(csa_set, capsys):
     assert (d / "decode-950-fp8.indexer/in.key.bin").read_bytes() == cache[:, :16 * 128].tobytes()
     assert (d / "decode-950-fp8.indexer/in.key_dequant_scale.bin").read_bytes() == cache[:, 16 * 128:].tobytes()
     rc, out, err = cli(capsys, "verify", d, "--recompute", "-q")
-    assert rc == 0 and "5 recomputed" in out, out + err
+    assert rc == 0 and "6 recomputed" in out, out + err
 
 
 def test_compare_chain_identical_passes_and_a_cache_byte_names_its_link(csa_set, tmp_path, capsys):
@@ -217,7 +265,7 @@ def test_compare_chain_identical_passes_and_a_cache_byte_names_its_link(csa_set,
     rc, out, err = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--json", tmp_path / "r.json")
     assert rc == 1 and "first failing link: index_cache (own)" in out and "inputs matched" in out, out + err
     links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
-    assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "own", "PASS", "PASS"]
+    assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "own", "PASS", "PASS"]
     assert slots["op"] == "indexer_compress_epilog_v2"
 
 
@@ -240,8 +288,8 @@ def test_indices_changed_upstream_of_the_attention_own_then_propagated(csa_set, 
     rc, out, _ = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--backend",
                      mirror_backend("v4-chain-right-device"), "--json", tmp_path / "r.json")
     links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
-    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "own", "propagated"], out
-    assert links[4]["differing_inputs"] == ["cmp_sparse_indices = indexer.sparse_indices"]
+    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "PASS", "own", "propagated"], out
+    assert links[5]["differing_inputs"] == ["cmp_sparse_indices = indexer.sparse_indices"]
 
 
 def test_reordered_indices_pass_tie_fair_and_the_attention_bug_is_own(csa_set, tmp_path, capsys, mirror_backend):
@@ -267,10 +315,10 @@ def test_reordered_indices_pass_tie_fair_and_the_attention_bug_is_own(csa_set, t
     rc, out, _ = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--backend", be, "--json",
                      tmp_path / "r.json")
     links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
-    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "PASS", "own"], out
-    ix = links[3]["outputs"][0]
+    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "PASS", "PASS", "own"], out
+    ix = links[4]["outputs"][0]
     assert ix["kind"] == "topk" and ix["topk"]["exact_rows"] == 3, ix
-    assert links[4]["rerun_passed"] is False
+    assert links[5]["rerun_passed"] is False
 
 
 def test_scores_table_ranks_to_the_v4_indexers_indices():
@@ -308,21 +356,21 @@ def edited(csa_set, tmp_path, edit):
 
 
 @pytest.mark.parametrize("edit, where, what", [
-    (lambda lk: lk[3].update(op="vllm_quant_lightning_indexer_v9"), "link 'indexer' op",
+    (lambda lk: lk[4].update(op="vllm_quant_lightning_indexer_v9"), "link 'indexer' op",
      "vllm_quant_lightning_indexer_v9"),
-    (lambda lk: lk[3]["args"].update(key="$attention.attention_out"), "link 'indexer' args.key", "a later one"),
-    (lambda lk: lk[3]["args"].update(key="$indexer.sparse_indices"), "link 'indexer' args.key", "a cycle"),
-    (lambda lk: lk[3]["args"]["key"].update(dtype="int8"), "link 'indexer' args.key",
+    (lambda lk: lk[4]["args"].update(key="$attention.attention_out"), "link 'indexer' args.key", "a later one"),
+    (lambda lk: lk[4]["args"].update(key="$indexer.sparse_indices"), "link 'indexer' args.key", "a cycle"),
+    (lambda lk: lk[4]["args"]["key"].update(dtype="int8"), "link 'indexer' args.key",
      "the recorded edge from index_cache.indexer_compress_cache gives int8 [4, 16, 1, 128], not the array"),
-    (lambda lk: lk[3]["args"]["key_dequant_scale"].update(columns=[2048, 4096]),
+    (lambda lk: lk[4]["args"]["key_dequant_scale"].update(columns=[2048, 4096]),
      "link 'indexer' args.key_dequant_scale columns", "outside the last dimension"),
-    (lambda lk: lk[4]["args"]["ori_kv"].update(reshape=[-1, 16, 1, 512]), "link 'attention' args.ori_kv",
+    (lambda lk: lk[5]["args"]["ori_kv"].update(reshape=[-1, 16, 1, 512]), "link 'attention' args.ori_kv",
      "cannot be reshaped to [-1, 16, 1, 512]"),
-    (lambda lk: lk[4]["args"].update(cmp_kv="$ori_cache.kv_compress_cache"), "link 'attention' args.cmp_kv",
+    (lambda lk: lk[5]["args"].update(cmp_kv="$ori_cache.kv_compress_cache"), "link 'attention' args.cmp_kv",
      "gives float8_e4m3fn [160, 1, 640], not the array the case stores"),
-    (lambda lk: lk[4]["args"].update(tile_size=32), "link 'attention' (kv_quant_sparse_attn_sharedkv): the operator "
+    (lambda lk: lk[5]["args"].update(tile_size=32), "link 'attention' (kv_quant_sparse_attn_sharedkv): the operator "
      "refuses", "Invalid value for tile_size, actual: 32"),
-    (lambda lk: lk[3]["args"].update(cmp_ratio=3), "link 'indexer' (vllm_quant_lightning_indexer): the operator "
+    (lambda lk: lk[4]["args"].update(cmp_ratio=3), "link 'indexer' (vllm_quant_lightning_indexer): the operator "
      "refuses", "Invalid value for cmp_ratio, actual: 3"),
 ])
 def test_a_recorded_v4_chain_the_operators_refuse_is_exit_2(csa_set, tmp_path, capsys, edit, where, what):
@@ -343,7 +391,7 @@ def test_generating_a_v4_chain_whose_edge_is_refused_is_exit_2_and_writes_nothin
     def bad_chain(**p):
         d = V.v4_csa(**p).to_dict()
         d["name"] = "test-v4-bad-edge"
-        d["links"][4]["args"]["key"] = "$cmp_cache.cache"
+        d["links"][5]["args"]["key"] = "$cmp_cache.cache"
         return C.chain_from_dict(d)
 
     bad_chain.__signature__ = inspect.signature(V.v4_csa)
@@ -370,7 +418,7 @@ def test_chain_file_views_are_checked_by_name():
             ({"shape": "x"}, "args.key", "a view is"),
             ({"stride": 2}, "args.key", "a view is")):
         d = json.loads(json.dumps(base))
-        d["links"][3]["args"]["key"].update(change)
+        d["links"][4]["args"]["key"].update(change)
         with pytest.raises(C.ChainError, match=f"link 'indexer' {field}.*{reason}"):
             C.chain_from_dict(d)
 
@@ -398,14 +446,23 @@ def assert_alone_equals_batched(chain, x, p, r, chip):
     kind = chain.replace("v4-", "")
     ch = C.get_chain(chain, p, ignore_unknown=True)
     batch = C.run_chain(ch, x, chip=chip)
-    alone_in, rows, _ = V.v4_request_alone(x, dict(p, kind=kind), r)
+    alone_in, rows, crows = V.v4_request_alone(x, dict(p, kind=kind), r)
     alone = C.run_chain(ch, alone_in, chip=chip)
     kv = p["kv_lens"][r]
     mine = {"ori_cache": pages(x["ori_block_table"][r], kv)}
+    checked = 0
     if kind != "swa":
         mine["cmp_cache"] = mine["index_cache"] = mine["index_scale"] = pages(x["cmp_block_table"][r],
                                                                               kv // V.RATIOS[kind])
-    checked = 0
+        # the compressor: its rows (alone: the first ones, the rest padding) and its state pages
+        n = crows.size
+        assert u8(alone["compressor.cmp_kv"][:n]).tobytes() == u8(batch["compressor.cmp_kv"][crows]).tobytes()
+        assert not alone["compressor.cmp_kv"][n:].astype(np.float32).any()
+        st = x["state_block_table"][r]
+        st = st[st > 0]
+        assert st.size and u8(alone["compressor.state_cache"][st]).tobytes() == \
+            u8(batch["compressor.state_cache"][st]).tobytes()
+        checked += 1
     for key in batch:
         link = key.split(".")[0]
         if link in mine:
@@ -473,6 +530,33 @@ def test_a_failing_v4_chain_shrinks_to_a_minimal_one(mirror_backend):
     found = find(chain_cases("v4-swa", chip="A3", max_requests=1, max_kv=12), fails,
                  settings=settings(max_examples=100, deadline=None, database=None, derandomize=True))
     assert found["params"]["kv_lens"] == [10] and found["params"]["q_lens"] == [1], found["params"]
+
+
+def test_a_perturbed_compressor_is_own_and_the_links_after_it_propagated(tmp_path, mirror_backend):
+    """A device whose compressor scales each row it completes by 16: dumped as a
+    chain folder and compared with the reference's, the compressor is the first failing link, its own error; the
+    compressed cache it feeds and the attention reading that cache fail with inputs that already differed, and
+    each passes re-run on golden inputs on that device: propagated. The window cache and the indexer (no edge from
+    the compressor) pass."""
+    def bug(ref):
+        def impl(*args, **kw):
+            out, state = ref(*args, **kw)
+            out = np.array(out)
+            u = out.view(np.uint16)  # every non-zero element times 16 (exponent + 4): zero padding rows stay
+            u += np.where(u & 0x7F80, np.uint16(0x200), np.uint16(0))
+            return out, state
+        return impl
+
+    be = mirror_backend("v4-chain-compressor", {"compressor": bug})
+    for path, chip in PATHS:
+        p, x, ch = case("csa", DECODE, path, chip, seed=4)
+        C.write_chain_golden(ch, x, str(tmp_path / f"g-{path}"))
+        C.write_chain_golden(ch, x, str(tmp_path / f"a-{path}"), backend=be)
+        rep = C.compare_chain_dirs(str(tmp_path / f"g-{path}"), str(tmp_path / f"a-{path}"), rerun_backend=be)
+        verdicts = {lk.link: lk.verdict.split(":")[0] for lk in rep.links}
+        assert rep.first_failure.link == "compressor" and verdicts["compressor"] == "FAIL (own error", str(rep)
+        assert verdicts["cmp_cache"] == verdicts["attention"] == "FAIL (propagated", (path, verdicts)
+        assert {verdicts[k] for k in verdicts if k not in ("compressor", "cmp_cache", "attention")} == {"PASS"}
 
 
 def test_first_divergence_names_the_v4_indexer_and_not_the_attention_after_it(mirror_backend):
