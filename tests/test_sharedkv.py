@@ -657,3 +657,16 @@ def test_block_table_padding_past_a_batch_is_not_read():
     bad["ori_block_table"][0, 1] = -1  # batch 0's own second block
     with pytest.raises(qsfa.InvalidArgument, match="Invalid shape for ori_block_table"):
         qsfa.sparse_flash_mla(q, **bad)
+
+
+def test_quant_sparse_flash_mla_refuses_none_for_its_defaulted_attributes():
+    """softmax_scale / cmp_ratio default to 1.0 / 1 (cann_ops_transformer's signature); None was declared allowed,
+    so softmax_scale=None passed every rule and returned an all-zero output, cmp_ratio=None a TypeError."""
+    from qsfa.ops.sharedkv import qs_case
+
+    for name in ("softmax_scale", "cmp_ratio"):
+        kw = qs_case()
+        q, quant_mode = kw.pop("q"), kw.pop("quant_mode")
+        kw[name] = None
+        with pytest.raises(qsfa.InvalidDtype, match=f"^Invalid type for {name}, actual: None, reason: "):
+            qsfa.quant_sparse_flash_mla(q, quant_mode, **kw)

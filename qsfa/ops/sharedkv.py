@@ -719,7 +719,7 @@ KQS_CONTRACT = Contract(op=KQS, constraints=_rules(KQS), example=lambda rng: kqs
     _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array? kv_quant_mode:int tile_size:int?"
     " rope_head_dim:int"))
 QS_CONTRACT = Contract(op=QS, constraints=_rules(QS), example=lambda rng: qs_case(), params=params(
-    _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_ori_kv:array? seqused_cmp_kv:array?"
+    _COMMON_PARAMS + " softmax_scale:float cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array?"
     " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
     " q_descale:array? ori_kv_descale:array? cmp_kv_descale:array?"))
 SAS_CONTRACT = Contract(op=SAS, constraints=_rules(SAS), example=lambda rng: sas_case(), params=params(
