@@ -211,6 +211,8 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
             optional = value is None
         if not optional:
             add(param, "none", "must_reject", _set(param, lambda v, b: None))
+        elif value is not None:  # an optional parameter the example gives, left out: valid, or refused by name
+            add(param, "none_optional", "may_accept", _set(param, lambda v, b: None))
         if t == "array":
             arr = value
             add(param, "wrong_type_list", "must_reject",
