@@ -285,6 +285,7 @@ def test_verify_refuses_the_recorded_chain_compare_chain_refuses(decode_set, tmp
     (g / "manifest.json").write_text(json.dumps(man))
     rc, out, err = cli(capsys, "verify", g)
     assert rc == 2 and "ERROR chains: " in out and "link 'indexer' args.key" in out and "a later one" in out, (out, err)
+    assert "1 chain record problem in " in err, err
 
 
 # --------------------------------------------------------------------------------------------------
