@@ -670,3 +670,16 @@ def test_quant_sparse_flash_mla_refuses_none_for_its_defaulted_attributes():
         kw[name] = None
         with pytest.raises(qsfa.InvalidDtype, match=f"^Invalid type for {name}, actual: None, reason: "):
             qsfa.quant_sparse_flash_mla(q, quant_mode, **kw)
+
+
+def test_a_chip_the_v4_entry_point_does_not_run_on_is_named_in_the_message():
+    """The chip rules said 'actual: this chip'; the message names the chips refused, as qkv_rms_norm_rope_cache_with_k_scale
+    and quant_compressor do ('Atlas A2/A3')."""
+    from qsfa.ops.sharedkv import qs_case
+
+    kw = qs_case()
+    q, quant_mode = kw.pop("q"), kw.pop("quant_mode")
+    with pytest.raises(qsfa.InvalidArgument, match="^Invalid value for q, actual: 'Atlas A2/A3', reason: "):
+        qsfa.quant_sparse_flash_mla(q, quant_mode, chip="A3", **kw)
+    with pytest.raises(qsfa.InvalidArgument, match="^Invalid value for q, actual: 'Atlas A2 or Ascend 950', reason: "):
+        qsfa.sparse_attn_sharedkv(**sas_case(), chip="950")
