@@ -130,12 +130,26 @@ def run(quick: bool = False, tokens: int | None = None, context: int | None = No
                 output_mib=out_bytes / 2**20, notes=note, goal="ratio < 1")]
 
 
+def _at_least(lo: int):
+    """An argparse type: an integer >= lo (0 / negative tokens or heads, or a context without TOPK compressed tokens,
+    raised IndexError / ValueError / AssertionError tracebacks from inside the run)."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--tokens", type=int)
-    p.add_argument("--context", type=int)
-    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--tokens", type=_at_least(1), help="query rows (the last of the context; default 2048, --quick 16)")
+    p.add_argument("--context", type=_at_least(RATIO * TOPK),
+                   help=f"tokens of the request (at least {RATIO * TOPK}: top-{TOPK} of the 1 / {RATIO} compressed "
+                        "ones; default 131072, --quick 4096)")
+    p.add_argument("--heads", type=_at_least(1), default=64)
     p.add_argument("--dir", help="folder for the memmap files (default: the system temp folder)")
     a = p.parse_args(argv)
     for r in run(quick=a.quick, tokens=a.tokens, context=a.context, heads=a.heads, folder=a.dir):

@@ -418,6 +418,9 @@ def _run_checked(op, be, impl, kind, host, normalised, chip, args):
     return out[0] if single else tuple(out)
 
 
+_FLOAT64_MAX = float(np.finfo(np.float64).max)
+
+
 def _plain_value(op: Operator, name: str, v):
     """What validation and the backends see for a caller's value (docs/architecture.md, "Declared parameter
     types"), one rule for every operator:
@@ -427,7 +430,10 @@ def _plain_value(op: Operator, name: str, v):
     * an ndarray subclass (``np.matrix``, ``np.memmap``) is the base ndarray it views (the same memory, so an
       in-place write lands in the caller's object); a masked array is not converted (the type rule refuses it);
     * a NumPy integer / float / bool passed for an int / float / bool parameter is the Python number of the same
-      value (``np.uint8(64)`` -> 64), so no rule computes in the caller's 8-bit type and overflows.
+      value (``np.uint8(64)`` -> 64), so no rule computes in the caller's 8-bit type and overflows;
+    * an integer (Python or NumPy) passed for a float / float32 parameter is the Python float of its value when
+      float64 holds it (``1 << 70`` -> 1.1805916207174113e+21), so a rule's ``np.isfinite`` never meets an int
+      beyond int64 (a TypeError from inside NumPy); one float64 does not hold stays an int for the type rule.
 
     Python numbers and lists stay as they are (lists are rejected by the type rule)."""
     p = op.contract.params.get(name)
@@ -437,15 +443,17 @@ def _plain_value(op: Operator, name: str, v):
         if type(v) is not np.ndarray and not isinstance(v, np.ma.MaskedArray):
             return np.asarray(v)
         return v
+    t = p.type
+    if t in ("float", "float32") and isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        return float(v) if abs(int(v)) <= _FLOAT64_MAX else int(v)
     if not isinstance(v, np.generic):
         return v
-    t = p.type
     if t == "array":
         return v if name in op.contract.inplace else np.asarray(v)
     if t == "int" and isinstance(v, np.integer):
         return int(v)
-    if t in ("float", "float32") and isinstance(v, (np.integer, np.floating)):
-        return int(v) if isinstance(v, np.integer) else float(v)
+    if t in ("float", "float32") and isinstance(v, np.floating):
+        return float(v)
     if t == "bool" and isinstance(v, np.bool_):
         return bool(v)
     return v

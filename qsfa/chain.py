@@ -390,10 +390,16 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
             dt = dtypes.get(fn[:-4])
             if dt and dt != str(a.dtype):
                 try:
-                    a = a.view(numpy_dtype(dt))
+                    want = np.dtype(numpy_dtype(dt))
                 except (ValueError, TypeError, KeyError) as e:
                     raise ChainError("tensor file", path, f"cannot be viewed as the manifest's dtype {dt!r} "
                                      f"({e})") from None
+                if want.itemsize != a.dtype.itemsize:  # a dump of another dtype, not the raw bytes of this one:
+                    # viewing it would change the last dimension and turn bad input into a FAIL verdict
+                    raise ChainError(f"tensor {fn[:-4]}", str(a.dtype), f"the manifest's dtype is {dt} "
+                                     f"({want.itemsize}-byte elements): a dump of another dtype cannot be read as it "
+                                     f"({path})", kind="dtype")
+                a = a.view(want)
             out[fn[:-4]] = a
     return out
 

@@ -4,7 +4,7 @@ For every operator (and ``qsfa.formats.round_to``) and every parameter of its co
 builds the hostile variants a careless or malicious caller produces - None, a wrong type, a wrong dtype, a wrong
 rank, NaN / Inf, an empty array, read-only, stride-0 and aliased buffers, a huge declared size, torch sparse and
 ``expand()``-ed tensors; since issue 27 also masked arrays, ``np.matrix``, structured / object / void dtypes,
-integers beyond float64 and 1e300 for float parameters, unsigned NumPy integers for int parameters and in-place
+integers beyond float64 (and beyond int64) and 1e300 for float parameters, unsigned NumPy integers for int parameters and in-place
 tensors that require grad - from the parameter's *declared type* (``Contract.params``), so a new parameter is covered
 without new code. Each case says what a correct library does with it:
 
@@ -211,6 +211,8 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
             optional = value is None
         if not optional:
             add(param, "none", "must_reject", _set(param, lambda v, b: None))
+        elif value is not None:  # an optional parameter the example gives, left out: valid, or refused by name
+            add(param, "none_optional", "may_accept", _set(param, lambda v, b: None))
         if t == "array":
             arr = value
             add(param, "wrong_type_list", "must_reject",
@@ -270,6 +272,8 @@ def cases_for(op: str, example: dict, inplace: tuple, types: dict, *, with_torch
                 add(param, "nan", "must_reject", _set(param, lambda v, b: float("nan")))
                 add(param, "inf", "must_reject", _set(param, lambda v, b: float("inf")))
                 add(param, "int_beyond_float64", "must_reject", _set(param, lambda v, b: 1 << 1024))
+                # an int beyond int64 that float64 (and float32) holds: np.isfinite(1 << 70) is a NumPy TypeError
+                add(param, "int_beyond_int64", "may_accept", _set(param, lambda v, b: 1 << 70))
                 # 1e300: a float64, not a float32 (the kernels' attributes): refused where declared float32
                 add(param, "float_1e300", "must_reject" if t == "float32" else "may_accept",
                     _set(param, lambda v, b: 1e300))

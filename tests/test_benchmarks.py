@@ -66,3 +66,17 @@ def test_the_v4_sharedkv_bytes_pinned_by_bytecheck_hold_here():
     assert len(res) == 8 and all(want for want, _ in res.values())
     bad = sorted(name for name, (want, got) in res.items() if want != got)
     assert not bad, f"{len(bad)} of {len(res)} cases give other bytes here: {bad}"
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "-5"], ["--heads", "0"], ["--context", "100"]])
+def test_sharedkv_prefill_refuses_sizes_it_cannot_run_by_name(argv, capsys):
+    """Such sizes ended in an IndexError / ValueError / AssertionError traceback (or, --tokens 0, silently ran the
+    default 16 rows); argparse now refuses them before anything is built (exit 2, the option named)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import sharedkv_prefill
+    finally:
+        sys.path.remove(str(ROOT))
+    with pytest.raises(SystemExit) as ei:
+        sharedkv_prefill.main(["--quick", *argv])
+    assert ei.value.code == 2 and f"argument {argv[0]}: must be an integer >= " in capsys.readouterr().err

@@ -310,6 +310,19 @@ def test_a_dump_of_another_dtype_is_bad_input_not_a_verdict(tmp_path, capsys):
     assert rc == 2 and "int32" in err, (out, err)
 
 
+def test_a_dump_of_another_width_beside_a_copied_manifest_is_bad_input(tmp_path, capsys):
+    """A harness that copies the golden folder and overwrites its tensors keeps manifest.json: its dtype must not
+    reinterpret a dump of another width (float64 bytes viewed as float32 doubled the last dimension: a FAIL,
+    exit 1, 'own error: its inputs matched')."""
+    import shutil
+
+    g = _golden(tmp_path)
+    act = _actual(tmp_path, g, lambda n, a: a.astype(np.float64) if n == "dec.values" else a)
+    shutil.copy(os.path.join(g, "manifest.json"), os.path.join(act, "manifest.json"))
+    rc, out, err = _cli(capsys, g, "--actual", act, "--chain")
+    assert rc == 2 and "Invalid dtype for tensor dec.values, actual: 'float64'" in err and "float32" in err, (out, err)
+
+
 def test_a_backend_that_raises_in_the_rerun_is_an_error_exit_3(tmp_path, capsys, mirror_backend):
     g = _golden(tmp_path)
 

@@ -275,6 +275,19 @@ def test_a_recorded_chain_naming_an_unknown_operator_or_a_later_link_is_exit_2(d
     assert rc == 2 and "link 'indexer' args.key" in err and "a later one" in err, err
 
 
+def test_verify_refuses_the_recorded_chain_compare_chain_refuses(decode_set, tmp_path, capsys):
+    """verify said OK (exit 0) to a set whose recorded chain reads a later link (a cycle), which compare --chain
+    then refused: the chains are part of the set, so verify checks them too (after the files)."""
+    assert cli(capsys, "verify", decode_set, "-q")[0] == 0
+    g = actual_copy(decode_set, tmp_path)
+    man = json.loads((g / "manifest.json").read_text())
+    man["chains"][0]["chain"]["links"][2]["args"]["key"] = "$attention.attention_out"
+    (g / "manifest.json").write_text(json.dumps(man))
+    rc, out, err = cli(capsys, "verify", g)
+    assert rc == 2 and "ERROR chains: " in out and "link 'indexer' args.key" in out and "a later one" in out, (out, err)
+    assert "1 chain record problem in " in err, err
+
+
 # --------------------------------------------------------------------------------------------------
 # top-k indices judged fair to ties (qsfa.compare.compare_topk) where the golden scores can be had
 

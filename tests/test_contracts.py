@@ -84,6 +84,11 @@ def test_declared_optional_matches_the_public_signature(op_name):
     for p in inspect.signature(fn).parameters.values():
         if p.name in declared and p.default is None:
             assert declared[p.name].optional, f"{op_name}.{p.name} defaults to None but is declared required"
+        # the converse: a parameter with a real default declared optional lets None past every hand-written check
+        # (quant_sparse_flash_mla's softmax_scale=None gave an all-zero output, cmp_ratio=None a TypeError);
+        # dst_type_max's None is documented (= 0, HiFloat8's 32768) and checked by its own rule
+        if p.name in declared and p.default not in (None, inspect.Parameter.empty) and p.name != "dst_type_max":
+            assert not declared[p.name].optional, f"{op_name}.{p.name} defaults to {p.default!r} but accepts None"
 
 
 def test_a_none_value_cannot_pass_a_hand_written_check():

@@ -21,8 +21,9 @@ import hostile_cases as hc  # noqa: E402
 _TABLE = hc.operator_table()
 _CASES = hc.all_cases(with_torch=importlib.util.find_spec("torch") is not None)
 
-#: kinds that break one parameter's relation to another (a shape, a size); the rule that fires may name the partner
-RELATIONAL = ("empty", "rank_plus_4", "huge", "numpy_uint8")
+#: kinds that break one parameter's relation to another (a shape, a size, a partner given together); the rule that
+#: fires may name the partner
+RELATIONAL = ("empty", "rank_plus_4", "huge", "numpy_uint8", "none_optional")
 
 
 @pytest.mark.parametrize("case", _CASES, ids=[c.id for c in _CASES])

@@ -657,3 +657,29 @@ def test_block_table_padding_past_a_batch_is_not_read():
     bad["ori_block_table"][0, 1] = -1  # batch 0's own second block
     with pytest.raises(qsfa.InvalidArgument, match="Invalid shape for ori_block_table"):
         qsfa.sparse_flash_mla(q, **bad)
+
+
+def test_quant_sparse_flash_mla_refuses_none_for_its_defaulted_attributes():
+    """softmax_scale / cmp_ratio default to 1.0 / 1 (cann_ops_transformer's signature); None was declared allowed,
+    so softmax_scale=None passed every rule and returned an all-zero output, cmp_ratio=None a TypeError."""
+    from qsfa.ops.sharedkv import qs_case
+
+    for name in ("softmax_scale", "cmp_ratio"):
+        kw = qs_case()
+        q, quant_mode = kw.pop("q"), kw.pop("quant_mode")
+        kw[name] = None
+        with pytest.raises(qsfa.InvalidDtype, match=f"^Invalid type for {name}, actual: None, reason: "):
+            qsfa.quant_sparse_flash_mla(q, quant_mode, **kw)
+
+
+def test_a_chip_the_v4_entry_point_does_not_run_on_is_named_in_the_message():
+    """The chip rules said 'actual: this chip'; the message names the chips refused, as qkv_rms_norm_rope_cache_with_k_scale
+    and quant_compressor do ('Atlas A2/A3')."""
+    from qsfa.ops.sharedkv import qs_case
+
+    kw = qs_case()
+    q, quant_mode = kw.pop("q"), kw.pop("quant_mode")
+    with pytest.raises(qsfa.InvalidArgument, match="^Invalid value for q, actual: 'Atlas A2/A3', reason: "):
+        qsfa.quant_sparse_flash_mla(q, quant_mode, chip="A3", **kw)
+    with pytest.raises(qsfa.InvalidArgument, match="^Invalid value for q, actual: 'Atlas A2 or Ascend 950', reason: "):
+        qsfa.sparse_attn_sharedkv(**sas_case(), chip="950")

@@ -161,7 +161,6 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
     :class:`GoldenInputError` naming the link, raised before any verdict."""
     import fnmatch
 
-    from ..chain import ChainError, chain_from_dict
     from .compare import CompareReport, compare_dir
     from .manifest import load_manifest
 
@@ -179,12 +178,7 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
         raise GoldenInputError(f"--actual {actual}: --chain needs a directory of intermediates "
                                "(<instance>.<link>/out.<output>.bin or .npy)")
     man = load_manifest(golden)
-    recs = man.get("chains") or []
-    if not isinstance(recs, list) or not all(isinstance(r, dict) and isinstance(r.get("chain"), dict)
-                                             and isinstance(r.get("instance"), str)
-                                             and isinstance(r.get("cases", {}), dict) for r in recs):
-        raise GoldenInputError(f"{golden}: the manifest's \"chains\" must be a list of objects with \"instance\", "
-                               "\"chain\" and \"cases\" (regenerate the set)")
+    recs = _records(golden, man)
     if instances:
         recs = [r for r in recs if any(fnmatch.fnmatchcase(r.get("instance", ""), p) for p in instances)]
     if not recs:
@@ -193,17 +187,8 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
     by_name = {c["name"]: c for c in man["cases"]}
     report = ChainReport(golden, actual, backend)
     for r in recs:
-        try:
-            ch = chain_from_dict({k: v for k, v in r["chain"].items() if k != "edges"})
-        except ChainError as e:
-            raise GoldenInputError(f"{golden}: chain of instance {r.get('instance')!r}: {e}") from None
+        ch = _checked_record(golden, r, by_name)
         inst, cases = r["instance"], r.get("cases") or {}
-        for lk in ch.links:
-            if cases.get(lk.name) not in by_name:
-                raise GoldenInputError(f"{golden}: chain instance {inst}: link {lk.name} has no golden case here "
-                                       "(a --shard or --only golden holds part of a chain; compare --chain needs "
-                                       "every link: generate the set whole)")
-        _check_recorded(golden, inst, ch, cases, by_name)
         link_of = {cases[lk.name]: lk.name for lk in ch.links}
         try:  # every intermediate present before any verdict (a chain of several links: no single-case fallback)
             rep_all = compare_dir(golden, actual, cases=sorted(link_of))
@@ -232,6 +217,55 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
             results.append(lr)
         report.instances.append((inst, ch.name, results))
     return report
+
+
+def _records(golden: str, man: dict) -> list:
+    """The manifest's ``"chains"`` records, their structure checked (GoldenInputError otherwise)."""
+    recs = man.get("chains") or []
+    if not isinstance(recs, list) or not all(isinstance(r, dict) and isinstance(r.get("chain"), dict)
+                                             and isinstance(r.get("instance"), str)
+                                             and isinstance(r.get("cases", {}), dict) for r in recs):
+        raise GoldenInputError(f"{golden}: the manifest's \"chains\" must be a list of objects with \"instance\", "
+                               "\"chain\" and \"cases\" (regenerate the set)")
+    return recs
+
+
+def _checked_record(golden: str, r: dict, by_name: dict):
+    """One chain record checked against the set's own files (see :func:`_check_recorded`); returns its Chain."""
+    from ..chain import ChainError, chain_from_dict
+
+    try:
+        ch = chain_from_dict({k: v for k, v in r["chain"].items() if k != "edges"})
+    except ChainError as e:
+        raise GoldenInputError(f"{golden}: chain of instance {r.get('instance')!r}: {e}") from None
+    inst, cases = r["instance"], r.get("cases") or {}
+    for lk in ch.links:
+        if cases.get(lk.name) not in by_name:
+            raise GoldenInputError(f"{golden}: chain instance {inst}: link {lk.name} has no golden case here "
+                                   "(a --shard or --only golden holds part of a chain; compare --chain needs "
+                                   "every link: generate the set whole)")
+    _check_recorded(golden, inst, ch, cases, by_name)
+    return ch
+
+
+def chain_record_problems(golden: str, man: dict) -> list[str]:
+    """What ``compare --chain`` would refuse in a set's recorded chains (a cycle, a forward reference, an edge that
+    does not give the stored array, a call the operator refuses), one line per instance; [] for a set without
+    chains. ``qsfa golden verify`` reports them as errors, so it never says OK to a set compare --chain refuses."""
+    if "chains" not in man:
+        return []
+    try:
+        recs = _records(golden, man)
+    except GoldenInputError as e:
+        return [str(e)]
+    by_name = {c["name"]: c for c in man["cases"]}
+    out = []
+    for r in recs:
+        try:
+            _checked_record(golden, r, by_name)
+        except GoldenInputError as e:
+            out.append(str(e))
+    return out
 
 
 def _check_recorded(golden: str, inst: str, ch, cases: dict, by_name: dict) -> None:

@@ -138,8 +138,9 @@ def _cmd_verify(args) -> int:
         return 0
     if rep.errors:  # unusable: one line, the first error (the others are on stdout)
         besides = f" (and {plural(len(rep.failures), 'failure')})" if rep.failures else ""
+        noun = "chain record problem" if rep.errors[0].startswith("chains: ") else "file problem"
         raise _usage_error(GoldenInputError(
-            f"{args.dir}: {plural(len(rep.errors), 'file problem')}{besides} in {what}; first: {rep.errors[0]}"))
+            f"{args.dir}: {plural(len(rep.errors), noun)}{besides} in {what}; first: {rep.errors[0]}"))
     print(f"verify {args.dir}: FAIL: {plural(len(rep.failures), 'failure')} in {what}; first: {rep.failures[0]}",
           file=sys.stderr)
     return 1

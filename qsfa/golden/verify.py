@@ -162,6 +162,11 @@ def verify(folder: str, *, recompute: bool = False, progress: bool = True, strea
         stored = _check_arrays(folder, c, report, bad)
         if recompute and len(stored) == len(c["arrays"]):
             _recompute(folder, c, stored, report)
+    if not report.error_at:  # a layer chain set: its recorded chains must be the ones compare --chain accepts
+        from .chain import chain_record_problems
+
+        for p in chain_record_problems(folder, man):
+            report.error(f"chains: {p}")
     return report
 
 

@@ -85,6 +85,9 @@ def _rules():
                    ("v_cache", ("float8_e4m3fn",)), ("k_scale_cache", ("float32",)), ("query_start_loc", ("int32",)),
                    ("seq_lens", ("int32",)), ("rotation", ("bfloat16",)), ("v_scale", ("float32",))):
         r.append(dtype_in(QKV, p, dts, source=QKV_SOURCE))
+    for p in ("rotation", "v_scale"):  # keyword arguments defaulting to None, read by the RoPE scenario
+        r.append(rule(n, f"{p}_required", p, "value", "must be given (the RoPE scenario reads it; README)",
+                      (lambda p_: lambda a: None if a.get(p_) is not None else "None")(p), edit(n, setting(**{p: None}))))
     r.append(choice_rule(n, "q_quant_mode", ("PerTokenPerHead",), bad="NoQuant",
                          source=QKV_SOURCE + " (the RoPE scenario; M-RoPE / MX not modelled)"))
     r.append(choice_rule(n, "k_quant_mode", ("PerTokenPerHead",), bad="Mx",

@@ -498,7 +498,7 @@ def _chip_rules(n, op, sfm):
     out = []
     if not sfm:
         out.append(rule(n, "chip_supported", "q", "value", "sparse_attn_sharedkv runs on Atlas A3 only (README)",
-                        lambda a: "this chip", edit(n), chips=("A2", "950")))
+                        lambda a: "Atlas A2 or Ascend 950", edit(n), chips=("A2", "950")))
         out.append(rule(n, "chip_layout_kv", "layout_kv", "value", "only PA_ND is supported (README)",
                         lambda a: None if a.layout_kv == "PA_ND" else a.layout_kv, edit(n, layout_kv="BSND"),
                         chips=("A3",)))
@@ -560,7 +560,7 @@ def _mq_chip_rules(n):
     c = ("950",)
     return [
         rule(n, "chip_supported", "q", "value", "mixed_quant_sparse_flash_mla runs on Ascend 950 only (README)",
-             lambda a: "this chip", edit(n), chips=("A2", "A3")),
+             lambda a: "Atlas A2/A3", edit(n), chips=("A2", "A3")),
         *_quant_950_rules(n, c),
         rule(n, "chip_return_softmax_lse", "return_softmax_lse", "value",
              "softmax_lse is reserved (its output is invalid): pass False", lambda a: None
@@ -572,7 +572,7 @@ def _kqs_chip_rules(n):
     c = ("950",)
     return [
         rule(n, "chip_supported", "q", "value", "kv_quant_sparse_attn_sharedkv runs on Ascend 950 only (vLLM-Ascend "
-             "routes it from its A5 adaptor)", lambda a: "this chip", edit(n), chips=("A2", "A3")),
+             "routes it from its A5 adaptor)", lambda a: "Atlas A2/A3", edit(n), chips=("A2", "A3")),
         rule(n, "chip_layout_kv", "layout_kv", "value", "only PA_ND is supported",
              lambda a: None if a.layout_kv == "PA_ND" else a.layout_kv, edit(n, layout_kv="BSND"), chips=c),
         *_quant_950_rules(n, c),
@@ -655,7 +655,7 @@ def _qs_chip_rules(n):
     host = "cannmirror/ops-transformer@5992a2b attention/quant_sparse_flash_mla/op_host/"
     return [
         rule(n, "chip_supported", "q", "value", "quant_sparse_flash_mla runs on Ascend 950 only (op_def: ascend950)",
-             lambda a: "this chip", edit(n), chips=("A2", "A3"), source=host + "quant_sparse_flash_mla_def.cpp"),
+             lambda a: "Atlas A2/A3", edit(n), chips=("A2", "A3"), source=host + "quant_sparse_flash_mla_def.cpp"),
         rule(n, "chip_window", "ori_win_left", "value", "ori_win_left must be 127 and ori_win_right 0",
              lambda a: None if a.ori_win_left == 127 and a.ori_win_right == 0 else a.ori_win_left,
              edit(n, setting(ori_win_left=63)), chips=c, source=host + "quant_sparse_flash_mla_check_feature.cpp"),
@@ -718,7 +718,7 @@ KQS_CONTRACT = Contract(op=KQS, constraints=_rules(KQS), example=lambda rng: kqs
     _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array? kv_quant_mode:int tile_size:int?"
     " rope_head_dim:int"))
 QS_CONTRACT = Contract(op=QS, constraints=_rules(QS), example=lambda rng: qs_case(), params=params(
-    _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_ori_kv:array? seqused_cmp_kv:array?"
+    _COMMON_PARAMS + " softmax_scale:float cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array?"
     " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
     " q_descale:array? ori_kv_descale:array? cmp_kv_descale:array?"))
 SAS_CONTRACT = Contract(op=SAS, constraints=_rules(SAS), example=lambda rng: sas_case(), params=params(
