@@ -8,6 +8,7 @@ qsfa.reference.compressor.
 """
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -304,3 +305,24 @@ def test_quant_compressor_refuses_a_nan_code_before_writing():
     with pytest.raises(qsfa.InvalidArgument, match="Invalid value for x.*finite"):
         qsfa.quant_compressor(**a)
     assert np.array_equal(a["state_cache"], before)
+
+
+def test_a_state_block_two_requests_write_or_one_writes_and_another_reads_is_refused():
+    """The state a call leaves in a block written by two requests (or written by one and read by another) depends
+    on the order requests are handled in; a block both only read (a shared prefix) is fine. C4Li, block size 4."""
+    import qsfa
+    from qsfa import InvalidArgument
+    from qsfa.ops.compressor import compressor_case
+
+    def call(table, starts, lens=(2, 2)):
+        a = compressor_case(3, lens=lens, starts=starts, block_size=4)
+        a["state_block_table"] = np.array(table, np.int32)
+        a["state_cache"] = np.zeros((8, 4, a["state_cache"].shape[-1]), np.float32)
+        return qsfa.compressor(**a, cmp_ratio=4, coff=2, chip="950")
+
+    for table, starts, why in (([[1, 3], [3, 0]], (4, 0), "written by request 0 and used by request 1"),
+                               ([[1, 2], [3, 2]], (4, 4), "written by request 0 and used by request 1"),
+                               ([[1, 1], [0, 0]], (2, 0), "writes block(s) [1] at two table entries")):
+        with pytest.raises(InvalidArgument, match=r"state_block_table.*" + re.escape(why)):
+            call(table, starts, lens=(4, 2) if why.startswith("writes") else (2, 2))
+    call([[5, 1], [5, 2]], (4, 4))  # block 5 (positions 0..3: the previous group) is read by both, written by none

@@ -182,6 +182,41 @@ def _table_values(a):
     return None if ok else Raw(f"entries in [{t.min()}, {t.max()}] with block_num {a.state_cache.shape[0]}")
 
 
+def _shared_state_blocks(a):
+    """A state block that one request writes must be no other request's (written or read) and, with cache_mode 1,
+    appear once among the entries a request writes: otherwise the bytes left in it depend on the order the kernel
+    handles requests in (cache writers refuse repeated slots for the same reason). Block 0 (cache_mode 1) is never
+    written; blocks that requests only read (a shared prefix) may be shared."""
+    if a.get("state_block_table") is None:
+        return None
+    t = np.asarray(a.state_block_table, np.int64)
+    used = _lens(a) if a.get("seqused") is None else np.asarray(a.seqused, np.int64)
+    start = _starts(a)
+    if a.cache_mode == 2:
+        rings = [int(t.reshape(-1)[b]) for b in range(_nb(a)) if used[b] > 0]
+        dup = sorted({x for x in rings if rings.count(x) > 1})
+        return Raw(f"ring block(s) {dup} given to more than one request") if dup else None
+    bs, r = a.state_cache.shape[1], a.cmp_ratio
+    writes, reads = [], []
+    for b in range(_nb(a)):
+        if used[b] <= 0:
+            writes.append([]), reads.append(set())
+            continue
+        w = t[b, np.arange(start[b] // bs, (start[b] + used[b] - 1) // bs + 1)]
+        w = [int(x) for x in w if x != 0]
+        if len(set(w)) < len(w):
+            return Raw(f"request {b} writes block(s) {sorted({x for x in w if w.count(x) > 1})} at two table entries")
+        lo = max(0, (start[b] // r - (a.coff - 1)) * r)
+        reads.append({int(x) for x in t[b, lo // bs:(start[b] - 1) // bs + 1]} if start[b] > lo else set())
+        writes.append(w)
+    for b, w in enumerate(writes):
+        for c in range(_nb(a)):
+            if c != b and set(w) & (set(writes[c]) | reads[c]):
+                return Raw(f"block(s) {sorted(set(w) & (set(writes[c]) | reads[c]))} written by request {b} and used by "
+                           f"request {c}")
+    return None
+
+
 def _ring_size(a):
     if a.cache_mode != 2:
         return None
@@ -300,6 +335,11 @@ def _rules(op, src, doc, quant=False):
              edit_params(lambda o: o.update(state_block_table=o["state_block_table"][:, :1])), source=src),
         rule(op, "state_block_table_values", "state_block_table", "value", "entries must be in [0, block_num)",
              _table_values, edit_params(lambda o: o["state_block_table"].__setitem__((0, 0), 5)), source=src),
+        rule(op, "state_blocks_not_shared", "state_block_table", "value",
+             "a state block written by one request must not be used by another, nor written twice by one (the "
+             "state it leaves would depend on the order requests are handled in)", _shared_state_blocks,
+             edit_params(lambda o: o["state_block_table"].__setitem__((1, 0), o["state_block_table"][0, 1])),
+             source=src),
         rule(op, "ring_buffer_size", "state_cache", "shape",
              "with cache_mode 2, block_size >= coff * cmp_ratio + S - 1 (S the longest batch) and block_num >= B",
              _ring_size, edit_params(_ring_args), source=src),
