@@ -140,6 +140,49 @@ def _speculative_state(P, examples, op=CMP):
              "of the groups they complete and state-page bytes (cache_mode 1).", examples(op, pins), check, pins)
 
 
+V4_ATTN = ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv",
+           "quant_sparse_flash_mla")
+# [B, ...] arguments of a BSND query: its rows, its lengths, its top-k rows and (paged caches) its block-table rows
+_PER_BATCH = ("q", "ori_sparse_indices", "cmp_sparse_indices", "seqused_q", "seqused_kv", "seqused_ori_kv",
+              "seqused_cmp_kv", "cmp_residual_kv")
+
+
+def _attn_one(a: dict, b: int) -> dict:
+    """The V4 attention arguments of batch ``b`` alone (BSND query; BSND caches sliced, paged caches shared through
+    the batch's block-table row; sinks and the per-tensor descales stay)."""
+    sl = slice(b, b + 1)
+    names = list(_PER_BATCH) + (["ori_block_table", "cmp_block_table"] if a["layout_kv"].startswith("PA")
+                                else ["ori_kv", "cmp_kv"])
+    one = dict(a, metadata=None)  # a tiling belongs to its own call's shapes
+    for p in names:
+        if a.get(p) is not None:
+            one[p] = np.ascontiguousarray(a[p][sl])
+    return one
+
+
+def _attn_batch_slices(op, P, examples):
+    # faithful: exact mode's float64 BLAS sums (over a slot layout as wide as the call's widest row) are no bytes
+    pins = {"layout_q": "BSND", "batch": (2, 3), "precision": "faithful"}
+
+    def check(ex, backend: str):
+        a = ex.args
+        full = call(op, a, backend)
+        bsz = a["q"].shape[0]
+        for b in range(bsz):
+            alone = call(op, _attn_one(a, b), backend)
+            for name, v in alone.items():
+                if v is None or full.get(name) is None or (name == "softmax_lse" and not a["return_softmax_lse"]):
+                    continue
+                _same(v, full[name][b:b + 1], f"batch {b} alone gives other {name} than inside the batch of {bsz} "
+                      f"(layout_kv {a['layout_kv']}, cmp_ratio {a['cmp_ratio']})")
+
+    return P(f"{op}.batch_slices", (op,), "metamorphic",
+             "Batch invariance (vLLM-Ascend #9496): each batch of a BSND query run alone (its query rows, top-k "
+             "rows, seqused / residual entries and its BSND caches or block-table rows over the shared paged "
+             "caches) gives byte-identical output (and LSE) to the same batch inside the whole call (faithful).",
+             examples(op, pins), check, pins)
+
+
 def batch_properties(have: set, P, examples) -> list:
     """The properties of this module whose operators are in ``have`` (``P`` and ``examples`` as for
     :func:`qsfa.conformance.properties_more.more_properties`)."""
@@ -149,4 +192,7 @@ def batch_properties(have: set, P, examples) -> list:
             out.append(_batch_slices(op, P, examples))
     if CMP in have:
         out.append(_speculative_state(P, examples))
+    for op in V4_ATTN:
+        if op in have:
+            out.append(_attn_batch_slices(op, P, examples))
     return out
