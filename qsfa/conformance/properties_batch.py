@@ -1,4 +1,4 @@
-"""Batch invariance of the DeepSeek-V4 compressors as conformance properties (issue 25).
+"""Batch invariance of the DeepSeek-V4 compressors and attention operators as conformance properties (issue 25).
 
 :func:`batch_properties` is called by :func:`qsfa.conformance.properties.catalogue` beside
 :func:`qsfa.conformance.properties_v4.v4_properties`; each expectation is a relation between calls of the same
@@ -13,7 +13,10 @@ backend, never a result of the reference:
   state bytes of its pages (cache_mode 1: the ring buffer of cache_mode 2 stores only the last ``coff`` groups a
   call reaches, so serial calls store rows a single call leaves alone; a block-table entry 0, "do not write", is
   given a page of its own holding block 0's bytes, since a skipped write is state the next one-token call cannot
-  read).
+  read);
+* ``<op>.batch_slices`` of the five V4 attention operators: each batch of a BSND query run alone (its query rows,
+  top-k rows, seqused / residual entries, and its BSND caches or its block-table rows over the shared paged caches)
+  gives the same output and LSE bytes (faithful; exact mode's float64 sums span the call's widest row).
 
 docs/numerics/compressor.md gives the group and state rules both properties rest on.
 """
