@@ -874,6 +874,9 @@ def _build() -> list[Property]:
     from .properties_v4 import v4_properties
 
     props += v4_properties(have, Property, _examples)
+    from .properties_batch import batch_properties
+
+    props += batch_properties(have, Property, _examples)
     order = {op: i for i, op in enumerate(ops)}
     props.sort(key=lambda p: (order.get(p.op, 99), p.kind != "vs_reference", p.name))
     names = [p.name for p in props]
