@@ -708,21 +708,21 @@ _COMMON_PARAMS = (
     " ori_win_left:int ori_win_right:int layout_q:str layout_kv:str return_softmax_lse:bool precision:str")
 
 SFM_CONTRACT = Contract(op=SFM, constraints=_rules(SFM), example=lambda rng: sfm_case(), params=params(
-    _COMMON_PARAMS + " softmax_scale:float cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array? cmp_residual_kv:array? ori_topk_length:array?"
+    _COMMON_PARAMS + " softmax_scale:float32 cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array? cmp_residual_kv:array? ori_topk_length:array?"
     " cmp_topk_length:array? topk_value_mode:int"))
 MQ_CONTRACT = Contract(op=MQ, constraints=_rules(MQ), example=lambda rng: mq_case(), params=params(
-    _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_ori_kv:array? seqused_cmp_kv:array?"
+    _COMMON_PARAMS + " softmax_scale:float32? cmp_ratio:int? seqused_ori_kv:array? seqused_cmp_kv:array?"
     " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
     " rope_head_dim:int?"))
 KQS_CONTRACT = Contract(op=KQS, constraints=_rules(KQS), example=lambda rng: kqs_case(), params=params(
-    _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array? kv_quant_mode:int tile_size:int?"
+    _COMMON_PARAMS + " softmax_scale:float32? cmp_ratio:int? seqused_kv:array? kv_quant_mode:int tile_size:int?"
     " rope_head_dim:int"))
 QS_CONTRACT = Contract(op=QS, constraints=_rules(QS), example=lambda rng: qs_case(), params=params(
-    _COMMON_PARAMS + " softmax_scale:float cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array?"
+    _COMMON_PARAMS + " softmax_scale:float32 cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array?"
     " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
     " q_descale:array? ori_kv_descale:array? cmp_kv_descale:array?"))
 SAS_CONTRACT = Contract(op=SAS, constraints=_rules(SAS), example=lambda rng: sas_case(), params=params(
-    _COMMON_PARAMS + " softmax_scale:float? cmp_ratio:int? seqused_kv:array?"))
+    _COMMON_PARAMS + " softmax_scale:float32? cmp_ratio:int? seqused_kv:array?"))
 
 
 def _sfm_reference(q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, metadata, ori_topk_length,
