@@ -36,6 +36,36 @@ SPARSE_LIMIT = 2048
 HEADS = 64
 
 
+
+def paged_key_rules(n, compressed_len, item: str, metadata_op: str) -> list:
+    """The block-table value rule and the metadata shape rule the V4 indexers share: ``compressed_len(a)`` gives
+    each batch's compressed key length, ``item`` names a batch in the message, ``metadata_op`` the metadata
+    operator whose [1024] int32 tiling ``metadata`` is."""
+    def bt_values(a):
+        if a.get("block_table") is None:
+            return None
+        bt = np.asarray(a.block_table).astype(np.int64)
+        bs, nb = a.key.shape[1], a.key.shape[0]
+        need = -(-compressed_len(a) // bs)
+        bad = (np.arange(bt.shape[1])[None, :] < need[:, None]) & ((bt < 0) | (bt >= nb))
+        if not bad.any():
+            return None
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        return f"block_table[{b}, {j}] = {int(bt[b, j])}"
+
+    def bt_bad(a):
+        bt = a["block_table"].copy()
+        bt[0, 0] = a["key"].shape[0]
+        a["block_table"] = bt
+
+    return [rule(n, "block_table_values", "block_table", "value",
+                 f"entries covering each {item}'s compressed length must be block ids in [0, block_count)",
+                 bt_values, edit(n, bt_bad)),
+            rule(n, "metadata_shape", "metadata", "shape",
+                 f"must be the [1024] int32 tiling of {metadata_op} (or None)",
+                 lambda a: None if a.get("metadata") is None or tuple(a.metadata.shape) == (1024,)
+                 else tuple(a.metadata.shape), edit(n, setting(metadata=np.zeros(8, np.int32))))]
+
 def vqli_case(*, layout_query="BSND", layout_kv="PA_BSND", explicit_lengths=False, block_size=16, n_heads=HEADS,
               sparse_count=4, batch=2, q_s=2, kv_s=6, cmp_ratio=4, seed=0, fmt="int8", act_kv_orig=None):
     """A small valid vllm_quant_lightning_indexer argument set: ``kv_s`` compressed key tokens per batch,
@@ -143,29 +173,7 @@ def _vqli_rules():
                   "compressed tokens must be covered by block_table (block_table.shape[1] * block_size)",
                   k_range, edit(n, k_bad_range)))
 
-    def bt_values(a):
-        bt = np.asarray(a.block_table).astype(np.int64)
-        bs, nb = a.key.shape[1], a.key.shape[0]
-        need = -(-_compressed(a) // bs)
-        bad = (np.arange(bt.shape[1])[None, :] < need[:, None]) & ((bt < 0) | (bt >= nb))
-        if not bad.any():
-            return None
-        b, j = (int(x) for x in np.argwhere(bad)[0])
-        return f"block_table[{b}, {j}] = {int(bt[b, j])}"
-
-    def bt_bad_values(a):
-        bt = a["block_table"].copy()
-        bt[0, 0] = a["key"].shape[0]
-        a["block_table"] = bt
-
-    r.append(rule(n, "block_table_values", "block_table", "value",
-                  "entries covering each sequence's compressed length must be block ids in [0, block_count)",
-                  bt_values, edit(n, bt_bad_values)))
-    r.append(rule(n, "metadata_shape", "metadata", "shape",
-                  "must be the [1024] int32 tiling of npu_vllm_quant_lightning_indexer_metadata (or None)",
-                  lambda a: None if a.get("metadata") is None or tuple(a.metadata.shape) == (1024,)
-                  else tuple(a.metadata.shape),
-                  edit(n, setting(metadata=np.zeros(8, np.int32)))))
+    r += paged_key_rules(n, _compressed, "sequence", "npu_vllm_quant_lightning_indexer_metadata")
     r.append(rule(n, "return_value_value", "return_value", "value",
                   "must be False (op_host: returnValues only supported False)",
                   lambda a: None if a.get("return_value") is False or a.get("return_value") is np.False_

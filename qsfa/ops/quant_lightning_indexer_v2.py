@@ -22,6 +22,7 @@ from .._contract import Contract, one_of, params
 from .._dispatch import define_operator, run
 from ..reference import indexer_v4 as _ref
 from ..reference.indexer import TIE_BREAKS
+from .indexer_v4 import paged_key_rules
 from ._attention_rules import _kv_storage, _nope_codes, choice_rule, edit, finite_rule, is_int, Names, rule, setting
 
 __all__ = ["quant_lightning_indexer_v2", "qli2_case", "QLI2_CONTRACT", "QLI2_QUANT_MODES"]
@@ -283,30 +284,7 @@ def _rules():
                   else tuple(a.block_table.shape),
                   edit(n, lambda a: a.update(block_table=np.concatenate([a["block_table"]] * 2)))))
 
-    def bt_values(a):
-        if a.get("block_table") is None:
-            return None
-        bt = np.asarray(a.block_table).astype(np.int64)
-        bs, nb = a.key.shape[1], a.key.shape[0]
-        need = -(-_s2(a) // bs)
-        bad = (np.arange(bt.shape[1])[None, :] < need[:, None]) & ((bt < 0) | (bt >= nb))
-        if not bad.any():
-            return None
-        b, j = (int(x) for x in np.argwhere(bad)[0])
-        return f"block_table[{b}, {j}] = {int(bt[b, j])}"
-
-    def bt_bad(a):
-        bt = a["block_table"].copy()
-        bt[0, 0] = a["key"].shape[0]
-        a["block_table"] = bt
-
-    r.append(rule(n, "block_table_values", "block_table", "value",
-                  "entries covering each batch's compressed length must be block ids in [0, block_count)",
-                  bt_values, edit(n, bt_bad)))
-    r.append(rule(n, "metadata_shape", "metadata", "shape",
-                  "must be the [1024] int32 tiling of quant_lightning_indexer_metadata (or None) (op_host)",
-                  lambda a: None if a.get("metadata") is None or tuple(a.metadata.shape) == (1024,)
-                  else tuple(a.metadata.shape), edit(n, _set(metadata=np.zeros(8, np.int32)))))
+    r += paged_key_rules(n, _s2, "batch", "quant_lightning_indexer_metadata (op_host)")
     for p in ("weights", "query_dequant_scale", "key_dequant_scale"):
         r.append(finite_rule(n, p))
     r.append(choice_rule(n, "tie_break", TIE_BREAKS, source="docs/numerics/open-facts.md#tie_break"))
