@@ -38,7 +38,7 @@ import numpy as np
 
 from .attention import _dot_f32, _QDT, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16, row_facts
 from .formats import decode, encode
-from .sharedkv import _kv_source, _query_rows, select_tokens
+from .sharedkv import _exact, _kv_source, _query_rows, select_tokens
 
 __all__ = ["hif8_sharedkv_attention", "HIF8_P_SCALE", "S2_TILE_950", "descale_product"]
 
@@ -138,17 +138,6 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
     return out, lse
 
 
-def _exact(q64, k64, sel, scale, sink):
-    s = np.matmul(q64, k64.transpose(0, 2, 1)) * scale
-    s[~np.broadcast_to(sel[:, None, :], s.shape)] = -np.inf
-    m = np.maximum(s.max(axis=-1), sink[None, :])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        m0 = np.where(np.isfinite(m), m, 0.0)
-        e = np.exp(s - m0[..., None])
-        den = e.sum(axis=-1) + np.exp(sink[None, :] - m0)
-        o = np.matmul(e, k64) / np.where(den > 0, den, 1.0)[..., None]
-        lse = m0 + np.log(den)
-    return o, np.where(den > 0, lse, -np.inf)
 
 
 def _faithful(q64, qcodes, k64, kcodes, sel, is_cmp, softmax_scale, dq, d_ori, d_cmp, sink, tile, p_scale,
