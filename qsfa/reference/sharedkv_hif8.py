@@ -138,8 +138,6 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
     return out, lse
 
 
-
-
 def _faithful(q64, qcodes, k64, kcodes, sel, is_cmp, softmax_scale, dq, d_ori, d_cmp, sink, tile, p_scale,
               out_rounding, golden_order=False):
     c, n = q64.shape[:2]
