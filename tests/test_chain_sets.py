@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ import qsfa
 from qsfa import chain as C
 from qsfa.cli import main
 from qsfa.golden.generators import get_generator
+from _golden_cli import cli, actual_copy
 
 DECODE = dict(q_lens=[1, 1, 1], kv_lens=[37, 20, 64], key_dtype="int8", sparse_count=16, scale_value=576 ** -0.5,
               return_softmax_lse=True)
@@ -63,13 +63,6 @@ def test_unknown_chain_and_unknown_until_are_named():
 
 # --------------------------------------------------------------------------------------------------
 # golden sets
-
-
-def cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main(["golden", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture(scope="module")
@@ -144,15 +137,6 @@ def test_generating_a_chain_whose_edge_is_refused_is_exit_2_and_writes_nothing(t
     assert rc == 2 and err.count("\n") == 1, err
     assert "link 'indexer' (lightning_indexer)" in err and "Invalid dtype for key, actual: 'uint8'" in err, err
     assert not (tmp_path / "out").exists()
-def actual_copy(decode_set, tmp_path):
-    a = tmp_path / "actual"
-    shutil.copytree(decode_set, a)
-    for root, _, files in os.walk(a):
-        for f in files:
-            os.chmod(os.path.join(root, f), 0o644)
-    return a
-
-
 def flip(path, dtype, idx, mask):
     a = np.fromfile(path, dtype)
     a[idx] ^= mask

@@ -25,6 +25,7 @@ from qsfa import chain_v4 as V
 from qsfa.cli import main
 from qsfa.golden.generators import get_generator
 from qsfa.strategies.chain import chain_cases
+from _golden_cli import cli, actual_copy
 
 DECODE = {"q_lens": [1, 1, 1], "kv_lens": [37, 20, 64], "block_size": 16}
 PREFILL = {"q_lens": [5, 3], "kv_lens": [5, 24], "block_size": 16}
@@ -195,28 +196,12 @@ def test_the_compressor_link_reads_the_generated_state_and_the_steps_token():
 # golden sets and compare --chain
 
 
-def cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main(["golden", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 @pytest.fixture(scope="module")
 def csa_set(tmp_path_factory):
     out = tmp_path_factory.mktemp("v4") / "csa"
     assert main(["golden", "generate", "--set", "v4-layer-csa-decode", "--out", str(out), "-q", "--only",
                  "decode-950-fp8.*"]) == 0
     return out
-
-
-def actual_copy(src, tmp_path):
-    a = tmp_path / "actual"
-    shutil.copytree(src, a)
-    for root, _, files in os.walk(a):
-        for f in files:
-            os.chmod(os.path.join(root, f), 0o644)
-    return a
 
 
 def test_every_v4_set_is_registered_with_both_chips():

@@ -15,18 +15,11 @@ import shutil
 import numpy as np
 import pytest
 
-from qsfa.cli import main
+from _golden_cli import cli
 
 ATT = "rope0-tnd-tnd-bfloat16-lse1-rope64"  # a float (bf16) attention output
 MASKED = "rope0-bsnd-pa-float16-uniform-rope0"  # outputs with mask files
 DBQ = "dbq-int8-1x128-bf16"
-
-
-def cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main(["golden", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def refused(capsys, *argv, expect=()):

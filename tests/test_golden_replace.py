@@ -18,19 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from qsfa.cli import main
 from qsfa.golden import Case, GoldenInputError, generate, get_set, load_manifest
 from qsfa.golden import generators
 from qsfa.golden.manifest import REPLACED_PREFIX, STAGING_PREFIX
+from _golden_cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main(["golden", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def tree(root: Path) -> dict:
