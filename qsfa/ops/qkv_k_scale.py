@@ -2,10 +2,12 @@
 
 ``cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_`` (aclnnQkvRmsNormRopeCacheWithKScale), its RoPE
 scenario: RMSNorm + RoPE + a bf16 rotation GEMM + per-token-head FP8 quantisation of Q and K, V scaled per head to
-FP8, K / V / K-scale caches written by slot. Reference :mod:`qsfa.reference.qkv_k_scale` (which writes the caches
-through :mod:`qsfa.reference.k_scale_cache`); tests tests/test_qkv_k_scale.py. Sources: cannmirror/ops-transformer@c4f5cf7
-``posembedding/qkv_rms_norm_rope_cache_with_k_scale/`` (README.md, op_kernel/arch35/). The M-RoPE and M-RoPE MX
-scenarios of the newer README are not modelled.
+FP8, K / V / K-scale caches written by slot; and its M-RoPE scenario (``mrope_position`` / ``mrope_section``: three
+position streams, bf16 Q, INT8 K). Reference :mod:`qsfa.reference.qkv_k_scale` (which writes the caches through
+:mod:`qsfa.reference.k_scale_cache`); tests tests/test_qkv_k_scale.py. Sources: cannmirror/ops-transformer@c4f5cf7
+``posembedding/qkv_rms_norm_rope_cache_with_k_scale/`` (README.md, op_kernel/arch35/); the M-RoPE scenario from
+hicann/ops-transformer@c0dda0b (``op_host/op_api/..._checker.h``, ``torch_extension/cann_ops_transformer/docs/zh/
+qkv_rms_norm_rope_cache_with_k_scale.md``). The M-RoPE MX scenario of later sources is not modelled.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from .._errors import Raw
 from ..reference import qkv_k_scale as _ref
 from ._attention_rules import choice_rule, edit, finite_rule, is_int, Names, rule, setting
 
-__all__ = ["qkv_rms_norm_rope_cache_with_k_scale", "qkv_case", "QKV_CONTRACT"]
+__all__ = ["qkv_rms_norm_rope_cache_with_k_scale", "qkv_case", "mrope_case", "QKV_CONTRACT"]
 
 QKV = "qkv_rms_norm_rope_cache_with_k_scale"
 QKV_SOURCE = ("docs/numerics/cache-writers.md#qkv_rms_norm_rope_cache_with_k_scale; cannmirror/ops-transformer@c4f5cf7 "
               "posembedding/qkv_rms_norm_rope_cache_with_k_scale/README.md")
+MROPE_SOURCE = ("docs/numerics/cache-writers.md#m-rope-scenario; hicann/ops-transformer@c0dda0b "
+                "torch_extension/cann_ops_transformer/docs/zh/qkv_rms_norm_rope_cache_with_k_scale.md")
 D = 128
 _BF16 = ml_dtypes.bfloat16
 _E4M3 = ml_dtypes.float8_e4m3fn
@@ -59,7 +63,29 @@ def qkv_case(*, t=4, nq=16, nk=2, batch=2, layout_qkv="TND", layout_q_out="NTD",
                 k_quant_mode="PerTokenPerHead", zero_head="zero")
 
 
-_N = Names(QKV, qkv_case, source=QKV_SOURCE)
+def mrope_case(*, t=4, nq=16, nk=2, block_num=2, block_size=16, max_seq=32, section=(22, 12, 10), seed=0):
+    """A small valid argument set of the M-RoPE scenario: ``qkv_case``'s arrays (TND in and out) with T / H / W
+    positions ``[T, 3]`` drawn from the table's rows, ``mrope_section`` ``section``, an int8 K cache, a per-lane
+    ``v_scale [Nk, 128]``, no query_start_loc / seq_lens, bf16 Q unquantised."""
+    a = qkv_case(t=t, nq=nq, nk=nk, batch=1, layout_qkv="TND", layout_q_out="TND", block_num=block_num,
+                 block_size=block_size, max_seq=max_seq, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    a.update(query_start_loc=None, seq_lens=None, mrope_position=rng.integers(0, max_seq, (t, 3)).astype(np.int32),
+             mrope_section=list(section), q_quant_mode="NoQuant", q_out_dtype="bfloat16",
+             k_cache=np.full(a["k_cache"].shape, 0x11, np.int8),
+             v_scale=rng.uniform(0.5, 2.0, (nk, D)).astype(np.float32))
+    return a
+
+
+def _case(mrope=False, **kw):
+    return mrope_case(**kw) if mrope else qkv_case(**kw)
+
+
+_N = Names(QKV, _case, source=QKV_SOURCE)
+
+
+def _mrope(a) -> bool:
+    return a.get("mrope_position") is not None
 
 
 def _heads(a):
@@ -75,23 +101,111 @@ def _shape_rule(cid, p, reason, want, change, **variant):
                 lambda a: None if tuple(a[p].shape) == tuple(want(a)) else tuple(a[p].shape), edit(_N, change, **variant))
 
 
+def _section(a):
+    v = a.get("mrope_section")
+    return [] if v is None else v
+
+
+def _scenario_rules():
+    """The rules that tell the two scenarios apart (hicann/ops-transformer@c0dda0b ``..._checker.h``
+    ``DetermineScene``, ``CheckRopeSceneParams``, ``CheckMropeSceneParams``; the torch_extension doc's table)."""
+    n, src = _N, MROPE_SOURCE
+
+    def sources_ok(a):
+        has_sec = not (isinstance(_section(a), (list, tuple)) and len(_section(a)) == 0)
+        return None if _mrope(a) == has_sec else ("mrope_position given" if _mrope(a) else repr(_section(a)))
+
+    r = [rule(n, "mrope_inputs_together", "mrope_section", "value",
+              "mrope_position and a non-empty mrope_section must be given together (None / [] both for RoPE)",
+              sources_ok, edit(n, setting(mrope_section=None), mrope=True), source=src),
+         rule(n, "rope_positions_by_scenario", "query_start_loc", "value",
+              "query_start_loc and seq_lens must both be arrays in the RoPE scenario and both None in the M-RoPE "
+              "scenario (mrope_position given)",
+              lambda a: None if all((a.get(p) is None) == _mrope(a) for p in ("query_start_loc", "seq_lens"))
+              else ("not None" if _mrope(a) else "None"),
+              edit(n, lambda a: a.update(query_start_loc=np.array([0, 4], np.int32)), mrope=True), source=src)]
+    for p, rope, mrope, bad in (("q_quant_mode", "PerTokenPerHead", "NoQuant", "PerTokenPerHead"),
+                                ("q_out_dtype", "float8_e4m3fn", "bfloat16", "float8_e4m3fn")):
+        r.append(rule(n, f"{p}_by_scenario", p, "value",
+                      f"must be {rope!r} in the RoPE scenario and {mrope!r} in the M-RoPE scenario",
+                      (lambda p_, ro, mr: lambda a: None if a.get(p_) == (mr if _mrope(a) else ro) else a.get(p_))(
+                          p, rope, mrope), edit(n, setting(**{p: bad}), mrope=True), source=src))
+    r.append(rule(n, "k_cache_dtype_by_scenario", "k_cache", "dtype",
+                  "must be float8_e4m3fn in the RoPE scenario and int8 in the M-RoPE scenario",
+                  lambda a: None if dtype_name(a.k_cache) == ("int8" if _mrope(a) else "float8_e4m3fn")
+                  else dtype_name(a.k_cache),
+                  edit(n, lambda a: a.update(k_cache=np.zeros(a["k_cache"].shape, np.uint8).view(_E4M3)), mrope=True),
+                  dtype=True, source=src))
+    r.append(rule(n, "mrope_layouts", "layout_q_out", "value",
+                  "the M-RoPE scenario supports only layout_qkv TND -> layout_q_out TND",
+                  lambda a: None if not _mrope(a) or (a.layout_qkv, a.layout_q_out) == ("TND", "TND")
+                  else f"{a.layout_qkv} -> {a.layout_q_out}", edit(n, setting(layout_q_out="NTD"), mrope=True),
+                  source=src))
+
+    def section_ok(a):
+        v = _section(a)
+        if not _mrope(a):
+            return None
+        if not isinstance(v, (list, tuple)) or len(v) != 3 or not all(is_int(x) for x in v):
+            return repr(v)
+        t, h, w = (int(x) for x in v)
+        return None if min(t, h, w) >= 0 and h <= 21 and w <= 21 and t + h + w <= D // 2 else [t, h, w]
+
+    r.append(rule(n, "mrope_section_value", "mrope_section", "value",
+                  "must be [t, h, w] with t, h, w >= 0, h <= 21, w <= 21 and t + h + w <= 64 (D = 128)", section_ok,
+                  edit(n, setting(mrope_section=[22, 22, 10]), mrope=True), source=src))
+    r.append(rule(n, "zero_head_mrope", "zero_head", "value",
+                  "must be 'zero' in the M-RoPE scenario (its K is INT8, which has no NaN code; Q is not quantised)",
+                  lambda a: None if not _mrope(a) or a.zero_head == "zero" else a.zero_head,
+                  edit(n, setting(zero_head="nan"), mrope=True), source="docs/numerics/open-facts.md#qkv-zero-head"))
+    return r
+
+
+def _mrope_position_rules():
+    n = _N
+    r = [rule(n, "mrope_position_shape", "mrope_position", "shape", "must be [T, 3] (T / H / W positions per token)",
+              lambda a: None if not _mrope(a) or tuple(a.mrope_position.shape) == (_t(a), 3)
+              else tuple(a.mrope_position.shape),
+              edit(n, lambda a: a.update(mrope_position=a["mrope_position"][:, :2].copy()), mrope=True),
+              source=MROPE_SOURCE)]
+
+    def values_ok(a):
+        if not _mrope(a) or not a.mrope_position.size:
+            return None
+        p = np.asarray(a.mrope_position, np.int64)
+        bad = (p < 0) | (p >= a.cos_sin.shape[0])
+        return Raw(f"position {int(p[bad][0])}") if bad.any() else None
+
+    def values_bad(a):
+        p = a["mrope_position"].copy()
+        p[0, 1] = a["cos_sin"].shape[0]
+        a["mrope_position"] = p
+
+    r.append(rule(n, "mrope_position_values", "mrope_position", "value",
+                  "every position must be a row of cos_sin: 0 <= value < MaxSeqLen", values_ok,
+                  edit(n, values_bad, mrope=True), source=MROPE_SOURCE))
+    return r
+
+
 def _rules():
     n = _N
     arrays = ("qkv", "q_gamma", "k_gamma", "cos_sin", "slot_mapping", "k_cache", "v_cache", "k_scale_cache",
               "query_start_loc", "seq_lens", "rotation", "v_scale")
-    r = [is_array(QKV, p, source=QKV_SOURCE) for p in arrays]
+    r = [is_array(QKV, p, source=QKV_SOURCE, optional=p in ("query_start_loc", "seq_lens")) for p in arrays]
+    r.append(is_array(QKV, "mrope_position", optional=True, source=MROPE_SOURCE))
     for p, dts in (("qkv", ("bfloat16",)), ("q_gamma", ("float32",)), ("k_gamma", ("float32",)),
-                   ("cos_sin", ("float32",)), ("slot_mapping", ("int32",)), ("k_cache", ("float8_e4m3fn",)),
+                   ("cos_sin", ("float32",)), ("slot_mapping", ("int32",)),
+                   ("k_cache", ("float8_e4m3fn", "int8")), ("mrope_position", ("int32",)),
                    ("v_cache", ("float8_e4m3fn",)), ("k_scale_cache", ("float32",)), ("query_start_loc", ("int32",)),
                    ("seq_lens", ("int32",)), ("rotation", ("bfloat16",)), ("v_scale", ("float32",))):
         r.append(dtype_in(QKV, p, dts, source=QKV_SOURCE))
     for p in ("rotation", "v_scale"):  # keyword arguments defaulting to None, read by the RoPE scenario
         r.append(rule(n, f"{p}_required", p, "value", "must be given (the RoPE scenario reads it; README)",
                       (lambda p_: lambda a: None if a.get(p_) is not None else "None")(p), edit(n, setting(**{p: None}))))
-    r.append(choice_rule(n, "q_quant_mode", ("PerTokenPerHead",), bad="NoQuant",
-                         source=QKV_SOURCE + " (the RoPE scenario; M-RoPE / MX not modelled)"))
+    r.append(choice_rule(n, "q_quant_mode", ("PerTokenPerHead", "NoQuant"), source=MROPE_SOURCE))
+    r.append(choice_rule(n, "q_out_dtype", ("float8_e4m3fn", "bfloat16"), bad="float16", source=MROPE_SOURCE))
     r.append(choice_rule(n, "k_quant_mode", ("PerTokenPerHead",), bad="Mx",
-                         source=QKV_SOURCE + " (the RoPE scenario; M-RoPE / MX not modelled)"))
+                         source=QKV_SOURCE + " (the M-RoPE MX scenario is not modelled)"))
     r.append(choice_rule(n, "layout_qkv", ("TND", "NTD")))
     r.append(choice_rule(n, "layout_q_out", ("TND", "NTD")))
     r.append(rule(n, "layout_pair", "layout_q_out", "value",
@@ -99,6 +213,7 @@ def _rules():
                   lambda a: None if not (a.layout_qkv == "NTD" and a.layout_q_out == "TND") else a.layout_q_out,
                   edit(n, setting(layout_q_out="TND"), layout_qkv="NTD")))
     r.append(choice_rule(n, "zero_head", _ref.ZERO_HEAD, source="docs/numerics/open-facts.md#qkv-zero-head"))
+    r.extend(_scenario_rules())
 
     def heads_ok(a):
         h = a.head_nums
@@ -123,8 +238,10 @@ def _rules():
                   edit(n, lambda a: a.update(cos_sin=a["cos_sin"][:, :64].copy()))))
     r.append(_shape_rule("rotation_shape", "rotation", "must be [128, 128] (README: BF16 [D, D])",
                          lambda a: (D, D), lambda a: a.update(rotation=a["rotation"][:64].copy())))
-    r.append(_shape_rule("v_scale_shape", "v_scale", "must be [Nv] (README, the RoPE scenario)",
-                         lambda a: (_heads(a)[2],), lambda a: a.update(v_scale=np.ones(3, np.float32))))
+    r.append(_shape_rule("v_scale_shape", "v_scale", "must be [Nv] in the RoPE scenario (README) and [Nv, 128] in "
+                         "the M-RoPE one (torch_extension doc)",
+                         lambda a: (_heads(a)[2],) + ((D,) if _mrope(a) else ()),
+                         lambda a: a.update(v_scale=np.ones(3, np.float32))))
     r.append(rule(n, "k_cache_shape", "k_cache", "shape", "must be [BlockNum, Nk, BlockSize, 128] (README)",
                   lambda a: None if a.k_cache.ndim == 4 and a.k_cache.shape[1] == _heads(a)[1]
                   and a.k_cache.shape[3] == D and a.k_cache.shape[2] > 0 else tuple(a.k_cache.shape),
@@ -155,6 +272,8 @@ def _rules():
                   "slots is undefined)", slots_ok, edit(n, slots_bad)))
 
     def qsl_ok(a):
+        if _mrope(a):
+            return None
         c = np.asarray(a.query_start_loc, np.int64)
         if c.ndim != 1 or c.size < 2:
             return Raw(f"shape {tuple(c.shape)}")
@@ -167,6 +286,8 @@ def _rules():
                   edit(n, lambda a: a.update(query_start_loc=a["query_start_loc"][::-1].copy()))))
 
     def sl_ok(a):
+        if _mrope(a):
+            return None
         c = np.asarray(a.query_start_loc, np.int64)
         s = np.asarray(a.seq_lens, np.int64)
         if s.shape != (c.size - 1,):
@@ -180,6 +301,7 @@ def _rules():
                   "must be [B] with seq_lens[b] >= the request's tokens in qkv, and every position "
                   "seq_lens[b] - tokens + i must be a row of cos_sin (README)", sl_ok,
                   edit(n, lambda a: a.update(seq_lens=np.full_like(a["seq_lens"], 1000)))))
+    r.extend(_mrope_position_rules())
     for p in ("qkv", "q_gamma", "k_gamma", "cos_sin", "rotation", "v_scale"):
         r.append(finite_rule(n, p))
     r.append(rule(n, "epsilon_value", "epsilon", "value", "must be a finite float32 > 0",
@@ -193,9 +315,9 @@ def _rules():
 QKV_CONTRACT = Contract(
     op=QKV, constraints=_rules(), example=lambda rng: qkv_case(), inplace=("k_cache", "v_cache", "k_scale_cache"),
     params=params("qkv:array q_gamma:array k_gamma:array cos_sin:array slot_mapping:array k_cache:array v_cache:array"
-                  " k_scale_cache:array query_start_loc:array seq_lens:array head_nums:any rotation:array?"
-                  " v_scale:array? layout_qkv:str layout_q_out:str epsilon:float32 q_quant_mode:str k_quant_mode:str"
-                  " zero_head:str"))
+                  " k_scale_cache:array query_start_loc:array? seq_lens:array? head_nums:any rotation:array?"
+                  " v_scale:array? layout_qkv:str layout_q_out:str epsilon:float32 mrope_position:array?"
+                  " mrope_section:any? q_quant_mode:str q_out_dtype:str k_quant_mode:str zero_head:str"))
 
 
 def _reference(**args):
@@ -204,16 +326,19 @@ def _reference(**args):
 
 define_operator(QKV, QKV_CONTRACT, outputs=("q_out", "q_scale", "k_cache", "v_cache", "k_scale_cache"),
                 reference=_reference,
-                doc="RMSNorm + RoPE + bf16 rotation + per-token-head FP8 of Q / K, V to FP8, caches by slot (950).")
+                doc="RMSNorm + RoPE (or M-RoPE) + bf16 rotation + per-token-head FP8 Q / K (or bf16 Q, INT8 K), V to "
+                    "FP8, caches by slot (950).")
 
 
 def qkv_rms_norm_rope_cache_with_k_scale(qkv, q_gamma, k_gamma, cos_sin, slot_mapping, k_cache, v_cache,
                                          k_scale_cache, query_start_loc, seq_lens, head_nums, *, rotation=None,
                                          v_scale=None, layout_qkv="TND", layout_q_out="NTD", epsilon=1e-6,
-                                         q_quant_mode="PerTokenPerHead", k_quant_mode="PerTokenPerHead",
+                                         mrope_position=None, mrope_section=None, q_quant_mode="PerTokenPerHead",
+                                         q_out_dtype="float8_e4m3fn", k_quant_mode="PerTokenPerHead",
                                          zero_head="zero", chip=None, backend="reference"):
     """``cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_`` (Ascend 950), the RoPE scenario
-    (docs/numerics/cache-writers.md#qkv_rms_norm_rope_cache_with_k_scale): writes ``k_cache`` / ``v_cache``
+    (docs/numerics/cache-writers.md#qkv_rms_norm_rope_cache_with_k_scale), or the M-RoPE scenario when
+    ``mrope_position`` is given (docs/numerics/cache-writers.md#m-rope-scenario). RoPE: writes ``k_cache`` / ``v_cache``
     (float8_e4m3fn ``[BlockNum, Nk, BlockSize, 128]``) and ``k_scale_cache`` (float32 ``[BlockNum, Nk,
     BlockSize, 1]``) in place and returns ``(q_out, q_scale, k_cache, v_cache, k_scale_cache)``.
 
@@ -223,10 +348,14 @@ def qkv_rms_norm_rope_cache_with_k_scale(qkv, q_gamma, k_gamma, cos_sin, slot_ma
     and v_scale float32 ``[Nv]`` are required. q_out float8_e4m3fn ``[Nq, T, 128]`` (layout_q_out NTD) or
     ``[T, Nq, 128]``, q_scale float32 ``[Nq, T]`` / ``[T, Nq]``. zero_head: what an all-zero Q / K head's codes
     are (OPEN, docs/numerics/open-facts.md#qkv-zero-head).
+
+    M-RoPE: query_start_loc = seq_lens = None, mrope_position int32 ``[T, 3]`` (T / H / W rows of cos_sin per
+    token), mrope_section ``[t, h, w]``, q_quant_mode "NoQuant", q_out_dtype "bfloat16", k_cache int8, v_scale
+    float32 ``[Nv, 128]``, TND -> TND only; returns q_out bfloat16 ``[T, Nq, 128]`` and q_scale None.
     """
     args = dict(qkv=qkv, q_gamma=q_gamma, k_gamma=k_gamma, cos_sin=cos_sin, slot_mapping=slot_mapping,
                 k_cache=k_cache, v_cache=v_cache, k_scale_cache=k_scale_cache, query_start_loc=query_start_loc,
                 seq_lens=seq_lens, head_nums=head_nums, rotation=rotation, v_scale=v_scale, layout_qkv=layout_qkv,
-                layout_q_out=layout_q_out, epsilon=epsilon, q_quant_mode=q_quant_mode, k_quant_mode=k_quant_mode,
-                zero_head=zero_head)
+                layout_q_out=layout_q_out, epsilon=epsilon, mrope_position=mrope_position, mrope_section=mrope_section,
+                q_quant_mode=q_quant_mode, q_out_dtype=q_out_dtype, k_quant_mode=k_quant_mode, zero_head=zero_head)
     return run(QKV, args, backend, chip=chip)
