@@ -34,6 +34,20 @@ def _fp8(x):
     return int(np.asarray(F32(min(max(float(x), -448.0), 448.0))).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
 
 
+def _rotated_row(xs, gamma, c, s, rot, eps):
+    """One Q / K head through RMSNorm (halves added first), half-split RoPE with lane cosines ``c`` / sines ``s``,
+    the bf16 cast and the rotation (each output the fp32 rounding of its exact sum)."""
+    sq = [F32(v) * F32(v) for v in xs]
+    pairs = [float(F32(sq[d] + sq[d + 64])) for d in range(64)]
+    ss = _rn32(pairs)
+    rms = np.sqrt(F32(F32(ss * F32(1 / 128)) + eps))
+    y = [F32(F32(F32(v) / rms) * F32(g)) for v, g in zip(xs, gamma)]
+    lo = [F32(F32(y[d] * c[d]) - F32(y[d + 64] * s[d])) for d in range(64)]
+    hi = [F32(F32(y[d + 64] * c[d]) + F32(y[d] * s[d])) for d in range(64)]
+    av = np.array(lo + hi, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    return np.array([_rn32(list(av * rot[:, n])) for n in range(128)], np.float32) + F32(0)
+
+
 def _plain(a):
     nq, nk, nv = a["head_nums"]
     x = a["qkv"].astype(np.float32)
@@ -54,16 +68,7 @@ def _plain(a):
         c, s = a["cos_sin"][pos, :64], a["cos_sin"][pos, 64:]
         for head in range(nq + nk):
             gamma = a["q_gamma"] if head < nq else a["k_gamma"]
-            xs = x[tok, head]
-            sq = [F32(v) * F32(v) for v in xs]
-            pairs = [float(F32(sq[d] + sq[d + 64])) for d in range(64)]
-            ss = _rn32(pairs)
-            rms = np.sqrt(F32(F32(ss * F32(1 / 128)) + eps))
-            y = [F32(F32(F32(v) / rms) * F32(g)) for v, g in zip(xs, gamma)]
-            lo = [F32(F32(y[d] * c[d]) - F32(y[d + 64] * s[d])) for d in range(64)]
-            hi = [F32(F32(y[d + 64] * c[d]) + F32(y[d] * s[d])) for d in range(64)]
-            av = np.array(lo + hi, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-            r = np.array([_rn32(list(av * rot[:, n])) for n in range(128)], np.float32) + F32(0)
+            r = _rotated_row(x[tok, head], gamma, c, s, rot, eps)
             scale = F32(np.abs(r).max() / F32(448))
             codes = [0] * 128 if scale == 0 else [_fp8(F32(v / scale)) for v in r]
             if head < nq:
@@ -183,3 +188,117 @@ def test_golden_set_files_match_the_plain_model(tmp_path):
         assert arr[("output", "q_out")].view(np.uint8).tobytes() == want[0].tobytes()
         for name, w in zip(("k_cache", "v_cache", "k_scale_cache"), want[2:]):
             assert arr[("output", name)].tobytes() == np.ascontiguousarray(w).tobytes(), name
+
+
+# --------------------------------------------------------------------------------------------------
+# M-RoPE scenario (hicann/ops-transformer@6c2c05f op_kernel/arch35/..._vf.h, @c0dda0b torch_extension doc)
+
+
+def _int8(y):
+    """INT8 code of fp32 ``y``: NumPy's IEEE half (round to nearest even), then Python's round (half to even)."""
+    return max(-128, min(127, round(float(np.float16(y)))))
+
+
+def _plain_mrope(a):
+    nq, nk, _ = a["head_nums"]
+    x = a["qkv"].astype(np.float32)
+    t = x.shape[0]
+    _, h, w = a["mrope_section"]
+    rot = a["rotation"].astype(np.float64)
+    eps = F32(a["epsilon"])
+    q_out = np.zeros((t, nq, 128), np.float32)
+    k_codes = np.zeros((t, nk, 128), np.int8)
+    k_scale = np.zeros((t, nk), np.float32)
+    for tok in range(t):
+        c, s = np.zeros(64, np.float32), np.zeros(64, np.float32)
+        for lane in range(64):
+            group, phase = divmod(lane, 3)
+            stream = 1 if phase == 1 and group < h else 2 if phase == 2 and group < w else 0  # H, W, else T
+            row = a["cos_sin"][a["mrope_position"][tok, stream]]
+            c[lane], s[lane] = row[lane], row[64 + lane]
+        for head in range(nq + nk):
+            gamma = a["q_gamma"] if head < nq else a["k_gamma"]
+            r = _rotated_row(x[tok, head], gamma, c, s, rot, eps)
+            if head < nq:
+                q_out[tok, head] = r
+                continue
+            scale = F32(np.abs(r).max() / F32(127))
+            k_codes[tok, head - nq] = [0] * 128 if scale == 0 else [_int8(F32(v / scale)) for v in r]
+            k_scale[tok, head - nq] = scale
+    v = x[:, nq + nk:] * a["v_scale"][None]
+    v_codes = np.vectorize(_fp8)(v).astype(np.uint8)
+    kc, vc, ksc = (a[p].copy() for p in ("k_cache", "v_cache", "k_scale_cache"))
+    bs = kc.shape[2]
+    for tok, slot in enumerate(int(v) for v in a["slot_mapping"]):
+        kc[slot // bs, :, slot % bs] = k_codes[tok]
+        vc.view(np.uint8)[slot // bs, :, slot % bs] = v_codes[tok]
+        ksc[slot // bs, :, slot % bs, 0] = k_scale[tok]
+    return q_out.astype(ml_dtypes.bfloat16), kc, vc, ksc
+
+
+MROPE_CASES = [dict(t=3, nq=8, nk=1), dict(t=2, nq=16, nk=2, section=(0, 21, 21)), dict(t=2, nq=8, nk=1,
+                                                                                          section=(64, 0, 0))]
+
+
+@pytest.mark.parametrize("case", MROPE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_mrope_matches_plain_model(case):
+    from qsfa.ops.qkv_k_scale import mrope_case
+
+    a = mrope_case(**case)
+    want = _plain_mrope(a)
+    before = a["k_cache"].copy()
+    q_out, q_scale, kc, vc, ksc = qsfa.qkv_rms_norm_rope_cache_with_k_scale(**a)
+    assert q_scale is None and q_out.dtype == ml_dtypes.bfloat16 and kc.dtype == np.int8
+    assert kc is a["k_cache"] and vc is a["v_cache"] and ksc is a["k_scale_cache"]
+    assert q_out.view(np.uint16).tobytes() == want[0].view(np.uint16).tobytes()
+    for got, w in zip((kc, vc, ksc), want[1:]):
+        assert got.tobytes() == w.tobytes()
+    assert (kc != before).any()
+
+
+def test_mrope_lanes_follow_the_section():
+    """mrope_section [22, 12, 10]: lanes 1, 4, ..., 34 (l % 3 = 1, l // 3 < 12) read H, lanes 2, 5, ..., 29 read W,
+    every other lane T (the torch_extension doc's sigma)."""
+    from qsfa.reference.qkv_k_scale import mrope_lane_axes
+
+    axes = mrope_lane_axes([22, 12, 10]).tolist()
+    assert [i for i, v in enumerate(axes) if v == 1] == list(range(1, 35, 3))
+    assert [i for i, v in enumerate(axes) if v == 2] == list(range(2, 30, 3))
+    assert mrope_lane_axes([64, 0, 0]).tolist() == [0] * 64
+
+
+def test_mrope_streams_reach_the_output():
+    """Moving only the H positions changes q_out; moving the T positions of a [0, 21, 21] section changes it too
+    (lanes l % 3 = 0 always read T: t takes no lane of its own); moving W changes nothing when w = 0."""
+    from qsfa.ops.qkv_k_scale import mrope_case
+
+    def q(section, col):
+        a = mrope_case(t=2, nq=8, nk=1, section=section)
+        base = qsfa.qkv_rms_norm_rope_cache_with_k_scale(**mrope_case(t=2, nq=8, nk=1, section=section))[0]
+        a["mrope_position"][:, col] = (a["mrope_position"][:, col] + 1) % 32
+        return (qsfa.qkv_rms_norm_rope_cache_with_k_scale(**a)[0].view(np.uint16) != base.view(np.uint16)).any()
+
+    assert q((22, 12, 10), 1) and q((0, 21, 21), 0) and not q((43, 21, 0), 2)
+
+
+def test_mrope_int8_zero_head_and_refusals():
+    from qsfa.ops.qkv_k_scale import mrope_case
+
+    a = mrope_case(t=2, nq=8, nk=1)
+    a["k_gamma"] = np.zeros(128, np.float32)  # every K head normalises to 0: scale 0, 0 / 0 in the kernel
+    _, _, kc, _, ksc = qsfa.qkv_rms_norm_rope_cache_with_k_scale(**a)
+    bs = kc.shape[2]
+    for slot in a["slot_mapping"]:
+        assert (kc[slot // bs, :, slot % bs] == 0).all() and (ksc[slot // bs, :, slot % bs] == 0).all()
+    for change, cid in ((dict(seq_lens=np.array([2], np.int32)), "rope_positions_by_scenario"),
+                        (dict(q_quant_mode="PerTokenPerHead"), "q_quant_mode_by_scenario"),
+                        (dict(mrope_section=[0, 22, 0]), "mrope_section_value"),
+                        (dict(layout_q_out="NTD"), "mrope_layouts"),
+                        (dict(zero_head="nan"), "zero_head_mrope")):
+        b = mrope_case(t=2, nq=8, nk=1)
+        before = b["k_cache"].tobytes()
+        b.update(change)
+        with pytest.raises(InvalidArgument) as ei:
+            qsfa.qkv_rms_norm_rope_cache_with_k_scale(**b)
+        assert ei.value.constraint_id == f"qkv_rms_norm_rope_cache_with_k_scale.{cid}"
+        assert b["k_cache"].tobytes() == before
