@@ -598,3 +598,19 @@ def test_quant_sparse_flash_mla_probability_tie():
     assert out.view(np.uint16)[0, 0, 0, 1] == 0x3D0B
     half_even = np.float32(np.float32(np.float32(0.5) / np.float32(1.033203125)) * np.float32(1 / 16))
     assert (half_even.astype(ml_dtypes.bfloat16).view(np.uint16)) == 0x3CF8
+
+
+def test_qkv_mrope_int8_k_rounds_twice():
+    """qkv_rms_norm_rope_cache_with_k_scale, M-RoPE K (950; hicann/ops-transformer@6c2c05f
+    op_kernel/arch35/qkv_rms_norm_rope_cache_with_k_scale_vf.h l.50-62, DynamicQuantD128): y = r / scale goes to
+    fp16 with CAST_RINT, then to int8 with CAST_RINT and SAT. amax 127 makes scale exactly 1, so y = r. Ties go to
+    even (2.5 -> 2, 1.5 -> 2, 0.5 -> 0, -2.5 -> -2); 3.4995 is 3.5 in fp16 (ulp 2^-9) and then 4, where one rounding
+    gives 3; 126.53 is 126.5 in fp16 (ulp 2^-4) and then 126, where one rounding gives 127."""
+    from qsfa.reference.qkv_k_scale import quant_per_head_int8
+
+    r = np.zeros((1, 128), np.float32)
+    r[0, :8] = [127, 3.4995, 2.5, 1.5, 0.5, -2.5, 126.53, -0.5]
+    codes, scale = quant_per_head_int8(r)
+    assert scale.tolist() == [1.0]
+    assert codes[0, :8].tolist() == [127, 4, 2, 2, 0, -2, 126, 0] and not codes[0, 8:].any()
+    assert np.rint(r[0, [1, 6]]).tolist() == [3.0, 127.0]  # what a single rounding would give
