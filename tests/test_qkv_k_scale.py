@@ -165,22 +165,31 @@ def test_golden_set_files_match_the_plain_model(tmp_path):
     out = tmp_path / "qkvs"
     assert main(["golden", "generate", "--set", "qkv-rms-norm-rope-cache-with-k-scale", "--out", str(out), "-q"]) == 0
     man = load_manifest(out)
-    assert not man["skipped"] and len(man["cases"]) == 3
+    assert not man["skipped"] and len(man["cases"]) == 5
     for case in man["cases"]:
         arr = {}
         for e in case["arrays"]:
             a = np.fromfile(os.path.join(out, e["file"]), dtype=e["storage"]).reshape(e["shape"])
             arr[(e["role"], e["name"])] = a.view(ml_dtypes.float8_e4m3fn) if e["dtype"] == "float8_e4m3fn" else \
-                a.view(ml_dtypes.bfloat16) if e["dtype"] == "bfloat16" else a
+                a.view(ml_dtypes.bfloat16) if e["dtype"] == "bfloat16" else a.view(np.int8) if e["dtype"] == "int8" \
+                else a
         ksc_in, ksc = arr[("input", "k_scale_cache")], arr[("output", "k_scale_cache")]
         bs = ksc.shape[2]
         written = np.zeros(ksc.shape[:3], bool)
         for s in arr[("input", "slot_mapping")]:
             written[s // bs, :, s % bs] = True
         assert (ksc[written] > 0).all() and (ksc[~written] == ksc_in[~written]).all(), case["name"]
+        p = case["params"]
+        if case["name"] == "qkvs-mrope-22-12-10":
+            args = {n: v for (role, n), v in arr.items() if role == "input"}
+            args.update(head_nums=p["head_nums"], mrope_section=p["mrope_section"], epsilon=1e-6)
+            want = _plain_mrope(args)
+            assert ("output", "q_scale") not in arr
+            assert arr[("output", "q_out")].view(np.uint16).tobytes() == want[0].view(np.uint16).tobytes()
+            for name, w in zip(("k_cache", "v_cache", "k_scale_cache"), want[1:]):
+                assert arr[("output", name)].tobytes() == w.tobytes(), name
         if case["name"] != "qkvs-ntd-ntd":
             continue
-        p = case["params"]
         args = {n: v for (role, n), v in arr.items() if role == "input"}
         args.update(head_nums=p["head_nums"], layout_qkv=p["layout_qkv"], layout_q_out=p["layout_q_out"],
                     epsilon=1e-6)

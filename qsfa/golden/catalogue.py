@@ -414,12 +414,17 @@ def qkv_rms_norm_rope_cache_with_k_scale_cases() -> list[Case]:
           t=10, batch=2, layout_qkv="TND", layout_q_out="TND", block_num=1, block_size=32, max_seq=24),
         c("qkvs-ntd-ntd", "NTD in and out, Nq 8 / Nk 1, 3 requests", 8, t=5, batch=3, layout_qkv="NTD",
           layout_q_out="NTD", block_num=1, block_size=16, max_seq=40),
+        *(c(f"qkvs-mrope-{tag}", f"M-RoPE: T / H / W positions, mrope_section {sec}, bf16 Q, INT8 K, per-lane "
+            f"v_scale; Nq {nq} / Nk {nq // 8}, TND in and out", nq, t=t, layout_qkv="TND", layout_q_out="TND",
+            block_num=2, block_size=16, max_seq=48, query_start_loc=None, seq_lens=None, mrope_section=sec,
+            q_quant_mode="NoQuant", q_out_dtype="bfloat16")
+          for tag, sec, nq, t in (("22-12-10", [22, 12, 10], 16, 6), ("0-21-21", [0, 21, 21], 8, 5))),
     ]
 
 
 register_set("qkv-rms-norm-rope-cache-with-k-scale", "cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_ "
              "(Ascend 950, RoPE scenario): RMSNorm + RoPE + bf16 rotation + per-token-head FP8 Q / K, FP8 V, K-scale "
-             "cache by slot", qkv_rms_norm_rope_cache_with_k_scale_cases)
+             "cache by slot; and the M-RoPE scenario (bf16 Q, INT8 K)", qkv_rms_norm_rope_cache_with_k_scale_cases)
 
 
 # --------------------------------------------------------------------------------------------------
