@@ -1343,6 +1343,25 @@ def _qkv_k_scale():
     _add(f"{QKVS}.rope_rotates_the_other_way", QKVS, "RoPE with the sine's sign flipped (y_lo c + y_hi s, ...)",
          _patch((Q, "rope_half_split_f32", sin_sign)))
 
+    def one_rounding(orig):
+        def f(r):
+            amax = np.abs(r).max(axis=-1)
+            scale = (amax / np.float32(127)).astype(np.float32)
+            y = r / np.where(scale > 0, scale, np.float32(1))[..., None]
+            return np.clip(np.rint(y), -128, 127).astype(np.int8), scale
+
+        return f
+
+    _add(f"{QKVS}.mrope_int8_one_rounding", QKVS,
+         "M-RoPE K: r / scale rounded straight to INT8 (no fp16 step in between)",
+         _patch((Q, "quant_per_head_int8", one_rounding)))
+
+    def h_w_swapped(orig):
+        return lambda section: orig([section[0], section[2], section[1]])
+
+    _add(f"{QKVS}.mrope_h_w_sections_swapped", QKVS, "M-RoPE lanes: the H and W section sizes swapped",
+         _patch((Q, "mrope_lane_axes", h_w_swapped)))
+
 
 def _compressor():
     C, CMP = _m("compressor"), "compressor"

@@ -16,7 +16,10 @@ before the random draws):
 * scatter_pa_kv_cache_with_k_scale: ``out_of_range_slots`` (slots -7 and num_slots + 3, skipped like -1),
   ``e5m2``, ``strided`` (caches with blocks apart, a non-contiguous key);
 * qkv_rms_norm_rope_cache_with_k_scale (docs/numerics/cache-writers.md#qkv_rms_norm_rope_cache_with_k_scale):
-  ``zero_head``, ``v_saturate``, ``layout_qkv:NTD``, ``history``, ``rotation:identity`` (see their pins).
+  ``zero_head``, ``v_saturate``, ``layout_qkv:NTD``, ``history``, ``rotation:identity`` (see their pins); its M-RoPE
+  scenario: ``mrope`` (positions drawn over 48 rows, section [24, 12, 8]), ``mrope:zero_k`` (every K head all zero: scale 0),
+  ``mrope:int8_ties`` (K rows ``+-1 x gamma`` with amax ``127 x 2^k``: scale exactly ``2^k`` and INT8 midpoints
+  ``n + 0.5``) and ``mrope:pow2_amax`` (the same rows with amax exactly ``2^k``).
 """
 
 from __future__ import annotations
@@ -193,25 +196,60 @@ def scatter_pa_kv_cache_with_k_scale_args(draw, bounds: Bounds | None = None, **
 QKVS = "qkv_rms_norm_rope_cache_with_k_scale"
 # edges: every Q head all zero (scale 0: docs/numerics/open-facts.md#qkv-zero-head), V past the FP8 range (SAT),
 # the NTD input layout, a long history (positions far from 0), the identity rotation (the bf16 operand unchanged)
-_E.EDGES.setdefault(QKVS, ("zero_head", "v_saturate", "layout_qkv:NTD", "history", "rotation:identity"))
+_E.EDGES.setdefault(QKVS, ("zero_head", "v_saturate", "layout_qkv:NTD", "history", "rotation:identity", "mrope",
+                           "mrope:zero_k", "mrope:int8_ties", "mrope:pow2_amax"))
 _E._PINS.update({
     (QKVS, "zero_head"): dict(zero_q=True),
     (QKVS, "v_saturate"): dict(v_scale_big=True),
     (QKVS, "layout_qkv:NTD"): dict(layout_qkv="NTD"),
     (QKVS, "history"): dict(history=64),
     (QKVS, "rotation:identity"): dict(identity=True),
+    (QKVS, "mrope"): dict(mrope=True, section=(24, 12, 8), max_seq=48),
+    (QKVS, "mrope:zero_k"): dict(mrope=True, zero_k=True),
+    (QKVS, "mrope:int8_ties"): dict(mrope=True, exact_k="ties"),
+    (QKVS, "mrope:pow2_amax"): dict(mrope=True, exact_k="pow2"),
 })
+
+
+def _exact_k_rows(a, kind, k, seed):
+    """Make every K head's rotated row exactly ``+-k_gamma`` (module docstring): qkv rows of +-1 (RMS exactly 1
+    with an epsilon that vanishes in the sum), cos 1 / sin 0 in every cos_sin row, the identity rotation, and a
+    bf16-exact k_gamma whose amax is ``127 x 2^k`` ("ties", the other lanes INT8 midpoints ``(n + 0.5) 2^k``) or
+    ``2^k`` ("pow2")."""
+    rng = np.random.default_rng(seed)
+    qkv = np.where(rng.random(a["qkv"].shape) < 0.5, -1.0, 1.0).astype(a["qkv"].dtype)
+    cs = np.zeros_like(a["cos_sin"])
+    cs[:, :64] = 1.0
+    g = (rng.integers(-127, 127, 128) + 0.5) if kind == "ties" else rng.integers(-127, 128, 128) / 128.0
+    g[rng.integers(0, 128)] = 127.0 if kind == "ties" else 1.0
+    a.update(qkv=qkv, cos_sin=cs, rotation=np.eye(128, dtype=a["rotation"].dtype), epsilon=float(np.float32(1e-45)),
+             k_gamma=(g * 2.0 ** k).astype(np.float32))
 
 
 @st.composite
 def qkv_rms_norm_rope_cache_with_k_scale_args(draw, bounds: Bounds | None = None, **pins) -> dict:
     """``qkv_rms_norm_rope_cache_with_k_scale`` (RoPE scenario): bf16 QKV with Nq in {8, 16, 32, 64} (Nk = Nv =
     Nq / 8), TND or NTD, requests cut at random with a history before them, a random orthogonal bf16 rotation,
-    unique slots scattered over one or two spare blocks; the edges above."""
-    from ..ops.qkv_k_scale import qkv_case
+    unique slots scattered over one or two spare blocks; one draw in four the M-RoPE scenario (TND, drawn T / H / W
+    positions and section, INT8 K cache); the edges above."""
+    from ..ops.qkv_k_scale import mrope_case, qkv_case
 
     pins, edge = _E.take(draw, QKVS, pins)
     b = _b(bounds)
+    if pins.get("mrope", draw(st.integers(0, 3)) == 3):  # the M-RoPE scenario (one draw in four): TND in and out
+        nq = int(_choose(draw, pins, "nq", tuple(h for h in (8, 16, 32, 64) if h <= max(8, b.max_heads))))
+        t = draw(st.integers(1, max(1, b.max_q_tokens)))
+        block_size = int(_choose(draw, pins, "block_size", (16, 32)))
+        h, w = draw(st.integers(0, 21)), draw(st.integers(0, 21))
+        section = tuple(pins.get("section", (draw(st.integers(0, 64 - h - w)), h, w)))
+        a = mrope_case(t=t, nq=nq, nk=nq // 8, block_num=-(-t // block_size) + draw(st.integers(0, 1)),
+                       block_size=block_size, max_seq=max(t, int(pins.get("max_seq", t + draw(st.integers(0, 47))))),
+                       section=section, seed=draw(st.integers(0, 2**32 - 1)))
+        if pins.get("zero_k"):
+            a["k_gamma"] = np.zeros_like(a["k_gamma"])
+        if pins.get("exact_k"):
+            _exact_k_rows(a, pins["exact_k"], draw(st.integers(-20, 20)), draw(st.integers(0, 2**32 - 1)))
+        return a
     nq = int(_choose(draw, pins, "nq", tuple(h for h in (8, 16, 32, 64) if h <= max(8, b.max_heads))))
     layout_qkv = _choose(draw, pins, "layout_qkv", ("TND", "NTD"))
     layout_q_out = _choose(draw, pins, "layout_q_out", ("NTD", "TND") if layout_qkv == "TND" else ("NTD",))
