@@ -349,10 +349,12 @@ def _qkv_inplace(*args, **kwargs):
     the reference on host copies, writes the caches' bytes into the tensors passed and returns (q_out, q_scale)."""
     a = _bind(mapping.QKV_OP, args, kwargs)
     host = {k: _host(v) for k, v in a.items()}
+    dt = a["q_out_dtype"]  # a torch dtype in the schema (None: the package's default, float8_e4m3fn)
+    host["q_out_dtype"] = "float8_e4m3fn" if dt is None else str(dt).replace("torch.", "")
     q_out, q_scale, *_ = run("qkv_rms_norm_rope_cache_with_k_scale", host, backend="reference")
     for name in ("k_cache", "v_cache", "k_scale_cache"):
         a[name].view(torch.uint8).copy_(to_torch(np.ascontiguousarray(host[name]).view(np.uint8)))
-    return to_torch(np.ascontiguousarray(q_out)), to_torch(np.ascontiguousarray(q_scale))
+    return to_torch(np.ascontiguousarray(q_out)), None if q_scale is None else to_torch(np.ascontiguousarray(q_scale))
 
 
 def _compressor(target, op_name):
@@ -844,6 +846,26 @@ def test_qkv_runs_the_package_op_in_place(monkeypatch, layouts):
             assert tuple(g.shape) == w.shape and dtype_name(g) == dtype_name(w)
             assert np.ascontiguousarray(to_numpy(g.view(torch.uint8) if g.element_size() == 1 else g)).view(
                 np.uint8).tobytes() == np.ascontiguousarray(w).view(np.uint8).tobytes()
+    finally:
+        fake.close()
+
+
+def test_qkv_mrope_runs_the_package_op_in_place(monkeypatch):
+    """The M-RoPE scenario through the fake device (which binds the recorded schema): bf16 q_out, no q_scale, the
+    INT8 K cache written in place, byte for byte the reference's."""
+    from qsfa.ops.qkv_k_scale import mrope_case
+
+    fake = FakeNpu(monkeypatch, "950", False)
+    try:
+        args = mrope_case()
+        expected = run("qkv_rms_norm_rope_cache_with_k_scale", copy_args(args), backend="reference")
+        targs = _as_torch(args)
+        got = run("qkv_rms_norm_rope_cache_with_k_scale", targs, backend="npu")
+        assert fake.calls == [mapping.QKV_OP] and got[1] is None and expected[1] is None
+        assert got[0].dtype == torch.bfloat16 and got[2] is targs["k_cache"] and got[2].dtype == torch.int8
+        for g, w in zip(got[:1] + got[2:], expected[:1] + expected[2:]):
+            assert np.ascontiguousarray(to_numpy(g)).view(np.uint8).tobytes() == \
+                np.ascontiguousarray(w).view(np.uint8).tobytes()
     finally:
         fake.close()
 

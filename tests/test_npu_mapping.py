@@ -827,6 +827,34 @@ def test_qkv_mapping_is_the_packages_in_place_call_on_the_callers_caches():
                                                                                  "Tensor(c!)"]
 
 
+def test_qkv_mrope_mapping_passes_the_scenario_arguments():
+    """The M-RoPE scenario through the recorded schema (hicann/ops-transformer@c0dda0b): the INT8 K cache as int8
+    bytes of the caller's tensor, mrope_position int32, mrope_section a list, q_quant_mode "NoQuant", q_out_dtype
+    torch.bfloat16, and None for query_start_loc / seq_lens as the package's document calls it - which the schema's
+    plain ``Tensor`` types refuse: the two type problems below are that public contradiction, stated."""
+    from qsfa._dispatch import operators
+    from qsfa.ops.qkv_k_scale import mrope_case
+
+    c = operators()["qkv_rms_norm_rope_cache_with_k_scale"].contract
+    a = _torch_args(dict(c.validate(mrope_case())))
+    call = mapping.map_call("qkv_rms_norm_rope_cache_with_k_scale", a, NpuContext(chip="950"))
+    assert call.target == mapping.QKV_OP
+    bound = signatures.signature(mapping.QKV_OP).bind(*call.args, **call.kwargs).arguments
+    assert bound["k_cache"].dtype == torch.int8 and bound["k_cache"].data_ptr() == a["k_cache"].data_ptr()
+    assert bound["v_cache"].dtype == torch.float8_e4m3fn
+    assert bound["mrope_position"].dtype == torch.int32 and torch.equal(bound["mrope_position"], a["mrope_position"])
+    assert bound["mrope_section"] == [22, 12, 10] and bound["q_quant_mode"] == "NoQuant"
+    assert bound["q_out_dtype"] is torch.bfloat16 and bound["query_start_loc"] is None and bound["seq_lens"] is None
+    assert bound["v_scale"] is a["v_scale"] and tuple(bound["v_scale"].shape) == (2, 128)
+    assert signatures.type_problems(call.target, call.args, call.kwargs) == [
+        f"{mapping.QKV_OP}: query_start_loc expects Tensor, got None", f"{mapping.QKV_OP}: seq_lens expects Tensor, got None"]
+    rope = mapping.map_call("qkv_rms_norm_rope_cache_with_k_scale", _torch_example("qkv_rms_norm_rope_cache_with_k_scale"),
+                            NpuContext(chip="950"))
+    rb = signatures.signature(mapping.QKV_OP).bind(*rope.args, **rope.kwargs).arguments
+    assert (rb["mrope_position"], rb["mrope_section"], rb["q_quant_mode"], rb["q_out_dtype"]) == (
+        None, None, "PerTokenPerHead", torch.float8_e4m3fn)
+
+
 def test_qli2_exact_precision_is_refused_by_the_npu_limits():
     a = _qli2_args()
     lim = device.backend_limits("quant_lightning_indexer_v2", chip="A3", custom_ops=frozenset())

@@ -344,8 +344,9 @@ def test_extract_dtype_tables_hand_written():
 
 def test_hand_read_facts_of_the_qli2_and_qkv_package_schemas():
     """Read by hand from cannmirror/ops-transformer@25fb6b9 torch_extension/cann_ops_transformer/ops/
-    quant_lightning_indexer.py and qkv_rms_norm_rope_cache_with_k_scale.py (the same schemas as at cbd7c6b / c4f5cf7,
-    where the files were added)."""
+    quant_lightning_indexer.py (the same schema as at cbd7c6b, where the file was added) and from
+    hicann/ops-transformer@c0dda0b qkv_rms_norm_rope_cache_with_k_scale.py (the same path; with the M-RoPE
+    arguments)."""
     qli = signatures.record(mapping.QLI2_OP)
     assert qli["source"]["commit"].startswith("25fb6b9") and qli["returns"] == ["Tensor", "Tensor"]
     p = _params(mapping.QLI2_OP)
@@ -365,6 +366,13 @@ def test_hand_read_facts_of_the_qli2_and_qkv_package_schemas():
                                                                   "kind": "keyword_only", "default": 1e-06}
     assert (q["layout_qkv"]["default"], q["layout_q_out"]["default"]) == ("TND", "NTD")
     assert signatures.record(mapping.QKV_OP)["returns"] == ["Tensor", "Tensor"]
+    src = signatures.record(mapping.QKV_OP)["source"]
+    assert (src["repo"], src["commit"][:7], src["line"]) == ("hicann/ops-transformer", "c0dda0b", 38)
+    assert [(n, q[n]["type"], q[n]["default"]) for n in ("mrope_position", "mrope_section", "q_quant_mode",
+                                                         "q_out_dtype")] == [
+        ("mrope_position", "Tensor?", None), ("mrope_section", "int[]?", None),
+        ("q_quant_mode", "str", "PerTokenPerHead"), ("q_out_dtype", "ScalarType?", None)]
+    assert q["query_start_loc"]["type"] == q["seq_lens"]["type"] == "Tensor"  # not optional (docs/backends.md)
 
 
 def test_int_list_schema_type():

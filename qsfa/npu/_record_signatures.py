@@ -95,20 +95,21 @@ PACKAGE_OPS = {
     "scatter_pa_kv_cache_with_k_scale": "scatter_pa_kv_cache_with_k_scale.py",
     "quant_lightning_indexer": "quant_lightning_indexer.py",
     "quant_lightning_indexer_metadata": "quant_lightning_indexer.py",
-    "qkv_rms_norm_rope_cache_with_k_scale_": "qkv_rms_norm_rope_cache_with_k_scale.py",
     "compressor": "compressor.py",
 }
 PACKAGE_OPS_DIR = "torch_extension/cann_ops_transformer/ops"
 #: the repository the PACKAGE_OPS schemas are read from
 PACKAGE_REPO = "cannmirror/ops-transformer"
 #: ops of the same package whose OpBuilder file exists only in the upstream repository (not in the cannmirror
-#: snapshot the rest is recorded from): op name -> file, read from :data:`UPSTREAM_REPO` checkouts (each op from the
+#: snapshot the rest is recorded from), or whose newer schema is read there (qkv_rms_norm_rope_cache_with_k_scale_,
+#: with its M-RoPE arguments): op name -> file, read from :data:`UPSTREAM_REPO` checkouts (each op from the
 #: checkout that has its file; they may be at different commits)
 UPSTREAM_REPO = "hicann/ops-transformer"
 UPSTREAM_PACKAGE_OPS = {
     "quant_compressor": "quant_compressor.py",
     "quant_sparse_flash_mla": "quant_sparse_flash_mla.py",
     "quant_sparse_flash_mla_metadata": "quant_sparse_flash_mla.py",
+    "qkv_rms_norm_rope_cache_with_k_scale_": "qkv_rms_norm_rope_cache_with_k_scale.py",  # with the M-RoPE arguments
 }
 
 META_FILE = "op_plugin/meta/_meta_registrations.py"

@@ -40,7 +40,9 @@ Routing (settled from public sources):
   operator is called (qsfa.npu.backend.resolve) and refuses the call naming it when it is missing.
 * ``quant_lightning_indexer_v2`` / ``qkv_rms_norm_rope_cache_with_k_scale``: the same package's
   ``quant_lightning_indexer`` (after ``quant_lightning_indexer_metadata`` when ``metadata`` is None) and the in-place
-  ``qkv_rms_norm_rope_cache_with_k_scale_``.
+  ``qkv_rms_norm_rope_cache_with_k_scale_`` (schema from hicann/ops-transformer@c0dda0b, with the M-RoPE arguments;
+  that schema types ``query_start_loc`` / ``seq_lens`` as ``Tensor`` while the package's document has the M-RoPE call
+  pass None for both, which the mapping does: docs/numerics/cache-writers.md#m-rope-scenario).
 * ``compressor``: the same package's ``compressor`` (Atlas A3, Ascend 950), ``state_cache`` in place (the schema's
   ``Tensor(a!)``); it returns ``cmp_kv`` and the state comes back as the caller's tensor. ``quant_compressor``: the
   package's ``quant_compressor`` (Ascend 950; schema from hicann/ops-transformer, see signatures.json), the same way,
@@ -167,9 +169,8 @@ IGNORED = {
     "softmax_max_out": "a NumPy output buffer of the reference (as attention_out)",
     "softmax_sum_out": "a NumPy output buffer of the reference (as attention_out)",
     "zero_head": "OPEN fact of the reference model (docs/numerics/open-facts.md#zero_head); the device does what it does",
-    "q_quant_mode": "the contract accepts only 'PerTokenPerHead', the one Q quantisation the package's "
-                    "qkv_rms_norm_rope_cache_with_k_scale_ runs (its schema has no quant-mode argument)",
-    "k_quant_mode": "as q_quant_mode, for K",
+    "k_quant_mode": "the contract accepts only 'PerTokenPerHead' (the M-RoPE MX scenario is not modelled); the "
+                    "package's qkv_rms_norm_rope_cache_with_k_scale_ schema has no K quant-mode argument",
 }
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
@@ -897,12 +898,20 @@ def map_qkv_rms_norm_rope_cache_with_k_scale(a: Mapping, ctx: NpuContext) -> Npu
     caches go as float8_e4m3fn views of the caller's bytes (the schema's ``Tensor(a!)`` / ``Tensor(b!)``), the
     K-scale cache as it is; the op returns ``(q_out, q_scale)`` and the caches come back as the caller's tensors."""
     _check_params("qkv_rms_norm_rope_cache_with_k_scale", a, _QKV_TENSORS + (
-        "head_nums", "rotation", "v_scale", "layout_qkv", "layout_q_out", "epsilon"))
+        "head_nums", "rotation", "v_scale", "layout_qkv", "layout_q_out", "epsilon", "mrope_position", "mrope_section",
+        "q_quant_mode", "q_out_dtype"))
+    mrope = a.get("mrope_position") is not None
     args = [a[n] for n in _QKV_TENSORS]
-    args[5], args[6] = _as_format(a["k_cache"], "float8_e4m3fn"), _as_format(a["v_cache"], "float8_e4m3fn")
+    args[5] = _as_format(a["k_cache"], "int8" if mrope else "float8_e4m3fn")
+    args[6] = _as_format(a["v_cache"], "float8_e4m3fn")
     args[4], args[8], args[9] = (_int32(a[n]) for n in ("slot_mapping", "query_start_loc", "seq_lens"))
+    section = a.get("mrope_section")
     kw = dict(rotation=a["rotation"], v_scale=a["v_scale"], layout_qkv=str(a["layout_qkv"]),
-              layout_q_out=str(a["layout_q_out"]), epsilon=float(a["epsilon"]))
+              layout_q_out=str(a["layout_q_out"]), epsilon=float(a["epsilon"]),
+              mrope_position=_int32(a.get("mrope_position")),
+              mrope_section=None if section is None else [int(v) for v in section],
+              q_quant_mode=str(a.get("q_quant_mode", "PerTokenPerHead")),
+              q_out_dtype=getattr(_torch(), str(a.get("q_out_dtype", "float8_e4m3fn"))))
     return NpuCall(QKV_OP, tuple(args) + ([int(n) for n in a["head_nums"]],), kw,
                    unpack=lambda r: (r[0], r[1], a["k_cache"], a["v_cache"], a["k_scale_cache"]))
 

@@ -78,6 +78,8 @@ def _type_ok(schema_type: str, v) -> bool:
         return isinstance(v, str)
     if t == "int[]":
         return isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    if t == "ScalarType":
+        return type(v).__module__ == "torch" and type(v).__name__ == "dtype"
     raise ValueError(f"schema type {schema_type!r} is not handled")
 
 

@@ -59,8 +59,9 @@ def qkv_case(*, t=4, nq=16, nk=2, batch=2, layout_qkv="TND", layout_q_out="NTD",
                 query_start_loc=qsl, seq_lens=seq_lens, head_nums=[nq, nk, nk],
                 rotation=(rng.standard_normal((D, D)) / np.sqrt(D)).astype(_BF16),
                 v_scale=rng.uniform(0.5, 2.0, nk).astype(np.float32), layout_qkv=layout_qkv,
-                layout_q_out=layout_q_out, epsilon=1e-6, q_quant_mode="PerTokenPerHead",
-                k_quant_mode="PerTokenPerHead", zero_head="zero")
+                layout_q_out=layout_q_out, epsilon=1e-6, mrope_position=None, mrope_section=None,
+                q_quant_mode="PerTokenPerHead", q_out_dtype="float8_e4m3fn", k_quant_mode="PerTokenPerHead",
+                zero_head="zero")
 
 
 def mrope_case(*, t=4, nq=16, nk=2, block_num=2, block_size=16, max_seq=32, section=(22, 12, 10), seed=0):
@@ -156,7 +157,7 @@ def _scenario_rules():
                   edit(n, setting(mrope_section=[22, 22, 10]), mrope=True), source=src))
     r.append(rule(n, "zero_head_mrope", "zero_head", "value",
                   "must be 'zero' in the M-RoPE scenario (its K is INT8, which has no NaN code; Q is not quantised)",
-                  lambda a: None if not _mrope(a) or a.zero_head == "zero" else a.zero_head,
+                  lambda a: None if not _mrope(a) or a.get("zero_head", "zero") == "zero" else a.zero_head,
                   edit(n, setting(zero_head="nan"), mrope=True), source="docs/numerics/open-facts.md#qkv-zero-head"))
     return r
 
