@@ -311,3 +311,23 @@ def test_mrope_int8_zero_head_and_refusals():
             qsfa.qkv_rms_norm_rope_cache_with_k_scale(**b)
         assert ei.value.constraint_id == f"qkv_rms_norm_rope_cache_with_k_scale.{cid}"
         assert b["k_cache"].tobytes() == before
+
+
+def test_mrope_int8_ties_through_the_front_door():
+    """K rows of +1 (RMS exactly 1: epsilon 2^-149 vanishes in the sum), cos 1 / sin 0, the identity rotation: the
+    rotated K row is k_gamma itself. With amax 127 x 4 the scale is exactly 4 and the codes of the midpoints are
+    their even neighbours (written out by hand)."""
+    from qsfa.ops.qkv_k_scale import mrope_case
+
+    a = mrope_case(t=2, nq=8, nk=1)
+    a["qkv"] = np.ones_like(a["qkv"])
+    a["cos_sin"] = np.concatenate([np.ones((32, 64)), np.zeros((32, 64))], axis=1).astype(np.float32)
+    a.update(rotation=np.eye(128, dtype=ml_dtypes.bfloat16), epsilon=float(np.float32(2.0 ** -149)))
+    g = np.full(128, 0.25, np.float32)
+    g[:8] = [127, 2.5, 1.5, 0.5, -2.5, 3.5, 126.5, -125.5]
+    a["k_gamma"] = g * 4
+    _, _, kc, _, ksc = qsfa.qkv_rms_norm_rope_cache_with_k_scale(**a)
+    s = int(a["slot_mapping"][0])
+    assert ksc[s // 16, 0, s % 16, 0] == 4.0
+    assert kc[s // 16, 0, s % 16, :8].tolist() == [127, 2, 2, 0, -2, 4, 126, -126]
+    assert (kc[s // 16, 0, s % 16, 8:] == 0).all()  # 0.25 -> 0
