@@ -47,8 +47,9 @@ HIF8_P_SCALE = 16.0
 #: arch35 S2 tile (the golden's ``s2_base_size = 128``)
 S2_TILE_950 = 128
 _CHUNK_BYTES = 48 << 20
-#: rows whose compressed selection is computed at once when counting (a [rows, K] index block: 32 MiB at K = 1024)
-_SELECT_ROWS = 4096
+#: rows whose compressed selection is computed at once when counting (a few [rows, K] int64 blocks: 8 MiB each at
+#: K = 1024)
+_SELECT_ROWS = 1024
 _HIF8_VALUES = decode(np.arange(256, dtype=np.uint8), "hifloat8").astype(np.float64)
 
 
