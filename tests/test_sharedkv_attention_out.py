@@ -128,13 +128,21 @@ def test_bad_buffers_are_refused_by_name_before_anything_is_written(op):
         assert {k: np.asarray(v).tobytes() for k, v in a.items() if isinstance(v, np.ndarray)} == before, cid
 
 
-def test_a_buffer_that_requires_grad_is_refused():
+def test_torch_buffers_as_the_v32_doors_take_them():
+    """A CPU tensor is written through its NumPy view and is the returned output (NumPy or torch inputs); one that
+    requires grad is refused before anything is written (autograd would not see the write)."""
     torch = pytest.importorskip("torch")
-    a = _args("sparse_flash_mla", scenario="SWA", s1=2, s2=20)
-    want = qsfa.sparse_flash_mla(**a)[0]
+    from qsfa._arrays import to_torch
+
+    a = _args("quant_sparse_flash_mla", scenario="CSA", s1=2, s2=20)
+    want = qsfa.quant_sparse_flash_mla(**a)[0]
+    for inputs in (a, {k: to_torch(v) if isinstance(v, np.ndarray) else v for k, v in a.items()}):
+        buf = torch.full(want.shape, 7, dtype=torch.bfloat16)
+        got = qsfa.quant_sparse_flash_mla(**inputs, attention_out=buf)
+        assert got[0] is buf and buf.view(torch.int16).numpy().tobytes() == want.view(np.int16).tobytes()
     buf = torch.zeros(want.shape, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(qsfa.InvalidArgument, match="for attention_out, actual: a tensor with requires_grad=True"):
-        qsfa.sparse_flash_mla(**a, attention_out=buf)
+        qsfa.quant_sparse_flash_mla(**a, attention_out=buf)
     assert not buf.detach().any()
 
 
