@@ -125,7 +125,7 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
         assert np.shares_memory(out, attention_out)
     lse = np.zeros((rows.shape[0], n_heads), fdt)
     live = np.nonzero(~zero)[0]
-    if attention_out is not None:  # rows no chunk writes (no token, no sink: zero) are zeroed in the buffer
+    if attention_out is not None:  # rows no chunk writes (before the causal diagonal, past seqused_q) are zero
         for a0 in range(0, rows.shape[0], _SELECT_ROWS):
             z = np.flatnonzero(zero[a0:a0 + _SELECT_ROWS]) + a0
             if z.size:
