@@ -171,7 +171,7 @@ def test_the_peak_with_a_buffer_does_not_grow_with_the_output(op, monkeypatch):
             tracemalloc.stop()
 
     def case(batch):
-        a = _args(op, scenario="CSA", layout_kv=S._PA[op], batch=batch, s1=4, s2=140, n1=16, seed=4)
+        a = _args(op, scenario="CSA", layout_kv=S._PA[op], batch=batch, s1=4, s2=40, n1=16, seed=4)
         return dict(operators()[op].contract.validate(a))
 
     reference(**case(3))  # warm: the kept scratch buffers at their largest, lookup tables
