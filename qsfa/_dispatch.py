@@ -372,7 +372,7 @@ def _run_checked(op, be, impl, kind, host, normalised, chip, args):
     copy_back: dict[str, tuple[Any, Any]] = {}
     for n, v in normalised.items():
         orig = args.get(n)
-        inplace = n in op.contract.inplace and orig is not None
+        inplace = n in op.contract.written() and orig is not None  # in-place and output buffers
         if be.array_kind == "numpy":
             call_args[n] = v
             if inplace and is_torch(orig) and orig.device.type != "cpu":
@@ -409,8 +409,8 @@ def _run_checked(op, be, impl, kind, host, normalised, chip, args):
               and isinstance(args.get(n), np.ndarray)}
     out = []
     for name, r in zip(op.outputs, results):
-        if name in op.contract.inplace and args.get(name) is not None:
-            out.append(args[name])  # the caller's own buffer, updated in place
+        if name in op.contract.written() and args.get(name) is not None:
+            out.append(args[name])  # the caller's own buffer, updated in place (or an output buffer it passed)
         elif id(r) in viewed:
             out.append(args[viewed[id(r)]])
         else:

@@ -324,10 +324,60 @@ def _torch_expanded(base, param):
     return out
 
 
+_OUT_LIKE: dict = {}
+#: kinds that only change what a valid output buffer holds before the call (it is overwritten) or leave it out (the
+#: example's own call): nothing to attack
+_BUFFER_CONTENT_KINDS = ("nan", "inf", "none_optional")
+
+
+def _out_like(op: str, base: dict, name: str) -> np.ndarray:
+    """A valid ``name=`` output buffer (zeros of the output's shape and dtype) for the example ``base`` of ``op``;
+    the shape and dtype come from one reference call on the example (cached per operator)."""
+    from qsfa._dispatch import operators
+
+    if (op, name) not in _OUT_LIKE:
+        res = public_function(op)(**base)
+        res = res if isinstance(res, tuple) else (res,)
+        got = np.asarray(res[operators()[op].outputs.index(name)])
+        _OUT_LIKE[(op, name)] = (got.shape, got.dtype)
+    shape, dt = _OUT_LIKE[(op, name)]
+    return np.zeros(shape, dt)
+
+
+def out_buffer_cases(op: str, example: dict, types: dict, seen: set, *, with_torch: bool = True) -> list[Case]:
+    """Cases for the output buffers a contract declares (``Contract.out_buffers``, e.g. ``attention_out=``) that are
+    outputs of the operator: absent from the example (None), so the declared-type pass attacks only their type; here
+    a valid buffer is built for every case and attacked as an in-place buffer is (read-only, stride-0, aliased,
+    dtype, rank, empty, huge, masked, torch sparse / expand()-ed / requires_grad), plus a valid buffer that must be
+    accepted. ``seen``: case ids already generated (left out here). Before this, an output buffer met only the two
+    wrong-type cases."""
+    from qsfa._dispatch import operators
+
+    if "." in op or op not in operators():
+        return []
+    o = operators()[op]
+    out = []
+    for name in getattr(o.contract, "out_buffers", ()):
+        if name not in o.outputs or example.get(name) is not None:
+            continue
+        like = _out_like(op, example, name)
+        for c in cases_for(op, {**example, name: like}, (name,), {name: types.get(name, ("array", True))},
+                           with_torch=with_torch):
+            if c.param != name or c.id in seen or c.kind in _BUFFER_CONTENT_KINDS:
+                continue
+            build = (lambda b, f=c.build, n=name: f({**b, n: _out_like(op, b, n)}))
+            out.append(Case(op, name, c.kind, c.expect, build, c.torch))
+        out.append(Case(op, name, "valid", "must_accept", lambda b, n=name: {**b, n: _out_like(op, b, n)}))
+    return out
+
+
 def all_cases(declared: dict | None = None, *, with_torch: bool = True) -> list[Case]:
     out = []
     for op, (example, inplace, types) in operator_table(declared).items():
-        out += cases_for(op, example(np.random.default_rng(0)), inplace, types, with_torch=with_torch)
+        ex = example(np.random.default_rng(0))
+        mine = cases_for(op, ex, inplace, types, with_torch=with_torch)
+        mine += out_buffer_cases(op, ex, types, {c.id for c in mine}, with_torch=with_torch)
+        out += mine
     return out
 
 

@@ -3,7 +3,8 @@
 The cases come from :mod:`hostile_cases`, generated from each contract's example and declared parameter types
 (None, wrong type, wrong dtype, wrong rank, NaN / Inf, empty, read-only, stride-0, aliased, huge declared size,
 torch sparse / ``expand()``-ed tensors, masked / matrix / structured arrays, huge floats, unsigned NumPy integers,
-requires_grad buffers), so a new parameter is covered without new code here. Every call runs in
+requires_grad buffers; output buffers such as attention_out= with a valid buffer built for each case), so a new
+parameter is covered without new code here. Every call runs in
 process on the reference backend; every array argument's memory is compared byte for byte before and after.
 """
 
@@ -51,6 +52,13 @@ def test_every_operator_and_parameter_is_attacked():
         for p in inplace:
             kinds = {c.kind for c in _CASES if c.op == op and c.param == p}
             assert {"readonly", "dtype_bool", "huge_view"} <= kinds, f"{op}.{p}: {sorted(kinds)}"
+    from qsfa._dispatch import operators
+
+    for op, o in operators().items():  # output buffers (attention_out=): attacked as in-place buffers, and accepted
+        for p in (b for b in o.contract.out_buffers if b in o.outputs):
+            kinds = {c.kind for c in _CASES if c.op == op and c.param == p}
+            assert {"readonly", "stride0", "aliased", "dtype_bool", "huge_view", "valid"} <= kinds, \
+                f"{op}.{p}: {sorted(kinds)}"
 
 
 def test_tensor_buffer_rules_read_the_tensor_itself():

@@ -780,6 +780,39 @@ def test_v4_attention_runs_its_metadata_operator_first_when_none_is_given(monkey
         fake.close()
 
 
+@pytest.mark.parametrize("caller", ["numpy", "memmap", "torch"])
+@pytest.mark.parametrize("op_name,chip", [("kv_quant_sparse_attn_sharedkv", "950"), ("sparse_attn_sharedkv", "A3"),
+                                          ("sparse_flash_mla", "A2"), ("mixed_quant_sparse_flash_mla", "950"),
+                                          ("quant_sparse_flash_mla", "950")])
+def test_v4_attention_out_gets_the_devices_output_copied_in(monkeypatch, tmp_path, op_name, chip, caller):
+    """The V4 schemas take no output tensor: the npu path copies the op's output into the caller's attention_out=
+    buffer after the call (mapping writeback, then the dispatch layer's copy back) and returns that buffer."""
+    fake = FakeNpu(monkeypatch, chip, True)
+    try:
+        args = _example(op_name)
+        plain = run(op_name, copy_args(args) if caller != "torch" else _as_torch(args), backend="npu")
+        want = to_numpy(plain[0]) if is_torch(plain[0]) else plain[0]
+        if caller == "memmap":
+            buf = np.memmap(tmp_path / "out.bin", dtype=want.dtype, mode="w+", shape=want.shape)
+            buf[...] = 7
+        elif caller == "numpy":
+            buf = np.full(want.shape, 7, want.dtype)
+        else:
+            buf = to_torch(np.full(want.shape, 7, want.dtype))
+        call_args = _as_torch(args) if caller == "torch" else copy_args(args)
+        fake.calls.clear()
+        out, lse = run(op_name, {**call_args, "attention_out": buf}, backend="npu")
+        assert out is buf
+        got = to_numpy(buf) if is_torch(buf) else np.asarray(buf)
+        assert got.tobytes() == want.tobytes() and not (got.view(np.uint8) == 7).all()
+        assert fake.calls[-1] == {"kv_quant_sparse_attn_sharedkv": mapping.KQS_CUSTOM_OP,
+                                  "sparse_attn_sharedkv": mapping.SAS_CUSTOM_OP, "sparse_flash_mla": mapping.SFM_OP,
+                                  "mixed_quant_sparse_flash_mla": mapping.MQ_OP,
+                                  "quant_sparse_flash_mla": mapping.QS_OP}[op_name]
+    finally:
+        fake.close()
+
+
 @pytest.mark.parametrize("mode", ["fp8", "mxfp8", "mxfp4", "hifloat8"])
 def test_indexer_quant_cache_runs_the_package_op_in_place(monkeypatch, mode):
     fake = FakeNpu(monkeypatch, "950", False)

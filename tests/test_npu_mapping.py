@@ -666,6 +666,36 @@ def test_v4_attention_mapping_binds_passes_every_value_and_builds_the_metadata(o
     assert got[0] is out and (got[1] is lse_out if lse else (tuple(got[1].shape), got[1].dtype) == ((0,), torch.float32))
 
 
+def _v4_out_buffer(a):
+    """An attention_out= buffer for the V4 arguments ``a`` (q's shape; bfloat16 for quant_sparse_flash_mla's
+    HiFloat8 codes, else q's dtype)."""
+    q = a["q"]
+    return torch.zeros(q.shape, dtype=torch.bfloat16 if q.element_size() == 1 else q.dtype)
+
+
+@pytest.mark.parametrize("op", V4_ATTENTION)
+@pytest.mark.parametrize("lse", [False, True])
+def test_v4_attention_out_is_filled_after_the_call_and_returned(op, lse):
+    """No V4 schema takes an output tensor: a caller's attention_out= buffer gets the call's output copied into it
+    (writeback of result item 0) and is the returned output; the call itself is the one without the buffer."""
+    a = {**_v4_args(op), "return_softmax_lse": lse, "metadata": torch.zeros(1024, dtype=torch.int32)}
+    target = _V4_TARGETS[op][0]
+    assert "out" not in {p["name"] for p in signatures.record(target)["params"]}
+    assert signatures.record(target)["returns"] == ["Tensor", "Tensor"]
+    plain = mapping.map_call(op, a, _V4_CTX)
+    assert plain.writeback == ()
+    buf = _v4_out_buffer(a)
+    call = mapping.map_call(op, {**a, "attention_out": buf}, _V4_CTX)
+    _assert_binds(call)
+    assert call.target == plain.target and len(call.args) == len(plain.args)
+    assert all(_same_memory(x, y) if torch.is_tensor(x) else x == y for x, y in zip(call.args, plain.args))
+    assert set(call.kwargs) == set(plain.kwargs) and "attention_out" not in call.kwargs
+    assert len(call.writeback) == 1 and call.writeback[0][0] == 0 and call.writeback[0][1] is buf
+    out, lse_out = torch.ones(buf.shape, dtype=buf.dtype), torch.ones(4)
+    got = call.unpack((out, lse_out))
+    assert got[0] is buf and (got[1] is lse_out if lse else tuple(got[1].shape) == (0,))
+
+
 @pytest.mark.parametrize("op", V4_ATTENTION + ("indexer_quant_cache", "scatter_pa_kv_cache_with_k_scale",
                                 "quant_lightning_indexer_v2", "qkv_rms_norm_rope_cache_with_k_scale",
                                 "compressor", "quant_compressor"))
@@ -676,6 +706,8 @@ def test_v4_mappings_consume_every_operator_parameter(op):
     declared = set(operators()[op].contract.params)
     assert declared - set(mapping.IGNORED) - {"metadata"}  # the operator has parameters to map
     a = _v4_args(op) if op in V4_ATTENTION else _torch_example(op)
+    if op in V4_ATTENTION:  # the output buffer: absent from the cases (an absent buffer is no parameter of a call)
+        a["attention_out"] = _v4_out_buffer(a)
     assert set(a) == declared
     ctx = _V4_CTX
     mapping.map_call(op, a, ctx)  # raises TypeError for a parameter neither mapped nor ignored

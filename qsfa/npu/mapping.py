@@ -34,6 +34,9 @@ Routing (settled from public sources):
 * ``sparse_attn_sharedkv`` / ``kv_quant_sparse_attn_sharedkv``: ``torch.ops._C_ascend.npu_sparse_attn_sharedkv`` /
   ``npu_kv_quant_sparse_attn_sharedkv`` (vLLM-Ascend ``csrc/torch_binding.cpp`` at 182b75e; ``device_op.py`` picks
   the first on A2/A3, the second on the 950), after their ``*_metadata`` operator when ``metadata`` is None.
+  None of the five V4 attention schemas (these two, ``sparse_flash_mla``, ``mixed_quant_sparse_flash_mla``,
+  ``quant_sparse_flash_mla``) takes an output tensor: a caller's ``attention_out=`` buffer is filled by copying the
+  call's output into it afterwards (``NpuCall.writeback``) and returned as the output.
 * ``sparse_flash_mla`` / ``mixed_quant_sparse_flash_mla`` / ``indexer_quant_cache`` /
   ``scatter_pa_kv_cache_with_k_scale``: ``torch.ops.cann_ops_transformer.*``, ops of ops-transformer's separately
   built torch extension (``torch_extension/cann_ops_transformer``); the backend imports that package when such an
@@ -164,8 +167,9 @@ IGNORED = {
     "probability_rounding": "OPEN fact of the reference model (docs/numerics/open-facts.md#probability_rounding); the device does what it "
                             "does",
     "precision": "reference precision mode; backend_limits accepts only 'faithful' on the device",
-    "attention_out": "a NumPy output buffer of the reference; a device backend allocates its own output, and the front "
-                     "door rejects a buffer there before any mapping (qsfa/ops/_out_buffers.py)",
+    "attention_out": "a NumPy output buffer of the reference; a device backend allocates its own output, and the V3.2 "
+                     "front doors reject a buffer there before any mapping (qsfa/ops/_out_buffers.py); the V4 "
+                     "attention mappings copy their output into it after the call (_v4_call)",
     "softmax_max_out": "a NumPy output buffer of the reference (as attention_out)",
     "softmax_sum_out": "a NumPy output buffer of the reference (as attention_out)",
     "zero_head": "OPEN fact of the reference model (docs/numerics/open-facts.md#zero_head); the device does what it does",
@@ -628,12 +632,12 @@ def map_vllm_quant_lightning_indexer(a: Mapping, ctx: NpuContext) -> NpuCall:
 # ops-transformer README says None / None / 127; mixed_quant_sparse_flash_mla declares ``int quant_mode=None``).
 # The metadata operator (a per-core task list the kernels require) runs first when metadata is None (_metadata).
 
-#: parameters of all four attention front doors (qsfa/ops/sharedkv.py _COMMON_PARAMS)
+#: parameters of all five attention front doors (qsfa/ops/sharedkv.py _COMMON_PARAMS)
 _V4_COMMON = (
     "q", "ori_kv", "cmp_kv", "ori_sparse_indices", "cmp_sparse_indices", "ori_block_table", "cmp_block_table",
     "cu_seqlens_q", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", "sinks", "metadata", "softmax_scale",
     "cmp_ratio", "ori_mask_mode", "cmp_mask_mode", "ori_win_left", "ori_win_right", "layout_q", "layout_kv",
-    "return_softmax_lse",
+    "return_softmax_lse", "attention_out",
 )
 _SAS_PARAMS = _V4_COMMON + ("seqused_kv",)
 _KQS_PARAMS = _SAS_PARAMS + ("kv_quant_mode", "tile_size", "rope_head_dim")
@@ -698,10 +702,21 @@ def _v4_kwargs(a, kv_fmt: str | None) -> dict:
 
 
 def _v4_unpack(a):
-    """(attention_out, softmax_lse); without return_softmax_lse the LSE is qsfa's empty float32 ``[0]``."""
+    """(attention_out, softmax_lse); without return_softmax_lse the LSE is qsfa's empty float32 ``[0]``. With an
+    ``attention_out=`` buffer the output is that buffer (:func:`_v4_call` copies the result into it)."""
+    buf = a.get("attention_out")
     if a["return_softmax_lse"]:
-        return lambda r: (r[0], r[1])
-    return lambda r: (r[0], _empty_f32(r[0]))
+        return lambda r: (r[0] if buf is None else buf, r[1])
+    return lambda r: (r[0] if buf is None else buf, _empty_f32(r[0]))
+
+
+def _v4_call(target: str, args: tuple, kw: dict, a) -> NpuCall:
+    """The attention call. None of the five schemas has an ``out=`` tensor (signatures.json: each returns
+    ``(Tensor, Tensor)``), so a caller's ``attention_out=`` buffer is filled after the call: the result's first item
+    is copied into it (``writeback``; the dispatch layer copies a device tensor back into the caller's NumPy buffer)
+    and it is returned as the output. The kernel still allocates its own output on the device."""
+    buf = a.get("attention_out")
+    return NpuCall(target, args, kw, unpack=_v4_unpack(a), writeback=() if buf is None else ((0, buf),))
 
 
 def sas_metadata_call(a: Mapping) -> NpuCall:
@@ -761,7 +776,7 @@ def map_sparse_attn_sharedkv(a: Mapping, ctx: NpuContext) -> NpuCall:
         raise ValueError(f"sparse_attn_sharedkv needs {SAS_CUSTOM_OP}, which is not loaded")
     kw = _v4_kwargs(a, None)
     kw["metadata"] = _metadata(a, sas_metadata_call)
-    return NpuCall(SAS_CUSTOM_OP, (a["q"],), kw, unpack=_v4_unpack(a))
+    return _v4_call(SAS_CUSTOM_OP, (a["q"],), kw, a)
 
 
 def map_kv_quant_sparse_attn_sharedkv(a: Mapping, ctx: NpuContext) -> NpuCall:
@@ -773,7 +788,7 @@ def map_kv_quant_sparse_attn_sharedkv(a: Mapping, ctx: NpuContext) -> NpuCall:
     kw = _v4_kwargs(a, "float8_e4m3fn")
     kw.update(metadata=_metadata(a, kqs_metadata_call), tile_size=int(a["tile_size"]),
               rope_head_dim=int(a["rope_head_dim"]))
-    return NpuCall(KQS_CUSTOM_OP, (a["q"], int(a["kv_quant_mode"])), kw, unpack=_v4_unpack(a))
+    return _v4_call(KQS_CUSTOM_OP, (a["q"], int(a["kv_quant_mode"])), kw, a)
 
 
 def map_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
@@ -781,7 +796,7 @@ def map_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
     _check_params("sparse_flash_mla", a, _SFM_PARAMS)
     kw = _v4_kwargs(a, None)
     kw.update(metadata=_metadata(a, sfm_metadata_call), topk_value_mode=int(a["topk_value_mode"]))
-    return NpuCall(SFM_OP, (a["q"],), kw, unpack=_v4_unpack(a))
+    return _v4_call(SFM_OP, (a["q"],), kw, a)
 
 
 def map_mixed_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
@@ -792,7 +807,7 @@ def map_mixed_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
     kw.update(metadata=_metadata(a, mq_metadata_call), topk_value_mode=int(a["topk_value_mode"]),
               quant_mode=int(a["quant_mode"]), rope_head_dim=int(a["rope_head_dim"]), key_dtype=None,
               value_dtype=None)
-    return NpuCall(MQ_OP, (a["q"],), kw, unpack=_v4_unpack(a))
+    return _v4_call(MQ_OP, (a["q"],), kw, a)
 
 
 def map_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
@@ -804,7 +819,7 @@ def map_quant_sparse_flash_mla(a: Mapping, ctx: NpuContext) -> NpuCall:
     kw.update({p: a[p] for p in _QS_DESCALES})
     kw.update(metadata=_metadata(a, qs_metadata_call), topk_value_mode=int(a["topk_value_mode"]),
               quant_mode=int(a["quant_mode"]))
-    return NpuCall(QS_OP, (_as_format(a["q"], "hifloat8"),), kw, unpack=_v4_unpack(a))
+    return _v4_call(QS_OP, (_as_format(a["q"], "hifloat8"),), kw, a)
 
 
 # --------------------------------------------------------------------- cann_ops_transformer cache writers

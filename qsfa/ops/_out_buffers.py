@@ -9,7 +9,11 @@ C-contiguous, writable, sharing no memory with another argument (the other outpu
 ``softmax_max_out`` / ``softmax_sum_out``: float32 (float64 exact), ``[B, 1, Q_S, Q_N]`` (BSND) /
 ``[1, Q_T, Q_N]`` (TND), and only with ``return_softmax_lse=True`` (without it there is nothing to write).
 The reference backend writes them in place and returns them as the outputs; the device backends produce their
-own tensors, so there a buffer is rejected with a clear error.
+own tensors, so there a buffer is rejected with a clear error (the V3.2 doors, :func:`reject_on_device`).
+
+The DeepSeek-V4 shared-KV doors (qsfa/ops/sharedkv.py) take ``attention_out`` alone (their LSE is one small
+``softmax_lse``): the query parameter is ``q``, the output dtype q's (bfloat16 for quant_sparse_flash_mla's HiFloat8
+codes). There the npu backend copies the device's result into the buffer after the call (qsfa/npu/mapping.py).
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ OUT_BUFFERS = (NAME,) + LSE_NAMES
 _SOURCE = "qsfa: attention_out= buffers (docs/architecture.md, in-place buffers)"
 
 
-def expected_out(a, dv_of: Callable) -> tuple[tuple, np.dtype]:
-    """(shape, dtype) of the attention output for the arguments ``a``."""
-    q = a["query"]
+def expected_out(a, dv_of: Callable, query: str = "query", dtype_of: Callable | None = None) -> tuple[tuple, np.dtype]:
+    """(shape, dtype) of the attention output for the arguments ``a`` (``query``: the query parameter's name;
+    ``dtype_of(a)``: the faithful output dtype when it is not the query's, e.g. bfloat16 for HiFloat8 codes)."""
+    q = a[query]
     exact = a.get("precision", "faithful") == "exact"
-    return tuple(q.shape[:-1]) + (int(dv_of(a)),), np.dtype(np.float64) if exact else np.dtype(q.dtype)
+    faithful = np.dtype(q.dtype) if dtype_of is None else np.dtype(dtype_of(a))
+    return tuple(q.shape[:-1]) + (int(dv_of(a)),), np.dtype(np.float64) if exact else faithful
 
 
 def expected_lse(a) -> tuple[tuple, np.dtype]:
@@ -48,17 +54,25 @@ def expected_lse(a) -> tuple[tuple, np.dtype]:
     return tuple(int(x) for x in shape), np.dtype(np.float64) if exact else np.dtype(np.float32)
 
 
-def _aliased_with_query(a, shape, dt):
-    """A buffer of ``shape`` / ``dt`` whose bytes overlap the query's (the query is moved into a shared buffer)."""
-    q = a["query"]
-    size = int(np.prod(shape)) * dt.itemsize
-    whole = np.zeros(max(q.nbytes, size), np.uint8)
-    a["query"] = whole[:q.nbytes].view(q.dtype).reshape(q.shape)
-    a["query"][...] = q
-    return whole[:size].view(dt).reshape(shape)
+def _aliased_with(query: str):
+    def make(a, shape, dt):
+        """A buffer of ``shape`` / ``dt`` whose bytes overlap the query's (the query is moved into a shared
+        buffer)."""
+        q = a[query]
+        size = int(np.prod(shape)) * dt.itemsize
+        whole = np.zeros(max(q.nbytes, size), np.uint8)
+        a[query] = whole[:q.nbytes].view(q.dtype).reshape(q.shape)
+        a[query][...] = q
+        return whole[:size].view(dt).reshape(shape)
+
+    return make
 
 
-def _buffer_rules(n, name: str, expected: Callable, what: tuple, extra=(), before=None) -> list:
+_aliased_with_query = _aliased_with("query")
+
+
+def _buffer_rules(n, name: str, expected: Callable, what: tuple, extra=(), before=None,
+                  aliased=_aliased_with_query) -> list:
     """The type / shape / dtype / layout / writable / aliasing rules of output buffer ``name``; ``expected(a)``
     -> (shape, dtype); ``before(a)`` prepares a violating example (e.g. return_softmax_lse=True)."""
     from ._attention_rules import edit, rule
@@ -131,7 +145,7 @@ def _buffer_rules(n, name: str, expected: Callable, what: tuple, extra=(), befor
           strided),
         r("writable", "value", "an output buffer must be writable", check_writable, readonly),
         r("aliasing", "value", "an output buffer must not share memory with another argument", check_alias,
-          _aliased_with_query),
+          aliased),
     ]
 
 
@@ -158,12 +172,14 @@ def lse_out_rules(n) -> list:
     return out
 
 
-def attention_out_rules(n, dv_of: Callable) -> list:
+def attention_out_rules(n, dv_of: Callable, query: str = "query", dtype_of: Callable | None = None,
+                        dtype_what: str = "the query dtype") -> list:
     """The ``attention_out`` constraints of an attention contract (``n``: its ``Names``; ``dv_of(args)``: the
-    output's last dimension)."""
-    return _buffer_rules(n, NAME, lambda a: expected_out(a, dv_of),
-                         ("query's with the last dimension the value width",
-                          "the query dtype; float64 with precision='exact'"))
+    output's last dimension; ``query``: the query parameter's name; ``dtype_of(args)``: the faithful output dtype
+    when it is not the query's, described by ``dtype_what``)."""
+    return _buffer_rules(n, NAME, lambda a: expected_out(a, dv_of, query, dtype_of),
+                         (f"{query}'s with the last dimension the value width",
+                          f"{dtype_what}; float64 with precision='exact'"), aliased=_aliased_with(query))
 
 
 def reject_on_device(backend: str, attention_out, softmax_max_out=None, softmax_sum_out=None) -> None:

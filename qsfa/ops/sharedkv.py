@@ -29,6 +29,7 @@ from ..reference import sharedkv as _ref
 from ._attention_rules import (
     _kv_storage, _Q_DTYPES, bool_rule, choice_rule, edit, finite_rule, is_int, is_real, Names, rule, setting,
 )
+from ._out_buffers import add_buffers, attention_out_rules
 
 __all__ = [
     "sparse_flash_mla",
@@ -152,6 +153,7 @@ def _case(op, *, scenario="CSA", layout_q="BSND", layout_kv=None, qdtype="bfloat
 
 
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _pack_mode2(blocks):
@@ -482,6 +484,9 @@ def _rules(op):
                           np.asarray(a.seqused_ori_kv, np.int64) == np.asarray(a.seqused_cmp_kv, np.int64) * a.cmp_ratio
                           + np.asarray(a.cmp_residual_kv, np.int64)).all() else "inconsistent lengths",
                       edit(n, lambda a: a.update(seqused_ori_kv=a["seqused_ori_kv"] - 1))))
+    # the caller's output buffer (qsfa/ops/_out_buffers.py): q's shape, the output dtype (bfloat16 for HiFloat8 q)
+    r += attention_out_rules(n, lambda a: a["q"].shape[-1], query="q", dtype_of=(lambda a: _BF16) if qs else None,
+                             dtype_what="bfloat16 (HiFloat8 q)" if qs else "q's dtype")
     # chip limits
     r += _chip_rules(n, op, sfm)
     return r
@@ -705,24 +710,27 @@ _COMMON_PARAMS = (
     "q:array ori_kv:array? cmp_kv:array? ori_sparse_indices:array? cmp_sparse_indices:array? ori_block_table:array?"
     " cmp_block_table:array? cu_seqlens_q:array? cu_seqlens_ori_kv:array? cu_seqlens_cmp_kv:array? seqused_q:array?"
     " sinks:array? metadata:array? ori_mask_mode:int cmp_mask_mode:int"
-    " ori_win_left:int ori_win_right:int layout_q:str layout_kv:str return_softmax_lse:bool precision:str")
+    " ori_win_left:int ori_win_right:int layout_q:str layout_kv:str return_softmax_lse:bool precision:str"
+    " attention_out:array?")
+#: the output buffer every V4 door takes (its LSE is one small tensor: no buffer for it)
+_OUT_BUFFERS = ("attention_out",)
 
 SFM_CONTRACT = Contract(op=SFM, constraints=_rules(SFM), example=lambda rng: sfm_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float32 cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array? cmp_residual_kv:array? ori_topk_length:array?"
-    " cmp_topk_length:array? topk_value_mode:int"))
+    " cmp_topk_length:array? topk_value_mode:int"), out_buffers=_OUT_BUFFERS)
 MQ_CONTRACT = Contract(op=MQ, constraints=_rules(MQ), example=lambda rng: mq_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float32? cmp_ratio:int? seqused_ori_kv:array? seqused_cmp_kv:array?"
     " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
-    " rope_head_dim:int?"))
+    " rope_head_dim:int?"), out_buffers=_OUT_BUFFERS)
 KQS_CONTRACT = Contract(op=KQS, constraints=_rules(KQS), example=lambda rng: kqs_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float32? cmp_ratio:int? seqused_kv:array? kv_quant_mode:int tile_size:int?"
-    " rope_head_dim:int"))
+    " rope_head_dim:int"), out_buffers=_OUT_BUFFERS)
 QS_CONTRACT = Contract(op=QS, constraints=_rules(QS), example=lambda rng: qs_case(), params=params(
     _COMMON_PARAMS + " softmax_scale:float32 cmp_ratio:int seqused_ori_kv:array? seqused_cmp_kv:array?"
     " cmp_residual_kv:array? ori_topk_length:array? cmp_topk_length:array? topk_value_mode:int quant_mode:int?"
-    " q_descale:array? ori_kv_descale:array? cmp_kv_descale:array?"))
+    " q_descale:array? ori_kv_descale:array? cmp_kv_descale:array?"), out_buffers=_OUT_BUFFERS)
 SAS_CONTRACT = Contract(op=SAS, constraints=_rules(SAS), example=lambda rng: sas_case(), params=params(
-    _COMMON_PARAMS + " softmax_scale:float32? cmp_ratio:int? seqused_kv:array?"))
+    _COMMON_PARAMS + " softmax_scale:float32? cmp_ratio:int? seqused_kv:array?"), out_buffers=_OUT_BUFFERS)
 
 
 def _sfm_reference(q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, metadata, ori_topk_length,
@@ -825,7 +833,8 @@ def sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cm
                      cmp_residual_kv=None, ori_topk_length=None, cmp_topk_length=None, sinks=None, metadata=None,
                      softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
                      ori_win_right=-1, layout_q="BSND", layout_kv="BSND", topk_value_mode=1,
-                     return_softmax_lse=False, chip=None, backend="reference", precision="faithful"):
+                     return_softmax_lse=False, chip=None, backend="reference", precision="faithful",
+                     attention_out=None):
     """DeepSeek-V4 shared-KV sparse attention (K = V): a window over ``ori_kv`` plus, for CSA, the ``cmp_kv``
     tokens ``cmp_sparse_indices`` select below the causal bound or, for HCA, every ``cmp_kv`` token below it;
     sinks in the denominator. Semantics and rounding: :mod:`qsfa.reference.sharedkv`,
@@ -848,6 +857,10 @@ def sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cm
       return_softmax_lse.
       chip: None | "A2" | "A3" | "950" (limits checked for it); backend: "reference"; precision: "faithful"
           (the kernel's online softmax, query-dtype output) or "exact" (float64).
+      attention_out: optional NumPy buffer (an ``np.memmap`` for a long prefill) of the output's shape and dtype
+          (q's; float64 for exact), C-contiguous, writable, sharing no memory with any input; checked before
+          anything runs, the rows are written into it chunk by chunk and it is returned as the output (the npu
+          backend copies its result into it after the call). docs/numerics/attention-v4.md#attention_out.
     Returns ``(attention_out like q, softmax_lse)``: softmax_lse float32 ``[B, 1, S1, N1]`` (BSND) /
     ``[1, T1, N1]`` (TND) including the sink, or an empty ``[0]`` array when return_softmax_lse is False.
     """
@@ -860,7 +873,7 @@ def sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cm
                 cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode, cmp_mask_mode=cmp_mask_mode,
                 ori_win_left=ori_win_left, ori_win_right=ori_win_right, layout_q=layout_q, layout_kv=layout_kv,
                 topk_value_mode=topk_value_mode, return_softmax_lse=return_softmax_lse, precision=precision)
-    return run(SFM, args, backend, chip=chip)
+    return run(SFM, add_buffers(args, attention_out, None, None), backend, chip=chip)
 
 
 def sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
@@ -868,14 +881,14 @@ def sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None
                          cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, sinks=None, metadata=None,
                          softmax_scale=None, cmp_ratio=None, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127,
                          ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", return_softmax_lse=False, chip=None,
-                         backend="reference", precision="faithful"):
+                         backend="reference", precision="faithful", attention_out=None):
     """The same attention as :func:`sparse_flash_mla` with ``npu_sparse_attn_sharedkv``'s conventions
     (docs/numerics/attention-v4.md#sparse_attn_sharedkv): ``seqused_kv`` is ori_kv's per-batch length; the
     compressed cache holds ``floor(len / cmp_ratio)`` tokens and the causal bound uses ``len`` itself (there is no
     ``cmp_residual_kv``); layout_kv ``"PA_ND"`` (paged; BSND / TND are accepted by the reference); seqused_q is
     ignored (README: "setting seqused_q has no effect"). softmax_scale and cmp_ratio default to None in the public
-    signature and must be given (the README names no value for None). Returns ``(attention_out, softmax_lse)``
-    as :func:`sparse_flash_mla`.
+    signature and must be given (the README names no value for None). ``attention_out``: an optional output buffer
+    as :func:`sparse_flash_mla`'s. Returns ``(attention_out, softmax_lse)`` as :func:`sparse_flash_mla`.
     """
     args = dict(q=q, ori_kv=ori_kv, cmp_kv=cmp_kv, ori_sparse_indices=ori_sparse_indices,
                 cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,
@@ -884,7 +897,7 @@ def sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None
                 metadata=metadata, softmax_scale=softmax_scale, cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode,
                 cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right,
                 layout_q=layout_q, layout_kv=layout_kv, return_softmax_lse=return_softmax_lse, precision=precision)
-    return run(SAS, args, backend, chip=chip)
+    return run(SAS, add_buffers(args, attention_out, None, None), backend, chip=chip)
 
 
 def mixed_quant_sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
@@ -894,15 +907,15 @@ def mixed_quant_sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indi
                                  metadata=None, quant_mode=None, rope_head_dim=None, softmax_scale=None,
                                  cmp_ratio=None, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1, ori_win_right=-1,
                                  layout_q="BSND", layout_kv="BSND", topk_value_mode=1, return_softmax_lse=False,
-                                 chip=None, backend="reference", precision="faithful"):
+                                 chip=None, backend="reference", precision="faithful", attention_out=None):
     """:func:`sparse_flash_mla` over quantised KV rows (aclnnMixedQuantSparseFlashMla, Ascend 950;
     docs/numerics/attention-v4.md#mixed_quant_sparse_flash_mla). q is bfloat16 ``[..., N1, 512]`` ordered
     [NoPE 448, RoPE 64]; ori_kv / cmp_kv are float8_e4m3fn (or uint8) rows: quant_mode 1 ``[..., 1, 608]`` (bf16
     RoPE 64, 448 FP8 E4M3FN NoPE codes, 7 bf16 tile scales, pad), quant_mode 2 ``[block_num, block_size, 1, 584]``
     MODEL1 blocks (PA_BBND). Every row is dequantised to bf16 ([NoPE, RoPE]) and the shared core runs.
     quant_mode, rope_head_dim (64), softmax_scale and cmp_ratio default to None in the public signature and must
-    be given. seqused_cmp_kv defaults to floor(seqused_ori_kv / cmp_ratio). Returns ``(attention_out,
-    softmax_lse)``."""
+    be given. seqused_cmp_kv defaults to floor(seqused_ori_kv / cmp_ratio). ``attention_out``: an optional bfloat16
+    (float64 exact) output buffer as :func:`sparse_flash_mla`'s. Returns ``(attention_out, softmax_lse)``."""
     args = dict(q=q, ori_kv=ori_kv, cmp_kv=cmp_kv, ori_sparse_indices=ori_sparse_indices,
                 cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,
                 cmp_block_table=cmp_block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_ori_kv=cu_seqlens_ori_kv,
@@ -913,7 +926,7 @@ def mixed_quant_sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indi
                 ori_mask_mode=ori_mask_mode, cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left,
                 ori_win_right=ori_win_right, layout_q=layout_q, layout_kv=layout_kv, topk_value_mode=topk_value_mode,
                 return_softmax_lse=return_softmax_lse, precision=precision)
-    return run(MQ, args, backend, chip=chip)
+    return run(MQ, add_buffers(args, attention_out, None, None), backend, chip=chip)
 
 
 def kv_quant_sparse_attn_sharedkv(q, kv_quant_mode, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None,
@@ -922,13 +935,15 @@ def kv_quant_sparse_attn_sharedkv(q, kv_quant_mode, *, ori_kv=None, cmp_kv=None,
                                   seqused_kv=None, sinks=None, metadata=None, tile_size=None, rope_head_dim=0,
                                   softmax_scale=None, cmp_ratio=None, ori_mask_mode=4, cmp_mask_mode=3,
                                   ori_win_left=127, ori_win_right=0, layout_q="BSND", layout_kv="PA_ND",
-                                  return_softmax_lse=False, chip=None, backend="reference", precision="faithful"):
+                                  return_softmax_lse=False, chip=None, backend="reference", precision="faithful",
+                                  attention_out=None):
     """:func:`sparse_attn_sharedkv` over 640-byte FP8 rows (vLLM-Ascend ``npu_kv_quant_sparse_attn_sharedkv``,
     Ascend 950; docs/numerics/attention-v4.md#kv_quant_sparse_attn_sharedkv): per token 64 bf16 RoPE values,
     448 FP8 E4M3FN NoPE codes, 7 E8M0 tile scales (tile_size 64), pad to 640 bytes; the dequantisation is exact.
     kv_quant_mode 1, tile_size 64 and rope_head_dim 64 are the only values (the README's defaults None / 0 must
     be overridden, as vLLM-Ascend does: ``kv_quant_mode=1, tile_size=64, rope_head_dim=64``); softmax_scale and
-    cmp_ratio are required. Returns ``(attention_out, softmax_lse)``."""
+    cmp_ratio are required. ``attention_out``: an optional bfloat16 (float64 exact) output buffer as
+    :func:`sparse_flash_mla`'s. Returns ``(attention_out, softmax_lse)``."""
     args = dict(q=q, kv_quant_mode=kv_quant_mode, ori_kv=ori_kv, cmp_kv=cmp_kv, ori_sparse_indices=ori_sparse_indices,
                 cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,
                 cmp_block_table=cmp_block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_ori_kv=cu_seqlens_ori_kv,
@@ -937,7 +952,7 @@ def kv_quant_sparse_attn_sharedkv(q, kv_quant_mode, *, ori_kv=None, cmp_kv=None,
                 cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode, cmp_mask_mode=cmp_mask_mode,
                 ori_win_left=ori_win_left, ori_win_right=ori_win_right, layout_q=layout_q, layout_kv=layout_kv,
                 return_softmax_lse=return_softmax_lse, precision=precision)
-    return run(KQS, args, backend, chip=chip)
+    return run(KQS, add_buffers(args, attention_out, None, None), backend, chip=chip)
 
 
 def quant_sparse_flash_mla(q, quant_mode, *, ori_kv=None, cmp_kv=None, q_descale=None, ori_kv_descale=None, cmp_kv_descale=None,
@@ -947,7 +962,8 @@ def quant_sparse_flash_mla(q, quant_mode, *, ori_kv=None, cmp_kv=None, q_descale
                            ori_topk_length=None, cmp_topk_length=None, sinks=None, metadata=None,
                            softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1,
                            ori_win_right=-1, layout_q="BSND", layout_kv="BSND", topk_value_mode=1,
-                           return_softmax_lse=False, chip=None, backend="reference", precision="faithful"):
+                           return_softmax_lse=False, chip=None, backend="reference", precision="faithful",
+                           attention_out=None):
     """:func:`sparse_flash_mla` over HiFloat8 Q / K / V (aclnnQuantSparseFlashMla, Ascend 950;
     docs/numerics/attention-v4.md#quant_sparse_flash_mla). q ``[B, S1, N1, 512]`` / ``[T1, N1, 512]`` and
     ori_kv / cmp_kv (as :func:`sparse_flash_mla`, N2 = 1) are HiFloat8 codes in uint8 arrays; q_descale,
@@ -957,7 +973,8 @@ def quant_sparse_flash_mla(q, quant_mode, *, ori_kv=None, cmp_kv=None, q_descale
     The signature and defaults are ``cann_ops_transformer.quant_sparse_flash_mla``'s (q and quant_mode positional,
     quant_mode 1 the only value; softmax_scale 1.0; cmp_ratio 1; mask modes 0; window -1 / -1; layouts BSND;
     topk_value_mode 1); the 950 limits of the op_host checks (window 127 / 0, sinks and metadata given) are chip
-    rules. Returns ``(attention_out bfloat16, softmax_lse)``."""
+    rules. ``attention_out``: an optional bfloat16 (float64 exact) output buffer as :func:`sparse_flash_mla`'s (its
+    dtype is the output's, not q's uint8). Returns ``(attention_out bfloat16, softmax_lse)``."""
     args = dict(q=q, ori_kv=ori_kv, cmp_kv=cmp_kv, q_descale=q_descale, ori_kv_descale=ori_kv_descale,
                 cmp_kv_descale=cmp_kv_descale, ori_sparse_indices=ori_sparse_indices,
                 cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,
@@ -969,4 +986,4 @@ def quant_sparse_flash_mla(q, quant_mode, *, ori_kv=None, cmp_kv=None, q_descale
                 cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right,
                 layout_q=layout_q, layout_kv=layout_kv, topk_value_mode=topk_value_mode,
                 return_softmax_lse=return_softmax_lse, precision=precision)
-    return run(QS, args, backend, chip=chip)
+    return run(QS, add_buffers(args, attention_out, None, None), backend, chip=chip)

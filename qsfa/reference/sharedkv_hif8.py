@@ -47,6 +47,9 @@ HIF8_P_SCALE = 16.0
 #: arch35 S2 tile (the golden's ``s2_base_size = 128``)
 S2_TILE_950 = 128
 _CHUNK_BYTES = 48 << 20
+#: rows whose compressed selection is computed at once when counting (a few [rows, K] int64 blocks: 8 MiB each at
+#: K = 1024)
+_SELECT_ROWS = 1024
 _HIF8_VALUES = decode(np.arange(256, dtype=np.uint8), "hifloat8").astype(np.float64)
 
 
@@ -66,14 +69,19 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
                             seqused_cmp_kv=None, cmp_residual_kv=None, sinks=None, softmax_scale=1.0, cmp_ratio=1,
                             ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1, ori_win_right=-1, layout_q="BSND",
                             layout_kv="BSND", return_softmax_lse=False, precision="faithful", s2_tile=S2_TILE_950,
-                            p_scale=HIF8_P_SCALE, out_rounding="round", descale_order="kernel"):
+                            p_scale=HIF8_P_SCALE, out_rounding="round", descale_order="kernel", attention_out=None):
     """The module docstring's computation; arguments as :func:`qsfa.reference.sharedkv.sharedkv_attention` plus
     the three descales (one-element float32). ``q`` / ``ori_kv`` / ``cmp_kv`` are HiFloat8 codes (any one-byte
     dtype). Returns ``(attention_out, softmax_lse)``: bf16 (float64 exact) like q's shape, LSE float32 (float64)
     ``[B, 1, S1, N1]`` / ``[1, T1, N1]`` or an empty ``[0]`` array. ``descale_order`` (an OPEN fact,
     docs/numerics/open-facts.md#quant-sparse-flash-mla-descale-order): "kernel" (the arch35 points above) or
     "golden" (the public golden's: each tile's V descale at once, the logit scale one float64 product rounded
-    once to fp32)."""
+    once to fp32).
+
+    ``attention_out``: an optional C-contiguous array of the output's shape and dtype (e.g. an ``np.memmap``): the
+    rows are written into it chunk by chunk and it is returned; the compressed tokens are selected chunk by chunk
+    too, so neither the output nor a ``[rows, K]`` selection exists in memory as a whole (the chunks and so the
+    bytes are those of a call without it)."""
     exact = precision == "exact"
     qc = np.ascontiguousarray(q).view(np.uint8)
     rows, bat, pos, s1_act, valid, b_ = _query_rows(qc, layout_q, cu_seqlens_q, seqused_q)
@@ -88,10 +96,19 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
         if cmp_len is None:
             cmp_len = ori_len // cmp_ratio
     idx = None if cmp_sparse_indices is None else np.asarray(cmp_sparse_indices).reshape(rows.shape[0], -1)
-    zero, start, n_ori, cmp_toks, n_cmp = select_tokens(
-        bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, idx, has_cmp=has_cmp, cmp_ratio=int(cmp_ratio),
-        ori_mask_mode=int(ori_mask_mode), cmp_mask_mode=int(cmp_mask_mode), ori_win_left=int(ori_win_left),
-        ori_win_right=int(ori_win_right))
+    masks = dict(cmp_ratio=int(cmp_ratio), ori_mask_mode=int(ori_mask_mode), cmp_mask_mode=int(cmp_mask_mode),
+                 ori_win_left=int(ori_win_left), ori_win_right=int(ori_win_right))
+
+    def select(r):  # the token selection of rows r (per row: independent of the rows selected with it)
+        return select_tokens(bat[r], pos[r], s1_act[r], valid[r], ori_len, cmp_len, cmp_residual_kv,
+                             None if idx is None else idx[r], has_cmp=has_cmp, **masks)
+
+    zero, start, n_ori, _, _ = select_tokens(bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, None,
+                                             has_cmp=False, **masks)
+    # each row's compressed count, a block of rows at a time (a long prefill's [rows, K] selection would not fit)
+    n_cmp = np.zeros_like(n_ori)
+    for b0 in range(0, rows.shape[0], _SELECT_ROWS):
+        n_cmp[b0:b0 + _SELECT_ROWS] = select(np.arange(b0, min(b0 + _SELECT_ROWS, rows.shape[0])))[4]
     tile = int(s2_tile)
     ori_slots = -(-n_ori // tile) * tile
     width_all = ori_slots + n_cmp
@@ -99,12 +116,24 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
     dq, d_ori = _one(q_descale), _one(ori_kv_descale)
     d_cmp = _one(cmp_kv_descale) if cmp_kv_descale is not None else np.float32(1)
     fdt = np.float64 if exact else np.float32
-    out = np.zeros((rows.shape[0], n_heads, d), np.float64 if exact else _QDT["bfloat16"])
+    odt = np.dtype(np.float64 if exact else _QDT["bfloat16"])
+    if attention_out is None:
+        out = np.zeros((rows.shape[0], n_heads, d), odt)
+    else:
+        assert attention_out.dtype == odt and attention_out.size == rows.shape[0] * n_heads * d, attention_out.dtype
+        out = attention_out.reshape(rows.shape[0], n_heads, d)  # a view (C-contiguous)
+        assert np.shares_memory(out, attention_out)
     lse = np.zeros((rows.shape[0], n_heads), fdt)
     live = np.nonzero(~zero)[0]
+    if attention_out is not None:  # rows no chunk writes (before the causal diagonal, past seqused_q) are zero
+        for a0 in range(0, rows.shape[0], _SELECT_ROWS):
+            z = np.flatnonzero(zero[a0:a0 + _SELECT_ROWS]) + a0
+            if z.size:
+                out[z] = 0
     step = max(1, _CHUNK_BYTES // (max(int(width_all.max(initial=0)), 1) * d * 8 * 2))
     for c0 in range(0, live.size, step):
         r = live[c0:c0 + step]
+        _, _, _, cmp_toks, _ = select(r)
         w = max(int(width_all[r].max(initial=0)), 1)
         slot = np.arange(w, dtype=np.int64)[None, :]
         in_ori = slot < n_ori[r, None]
@@ -116,7 +145,7 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
         oj = np.where(in_ori, start[r, None] + slot, 0)
         kc[in_ori] = ori_flat[ori_row(b2[in_ori], oj[in_ori])]
         if has_cmp and in_cmp.any():
-            cj = np.take_along_axis(cmp_toks[r], np.clip(cpos, 0, max(cmp_toks.shape[1] - 1, 0)), 1) \
+            cj = np.take_along_axis(cmp_toks, np.clip(cpos, 0, max(cmp_toks.shape[1] - 1, 0)), 1) \
                 if cmp_toks.shape[1] else np.zeros_like(cpos)
             kc[in_cmp] = cmp_flat[cmp_row(b2[in_cmp], cj[in_cmp])]
         k64 = _HIF8_VALUES[kc]
@@ -130,7 +159,7 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
                               np.float32(p_scale), out_rounding, descale_order == "golden")
         out[r] = o
         lse[r] = l_
-    out = out.reshape(qc.shape)
+    out = out.reshape(qc.shape) if attention_out is None else attention_out
     if not return_softmax_lse:
         return out, np.zeros((0,), fdt)
     lse = lse.reshape(qc.shape[0], 1, qc.shape[1], n_heads) if layout_q == "BSND" else lse.reshape(1, qc.shape[0],
