@@ -204,3 +204,20 @@ def test_per_chip_rules():
     b = _inputs(np.random.default_rng(26), d=128, r=8, cf=1, t=(16,), starts=(0,))
     out, _ = qsfa.vllm_compressor(**_args(b, rng, 3, chip="A3", mode=1), chip="A3")
     assert out.shape == (3, 128) and out[:2].view(np.uint16).any() and not out[2].view(np.uint16).any()
+
+
+def test_golden_set_decode_case_holds_one_row_and_zero_padding(tmp_path):
+    """Set vllm-compressor, case vcmp-c4li-decode-950: three one-token requests at positions 3, 5, 0 - only the first
+    completes a group (0..3), so cmp_kv [min(3, 3 // 4 + 3), 128] holds one row, then two zero padding rows."""
+    from qsfa.cli import main
+    from qsfa.golden import load_manifest
+
+    out = tmp_path / "g"
+    assert main(["golden", "generate", "--set", "vllm-compressor", "--only", "vcmp-c4li-decode-950", "--out",
+                 str(out), "-q"]) == 0
+    case = {c["name"]: c for c in load_manifest(out)["cases"]}["vcmp-c4li-decode-950"]
+    e = next(e for e in case["arrays"] if e["name"] == "cmp_kv" and e["role"] == "output")
+    raw = np.fromfile(out / e["file"], np.uint16).reshape(e["shape"])
+    assert raw.shape == (3, 128)
+    assert raw[0].any() and not raw[1:].any()
+    assert main(["golden", "verify", str(out), "-q"]) == 0

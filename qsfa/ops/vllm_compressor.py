@@ -182,10 +182,10 @@ define_operator(VCMP, VCMP_CONTRACT, outputs=("cmp_kv", "state_cache"), referenc
 
 
 def vllm_compressor_case(seed=0, *, scenario=(4, 2, 128), lens=(5, 2), starts=(3, 0), layout="TH", rotary_mode=2,
-                         chip="A3", norm_eps=1e-6, **kw):
+                         chip="A3", norm_eps=1e-6, rope_dtype="float32", **kw):
     """The arguments of a ``vllm_compressor`` call (golden cases, tests): :func:`qsfa.ops.compressor.compressor_case`
     plus norm_weight ``1 + 0.1 randn`` (x's dtype on A2 / A3, fp32 on the 950) and sin / cos tables of random angles
-    (fp32), one row per cmp_kv row."""
+    (``rope_dtype``: "float32" or "x", x's dtype), one row per cmp_kv row."""
     from .compressor import compressor_case
 
     a = compressor_case(seed, scenario=scenario, lens=lens, starts=starts, layout=layout, **kw)
@@ -195,8 +195,9 @@ def vllm_compressor_case(seed=0, *, scenario=(4, 2, 128), lens=(5, 2), starts=(3
     rows = _cr.cmp_rows(a["x"].shape, r, nb)
     ang = rng.uniform(-3.0, 3.0, rows + (64,))
     nw = 1.0 + 0.1 * rng.standard_normal(d)
+    tdt = a["x"].dtype if rope_dtype == "x" else np.float32
     a.update(norm_weight=nw.astype(np.float32 if chip == "950" else a["x"].dtype),
-             rope_sin=np.sin(ang).astype(np.float32), rope_cos=np.cos(ang).astype(np.float32),
+             rope_sin=np.sin(ang).astype(tdt), rope_cos=np.cos(ang).astype(tdt),
              state_block_table=a.get("state_block_table"), cu_seqlens=a.get("cu_seqlens"), seqused=a.get("seqused"),
              rope_head_dim=64, cmp_ratio=r, coff=cf, norm_eps=norm_eps, rotary_mode=rotary_mode,
              cache_mode=kw.get("cache_mode", 1))
