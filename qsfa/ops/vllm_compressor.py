@@ -69,6 +69,11 @@ def _vllm_rules(op, src):
         rule(op, "rope_head_dim_value", "rope_head_dim", "value", "must be 64 (ROPE_HEAD_DIM)",
              lambda a: None if a.rope_head_dim in ROPE_HEAD_DIMS else a.rope_head_dim,
              set_param("rope_head_dim", 32), source=src),
+        rule(op, "norm_eps_value", "norm_eps", "value",
+             "must be a finite float32 >= 0 (qsfa's rule: the host code checks nothing, and a NaN, an infinity or a "
+             "negative epsilon makes every row's scale undefined)",
+             lambda a: None if np.isfinite(a.norm_eps) and a.norm_eps >= 0 else a.norm_eps,
+             set_param("norm_eps", -1.0), source=src),
         rule(op, "rotary_mode_value", "rotary_mode", "value", "must be 1 (half) or 2 (interleave) (ROTARY_MODE)",
              lambda a: None if a.rotary_mode in _vr.ROTARY_MODES else a.rotary_mode, set_param("rotary_mode", 0),
              source=src),
