@@ -193,9 +193,15 @@ def test_per_chip_rules():
     f32 = dict(args, norm_weight=args["norm_weight"].astype(F32))
     with pytest.raises(qsfa.InvalidDtype, match="norm_weight.*x's dtype on Atlas A2 / A3"):
         qsfa.vllm_compressor(**dict(f32, state_cache=a["state_cache"].copy()), chip="A3")
+    bf16_tables = dict(rope_sin=args["rope_sin"].astype(BF16), rope_cos=args["rope_cos"].astype(BF16))
     with pytest.raises(qsfa.InvalidDtype, match="rope_sin.*float32 on Ascend 950"):
-        qsfa.vllm_compressor(**dict(f32, rope_sin=args["rope_sin"].astype(BF16), rope_cos=args["rope_cos"].astype(BF16),
-                                    state_cache=a["state_cache"].copy()), chip="950")
+        qsfa.vllm_compressor(**dict(args, **bf16_tables, state_cache=a["state_cache"].copy()), chip="950")
+    # valid on no chip: a float32 norm_weight (950) with bf16 tables (A2 / A3 only), or a norm in a third dtype
+    with pytest.raises(qsfa.InvalidDtype, match="rope_sin.*float32 norm_weight is the Ascend 950's form"):
+        qsfa.vllm_compressor(**dict(f32, **bf16_tables, state_cache=a["state_cache"].copy()))
+    with pytest.raises(qsfa.InvalidDtype, match="norm_weight, actual: float16 with x bfloat16"):
+        qsfa.vllm_compressor(**dict(args, norm_weight=args["norm_weight"].astype(np.float16),
+                                    state_cache=a["state_cache"].copy()))
     before = a["state_cache"].copy()
     with pytest.raises(qsfa.InvalidArgument, match=r"rope_sin, actual: \(2, 64\), expected \(3, 64\)"):
         qsfa.vllm_compressor(**dict(args, rope_sin=args["rope_sin"][:2], state_cache=before))

@@ -77,7 +77,12 @@ def _vllm_rules(op, src):
         rule(op, "rotary_mode_value", "rotary_mode", "value", "must be 1 (half) or 2 (interleave) (ROTARY_MODE)",
              lambda a: None if a.rotary_mode in _vr.ROTARY_MODES else a.rotary_mode, set_param("rotary_mode", 0),
              source=src),
-        dtype_in(op, "norm_weight", ("float16", "bfloat16", "float32"), source=src),
+        rule(op, "norm_weight_dtype", "norm_weight", "dtype",
+             "must have x's dtype (Atlas A2 / A3) or be float32 (Ascend 950)",
+             lambda a: None if dtype_name(a.norm_weight) in (dtype_name(a.x), "float32") else
+             Raw(f"{dtype_name(a.norm_weight)} with x {dtype_name(a.x)}"),
+             edit_params(lambda o: o.update(norm_weight=np.asarray(o["norm_weight"]).astype(np.float16))), dtype=True,
+             source=src),
         rule(op, "norm_weight_shape", "norm_weight", "shape",
              "must be 1-D [D] with D = wkv.shape[0] / coff, D in (128, 512) (binding dim 1; CheckFeature headDim)",
              lambda a: None if a.norm_weight.ndim == 1 and _d(a) in HEAD_DIMS and a.norm_weight.shape[0] == _d(a)
@@ -101,6 +106,14 @@ def _vllm_rules(op, src):
                                                    f"{dtype_name(a.x)}"),
              edit_params(lambda o: o.update(rope_cos=np.asarray(o["rope_cos"]).astype(np.float16))), dtype=True,
              source=src),
+        rule(op, "norm_rope_one_chip", "rope_sin", "dtype",
+             "a float32 norm_weight is the Ascend 950's form, whose sin / cos tables are float32 too (x-dtype tables "
+             "come only with an x-dtype norm_weight, on Atlas A2 / A3)",
+             lambda a: None if dtype_name(a.norm_weight) != "float32" or dtype_name(a.rope_sin) == "float32" else
+             Raw(f"{dtype_name(a.rope_sin)} tables with a float32 norm_weight"),
+             edit_params(lambda o: o.update(norm_weight=np.asarray(o["norm_weight"]).astype(np.float32),
+                                            rope_sin=o["rope_sin"].astype(BF16), rope_cos=o["rope_cos"].astype(BF16))),
+             dtype=True, source=src),
         rule(op, "rope_sin_shape", "rope_sin", "shape",
              "must be [min(T, T // cmp_ratio + B), rope_head_dim] (TH) or [B, ceil(S / cmp_ratio), rope_head_dim] "
              "(BSH): its rows size cmp_kv (binding construct_compressor_output_tensor; CheckShapeConsistencyRope)",
@@ -122,16 +135,16 @@ def _vllm_rules(op, src):
              "must have x's dtype on Atlas A2 / A3 (arch32 CheckDtypeConsistencyX)",
              lambda a: None if dtype_name(a.norm_weight) == dtype_name(a.x) else dtype_name(a.norm_weight),
              edit_params(_to_f32("norm_weight")), dtype=True, chips=("A2", "A3"), source=src),
-        rule(op, "950_norm_weight_dtype", "norm_weight", "dtype",
-             "must be float32 on Ascend 950 (arch35 DTYPE_SUPPORT_MAP)",
-             lambda a: None if dtype_name(a.norm_weight) == "float32" else dtype_name(a.norm_weight),
-             lambda args: copy_args(args), dtype=True, chips=("950",), source=src),
         rule(op, "950_rope_dtype", "rope_sin", "dtype",
              "rope_sin / rope_cos must be float32 on Ascend 950 (arch35 DTYPE_SUPPORT_MAP; arch32 allows float32 "
              "rope only on ascend910b / ascend910_93)",
              lambda a: None if dtype_name(a.rope_sin) == "float32" else dtype_name(a.rope_sin),
-             edit_params(lambda o: (o.update(rope_sin=o["rope_sin"].astype(BF16), rope_cos=o["rope_cos"].astype(BF16)),
-                                    _to_f32("norm_weight")(o))), dtype=True, chips=("950",), source=src),
+             edit_params(lambda o: o.update(rope_sin=o["rope_sin"].astype(BF16), rope_cos=o["rope_cos"].astype(BF16))),
+             dtype=True, chips=("950",), source=src),
+        rule(op, "950_norm_weight_dtype", "norm_weight", "dtype",
+             "must be float32 on Ascend 950 (arch35 DTYPE_SUPPORT_MAP)",
+             lambda a: None if dtype_name(a.norm_weight) == "float32" else dtype_name(a.norm_weight),
+             lambda args: copy_args(args), dtype=True, chips=("950",), source=src),
     ]
     out = []
     for c in _rules(op, src, "vllm-ascend csrc/attention/compressor/README.md"):
