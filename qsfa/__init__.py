@@ -50,6 +50,7 @@ _LAZY = {
     "scatter_pa_kv_cache_with_k_scale": "qsfa.ops.k_scale_cache",
     "compressor": "qsfa.ops.compressor",
     "quant_compressor": "qsfa.ops.compressor",
+    "vllm_compressor": "qsfa.ops.vllm_compressor",
     "c8_cache_write": "qsfa.ops.c8_cache",
     "c8_rmsnorm_rope_cache": "qsfa.ops.c8_cache",
     "scatter_by_slot": "qsfa.ops.scatter",

@@ -122,6 +122,7 @@ _OPERATOR_MODULES = (
     "qsfa.ops.quant_lightning_indexer_v2",
     "qsfa.ops.qkv_k_scale",
     "qsfa.ops.compressor",
+    "qsfa.ops.vllm_compressor",
 )
 
 

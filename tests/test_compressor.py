@@ -47,8 +47,9 @@ def _bf16_away(v):
     return np.array([sign | mag], np.uint32).view(F32).astype(BF16)[0]
 
 
-def _model(x, wkv, wgate, state, ape, table, lens, starts, base, r, cf, order, dots=None):
-    """Per-token, per-group model: (rows per batch [list of bf16 arrays], state after the call)."""
+def _model(x, wkv, wgate, state, ape, table, lens, starts, base, r, cf, order, dots=None, raw=False):
+    """Per-token, per-group model: (rows per batch [list of bf16 arrays], state after the call); ``raw``: the
+    fp32 rows before the cast (the input of vllm_compressor's norm, tests/test_vllm_compressor.py)."""
     dots = dots or (lambda xr, w, which: _dots(xr, w))
     state = state.copy()
     cd = wkv.shape[0]
@@ -84,13 +85,13 @@ def _model(x, wkv, wgate, state, ape, table, lens, starts, base, r, cf, order, d
             slots += [slot(g * r + j, cf - 1) for j in range(r)]
             kvs = np.stack([s[0] for s in slots])
             scs = np.stack([s[1] for s in slots])
-            row = np.empty(d, BF16)
+            row = np.empty(d, F32 if raw else BF16)
             for c in range(d):
                 m = scs[:, c].max()
                 e = [F32(0.0) if s == -np.inf else F32(math.exp(float(F32(s - m)))) for s in scs[:, c]]
                 l = _fold(e, order)
                 prods = [F32(kvs[k, c] * F32(e[k] / l)) for k in range(len(e))]
-                row[c] = _bf16_away(_fold(prods, order))
+                row[c] = _fold(prods, order) if raw else _bf16_away(_fold(prods, order))
             out.append(row)
         rows_out.append(out)
     return rows_out, state

@@ -371,6 +371,21 @@ def _compressor(target, op_name):
     return impl
 
 
+def _vllm_compressor(*args, **kwargs):
+    """vLLM-Ascend's _C_ascend.compressor on the fake device: binds the recorded schema (every value positional),
+    runs the reference for the fake's chip on host copies, writes the state's bytes into the tensor passed and
+    returns cmp_kv with its padding rows holding garbage, as the kernel leaves the binding's at::empty rows."""
+    a = _bind(mapping.VCMP_CUSTOM_OP, args, kwargs)
+    host = {k: _host(v) for k, v in a.items()}
+    cmp_kv, state = run("vllm_compressor", {**host, "precision": "faithful"}, backend="reference",
+                        chip=device.chip_family())
+    a["state_cache"].copy_(to_torch(np.ascontiguousarray(state)))
+    out = to_torch(np.ascontiguousarray(cmp_kv))
+    pad = (out == 0).all(dim=-1)
+    out[pad] = 3.0
+    return out
+
+
 _FAKE_IMPLS = {
     "torch_npu.npu_kv_quant_sparse_flash_attention": _qsfa_tn,
     "torch_npu.npu_sparse_flash_attention": _sfa,
@@ -402,6 +417,7 @@ _FAKE_IMPLS = {
     mapping.QKV_OP: _qkv_inplace,
     mapping.CMP_OP: _compressor(mapping.CMP_OP, "compressor"),
     mapping.QCMP_OP: _compressor(mapping.QCMP_OP, "quant_compressor"),
+    mapping.VCMP_CUSTOM_OP: _vllm_compressor,
 }
 
 

@@ -471,6 +471,7 @@ def test_every_recorded_signature_is_a_mapping_target():
         hit.add(mapping.map_call(op, _torch_example(op), NpuContext(chip="950")).target)
     qli2 = mapping.map_call("quant_lightning_indexer_v2", _qli2_args(), NpuContext(chip="950"))
     hit.update({qli2.target, qli2.kwargs["metadata"].target})
+    hit.add(mapping.map_call("vllm_compressor", _torch_example("vllm_compressor"), _VCMP_CTX).target)
     assert hit == set(signatures.targets())
 
 
@@ -1036,3 +1037,86 @@ def test_quant_sparse_flash_mla_exact_precision_is_refused_by_the_npu_limits():
     assert [c.id for c in lim if c.check(Args(a))] == []
     assert [c.id for c in lim if c.check(Args({**a, "precision": "exact"}))] == [
         "npu.quant_sparse_flash_mla.precision"]
+
+
+# ------------------------------------------------------------------------------------------ vllm_compressor
+
+_VCMP_CTX = NpuContext(chip="A3", custom_ops=frozenset({mapping.VCMP_CUSTOM_NAME}))
+
+
+def _vcmp_args(**kw):
+    from qsfa._dispatch import operators
+    from qsfa.ops.vllm_compressor import vllm_compressor_case
+
+    case = dict(vllm_compressor_case(**kw), precision="faithful")
+    case.setdefault("cu_seqlens", None)
+    case.setdefault("seqused", None)
+    return _torch_args(dict(operators()["vllm_compressor"].contract.validate(case, chip=kw.get("chip", "A3"))))
+
+
+_VCMP_VARIANTS = [dict(scenario=(4, 2, 128), layout="TH", chip="A3", rotary_mode=2),
+                  dict(scenario=(128, 1, 512), layout="BSH", chip="950", rotary_mode=1, cache_mode=2),
+                  dict(scenario=(4, 2, 512), layout="TH", chip="950", rotary_mode=1, seqused=(4, 1))]
+
+
+@pytest.mark.parametrize("kw", _VCMP_VARIANTS, ids=["-".join(str(v) for v in kw.values()) for kw in _VCMP_VARIANTS])
+def test_vllm_compressor_mapping_binds_every_value_in_the_schemas_order(kw):
+    a = _vcmp_args(**kw)
+    call = mapping.map_call("vllm_compressor", a, NpuContext(chip=kw["chip"],
+                                                             custom_ops=frozenset({mapping.VCMP_CUSTOM_NAME})))
+    assert call.target == mapping.VCMP_CUSTOM_OP == "torch.ops._C_ascend.compressor"
+    _assert_binds(call)
+    rec = signatures.record(mapping.VCMP_CUSTOM_OP)
+    names = [p["name"] for p in rec["params"]]
+    assert len(call.args) == len(names) and call.kwargs == {}  # all positional, none left to a default
+    bound = dict(zip(names, call.args))
+    for p in ("x", "wkv", "wgate", "state_cache", "ape", "norm_weight", "rope_sin", "rope_cos"):
+        assert bound[p] is a[p], p
+    for p in ("state_block_table", "cu_seqlens", "seqused", "start_pos"):
+        assert (bound[p] is None) is (a[p] is None), p
+        if a[p] is not None:
+            assert bound[p].dtype == torch.int32 and torch.equal(bound[p].long(), a[p].long()), p
+    assert [bound[p] for p in ("rope_head_dim", "cmp_ratio", "coff", "rotary_mode", "cache_mode")] == \
+        [64, kw["scenario"][0], kw["scenario"][1], kw["rotary_mode"], kw.get("cache_mode", 1)]
+    assert bound["norm_eps"] == pytest.approx(1e-6) and isinstance(bound["norm_eps"], float)
+    # the op returns cmp_kv alone (state in place); the rows no group fills come back zero, as the reference's
+    from qsfa.reference.vllm_compressor import real_rows
+    host = {k: (None if a[k] is None else a[k].numpy()) for k in ("cu_seqlens", "seqused", "start_pos")}
+    mask = real_rows(tuple(a["x"].shape), host["cu_seqlens"], host["seqused"], host["start_pos"], kw["scenario"][0])
+    cmp_kv = torch.full(tuple(a["rope_sin"].shape[:-1]) + (a["norm_weight"].shape[0],), 7.0, dtype=torch.bfloat16)
+    got = call.unpack(cmp_kv)
+    assert got[0] is cmp_kv and got[1] is a["state_cache"]
+    assert (~mask).any() and bool((cmp_kv[torch.from_numpy(~mask)] == 0).all())
+    assert bool((cmp_kv[torch.from_numpy(mask)] == 7.0).all())
+
+
+def test_vllm_compressor_schema_is_the_bindings():
+    """Read by hand from vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp l.2226-2234."""
+    rec = signatures.record(mapping.VCMP_CUSTOM_OP)
+    assert (rec["source"]["repo"], rec["source"]["commit"][:7], rec["source"]["line"]) == \
+        ("vllm-project/vllm-ascend", "182b75e", 2226)
+    assert rec["returns"] == ["Tensor"]
+    p = {q["name"]: q for q in rec["params"]}
+    assert list(p) == ["x", "wkv", "wgate", "state_cache", "ape", "norm_weight", "rope_sin", "rope_cos",
+                       "state_block_table", "cu_seqlens", "seqused", "start_pos", "rope_head_dim", "cmp_ratio", "coff",
+                       "norm_eps", "rotary_mode", "cache_mode"]
+    assert all(q["kind"] == "positional" and "default" not in q for q in p.values())
+    assert p["state_cache"]["type"] == "Tensor(a!)" and p["norm_eps"]["type"] == "float"
+    assert [p[n]["type"] for n in ("state_block_table", "cu_seqlens", "seqused", "start_pos")] == ["Tensor?"] * 4
+    # the front door takes the same names in the same order
+    import inspect
+
+    import qsfa
+    front = [n for n, q in inspect.signature(qsfa.vllm_compressor).parameters.items()
+             if q.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert front == list(p)
+
+
+def test_vllm_compressor_needs_the_custom_op_and_faithful_precision():
+    a = _vcmp_args()
+    with pytest.raises(ValueError, match="torch.ops._C_ascend.compressor, which is not loaded"):
+        mapping.map_call("vllm_compressor", a, NpuContext(chip="A3"))
+    assert _limits_fire("vllm_compressor", a, NpuContext(chip="A3")) == ["npu.vllm_compressor.needs_custom_op"]
+    assert _limits_fire("vllm_compressor", a, _VCMP_CTX) == []
+    assert _limits_fire("vllm_compressor", {**a, "precision": "exact"}, _VCMP_CTX) == ["npu.vllm_compressor.precision"]
+

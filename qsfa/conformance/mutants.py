@@ -1419,13 +1419,34 @@ def _compressor():
          "the state, so the next call cannot finish its group", residual_lost)
 
 
+def _vllm_compressor():
+    VR, VCMP = _m("vllm_compressor"), "vllm_compressor"
+
+    def cast_first(orig):
+        def f(*a, **kw):  # the reduce's rows rounded to x's dtype (the ops-transformer kernel's CAST_ROUND) first
+            cmp_kv, state = orig(*a, **{**kw, "raw_rows": False})
+            return cmp_kv.astype(np.float64 if kw.get("precision") == "exact" else np.float32), state
+
+        return f
+
+    _add(f"{VCMP}.norm_after_a_cast", VCMP, "the compressed rows are cast to x's dtype (CAST_ROUND) before the "
+         "RMSNorm instead of going to it in fp32", _patch((VR, "compressor", cast_first)))
+
+    def other_mode(orig):
+        return lambda r, rotary_mode: orig(r, 3 - rotary_mode)
+
+    _add(f"{VCMP}.rotary_modes_swapped", VCMP, "rotary_mode 1 pairs lanes as interleave and 2 as half",
+         _patch((VR, "_rotate", other_mode)))
+
+
 def _build():
     global _BUILT
     if _BUILT:
         return
     _BUILT = True
     for f in (_formats, _quant, _scatter, _c8, _kce, _krr, _attention, _merge, _indexer_cache, _k_scale_cache,
-              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2, _qkv_k_scale, _compressor, _tie_cells):
+              _indexer_batches, _chip_cells, _pad_scratch, _indexer_v4, _v4, _qli2, _qkv_k_scale, _compressor, _tie_cells,
+              _vllm_compressor):
         f()
     names = [m.name for m in _MUTANTS]
     assert len(names) == len(set(names)), "duplicate mutant names"

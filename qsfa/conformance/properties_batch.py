@@ -4,11 +4,12 @@
 :func:`qsfa.conformance.properties_v4.v4_properties`; each expectation is a relation between calls of the same
 backend, never a result of the reference:
 
-* ``compressor.batch_slices`` / ``quant_compressor.batch_slices`` (vLLM-Ascend #9496): each request of a TH call
+* ``compressor.batch_slices`` / ``quant_compressor.batch_slices`` / ``vllm_compressor.batch_slices`` (vLLM-Ascend
+  #9496; vllm_compressor's sin / cos rows travel with the cmp_kv rows they rotate): each request of a TH call
   (``cu_seqlens``) run alone - its x rows, its seqused / start_pos entries and its state pages (block-table row,
   or ring block) - gives the same ``cmp_kv`` rows (the rows of its completed groups, packed batch after batch in
   the whole call) and the same bytes in its state pages as inside the batch;
-* ``compressor.speculative_state`` (vLLM-Ascend #9111): a request's tokens in one call equal the same tokens in
+* ``compressor.speculative_state`` / ``vllm_compressor.speculative_state`` (vLLM-Ascend #9111): a request's tokens in one call equal the same tokens in
   one-token calls, each carrying the state the previous one left - the rows of the groups they complete and the
   state bytes of its pages (cache_mode 1: the ring buffer of cache_mode 2 stores only the last ``coff`` groups a
   call reaches, so serial calls store rows a single call leaves alone; a block-table entry 0, "do not write", is
@@ -29,7 +30,7 @@ from ._support import call, fail
 
 __all__ = ["batch_properties"]
 
-CMP, QCMP = "compressor", "quant_compressor"
+CMP, QCMP, VCMP = "compressor", "quant_compressor", "vllm_compressor"
 
 
 def _requests(a: dict):
@@ -56,12 +57,26 @@ def _pages(a: dict, b: int) -> np.ndarray:
     return row[row != 0]
 
 
+def _tables(a: dict, rows, n_rows: int) -> dict:
+    """vllm_compressor's sin / cos tables for a call of ``n_rows`` cmp_kv rows whose first rows are the whole
+    call's ``rows`` (the rest padding, zeros); {} for the operators without tables."""
+    if a.get("rope_sin") is None:
+        return {}
+    out = {}
+    for p in ("rope_sin", "rope_cos"):
+        t = np.asarray(a[p])
+        got = t[rows]
+        out[p] = np.concatenate([got, np.zeros((n_rows - len(got),) + t.shape[1:], t.dtype)])
+    return out
+
+
 def _alone(a: dict, b: int, req) -> dict:
-    xs, _, s, _ = req
+    xs, _, s, rows = req
     n = xs.stop - xs.start
     return dict(a, x=a["x"][xs], cu_seqlens=np.array([0, n], np.int32), start_pos=np.array([s], np.int32),
                 seqused=None if a["seqused"] is None else np.asarray(a["seqused"])[b:b + 1],
-                state_block_table=np.asarray(a["state_block_table"])[b:b + 1])
+                state_block_table=np.asarray(a["state_block_table"])[b:b + 1],
+                **_tables(a, rows, min(n, n // a["cmp_ratio"] + 1)))
 
 
 def _same(got, want, what):
@@ -123,7 +138,8 @@ def _speculative_state(P, examples, op=CMP):
         state, rows = one["state_cache"], []
         for i in range(used):  # the same tokens one by one, each call carrying the state the last one left
             step = dict(one, x=a["x"][xs.start + i:xs.start + i + 1], cu_seqlens=np.array([0, 1], np.int32),
-                        seqused=None, start_pos=np.array([s + i], np.int32), state_cache=state)
+                        seqused=None, start_pos=np.array([s + i], np.int32), state_cache=state,
+                        **_tables(one, slice(len(rows), len(rows) + 1), 1))
             out = call(op, step, backend)
             state = out["state_cache"]
             if (s + i + 1) % r == 0:
@@ -190,11 +206,12 @@ def batch_properties(have: set, P, examples) -> list:
     """The properties of this module whose operators are in ``have`` (``P`` and ``examples`` as for
     :func:`qsfa.conformance.properties_more.more_properties`)."""
     out = []
-    for op in (CMP, QCMP):
+    for op in (CMP, QCMP, VCMP):
         if op in have:
             out.append(_batch_slices(op, P, examples))
-    if CMP in have:
-        out.append(_speculative_state(P, examples))
+    for op in (CMP, VCMP):
+        if op in have:
+            out.append(_speculative_state(P, examples, op))
     for op in V4_ATTN:
         if op in have:
             out.append(_attn_batch_slices(op, P, examples))

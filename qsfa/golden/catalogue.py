@@ -795,6 +795,35 @@ register_set("quant-compressor", "ops-transformer's experimental QuantCompressor
              "bf16 rows): batched prefill, decode with a ring buffer, C128A", quant_compressor_cases)
 
 
+def vllm_compressor_cases() -> list[Case]:
+    v = "vllm_compressor"
+    c4li, c4a, c128 = (dict(cmp_ratio=4, coff=2, head_dim=128), dict(cmp_ratio=4, coff=2, head_dim=512),
+                       dict(cmp_ratio=128, coff=1, head_dim=512))
+    attrs = dict(rope_head_dim=64, norm_eps=1e-6)
+    return [
+        _case("vcmp-c4a-prefill-uneven-a3", v, v, "C4A batched prefill, TH cu_seqlens [0, 12, 23] from position 0 "
+              "(vLLM-Ascend #9496), interleave RoPE (what vLLM-Ascend passes), bf16 norm_weight, Atlas A3",
+              lens=[12, 11], starts=[0, 0], rotary_mode=2, cache_mode=1, chip="A3", **c4a, **attrs),
+        _case("vcmp-c4li-decode-950", v, v, "C4Li decode, one token per request completing a group (start 3), "
+              "mid-group (5) and the first token; fp32 norm_weight and tables, Ascend 950", lens=[1, 1, 1],
+              starts=[3, 5, 0], rotary_mode=2, cache_mode=1, chip="950", **c4li, **attrs),
+        _case("vcmp-c128a-decode-a3", v, v, "C128A: two tokens complete group 0 (126 in the state); bf16 tables, "
+              "Atlas A3 (tree sums, tree norm blocks)", lens=[2], starts=[126], block_size=64, rotary_mode=2,
+              cache_mode=1, rope_dtype="x", chip="A3", **c128, **attrs),
+        _case("vcmp-c4a-bsh-half-950", v, v, "C4A, BSH x (S 8) with seqused [8, 5], float16, half RoPE "
+              "(rotary_mode 1), Ascend 950 (sequential sums and norm blocks)", lens=[8, 8], starts=[2, 0],
+              layout="BSH", used=[8, 5], x_dtype="float16", rotary_mode=1, cache_mode=1, chip="950", **c4a, **attrs),
+        _case("vcmp-c4li-ring-950", v, v, "C4Li with a ring-buffer state (cache_mode 2), a residual of 3 tokens, half "
+              "RoPE, Ascend 950", lens=[7, 3], starts=[0, 6], rotary_mode=1, cache_mode=2, chip="950", **c4li,
+              **attrs),
+    ]
+
+
+register_set("vllm-compressor", "vLLM-Ascend torch.ops._C_ascend.compressor (the compressor, then RMSNorm and RoPE "
+             "of each row, one RINT cast; Atlas A2/A3 and Ascend 950): batched prefill, decode, C128A, BSH with "
+             "seqused, the ring buffer, both rotary modes", vllm_compressor_cases)
+
+
 def v4_quant_cases() -> list[Case]:
     out = []
     for scenario in ("SWA", "CSA", "HCA"):

@@ -616,6 +616,20 @@ def gen_quant_compressor(params, rng):
     return a
 
 
+@register_generator("vllm_compressor")
+def gen_vllm_compressor(params, rng):
+    """The arrays of :func:`qsfa.ops.vllm_compressor.vllm_compressor_case` for ``params`` (:func:`gen_compressor`'s,
+    plus ``chip`` - the norm_weight dtype - and ``rope_dtype``), seeded from ``rng``; the scalars are case params."""
+    from ..ops.vllm_compressor import vllm_compressor_case
+
+    keys = ("lens", "starts", "layout", "used", "cache_mode", "block_size", "x_dtype", "chip", "rope_dtype")
+    kw = {k: (tuple(params[k]) if isinstance(params[k], list) else params[k]) for k in keys if k in params}
+    kw["seqused"] = kw.pop("used", None)
+    scen = (int(params["cmp_ratio"]), int(params["coff"]), int(params["head_dim"]))
+    a = vllm_compressor_case(seed=int(rng.integers(0, 2**31 - 1)), scenario=scen, **kw)
+    return {k: v for k, v in a.items() if isinstance(v, np.ndarray)}
+
+
 # --------------------------------------------------------------------------------------------------
 # layer chains (qsfa.chain; docs/golden.md#chains)
 

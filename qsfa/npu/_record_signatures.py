@@ -80,7 +80,7 @@ TORCH_NPU_FUNCTIONS = (
 CUSTOM_OPS = ("npu_kv_quant_sparse_flash_attention", "kv_compress_epilog", "indexer_compress_epilog_v2",
               "npu_vllm_quant_lightning_indexer", "npu_vllm_quant_lightning_indexer_metadata",
               "npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata", "npu_kv_quant_sparse_attn_sharedkv",
-              "npu_kv_quant_sparse_attn_sharedkv_metadata")
+              "npu_kv_quant_sparse_attn_sharedkv_metadata", "compressor")
 
 #: namespace of the ops of ops-transformer's separately built ``cann_ops_transformer`` package
 PACKAGE_NAMESPACE = "cann_ops_transformer"

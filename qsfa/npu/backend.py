@@ -19,7 +19,7 @@ from . import device, mapping
 __all__ = ["resolve", "context", "run_call", "registered"]
 
 _CUSTOM = (mapping.QSFA_CUSTOM_NAME, mapping.KCE_VLLM_CUSTOM_NAME, mapping.ICE2_CUSTOM_NAME,
-           mapping.VQLI_CUSTOM_NAME, mapping.SAS_CUSTOM_NAME, mapping.KQS_CUSTOM_NAME)
+           mapping.VQLI_CUSTOM_NAME, mapping.SAS_CUSTOM_NAME, mapping.KQS_CUSTOM_NAME, mapping.VCMP_CUSTOM_NAME)
 
 
 def _import_package() -> None:

@@ -165,6 +165,7 @@ _NEEDS_CUSTOM_OP = {
     "vllm_quant_lightning_indexer": ("query", "npu_vllm_quant_lightning_indexer"),
     "sparse_attn_sharedkv": ("q", "npu_sparse_attn_sharedkv"),
     "kv_quant_sparse_attn_sharedkv": ("q", "npu_kv_quant_sparse_attn_sharedkv"),
+    "vllm_compressor": ("x", "compressor"),
 }
 
 
@@ -181,7 +182,7 @@ def backend_limits(op: str, *, chip: str | None = ..., custom_ops=None) -> list[
     if op in ("kv_quant_sparse_flash_attention", "sparse_flash_attention", "sparse_attn_sharedkv",
               "kv_quant_sparse_attn_sharedkv", "sparse_flash_mla", "mixed_quant_sparse_flash_mla",
               "quant_lightning_indexer_v2", "compressor", "quant_compressor",
-              "quant_sparse_flash_mla"):
+              "quant_sparse_flash_mla", "vllm_compressor"):
         out.append(_precision_faithful(op))
     if op == "kv_quant_sparse_flash_attention":
         custom = "npu_kv_quant_sparse_flash_attention"

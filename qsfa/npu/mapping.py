@@ -31,6 +31,9 @@ Routing (settled from public sources):
 * ``indexer_compress_epilog_v2``: ``torch.ops._C_ascend.indexer_compress_epilog_v2`` (vLLM-Ascend
   ``csrc/torch_binding.cpp`` at 182b75e; Ascend 950), positional as its schema, the uint8 cache in place (the binding
   passes ``stride(0)`` as block_stride itself).
+* ``vllm_compressor``: ``torch.ops._C_ascend.compressor`` (vLLM-Ascend ``csrc/torch_binding.cpp`` l.2226 at 182b75e;
+  Atlas A2 / A3 and Ascend 950), every value positional in the schema's order, ``state_cache`` in place; the padding
+  rows of the returned ``cmp_kv`` are zeroed (the kernel leaves them unwritten).
 * ``sparse_attn_sharedkv`` / ``kv_quant_sparse_attn_sharedkv``: ``torch.ops._C_ascend.npu_sparse_attn_sharedkv`` /
   ``npu_kv_quant_sparse_attn_sharedkv`` (vLLM-Ascend ``csrc/torch_binding.cpp`` at 182b75e; ``device_op.py`` picks
   the first on A2/A3, the second on the 950), after their ``*_metadata`` operator when ``metadata`` is None.
@@ -99,6 +102,8 @@ SAS_META_CUSTOM_OP = "torch.ops._C_ascend.npu_sparse_attn_sharedkv_metadata"
 KQS_CUSTOM_NAME = "npu_kv_quant_sparse_attn_sharedkv"
 KQS_CUSTOM_OP = "torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv"
 KQS_META_CUSTOM_OP = "torch.ops._C_ascend.npu_kv_quant_sparse_attn_sharedkv_metadata"
+VCMP_CUSTOM_NAME = "compressor"
+VCMP_CUSTOM_OP = "torch.ops._C_ascend.compressor"
 #: ops-transformer's separately built torch extension (torch_extension/cann_ops_transformer); importing it
 #: registers torch.ops.cann_ops_transformer.*. The npu backend imports it lazily (qsfa.npu.backend.resolve).
 PACKAGE = "cann_ops_transformer"
@@ -967,6 +972,44 @@ def map_quant_compressor(a: Mapping, ctx: NpuContext) -> NpuCall:
     return _compressor_call(QCMP_OP, a, quant=True)
 
 
+# --------------------------------------------------------------------------------------- vllm_compressor
+
+_VCMP_PARAMS = ("x", "wkv", "wgate", "state_cache", "ape", "norm_weight", "rope_sin", "rope_cos") + _CMP_TABLES + (
+    "rope_head_dim", "cmp_ratio", "coff", "norm_eps", "rotary_mode", "cache_mode")
+
+
+def _zero_padding(cmp_kv, a: Mapping):
+    """``cmp_kv`` with the rows no completed group fills set to zero, qsfa's documented padding (the kernel does not
+    write them and the binding allocates with ``at::empty``; docs/numerics/compressor.md#vllm_compressor)."""
+    from ..reference.vllm_compressor import real_rows
+
+    def host(t):
+        return None if t is None else t.detach().cpu().numpy()
+
+    mask = real_rows(tuple(a["x"].shape), host(a.get("cu_seqlens")), host(a.get("seqused")), host(a.get("start_pos")),
+                     int(a["cmp_ratio"]))
+    if not mask.all():
+        torch = _torch()
+        cmp_kv[torch.from_numpy(~mask).to(cmp_kv.device)] = 0
+    return cmp_kv
+
+
+def map_vllm_compressor(a: Mapping, ctx: NpuContext) -> NpuCall:
+    """vLLM-Ascend's ``torch.ops._C_ascend.compressor`` (vllm-project/vllm-ascend@182b75e csrc/torch_binding.cpp
+    l.2226): every parameter positional, in the schema's order (none has a default); index tensors as int32.
+    ``state_cache`` (``Tensor(a!)``) is the caller's float32 tensor, written in place; the op returns ``cmp_kv``,
+    whose padding rows are zeroed here (:func:`_zero_padding`)."""
+    _check_params("vllm_compressor", a, _VCMP_PARAMS)
+    if VCMP_CUSTOM_NAME not in ctx.custom_ops:
+        raise ValueError(f"vllm_compressor needs {VCMP_CUSTOM_OP}, which is not loaded")
+    tensors = tuple(a[n] for n in ("x", "wkv", "wgate", "state_cache", "ape", "norm_weight", "rope_sin", "rope_cos"))
+    tables = tuple(_int32(a.get(p)) for p in _CMP_TABLES)
+    attrs = (int(a["rope_head_dim"]), int(a["cmp_ratio"]), int(a["coff"]), float(a["norm_eps"]),
+             int(a["rotary_mode"]), int(a["cache_mode"]))
+    return NpuCall(VCMP_CUSTOM_OP, tensors + tables + attrs, {},
+                   unpack=lambda r: (_zero_padding(r, a), a["state_cache"]))
+
+
 #: operator name -> mapping function
 MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "kv_quant_sparse_flash_attention": map_kv_quant_sparse_flash_attention,
@@ -990,6 +1033,7 @@ MAPPINGS: dict[str, Callable[[Mapping, NpuContext], NpuCall]] = {
     "compressor": map_compressor,
     "quant_compressor": map_quant_compressor,
     "quant_sparse_flash_mla": map_quant_sparse_flash_mla,
+    "vllm_compressor": map_vllm_compressor,
 }
 
 

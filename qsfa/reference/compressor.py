@@ -142,9 +142,11 @@ def _reduce(kv, sc, precision, order):
 
 
 def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=None, seqused=None, start_pos=None,
-               *, cmp_ratio, coff=1, cache_mode=1, precision="faithful", reduce_order="tree", quant=None):
+               *, cmp_ratio, coff=1, cache_mode=1, precision="faithful", reduce_order="tree", quant=None,
+               raw_rows=False):
     """The compressor (module docstring). ``state_cache`` ``[block_num, block_size, 2 * coff * D]`` fp32 is written
-    in place; returns ``(cmp_kv, state_cache)``."""
+    in place; returns ``(cmp_kv, state_cache)``. ``raw_rows``: ``cmp_kv`` keeps the reduce's fp32 rows (faithful;
+    float64 with exact) instead of casting them to x's dtype - the input of ``vllm_compressor``'s RMSNorm."""
     assert precision in PRECISIONS and reduce_order in REDUCE_ORDERS
     r, cf = int(cmp_ratio), int(coff)
     x = np.asarray(x)
@@ -153,7 +155,8 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
     d = cd // cf
     base, used, start, nb = plan(x.shape, cu_seqlens, seqused, start_pos, r)
     out_name = "bfloat16" if quant is not None else _qdt_name(x)
-    out_dt = np.float64 if precision == "exact" else (np.dtype(BF16) if quant is not None else x.dtype)
+    out_dt = np.float64 if precision == "exact" else (np.float32 if raw_rows else
+                                                       np.dtype(BF16) if quant is not None else x.dtype)
     cmp_kv = np.zeros(cmp_rows(x.shape, r, nb) + (d,), out_dt)
     if nb == 0 or int(used.sum()) == 0:
         return cmp_kv, state_cache
@@ -231,7 +234,7 @@ def compressor(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens=No
         kv[missing] = 0.0
         sc[missing] = -np.inf
         rows = _reduce(kv, sc, precision, reduce_order)
-        if precision == "exact":
+        if precision == "exact" or raw_rows:
             out_flat[out_row[sl]] = rows
         else:
             out_flat[out_row[sl]] = round_q16(rows, out_name, "round")

@@ -62,7 +62,7 @@ from .indexer_cache import (
     scatter_pa_kv_cache_with_k_scale_args,
 )
 from .indexer_v4 import quant_lightning_indexer_v2_args, vllm_quant_lightning_indexer_args
-from .compressor import compressor_args, quant_compressor_args
+from .compressor import compressor_args, quant_compressor_args, vllm_compressor_args
 from .formats import decode_args, encode_args, pack_fp4_args, unpack_fp4_args
 from .layouts import flashmla_model1_dequantize_args, flashmla_model1_quantize_args
 from .quant import dynamic_block_quant_args
@@ -107,6 +107,7 @@ __all__ = [
     "indexer_quant_cache_args",
     "compressor_args",
     "quant_compressor_args",
+    "vllm_compressor_args",
     "vllm_quant_lightning_indexer_args",
     "quant_lightning_indexer_v2_args",
     "qkv_rms_norm_rope_cache_with_k_scale_args",
@@ -249,6 +250,7 @@ MORE_STRATEGIES = {
     "compressor": compressor_args,
     "quant_compressor": quant_compressor_args,
     "quant_sparse_flash_mla": quant_sparse_flash_mla_args,
+    "vllm_compressor": vllm_compressor_args,
 }
 
 for _op in ("c8_cache_write", "c8_rmsnorm_rope_cache"):

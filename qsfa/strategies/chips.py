@@ -143,6 +143,12 @@ CHIP_RULES: dict[str, tuple] = {
         (("A2",), "a2_unsupported", ABSENT, "quant_compressor runs on Atlas A3 and Ascend 950 only"),
         (("A3",), "a3_cache_mode", _const({"cache_mode": 1}), "Atlas A3 supports cache_mode 1 only"),
     ),
+    "vllm_compressor": (
+        (_A2A3, "a2_a3_cache_mode", _const({"cache_mode": 1, "chip_kind": "a2a3"}),
+         "Atlas A2 / A3: cache_mode 1, norm_weight in x's dtype"),
+        (("950",), "950_norm_weight_dtype", _const({"chip_kind": "950"}),
+         "Ascend 950: float32 norm_weight and sin / cos tables"),
+    ),
     # DeepSeek-V4 shared-KV attention (docs/numerics/attention-v4.md): every chip runs the band window 127 / 0,
     # mask modes 4 / 3, top-k 512 and sinks given; the compressed ratio follows the scenario (1 / 4 / 128) except
     # on the 950's sparse_flash_mla, which also takes free residuals

@@ -23,7 +23,7 @@ from .. import _edges as _E
 from .._contract import Args
 from ._common import _b, _choose, _rng, Bounds
 
-__all__ = ["compressor_args", "quant_compressor_args"]
+__all__ = ["compressor_args", "quant_compressor_args", "vllm_compressor_args"]
 
 CMP, QCMP = "compressor", "quant_compressor"
 _E.EDGES.setdefault(CMP, ("group_full", "residual_max", "one_token", "uneven_batch", "ring", "c128"))
@@ -136,4 +136,49 @@ def quant_compressor_args(draw, bounds: Bounds | None = None, **pins) -> dict:
              wkv_descale=(rng.random(cd) * 0.02 + 1e-3).astype(np.float32),
              wgate_descale=(rng.random(cd) * 0.02 + 1e-3).astype(np.float32), quant_mode=1)
     assume(QCMP_CONTRACT.first_violation(Args(a)) is None)
+    return a
+
+
+# ------------------------------------------------------------------------------------------- vllm_compressor
+
+VCMP = "vllm_compressor"
+#: the compressor's edges, then each rotary_mode (rope_head_dim is always 64, the only value)
+_E.EDGES.setdefault(VCMP, _E.EDGES[CMP] + ("rotary_half", "rotary_interleave"))
+_E._PINS.update({(VCMP, e): p for (op, e), p in list(_E._PINS.items()) if op == CMP})
+_E._PINS.update({(VCMP, "rotary_half"): dict(rotary_mode=1, layout="TH"),
+                 (VCMP, "rotary_interleave"): dict(rotary_mode=2, layout="TH")})
+
+
+@st.composite
+def vllm_compressor_args(draw, bounds: Bounds | None = None, **pins) -> dict:
+    """``vllm_compressor``: a :func:`compressor_args` draw (its edges too) plus what vLLM-Ascend's kernel adds -
+    ``norm_weight`` ``1 + 0.1 randn`` and sin / cos tables of random angles, one row per cmp_kv row. Each draw is one
+    chip's combination (pin ``chip_kind``): "a2a3" (norm_weight in x's dtype, tables in x's dtype or fp32,
+    cache_mode 1) or "950" (both fp32; every ring-buffer draw). rotary_mode 1 or 2, norm_eps 1e-6 or 1e-5."""
+    from ..ops.vllm_compressor import VCMP_CONTRACT
+    from ..reference.compressor import cmp_rows
+
+    pins, edge = _E.take(draw, VCMP, pins)
+    kind = pins.pop("chip_kind", None)
+    rotary = pins.pop("rotary_mode", None)
+    base = dict(pins)
+    if edge in _E.EDGES[CMP]:
+        base["edge"] = edge
+    elif edge is None:  # D 128 most of the time: the norm and RoPE lanes are the same, the draws cheaper
+        base.setdefault("scenario", ((4, 2, 128), (4, 2, 128), (4, 2, 128), (4, 2, 512), (128, 1, 512)))
+    a = draw(compressor_args(bounds, **base))
+    if kind is None:
+        kind = "950" if a["cache_mode"] == 2 else draw(st.sampled_from(("a2a3", "a2a3", "950")))
+    assume(kind == "950" or a["cache_mode"] == 1)
+    rng = _rng(draw)
+    d = a["wkv"].shape[0] // a["coff"]
+    nb = a["x"].shape[0] if a["x"].ndim == 3 else a["cu_seqlens"].size - 1
+    rows = cmp_rows(a["x"].shape, a["cmp_ratio"], nb)
+    ang = rng.uniform(-np.pi, np.pi, rows + (64,))
+    tdt = np.float32 if kind == "950" else draw(st.sampled_from((np.float32, a["x"].dtype)))
+    a.update(norm_weight=(1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32 if kind == "950" else a["x"].dtype),
+             rope_sin=np.sin(ang).astype(tdt), rope_cos=np.cos(ang).astype(tdt), rope_head_dim=64,
+             norm_eps=draw(st.sampled_from((1e-6, 1e-5))),
+             rotary_mode=int(rotary) if rotary is not None else draw(st.sampled_from((1, 2))))
+    assume(VCMP_CONTRACT.first_violation(Args(a)) is None)
     return a
