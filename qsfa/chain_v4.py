@@ -29,8 +29,21 @@ rows ``x`` (TH, the query's ``cu_seqlens_q``), ``wkv`` / ``wgate`` / ``ape``, th
 ``cmp_kv`` (:data:`CMP_ROWS`) as it comes. The compressor packs its rows: one per group the step completes, request
 after request, then padding up to ``min(T, T // cmp_ratio + B)`` rows. ``cmp_slot_mapping`` has one entry per
 compressor row: the cache slot of the i-th completed group, -1 for every padding row (so a decode step of B
-requests writes B rows, the completed groups first; a request completing none writes nothing). The indexer's
-compressed key rows (``index_k_rows``, with ``index_k_scale_rows`` on A3) are chain inputs in the same row order.
+requests writes B rows, the completed groups first; a request completing none writes nothing). This is the rule of
+vLLM-Ascend's ``compressor_metadata`` kernel, which makes the slot mapping the compressor's rows are scattered with
+(:func:`compressor_slots`; the generator computes ``cmp_slot_mapping`` with it).
+
+The indexer's keys on the 950 path come from its own compressor, as in vLLM-Ascend (vllm-project/vllm-ascend@182b75e
+vllm_ascend/models/deepseek_v4/indexer.py ``DeepseekV4Indexer.update_cache``: the indexer's ``Compressor(4, 128)``
+gives ``key, slot_mapping``, and the A5 adaptor's ``indexer_quant_scatter_part1`` passes the key rows to
+``indexer_compress_epilog_v2``): link ``index_compressor`` (the ``compressor`` operator's C4Li triple: cmp_ratio 4,
+coff 2, D 128; the step's ``x``, its own ``index_wkv`` / ``index_wgate`` / ``index_ape`` and fp32
+``index_state_cache``, paged by the same ``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link
+``index_cache`` with the same ``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
+modelled between the two: the RMSNorm and RoPE that ``_C_ascend.compressor`` applies to its rows, and the Hadamard
+rotation (``rotate_activation``) of the indexer's key rows. On the A3 path the keys are int8 codes with fp16 scales
+from ``npu_dynamic_quant`` (no qsfa operator), so the indexer's key rows (``index_k_rows``, ``index_k_scale_rows``)
+stay chain inputs there, in the compressor's row order.
 """
 
 from __future__ import annotations
@@ -40,12 +53,16 @@ import numpy as np
 from .chain import Chain, ChainError, chain_from_dict, register_chain
 
 __all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "CMP_SCENARIOS",
-           "RATIOS", "V4_PATHS", "V4_CHAINS"]
+           "RATIOS", "V4_PATHS", "V4_CHAINS", "C4LI", "INDEX_ROWS", "compressor_slots"]
 
 #: what link cmp_cache writes: the compressor link's packed rows (module docstring)
 CMP_ROWS = "$compressor.cmp_kv"
 #: kind -> (cmp_ratio, coff) of the compressor link (C4A on CSA, C128A on HCA; D 512 both)
 CMP_SCENARIOS = {"csa": (4, 2), "hca": (128, 1)}
+#: (cmp_ratio, coff, D) of the indexer's own compressor link ``index_compressor`` (CSA, 950 path)
+C4LI = (4, 2, 128)
+#: what link index_cache writes on the 950 path: the C4Li compressor's packed rows
+INDEX_ROWS = "$index_compressor.cmp_kv"
 HIDDEN = 1024  # the chain's hidden size: the compressor's smallest (DeepSeek-V4 has 7168; cost, not numerics)
 RATIOS = {"swa": 1, "csa": 4, "hca": 128}
 #: path -> (chip of the golden sets, attention operator)
@@ -87,10 +104,9 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
                                   "coff": CMP_SCENARIOS[kind][1], "cache_mode": 1}})
         links.append(_writer("cmp_cache", path, "$input.cmp_cache", CMP_ROWS, "$input.cmp_slot_mapping"))
     if kind == "csa":
-        inputs += ["index_query", "index_query_scale", "index_weights", "index_k_rows", "index_cache",
-                   "actual_seq_lengths_query"]
+        inputs += ["index_query", "index_query_scale", "index_weights", "index_cache", "actual_seq_lengths_query"]
         if path == "bf16":  # int8 codes and fp16 scales, two scatters (the base adaptor's indexer_quant_scatter)
-            inputs += ["index_k_scale_rows", "index_scale_cache"]
+            inputs += ["index_k_rows", "index_k_scale_rows", "index_scale_cache"]
             links.append({"name": "index_cache", "op": "scatter_by_slot",
                           "args": {"cache": "$input.index_cache", "rows": "$input.index_k_rows",
                                    "slot_mapping": "$input.cmp_slot_mapping"}})
@@ -99,9 +115,18 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
                                    "slot_mapping": "$input.cmp_slot_mapping"}})
             key = "$index_cache.cache"
             key_scale = {"from": "$index_scale.cache", "reshape": [-1, bs, 1]}
-        else:  # one uint8 block cache: every slot's 128 codes, then every slot's fp32 scale (A5 adaptor)
+        else:
+            inputs += ["index_wkv", "index_wgate", "index_ape", "index_state_cache"]
+            # one uint8 block cache: every slot's 128 codes, then every slot's fp32 scale (A5 adaptor), written
+            # from the packed rows of the indexer's own C4Li compressor (module docstring)
+            links.append({"name": "index_compressor", "op": "compressor",
+                          "args": {"x": "$input.x", "wkv": "$input.index_wkv", "wgate": "$input.index_wgate",
+                                   "state_cache": "$input.index_state_cache", "ape": "$input.index_ape",
+                                   "state_block_table": "$input.state_block_table",
+                                   "cu_seqlens": "$input.cu_seqlens_q", "start_pos": "$input.start_pos",
+                                   "cmp_ratio": ratio, "coff": C4LI[1], "cache_mode": 1}})
             links.append({"name": "index_cache", "op": "indexer_compress_epilog_v2",
-                          "args": {"indexer_compress_cache": "$input.index_cache", "x": "$input.index_k_rows",
+                          "args": {"indexer_compress_cache": "$input.index_cache", "x": INDEX_ROWS,
                                    "slot_mapping": "$input.cmp_slot_mapping", "layout": 2}})
             block = bs * (INDEX_D + 4)
             key = {"from": "$index_cache.indexer_compress_cache", "reshape": [-1, block],
@@ -162,6 +187,38 @@ def _cmp_rows(q_lens, kv_lens, ratio: int):
         rows += [(b, j) for j in range((kv - q) // ratio, kv // ratio)]
     t = int(sum(q_lens))
     return rows + [(-1, -1)] * (min(t, t // ratio + len(q_lens)) - len(rows))
+
+
+def compressor_slots(cu_seqlens, start_pos, block_table, block_size: int, cmp_ratio: int, n_rows: int) -> np.ndarray:
+    """The cache slot of each packed row of a compressor call, as vLLM-Ascend's ``compressor_metadata`` kernel
+    computes them in its flat format (vllm-project/vllm-ascend@182b75e
+    ``csrc/attention/compressor_metadata/op_kernel/compressor_metadata.h``: ``BuildCompressedPrefix``,
+    ``ProcessValidRows``, ``ProcessTile``, ``WriteSlotTile``, ``WriteInvalidTile``): request b fills
+    ``(start_pos[b] + len_b) // r - start_pos[b] // r`` rows (none when its start is negative or it has no token),
+    request after request; its i-th row is compressed position ``p = start_pos[b] // r + i``, at slot
+    ``block_table[b, p // block_size] * block_size + p % block_size``; -1 where that table column is past the table
+    or holds a negative block id, and for every row past the filled ones (padding up to ``n_rows``). The kernel also
+    writes -1 where a row's RoPE position lies past its cos / sin tables; the chain has none (the RoPE of
+    ``_C_ascend.compressor`` is not modelled)."""
+    cu = np.asarray(cu_seqlens, np.int64)
+    starts = np.asarray(start_pos, np.int64)
+    table = np.asarray(block_table, np.int64)
+    r, bs = int(cmp_ratio), int(block_size)
+    out = np.full(int(n_rows), -1, np.int64)
+    row = 0
+    for b in range(starts.size):
+        n = int(cu[b + 1] - cu[b])
+        s = int(starts[b])
+        filled = (s + n) // r - s // r if s >= 0 and n > 0 else 0
+        for i in range(filled):
+            if row >= out.size:
+                return out
+            p = s // r + i
+            col = p // bs
+            if col < table.shape[1] and table[b, col] >= 0:
+                out[row] = table[b, col] * bs + p % bs
+            row += 1
+    return out
 
 
 def _weights(rng, shape):
@@ -244,7 +301,7 @@ def gen_v4_layer(params, rng):
     step = _cmp_rows(q_lens, kv_lens, ratio)
     first = np.concatenate([[0], np.cumsum(n_cmp)])
     pick = np.array([first[b] + j if j >= 0 else -1 for b, j in step], np.int64)
-    step_slots = np.where(pick >= 0, cslots[np.maximum(pick, 0)] if cslots.size else -1, -1)
+    step_slots = compressor_slots(out["cu_seqlens_q"], kv_lens - q_lens, ctable, bs, ratio, len(step))
     # the compressor link: the step's hidden rows, weights (about randn 0.03: kv of std ~0.5), ape, and the fp32
     # state of each request's last coff groups before the step (the only positions the step's groups read; randn,
     # kv part * 0.5), in pages of block_size; every other table entry is 0 (block 0: not written, not read)
@@ -279,8 +336,16 @@ def gen_v4_layer(params, rng):
                         "reference", chip=chip)
         codes = rng.uniform(-4, 4, (t_q, INDEX_HEADS, INDEX_D)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
         out.update(index_query=codes, index_query_scale=rng.uniform(0.01, 0.1, (t_q, INDEX_HEADS)).astype(np.float32),
-                   index_weights=rng.uniform(-1, 1, (t_q, INDEX_HEADS)).astype(np.float32), index_k_rows=k_rows,
-                   index_cache=cache)
+                   index_weights=rng.uniform(-1, 1, (t_q, INDEX_HEADS)).astype(np.float32), index_cache=cache)
+        # the indexer's C4Li compressor (coff 2, D 128): its own weights, ape and fp32 state, drawn as the
+        # attention compressor's, in its own state cache paged by the same state_block_table (same ratio and coff:
+        # the same pages hold the positions its groups read)
+        icd = C4LI[1] * INDEX_D
+        istate = np.concatenate([rng.standard_normal((k + 1, bs, icd)) * 0.5, rng.standard_normal((k + 1, bs, icd))],
+                                -1)
+        out.update(index_wkv=_weights(rng, (icd, HIDDEN)), index_wgate=_weights(rng, (icd, HIDDEN)),
+                   index_ape=rng.standard_normal((ratio, icd)).astype(np.float32),
+                   index_state_cache=istate.astype(np.float32))
         return out
     # A3: npu_dynamic_quant per row (symmetric int8, scale amax / 127 in fp16) is upstream of the chain
     def quant(x):
