@@ -165,6 +165,19 @@ def test_a_decode_step_writes_the_compressors_packed_rows_and_skips_the_padding(
         assert v["attention.attention_out"].shape == (3, 64, 512)
 
 
+def test_compressor_slots_follow_vllm_ascends_compressor_metadata_kernel():
+    """Slots worked out by hand from vLLM-Ascend's compressor_metadata kernel (ratio 4, block size 2): request 0
+    (start 3, 14 tokens) fills compressed positions 0..3 (table 7, 7, 3, 3); request 1 has no token; request 2
+    (start 14, 11 tokens) fills positions 3..5, the last two in a block of id -1; request 3 (start 24, 4 tokens)
+    fills position 6, past its 3-column table row; request 4 starts at -1: nothing. Then padding, or truncation
+    at ``n_rows``."""
+    cu = [0, 14, 14, 25, 29, 32]
+    start = [3, 0, 14, 24, -1]
+    table = [[7, 3, 0], [5, 6, 9], [2, 4, -1], [1, 1, 1], [0, 0, 0]]
+    assert V.compressor_slots(cu, start, table, 2, 4, 10).tolist() == [14, 15, 6, 7, 9, -1, -1, -1, -1, -1]
+    assert V.compressor_slots(cu, start, table, 2, 4, 5).tolist() == [14, 15, 6, 7, 9]
+
+
 def test_the_compressor_link_reads_the_generated_state_and_the_steps_token():
     """Each completed row recomputed here in float64 from the chain inputs (the state rows of the group's earlier
     positions at state_block_table[b, p // 16], the step's token projected with wkv / wgate plus ape[p % r], a
