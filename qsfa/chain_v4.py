@@ -53,7 +53,7 @@ import numpy as np
 from .chain import Chain, ChainError, chain_from_dict, register_chain
 
 __all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "CMP_SCENARIOS",
-           "RATIOS", "V4_PATHS", "V4_CHAINS", "C4LI", "INDEX_ROWS", "compressor_slots"]
+           "RATIOS", "V4_PATHS", "V4_CHAINS", "C4LI", "INDEX_ROWS", "compressor_slots", "carried", "v4_two_steps"]
 
 #: what link cmp_cache writes: the compressor link's packed rows (module docstring)
 CMP_ROWS = "$compressor.cmp_kv"
@@ -399,3 +399,79 @@ def v4_request_alone(x: dict, params: dict, r: int) -> tuple[dict, slice, np.nda
         out.update(cmp_block_table=x["cmp_block_table"][r:r + 1], state_block_table=x["state_block_table"][r:r + 1],
                    start_pos=x["start_pos"][r:r + 1])
     return out, rows, mine
+
+
+#: per-token (TH row) inputs of the V4 chains
+_TOKEN_ROWS = ("q", "kv_rows", "slot_mapping", "x", "index_query", "index_query_scale", "index_weights")
+#: the compressor's packed rows: one entry per compressor output row
+_CMP_ROW_INPUTS = ("cmp_slot_mapping", "index_k_rows", "index_k_scale_rows")
+
+
+def carried(chain: Chain) -> dict[str, str]:
+    """``{chain input: tensor}``: each cache or state a link of ``chain`` updates in place (an argument
+    ``$input.<name>`` of an in-place parameter) and the output holding it after the step - what the next step reads
+    as that input."""
+    from .chain import _spec
+
+    out = {}
+    for lk in chain.links:
+        for p in _spec(lk.op).inplace:
+            v = lk.args.get(p)
+            if isinstance(v, str) and v.startswith("$input."):
+                out[v[len("$input."):]] = f"{lk.name}.{p}"
+    return out
+
+
+def v4_two_steps(x: dict, params: dict, first) -> tuple[dict, dict, object]:
+    """One step of a V4 chain case (``x`` from :func:`gen_v4_layer`, ``params`` its parameters) cut in two: the first
+    ``first[b]`` of request b's step tokens, then the rest (each request keeps at least one token in each step).
+    Returns ``(params1, inputs1, second)``: ``second(tensors1)`` gives ``(params2, inputs2)``, the second step's
+    inputs with every cache and state the first step wrote (:func:`carried`) taken from ``tensors1`` (what
+    :func:`qsfa.chain.run_chain` returned) - the second step's compressed history is derived from the state the
+    first step left. Each step's compressed rows are the compressor's packing for that step (its completed groups
+    request after request, then padding rows at slot -1)."""
+    kind = str(params.get("kind") or params.get("chain", "")).replace("v4-", "")
+    q_lens, kv_lens = [int(n) for n in params["q_lens"]], [int(n) for n in params["kv_lens"]]
+    first = [int(n) for n in first]
+    if len(first) != len(q_lens) or any(not 1 <= f < q for f, q in zip(first, q_lens)):
+        raise ChainError("first", first, f"must give each request 1 .. q_len - 1 tokens (q_lens {q_lens})")
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    ratio = RATIOS[kind]
+    full = _cmp_rows(q_lens, kv_lens, ratio)
+    at = {bj: i for i, bj in enumerate(full) if bj[0] >= 0}
+
+    def step(qs, kvs, token_rows):
+        p = dict(params, q_lens=qs, kv_lens=kvs)
+        out = dict(x)
+        for k in _TOKEN_ROWS:
+            if k in x:
+                out[k] = x[k][token_rows]
+        out.update(cu_seqlens_q=np.concatenate([[0], np.cumsum(qs)]).astype(np.int32),
+                   seqused_kv=np.asarray(kvs, np.int32))
+        if "actual_seq_lengths_query" in x:
+            out["actual_seq_lengths_query"] = np.cumsum(qs).astype(np.int32)
+        if "cmp_slot_mapping" in x:
+            rows = _cmp_rows(qs, kvs, ratio)
+            take = np.array([at[bj] if bj[0] >= 0 else 0 for bj in rows], np.int64)
+            for k in _CMP_ROW_INPUTS:
+                if k in x:
+                    out[k] = x[k][take]
+            out["cmp_slot_mapping"][[bj[0] < 0 for bj in rows]] = -1
+            out["start_pos"] = (np.asarray(kvs) - np.asarray(qs)).astype(np.int32)
+        return p, out
+
+    rows1 = np.concatenate([np.arange(cu[b], cu[b] + f) for b, f in enumerate(first)])
+    rows2 = np.concatenate([np.arange(cu[b] + f, cu[b + 1]) for b, f in enumerate(first)])
+    kv1 = [kv - q + f for kv, q, f in zip(kv_lens, q_lens, first)]
+    p1, x1 = step(first, kv1, rows1)
+
+    def second(tensors1: dict):
+        from .chain import get_chain
+
+        p2, x2 = step([q - f for q, f in zip(q_lens, first)], kv_lens, rows2)
+        for name, t in carried(get_chain(f"v4-{kind}", params, ignore_unknown=True)).items():
+            x2[name] = tensors1[t]
+        return p2, x2
+
+    return p1, x1, second
+

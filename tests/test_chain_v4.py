@@ -644,3 +644,58 @@ def test_a_perturbed_c4li_compressor_is_own_and_the_indexer_after_it_propagated(
     # the attention read other indices (its input differs), yet the few lowest-ranked tokens swapped keep its output
     # within the float criterion
     assert not rep.links[-1].inputs_matched
+
+
+# --------------------------------------------------------------------------------------------------
+# two steps over the same caches: the second step's compressed history derived from the first step's state
+
+
+@pytest.mark.parametrize("kind, shape, first", [
+    ("csa", {"q_lens": [8, 5], "kv_lens": [8, 5]}, [7, 4]),  # a fresh prefill, then a decode step
+    ("csa", {"q_lens": [6, 5], "kv_lens": [6, 29]}, [3, 2]),  # two chunks, one over a cached prefix
+    ("hca", {"q_lens": [3, 2], "kv_lens": [129, 140]}, [1, 1]),
+])
+@pytest.mark.parametrize("path, chip", PATHS)
+def test_two_steps_over_the_same_caches_equal_one_step(kind, shape, first, path, chip):
+    """A step cut in two (v4_two_steps): the first ``first[b]`` tokens of each request, then the rest, the second
+    step reading every cache and state the first one wrote. Request 0 of the first CSA case completes group 1 (tokens
+    4..7) in its decode step from the state of tokens 4..6 (and group 0's, coff 2) that its prefill left: the caches
+    and states after both steps, the indices and the attention rows equal one step over all the tokens, byte for
+    byte. The same second step fed the state as it was before the first step gives other compressor rows."""
+    p, x, ch = case(kind, dict(shape, block_size=16), path, chip, seed=7)
+    p = dict(p, kind=kind)
+    one = C.run_chain(ch, x, chip=chip)
+    p1, x1, second = V.v4_two_steps(x, p, first)
+    t1 = C.run_chain(ch, x1, chip=chip)
+    p2, x2 = second(t1)
+    assert p2["q_lens"] == [q - f for q, f in zip(shape["q_lens"], first)] and p2["kv_lens"] == shape["kv_lens"]
+    t2 = C.run_chain(ch, x2, chip=chip)
+    carry = V.carried(ch)
+    assert {"state_cache", "ori_cache", "cmp_cache"} <= set(carry)
+    assert ("index_state_cache" in carry) == ((kind, path) == ("csa", "fp8"))
+    for name, t in carry.items():
+        assert u8(t2[t]).tobytes() == u8(one[t]).tobytes(), name
+    cu = np.concatenate([[0], np.cumsum(shape["q_lens"])])
+    rows1 = np.concatenate([np.arange(cu[b], cu[b] + f) for b, f in enumerate(first)])
+    rows2 = np.concatenate([np.arange(cu[b] + f, cu[b + 1]) for b, f in enumerate(first)])
+    for k in ("indexer.sparse_indices", "attention.attention_out"):
+        if k in one:
+            assert u8(t1[k]).tobytes() == u8(one[k][rows1]).tobytes(), k
+            assert u8(t2[k]).tobytes() == u8(one[k][rows2]).tobytes(), k
+    # the second step's completed rows come from the first step's state: the state before it gives other rows
+    done = int((x2["cmp_slot_mapping"] >= 0).sum())
+    assert done
+    stale = C.run_chain(ch, dict(x2, state_cache=x["state_cache"]), chip=chip, until="ori_cache")
+    assert u8(stale["compressor.cmp_kv"][:done]).tobytes() != u8(t2["compressor.cmp_kv"][:done]).tobytes()
+    if "index_state_cache" in carry:  # the same for the indexer's C4Li compressor
+        stale = C.run_chain(ch, dict(x2, index_state_cache=x["index_state_cache"]), chip=chip, until="index_cache")
+        assert u8(stale["index_compressor.cmp_kv"][:done]).tobytes() != \
+            u8(t2["index_compressor.cmp_kv"][:done]).tobytes()
+
+
+def test_two_steps_refuses_a_split_that_leaves_a_step_empty():
+    p, x, _ = case("csa", PREFILL, "fp8", "950")
+    for first in ([5, 1], [0, 1], [2]):
+        with pytest.raises(C.ChainError, match=r"Invalid value for first, actual: .*must give each request 1 \.\. "
+                                               r"q_len - 1 tokens \(q_lens \[5, 3\]\)"):
+            V.v4_two_steps(x, dict(p, kind="csa"), first)
