@@ -81,7 +81,7 @@ def _writer(name: str, path: str, cache: str, rows: str, slots: str) -> dict:
 
 
 def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: int = 512,
-             softmax_scale: float = D ** -0.5, layout_q: str = "TND") -> Chain:
+             softmax_scale: float = D ** -0.5, layout_q: str = "TND", cache_mode: int = 1) -> Chain:
     """One step of a DeepSeek-V4 attention layer (module docstring): ``kind`` "swa" / "csa" / "hca", ``path``
     "bf16" (A3) / "fp8" (950), the caches' ``block_size``, the indexer's ``sparse_count`` (CSA; the attention's
     top-k: 512 on A3, 512 or 1024 on the 950). Inputs: those of :func:`gen_v4_layer`."""
@@ -89,6 +89,12 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
         raise ChainError("kind", kind, f"must be one of {sorted(RATIOS)}")
     if path not in V4_PATHS:
         raise ChainError("path", path, f"must be one of {sorted(V4_PATHS)}")
+    if cache_mode not in (1, 2) or isinstance(cache_mode, bool):
+        raise ChainError("cache_mode", cache_mode, "must be 1 (paged compressor state) or 2 (one ring-buffer block "
+                         "per request)")
+    if cache_mode == 2 and path != "fp8":
+        raise ChainError("cache_mode", cache_mode, "the compressor's ring-buffer state is the 950's (the A3 takes "
+                         "cache_mode 1 only): path 'fp8'")
     ratio, bs = RATIOS[kind], int(block_size)
     cache_out = "cache" if path == "bf16" else "kv_compress_cache"
     inputs = ["q", "kv_rows", "slot_mapping", "ori_cache", "ori_block_table", "cu_seqlens_q", "seqused_kv", "sinks"]
@@ -101,7 +107,7 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
                                   "state_cache": "$input.state_cache", "ape": "$input.ape",
                                   "state_block_table": "$input.state_block_table", "cu_seqlens": "$input.cu_seqlens_q",
                                   "start_pos": "$input.start_pos", "cmp_ratio": ratio,
-                                  "coff": CMP_SCENARIOS[kind][1], "cache_mode": 1}})
+                                  "coff": CMP_SCENARIOS[kind][1], "cache_mode": int(cache_mode)}})
         links.append(_writer("cmp_cache", path, "$input.cmp_cache", CMP_ROWS, "$input.cmp_slot_mapping"))
     if kind == "csa":
         inputs += ["index_query", "index_query_scale", "index_weights", "index_cache", "actual_seq_lengths_query"]
@@ -124,7 +130,7 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
                                    "state_cache": "$input.index_state_cache", "ape": "$input.index_ape",
                                    "state_block_table": "$input.state_block_table",
                                    "cu_seqlens": "$input.cu_seqlens_q", "start_pos": "$input.start_pos",
-                                   "cmp_ratio": ratio, "coff": C4LI[1], "cache_mode": 1}})
+                                   "cmp_ratio": ratio, "coff": C4LI[1], "cache_mode": int(cache_mode)}})
             links.append({"name": "index_cache", "op": "indexer_compress_epilog_v2",
                           "args": {"indexer_compress_cache": "$input.index_cache", "x": INDEX_ROWS,
                                    "slot_mapping": "$input.cmp_slot_mapping", "layout": 2}})
@@ -161,13 +167,13 @@ def v4_swa(path: str = "bf16", block_size: int = 16, softmax_scale: float = D **
     return v4_layer("swa", path, block_size, softmax_scale=softmax_scale)
 
 
-def v4_hca(path: str = "bf16", block_size: int = 16, softmax_scale: float = D ** -0.5) -> Chain:
-    return v4_layer("hca", path, block_size, softmax_scale=softmax_scale)
+def v4_hca(path: str = "bf16", block_size: int = 16, softmax_scale: float = D ** -0.5, cache_mode: int = 1) -> Chain:
+    return v4_layer("hca", path, block_size, softmax_scale=softmax_scale, cache_mode=cache_mode)
 
 
 def v4_csa(path: str = "bf16", block_size: int = 16, sparse_count: int = 512,
-           softmax_scale: float = D ** -0.5) -> Chain:
-    return v4_layer("csa", path, block_size, sparse_count, softmax_scale)
+           softmax_scale: float = D ** -0.5, cache_mode: int = 1) -> Chain:
+    return v4_layer("csa", path, block_size, sparse_count, softmax_scale, cache_mode=cache_mode)
 
 
 V4_CHAINS = {"v4-swa": v4_swa, "v4-csa": v4_csa, "v4-hca": v4_hca}
@@ -308,15 +314,22 @@ def gen_v4_layer(params, rng):
     coff, start = CMP_SCENARIOS[kind][1], kv_lens - q_lens
     cd = coff * D
     lo = np.maximum(start // ratio - (coff - 1), 0) * ratio
-    width = -(-int(start.max() + q_lens.max()) // bs)  # the contract's ceil(Smax / block_size)
-    stable = np.zeros((kv_lens.size, width), np.int32)
-    need = [np.arange(int(lo[b_]) // bs, -(-int(kv_lens[b_]) // bs)) for b_ in range(kv_lens.size)]
-    ids = 1 + rng.permutation(sum(n.size for n in need))
-    k = 0
-    for b_, n in enumerate(need):
-        stable[b_, n] = ids[k:k + n.size]
-        k += n.size
-    state = np.concatenate([rng.standard_normal((k + 1, bs, cd)) * 0.5, rng.standard_normal((k + 1, bs, cd))], -1)
+    if int(params.get("cache_mode", 1)) == 2:  # ring buffer (950): one block per request, of the contract's least
+        # size coff * cmp_ratio + S - 1, every row random (whichever rows the step's positions map to)
+        sbs = coff * ratio + int(q_lens.max()) - 1
+        k = kv_lens.size
+        stable = (1 + rng.permutation(k)).astype(np.int32)
+    else:
+        sbs = bs
+        width = -(-int(start.max() + q_lens.max()) // bs)  # the contract's ceil(Smax / block_size)
+        stable = np.zeros((kv_lens.size, width), np.int32)
+        need = [np.arange(int(lo[b_]) // bs, -(-int(kv_lens[b_]) // bs)) for b_ in range(kv_lens.size)]
+        ids = 1 + rng.permutation(sum(n.size for n in need))
+        k = 0
+        for b_, n in enumerate(need):
+            stable[b_, n] = ids[k:k + n.size]
+            k += n.size
+    state = np.concatenate([rng.standard_normal((k + 1, sbs, cd)) * 0.5, rng.standard_normal((k + 1, sbs, cd))], -1)
     out.update(x=randn(rng, (t_q, HIDDEN), "bfloat16", 0.5), wkv=_weights(rng, (cd, HIDDEN)),
                wgate=_weights(rng, (cd, HIDDEN)),
                ape=rng.standard_normal((ratio, cd)).astype(np.float32), state_cache=state.astype(np.float32),
@@ -341,8 +354,8 @@ def gen_v4_layer(params, rng):
         # attention compressor's, in its own state cache paged by the same state_block_table (same ratio and coff:
         # the same pages hold the positions its groups read)
         icd = C4LI[1] * INDEX_D
-        istate = np.concatenate([rng.standard_normal((k + 1, bs, icd)) * 0.5, rng.standard_normal((k + 1, bs, icd))],
-                                -1)
+        istate = np.concatenate([rng.standard_normal((k + 1, sbs, icd)) * 0.5,
+                                 rng.standard_normal((k + 1, sbs, icd))], -1)
         out.update(index_wkv=_weights(rng, (icd, HIDDEN)), index_wgate=_weights(rng, (icd, HIDDEN)),
                    index_ape=rng.standard_normal((ratio, icd)).astype(np.float32),
                    index_state_cache=istate.astype(np.float32))

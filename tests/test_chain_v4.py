@@ -84,6 +84,13 @@ def test_links_and_operators_per_kind_and_path():
             assert "index_k_rows" in ch.inputs
     with pytest.raises(C.ChainError, match="Invalid value for path, actual: 'fp4'"):
         C.get_chain("v4-csa", {"path": "fp4"})
+    # the 950's ring-buffer state: both compressors of the chain take it; the A3 path refuses it by name
+    ring = C.get_chain("v4-csa", {"path": "fp8", "cache_mode": 2})
+    assert [lk.args["cache_mode"] for lk in ring.links if lk.op == "compressor"] == [2, 2]
+    for bad, why in (({"path": "bf16", "cache_mode": 2}, "the A3 takes cache_mode 1 only"),
+                     ({"path": "fp8", "cache_mode": 3}, "must be 1 .paged compressor state. or 2")):
+        with pytest.raises(C.ChainError, match=f"Invalid value for cache_mode, actual: {bad['cache_mode']}.*{why}"):
+            C.get_chain("v4-hca", bad)
 
 
 def test_the_950_indexer_reads_the_codes_and_scales_regions_of_one_byte_cache():
@@ -467,7 +474,7 @@ def assert_alone_equals_batched(chain, x, p, r, chip):
         # each compressor (the 950 CSA also has the indexer's C4Li): its rows (alone: the first ones, the rest
         # padding) and its state pages
         n = crows.size
-        st = x["state_block_table"][r]
+        st = np.atleast_1d(x["state_block_table"][r])  # cache_mode 2: one ring block
         st = st[st > 0]
         for cmp in ("compressor", "index_compressor"):
             if f"{cmp}.cmp_kv" not in batch:
@@ -500,6 +507,15 @@ def test_batch_invariance_one_request_alone_equals_it_inside_an_uneven_batch(kin
     kind of bug vLLM-Ascend #9496 reported for the compressor, whose difference reached the compressed cache."""
     p, x, _ = case(kind, dict(shape, block_size=16), path, chip, seed=5)
     assert_alone_equals_batched(f"v4-{kind}", x, p, 1 if len(shape["q_lens"]) > 2 else 0, chip)
+
+
+@pytest.mark.parametrize("kind, shape", [("csa", {"q_lens": [2, 3, 1], "kv_lens": [9, 41, 24]}),
+                                         ("hca", {"q_lens": [1, 1, 1], "kv_lens": [256, 130, 5]})])
+def test_batch_invariance_with_the_950_ring_buffer_state(kind, shape):
+    """The same with the compressors' ring-buffer state (cache_mode 2, one block per request): its ring block too."""
+    p, x, _ = case(kind, dict(shape, block_size=16, cache_mode=2), "fp8", "950", seed=5)
+    assert x["state_block_table"].shape == (3,)
+    assert_alone_equals_batched(f"v4-{kind}", x, p, 1, "950")
 
 
 def v4_case_strategy(max_requests=2):
@@ -650,19 +666,24 @@ def test_a_perturbed_c4li_compressor_is_own_and_the_indexer_after_it_propagated(
 # two steps over the same caches: the second step's compressed history derived from the first step's state
 
 
-@pytest.mark.parametrize("kind, shape, first", [
+TWO_STEPS = [
     ("csa", {"q_lens": [8, 5], "kv_lens": [8, 5]}, [7, 4]),  # a fresh prefill, then a decode step
     ("csa", {"q_lens": [6, 5], "kv_lens": [6, 29]}, [3, 2]),  # two chunks, one over a cached prefix
     ("hca", {"q_lens": [3, 2], "kv_lens": [129, 140]}, [1, 1]),
-])
-@pytest.mark.parametrize("path, chip", PATHS)
-def test_two_steps_over_the_same_caches_equal_one_step(kind, shape, first, path, chip):
+]
+
+
+@pytest.mark.parametrize("kind, shape, first", TWO_STEPS)
+@pytest.mark.parametrize("path, chip, cache_mode", [p + (1,) for p in PATHS] + [("fp8", "950", 2)])
+def test_two_steps_over_the_same_caches_equal_one_step(kind, shape, first, path, chip, cache_mode):
     """A step cut in two (v4_two_steps): the first ``first[b]`` tokens of each request, then the rest, the second
     step reading every cache and state the first one wrote. Request 0 of the first CSA case completes group 1 (tokens
     4..7) in its decode step from the state of tokens 4..6 (and group 0's, coff 2) that its prefill left: the caches
     and states after both steps, the indices and the attention rows equal one step over all the tokens, byte for
-    byte. The same second step fed the state as it was before the first step gives other compressor rows."""
-    p, x, ch = case(kind, dict(shape, block_size=16), path, chip, seed=7)
+    byte. The same second step fed the state as it was before the first step gives other compressor rows. With the
+    950's ring-buffer state (cache_mode 2) a call writes only the tokens of the last coff groups it reaches, so the
+    first step leaves rows one step does not write: there the state rows of those tokens are compared."""
+    p, x, ch = case(kind, dict(shape, block_size=16, cache_mode=cache_mode), path, chip, seed=7)
     p = dict(p, kind=kind)
     one = C.run_chain(ch, x, chip=chip)
     p1, x1, second = V.v4_two_steps(x, p, first)
@@ -673,7 +694,15 @@ def test_two_steps_over_the_same_caches_equal_one_step(kind, shape, first, path,
     carry = V.carried(ch)
     assert {"state_cache", "ori_cache", "cmp_cache"} <= set(carry)
     assert ("index_state_cache" in carry) == ((kind, path) == ("csa", "fp8"))
+    r, coff = V.RATIOS[kind], V.CMP_SCENARIOS[kind][1]
     for name, t in carry.items():
+        if cache_mode == 2 and name.endswith("state_cache"):
+            assert x[name].shape[1] == coff * r + max(shape["q_lens"]) - 1  # the contract's least ring size
+            for b, (q, kv) in enumerate(zip(shape["q_lens"], shape["kv_lens"])):
+                pos = [p_ for p_ in range(kv - q, kv) if p_ // r >= kv // r - (coff - 1)]
+                blk, at = x["state_block_table"][b], np.asarray(pos) % x[name].shape[1]
+                assert pos and u8(t2[t][blk, at]).tobytes() == u8(one[t][blk, at]).tobytes(), (name, b)
+            continue
         assert u8(t2[t]).tobytes() == u8(one[t]).tobytes(), name
     cu = np.concatenate([[0], np.cumsum(shape["q_lens"])])
     rows1 = np.concatenate([np.arange(cu[b], cu[b] + f) for b, f in enumerate(first)])
