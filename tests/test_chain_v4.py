@@ -239,8 +239,14 @@ def test_every_v4_set_is_registered_with_both_chips():
         for step in ("decode", "prefill"):
             cases = get_set(f"v4-layer-{kind}-{step}").cases()
             insts = sorted({c.name.split(".")[0] for c in cases})
-            assert insts == [f"{step}-950-fp8", f"{step}-a3-bf16"], (kind, step)
-            assert len(cases) == sum(len(C.get_chain(f"v4-{kind}", {"path": p}).links) for p in ("bf16", "fp8"))
+            ring = [f"{step}-950-fp8-ring"] if kind != "swa" else []  # the 950's ring-buffer compressor state
+            assert insts == [f"{step}-950-fp8"] + ring + [f"{step}-a3-bf16"], (kind, step)
+            assert len(cases) == sum(len(C.get_chain(f"v4-{kind}", {"path": p}).links)
+                                     for p in ("bf16", "fp8") + ("fp8",) * len(ring))
+            for c in cases:
+                if c.name == f"{step}-950-fp8-ring.compressor":
+                    ch = C.get_chain(f"v4-{kind}", c.params, ignore_unknown=True)
+                    assert {lk.args["cache_mode"] for lk in ch.links if lk.op == "compressor"} == {2}
 
 
 def test_v4_set_stores_every_intermediate_and_the_edges(csa_set, capsys):
@@ -666,15 +672,14 @@ def test_a_perturbed_c4li_compressor_is_own_and_the_indexer_after_it_propagated(
 # two steps over the same caches: the second step's compressed history derived from the first step's state
 
 
-TWO_STEPS = [
-    ("csa", {"q_lens": [8, 5], "kv_lens": [8, 5]}, [7, 4]),  # a fresh prefill, then a decode step
-    ("csa", {"q_lens": [6, 5], "kv_lens": [6, 29]}, [3, 2]),  # two chunks, one over a cached prefix
-    ("hca", {"q_lens": [3, 2], "kv_lens": [129, 140]}, [1, 1]),
-]
+_FRESH = ("csa", {"q_lens": [8, 5], "kv_lens": [8, 5]}, [7, 4])  # a fresh prefill, then a decode step
+_CHUNKS = ("csa", {"q_lens": [6, 5], "kv_lens": [6, 29]}, [3, 2])  # two chunks, one over a cached prefix
+_HCA = ("hca", {"q_lens": [3, 2], "kv_lens": [129, 140]}, [1, 1])
 
 
-@pytest.mark.parametrize("kind, shape, first", TWO_STEPS)
-@pytest.mark.parametrize("path, chip, cache_mode", [p + (1,) for p in PATHS] + [("fp8", "950", 2)])
+@pytest.mark.parametrize("kind, shape, first, path, chip, cache_mode", [
+    _FRESH + ("bf16", "A3", 1), _FRESH + ("fp8", "950", 1), _FRESH + ("fp8", "950", 2),
+    _CHUNKS + ("fp8", "950", 2), _HCA + ("fp8", "950", 1), _HCA + ("bf16", "A3", 1)])
 def test_two_steps_over_the_same_caches_equal_one_step(kind, shape, first, path, chip, cache_mode):
     """A step cut in two (v4_two_steps): the first ``first[b]`` tokens of each request, then the rest, the second
     step reading every cache and state the first one wrote. Request 0 of the first CSA case completes group 1 (tokens
