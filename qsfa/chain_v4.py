@@ -34,9 +34,9 @@ vLLM-Ascend's ``compressor_metadata`` kernel, which makes the slot mapping the c
 (:func:`compressor_slots`; the generator computes ``cmp_slot_mapping`` with it).
 
 The indexer's keys on the 950 path come from its own compressor, as in vLLM-Ascend (vllm-project/vllm-ascend@182b75e
-vllm_ascend/models/deepseek_v4/indexer.py ``DeepseekV4Indexer.update_cache``: the indexer's ``Compressor(4, 128)``
-gives ``key, slot_mapping``, and the A5 adaptor's ``indexer_quant_scatter_part1`` passes the key rows to
-``indexer_compress_epilog_v2``): link ``index_compressor`` (the ``compressor`` operator's C4Li triple: cmp_ratio 4,
+vllm_ascend/models/deepseek_v4/indexer.py ``DeepseekV4Indexer._indexer_qkv_prepare``: the indexer's
+``Compressor(4, 128)`` gives its rows and their slot mapping, and ``quantize_key_and_update_cache`` - the A5
+adaptor's ``indexer_quant_scatter_part1`` - passes the rows to ``indexer_compress_epilog_v2``): link ``index_compressor`` (the ``compressor`` operator's C4Li triple: cmp_ratio 4,
 coff 2, D 128; the step's ``x``, its own ``index_wkv`` / ``index_wgate`` / ``index_ape`` and fp32
 ``index_state_cache``, paged by the same ``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link
 ``index_cache`` with the same ``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
