@@ -36,10 +36,11 @@ vLLM-Ascend's ``compressor_metadata`` kernel, which makes the slot mapping the c
 The indexer's keys on the 950 path come from its own compressor, as in vLLM-Ascend (vllm-project/vllm-ascend@182b75e
 vllm_ascend/models/deepseek_v4/indexer.py ``DeepseekV4Indexer._indexer_qkv_prepare``: the indexer's
 ``Compressor(4, 128)`` gives its rows and their slot mapping, and ``quantize_key_and_update_cache`` - the A5
-adaptor's ``indexer_quant_scatter_part1`` - passes the rows to ``indexer_compress_epilog_v2``): link ``index_compressor`` (the ``compressor`` operator's C4Li triple: cmp_ratio 4,
-coff 2, D 128; the step's ``x``, its own ``index_wkv`` / ``index_wgate`` / ``index_ape`` and fp32
-``index_state_cache``, paged by the same ``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link
-``index_cache`` with the same ``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
+adaptor's ``indexer_quant_scatter_part1`` - passes the rows to ``indexer_compress_epilog_v2``). Link
+``index_compressor`` (the ``compressor`` operator's C4Li triple: cmp_ratio 4, coff 2, D 128; the step's ``x``, its
+own ``index_wkv`` / ``index_wgate`` / ``index_ape`` and fp32 ``index_state_cache``, paged by the same
+``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link ``index_cache`` with the same
+``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
 modelled between the two: the RMSNorm and RoPE that ``_C_ascend.compressor`` applies to its rows, and the Hadamard
 rotation (``rotate_activation``) of the indexer's key rows. On the A3 path the keys are int8 codes with fp16 scales
 from ``npu_dynamic_quant`` (no qsfa operator), so the indexer's key rows (``index_k_rows``, ``index_k_scale_rows``)
@@ -84,7 +85,8 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
              softmax_scale: float = D ** -0.5, layout_q: str = "TND", cache_mode: int = 1) -> Chain:
     """One step of a DeepSeek-V4 attention layer (module docstring): ``kind`` "swa" / "csa" / "hca", ``path``
     "bf16" (A3) / "fp8" (950), the caches' ``block_size``, the indexer's ``sparse_count`` (CSA; the attention's
-    top-k: 512 on A3, 512 or 1024 on the 950). Inputs: those of :func:`gen_v4_layer`."""
+    top-k: 512 on A3, 512 or 1024 on the 950), the compressors' ``cache_mode`` (1 paged state; 2 one ring-buffer
+    block per request, the 950 path only). Inputs: those of :func:`gen_v4_layer`."""
     if kind not in RATIOS:
         raise ChainError("kind", kind, f"must be one of {sorted(RATIOS)}")
     if path not in V4_PATHS:
@@ -240,7 +242,7 @@ def _weights(rng, shape):
 
 def gen_v4_layer(params, rng):
     """The inputs of chain ``v4-<kind>`` (params ``chain`` or ``kind``; ``path``, ``q_lens``, ``kv_lens`` tokens per
-    request after the step, ``block_size``, ``chip``): request b's tokens ``kv_lens[b] - q_lens[b]`` .. ``kv_lens[b]
+    request after the step, ``block_size``, ``chip``, ``cache_mode``): request b's tokens ``kv_lens[b] - q_lens[b]`` .. ``kv_lens[b]
     - 1`` are this step's; the history is already in the caches, written by the same writers (the state a previous
     step left). Unused bf16 cache rows are zero, unused byte caches hold the sentinel byte."""
     import ml_dtypes
