@@ -118,9 +118,12 @@ def run_v4(quick: bool = False, kv: int | None = None) -> list[dict]:
         tensors = C.run_chain(ch, x, chip="950")
         k = 128 + (topk if topk else kvn // 128)
         cd = 2 * V.CMP_SCENARIOS[kind][1] * 512  # wkv and wgate stacked
+        icd = 2 * V.C4LI[1] * V.C4LI[2]
         floors = {
             "compressor": (f"float64 GEMM [{b},{V.HIDDEN}]@[{V.HIDDEN},{cd}]",
                            (lambda a=g(b, V.HIDDEN), w=g(V.HIDDEN, cd): a @ w)),
+            "index_compressor": (f"float64 GEMM [{b},{V.HIDDEN}]@[{V.HIDDEN},{icd}]",  # the C4Li link (CSA)
+                                 (lambda a=g(b, V.HIDDEN), w=g(V.HIDDEN, icd): a @ w)),
             "indexer": (f"float64 GEMM [{b},64,128]@[{b},128,{kvn // 4}]",
                         (lambda a=g(b, 64, 128), c=g(b, 128, kvn // 4): a @ c)),
             "attention": (f"float64 GEMMs [{b},{heads},512]@[{b},512,{k}], [{b},{heads},{k}]@[{b},{k},512]",

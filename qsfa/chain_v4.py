@@ -29,8 +29,22 @@ rows ``x`` (TH, the query's ``cu_seqlens_q``), ``wkv`` / ``wgate`` / ``ape``, th
 ``cmp_kv`` (:data:`CMP_ROWS`) as it comes. The compressor packs its rows: one per group the step completes, request
 after request, then padding up to ``min(T, T // cmp_ratio + B)`` rows. ``cmp_slot_mapping`` has one entry per
 compressor row: the cache slot of the i-th completed group, -1 for every padding row (so a decode step of B
-requests writes B rows, the completed groups first; a request completing none writes nothing). The indexer's
-compressed key rows (``index_k_rows``, with ``index_k_scale_rows`` on A3) are chain inputs in the same row order.
+requests writes B rows, the completed groups first; a request completing none writes nothing). This is the rule of
+vLLM-Ascend's ``compressor_metadata`` kernel, which makes the slot mapping the compressor's rows are scattered with
+(:func:`compressor_slots`; the generator computes ``cmp_slot_mapping`` with it).
+
+The indexer's keys on the 950 path come from its own compressor, as in vLLM-Ascend (vllm-project/vllm-ascend@182b75e
+vllm_ascend/models/deepseek_v4/indexer.py ``DeepseekV4Indexer._indexer_qkv_prepare``: the indexer's
+``Compressor(4, 128)`` gives its rows and their slot mapping, and ``quantize_key_and_update_cache`` - the A5
+adaptor's ``indexer_quant_scatter_part1`` - passes the rows to ``indexer_compress_epilog_v2``). Link
+``index_compressor`` (the ``compressor`` operator's C4Li triple: cmp_ratio 4, coff 2, D 128; the step's ``x``, its
+own ``index_wkv`` / ``index_wgate`` / ``index_ape`` and fp32 ``index_state_cache``, paged by the same
+``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link ``index_cache`` with the same
+``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
+modelled between the two: the RMSNorm and RoPE that ``_C_ascend.compressor`` applies to its rows, and the Hadamard
+rotation (``rotate_activation``) of the indexer's key rows. On the A3 path the keys are int8 codes with fp16 scales
+from ``npu_dynamic_quant`` (no qsfa operator), so the indexer's key rows (``index_k_rows``, ``index_k_scale_rows``)
+stay chain inputs there, in the compressor's row order.
 """
 
 from __future__ import annotations
@@ -40,12 +54,16 @@ import numpy as np
 from .chain import Chain, ChainError, chain_from_dict, register_chain
 
 __all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "CMP_SCENARIOS",
-           "RATIOS", "V4_PATHS", "V4_CHAINS"]
+           "RATIOS", "V4_PATHS", "V4_CHAINS", "C4LI", "INDEX_ROWS", "compressor_slots", "carried", "v4_two_steps"]
 
 #: what link cmp_cache writes: the compressor link's packed rows (module docstring)
 CMP_ROWS = "$compressor.cmp_kv"
 #: kind -> (cmp_ratio, coff) of the compressor link (C4A on CSA, C128A on HCA; D 512 both)
 CMP_SCENARIOS = {"csa": (4, 2), "hca": (128, 1)}
+#: (cmp_ratio, coff, D) of the indexer's own compressor link ``index_compressor`` (CSA, 950 path)
+C4LI = (4, 2, 128)
+#: what link index_cache writes on the 950 path: the C4Li compressor's packed rows
+INDEX_ROWS = "$index_compressor.cmp_kv"
 HIDDEN = 1024  # the chain's hidden size: the compressor's smallest (DeepSeek-V4 has 7168; cost, not numerics)
 RATIOS = {"swa": 1, "csa": 4, "hca": 128}
 #: path -> (chip of the golden sets, attention operator)
@@ -64,14 +82,21 @@ def _writer(name: str, path: str, cache: str, rows: str, slots: str) -> dict:
 
 
 def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: int = 512,
-             softmax_scale: float = D ** -0.5, layout_q: str = "TND") -> Chain:
+             softmax_scale: float = D ** -0.5, layout_q: str = "TND", cache_mode: int = 1) -> Chain:
     """One step of a DeepSeek-V4 attention layer (module docstring): ``kind`` "swa" / "csa" / "hca", ``path``
     "bf16" (A3) / "fp8" (950), the caches' ``block_size``, the indexer's ``sparse_count`` (CSA; the attention's
-    top-k: 512 on A3, 512 or 1024 on the 950). Inputs: those of :func:`gen_v4_layer`."""
+    top-k: 512 on A3, 512 or 1024 on the 950), the compressors' ``cache_mode`` (1 paged state; 2 one ring-buffer
+    block per request, the 950 path only). Inputs: those of :func:`gen_v4_layer`."""
     if kind not in RATIOS:
         raise ChainError("kind", kind, f"must be one of {sorted(RATIOS)}")
     if path not in V4_PATHS:
         raise ChainError("path", path, f"must be one of {sorted(V4_PATHS)}")
+    if cache_mode not in (1, 2) or isinstance(cache_mode, bool):
+        raise ChainError("cache_mode", cache_mode, "must be 1 (paged compressor state) or 2 (one ring-buffer block "
+                         "per request)")
+    if cache_mode == 2 and path != "fp8":
+        raise ChainError("cache_mode", cache_mode, "the compressor's ring-buffer state is the 950's (the A3 takes "
+                         "cache_mode 1 only): path 'fp8'")
     ratio, bs = RATIOS[kind], int(block_size)
     cache_out = "cache" if path == "bf16" else "kv_compress_cache"
     inputs = ["q", "kv_rows", "slot_mapping", "ori_cache", "ori_block_table", "cu_seqlens_q", "seqused_kv", "sinks"]
@@ -84,13 +109,12 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
                                   "state_cache": "$input.state_cache", "ape": "$input.ape",
                                   "state_block_table": "$input.state_block_table", "cu_seqlens": "$input.cu_seqlens_q",
                                   "start_pos": "$input.start_pos", "cmp_ratio": ratio,
-                                  "coff": CMP_SCENARIOS[kind][1], "cache_mode": 1}})
+                                  "coff": CMP_SCENARIOS[kind][1], "cache_mode": int(cache_mode)}})
         links.append(_writer("cmp_cache", path, "$input.cmp_cache", CMP_ROWS, "$input.cmp_slot_mapping"))
     if kind == "csa":
-        inputs += ["index_query", "index_query_scale", "index_weights", "index_k_rows", "index_cache",
-                   "actual_seq_lengths_query"]
+        inputs += ["index_query", "index_query_scale", "index_weights", "index_cache", "actual_seq_lengths_query"]
         if path == "bf16":  # int8 codes and fp16 scales, two scatters (the base adaptor's indexer_quant_scatter)
-            inputs += ["index_k_scale_rows", "index_scale_cache"]
+            inputs += ["index_k_rows", "index_k_scale_rows", "index_scale_cache"]
             links.append({"name": "index_cache", "op": "scatter_by_slot",
                           "args": {"cache": "$input.index_cache", "rows": "$input.index_k_rows",
                                    "slot_mapping": "$input.cmp_slot_mapping"}})
@@ -99,9 +123,18 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
                                    "slot_mapping": "$input.cmp_slot_mapping"}})
             key = "$index_cache.cache"
             key_scale = {"from": "$index_scale.cache", "reshape": [-1, bs, 1]}
-        else:  # one uint8 block cache: every slot's 128 codes, then every slot's fp32 scale (A5 adaptor)
+        else:
+            inputs += ["index_wkv", "index_wgate", "index_ape", "index_state_cache"]
+            # one uint8 block cache: every slot's 128 codes, then every slot's fp32 scale (A5 adaptor), written
+            # from the packed rows of the indexer's own C4Li compressor (module docstring)
+            links.append({"name": "index_compressor", "op": "compressor",
+                          "args": {"x": "$input.x", "wkv": "$input.index_wkv", "wgate": "$input.index_wgate",
+                                   "state_cache": "$input.index_state_cache", "ape": "$input.index_ape",
+                                   "state_block_table": "$input.state_block_table",
+                                   "cu_seqlens": "$input.cu_seqlens_q", "start_pos": "$input.start_pos",
+                                   "cmp_ratio": ratio, "coff": C4LI[1], "cache_mode": int(cache_mode)}})
             links.append({"name": "index_cache", "op": "indexer_compress_epilog_v2",
-                          "args": {"indexer_compress_cache": "$input.index_cache", "x": "$input.index_k_rows",
+                          "args": {"indexer_compress_cache": "$input.index_cache", "x": INDEX_ROWS,
                                    "slot_mapping": "$input.cmp_slot_mapping", "layout": 2}})
             block = bs * (INDEX_D + 4)
             key = {"from": "$index_cache.indexer_compress_cache", "reshape": [-1, block],
@@ -136,13 +169,13 @@ def v4_swa(path: str = "bf16", block_size: int = 16, softmax_scale: float = D **
     return v4_layer("swa", path, block_size, softmax_scale=softmax_scale)
 
 
-def v4_hca(path: str = "bf16", block_size: int = 16, softmax_scale: float = D ** -0.5) -> Chain:
-    return v4_layer("hca", path, block_size, softmax_scale=softmax_scale)
+def v4_hca(path: str = "bf16", block_size: int = 16, softmax_scale: float = D ** -0.5, cache_mode: int = 1) -> Chain:
+    return v4_layer("hca", path, block_size, softmax_scale=softmax_scale, cache_mode=cache_mode)
 
 
 def v4_csa(path: str = "bf16", block_size: int = 16, sparse_count: int = 512,
-           softmax_scale: float = D ** -0.5) -> Chain:
-    return v4_layer("csa", path, block_size, sparse_count, softmax_scale)
+           softmax_scale: float = D ** -0.5, cache_mode: int = 1) -> Chain:
+    return v4_layer("csa", path, block_size, sparse_count, softmax_scale, cache_mode=cache_mode)
 
 
 V4_CHAINS = {"v4-swa": v4_swa, "v4-csa": v4_csa, "v4-hca": v4_hca}
@@ -164,6 +197,38 @@ def _cmp_rows(q_lens, kv_lens, ratio: int):
     return rows + [(-1, -1)] * (min(t, t // ratio + len(q_lens)) - len(rows))
 
 
+def compressor_slots(cu_seqlens, start_pos, block_table, block_size: int, cmp_ratio: int, n_rows: int) -> np.ndarray:
+    """The cache slot of each packed row of a compressor call, as vLLM-Ascend's ``compressor_metadata`` kernel
+    computes them in its flat format (vllm-project/vllm-ascend@182b75e
+    ``csrc/attention/compressor_metadata/op_kernel/compressor_metadata.h``: ``BuildCompressedPrefix``,
+    ``ProcessValidRows``, ``ProcessTile``, ``WriteSlotTile``, ``WriteInvalidTile``): request b fills
+    ``(start_pos[b] + len_b) // r - start_pos[b] // r`` rows (none when its start is negative or it has no token),
+    request after request; its i-th row is compressed position ``p = start_pos[b] // r + i``, at slot
+    ``block_table[b, p // block_size] * block_size + p % block_size``; -1 where that table column is past the table
+    or holds a negative block id, and for every row past the filled ones (padding up to ``n_rows``). The kernel also
+    writes -1 where a row's RoPE position lies past its cos / sin tables; the chain has none (the RoPE of
+    ``_C_ascend.compressor`` is not modelled)."""
+    cu = np.asarray(cu_seqlens, np.int64)
+    starts = np.asarray(start_pos, np.int64)
+    table = np.asarray(block_table, np.int64)
+    r, bs = int(cmp_ratio), int(block_size)
+    out = np.full(int(n_rows), -1, np.int64)
+    row = 0
+    for b in range(starts.size):
+        n = int(cu[b + 1] - cu[b])
+        s = int(starts[b])
+        filled = (s + n) // r - s // r if s >= 0 and n > 0 else 0
+        for i in range(filled):
+            if row >= out.size:
+                return out
+            p = s // r + i
+            col = p // bs
+            if col < table.shape[1] and table[b, col] >= 0:
+                out[row] = table[b, col] * bs + p % bs
+            row += 1
+    return out
+
+
 def _weights(rng, shape):
     """Compressor weights: ``0.03 * N(0, 1)`` on a grid of 2^-11, clipped to +-255 steps (every value exact in bf16).
     The grid bounds each weight row's exponent span, so the faithful reference proves every projection's RN32 from
@@ -177,7 +242,7 @@ def _weights(rng, shape):
 
 def gen_v4_layer(params, rng):
     """The inputs of chain ``v4-<kind>`` (params ``chain`` or ``kind``; ``path``, ``q_lens``, ``kv_lens`` tokens per
-    request after the step, ``block_size``, ``chip``): request b's tokens ``kv_lens[b] - q_lens[b]`` .. ``kv_lens[b]
+    request after the step, ``block_size``, ``chip``, ``cache_mode``): request b's tokens ``kv_lens[b] - q_lens[b]`` .. ``kv_lens[b]
     - 1`` are this step's; the history is already in the caches, written by the same writers (the state a previous
     step left). Unused bf16 cache rows are zero, unused byte caches hold the sentinel byte."""
     import ml_dtypes
@@ -244,22 +309,29 @@ def gen_v4_layer(params, rng):
     step = _cmp_rows(q_lens, kv_lens, ratio)
     first = np.concatenate([[0], np.cumsum(n_cmp)])
     pick = np.array([first[b] + j if j >= 0 else -1 for b, j in step], np.int64)
-    step_slots = np.where(pick >= 0, cslots[np.maximum(pick, 0)] if cslots.size else -1, -1)
+    step_slots = compressor_slots(out["cu_seqlens_q"], kv_lens - q_lens, ctable, bs, ratio, len(step))
     # the compressor link: the step's hidden rows, weights (about randn 0.03: kv of std ~0.5), ape, and the fp32
     # state of each request's last coff groups before the step (the only positions the step's groups read; randn,
     # kv part * 0.5), in pages of block_size; every other table entry is 0 (block 0: not written, not read)
     coff, start = CMP_SCENARIOS[kind][1], kv_lens - q_lens
     cd = coff * D
     lo = np.maximum(start // ratio - (coff - 1), 0) * ratio
-    width = -(-int(start.max() + q_lens.max()) // bs)  # the contract's ceil(Smax / block_size)
-    stable = np.zeros((kv_lens.size, width), np.int32)
-    need = [np.arange(int(lo[b_]) // bs, -(-int(kv_lens[b_]) // bs)) for b_ in range(kv_lens.size)]
-    ids = 1 + rng.permutation(sum(n.size for n in need))
-    k = 0
-    for b_, n in enumerate(need):
-        stable[b_, n] = ids[k:k + n.size]
-        k += n.size
-    state = np.concatenate([rng.standard_normal((k + 1, bs, cd)) * 0.5, rng.standard_normal((k + 1, bs, cd))], -1)
+    if int(params.get("cache_mode", 1)) == 2:  # ring buffer (950): one block per request, of the contract's least
+        # size coff * cmp_ratio + S - 1, every row random (whichever rows the step's positions map to)
+        sbs = coff * ratio + int(q_lens.max()) - 1
+        k = kv_lens.size
+        stable = (1 + rng.permutation(k)).astype(np.int32)
+    else:
+        sbs = bs
+        width = -(-int(start.max() + q_lens.max()) // bs)  # the contract's ceil(Smax / block_size)
+        stable = np.zeros((kv_lens.size, width), np.int32)
+        need = [np.arange(int(lo[b_]) // bs, -(-int(kv_lens[b_]) // bs)) for b_ in range(kv_lens.size)]
+        ids = 1 + rng.permutation(sum(n.size for n in need))
+        k = 0
+        for b_, n in enumerate(need):
+            stable[b_, n] = ids[k:k + n.size]
+            k += n.size
+    state = np.concatenate([rng.standard_normal((k + 1, sbs, cd)) * 0.5, rng.standard_normal((k + 1, sbs, cd))], -1)
     out.update(x=randn(rng, (t_q, HIDDEN), "bfloat16", 0.5), wkv=_weights(rng, (cd, HIDDEN)),
                wgate=_weights(rng, (cd, HIDDEN)),
                ape=rng.standard_normal((ratio, cd)).astype(np.float32), state_cache=state.astype(np.float32),
@@ -279,8 +351,16 @@ def gen_v4_layer(params, rng):
                         "reference", chip=chip)
         codes = rng.uniform(-4, 4, (t_q, INDEX_HEADS, INDEX_D)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
         out.update(index_query=codes, index_query_scale=rng.uniform(0.01, 0.1, (t_q, INDEX_HEADS)).astype(np.float32),
-                   index_weights=rng.uniform(-1, 1, (t_q, INDEX_HEADS)).astype(np.float32), index_k_rows=k_rows,
-                   index_cache=cache)
+                   index_weights=rng.uniform(-1, 1, (t_q, INDEX_HEADS)).astype(np.float32), index_cache=cache)
+        # the indexer's C4Li compressor (coff 2, D 128): its own weights, ape and fp32 state, drawn as the
+        # attention compressor's, in its own state cache paged by the same state_block_table (same ratio and coff:
+        # the same pages hold the positions its groups read)
+        icd = C4LI[1] * INDEX_D
+        istate = np.concatenate([rng.standard_normal((k + 1, sbs, icd)) * 0.5,
+                                 rng.standard_normal((k + 1, sbs, icd))], -1)
+        out.update(index_wkv=_weights(rng, (icd, HIDDEN)), index_wgate=_weights(rng, (icd, HIDDEN)),
+                   index_ape=rng.standard_normal((ratio, icd)).astype(np.float32),
+                   index_state_cache=istate.astype(np.float32))
         return out
     # A3: npu_dynamic_quant per row (symmetric int8, scale amax / 127 in fp16) is upstream of the chain
     def quant(x):
@@ -334,3 +414,79 @@ def v4_request_alone(x: dict, params: dict, r: int) -> tuple[dict, slice, np.nda
         out.update(cmp_block_table=x["cmp_block_table"][r:r + 1], state_block_table=x["state_block_table"][r:r + 1],
                    start_pos=x["start_pos"][r:r + 1])
     return out, rows, mine
+
+
+#: per-token (TH row) inputs of the V4 chains
+_TOKEN_ROWS = ("q", "kv_rows", "slot_mapping", "x", "index_query", "index_query_scale", "index_weights")
+#: the compressor's packed rows: one entry per compressor output row
+_CMP_ROW_INPUTS = ("cmp_slot_mapping", "index_k_rows", "index_k_scale_rows")
+
+
+def carried(chain: Chain) -> dict[str, str]:
+    """``{chain input: tensor}``: each cache or state a link of ``chain`` updates in place (an argument
+    ``$input.<name>`` of an in-place parameter) and the output holding it after the step - what the next step reads
+    as that input."""
+    from .chain import _spec
+
+    out = {}
+    for lk in chain.links:
+        for p in _spec(lk.op).inplace:
+            v = lk.args.get(p)
+            if isinstance(v, str) and v.startswith("$input."):
+                out[v[len("$input."):]] = f"{lk.name}.{p}"
+    return out
+
+
+def v4_two_steps(x: dict, params: dict, first) -> tuple[dict, dict, object]:
+    """One step of a V4 chain case (``x`` from :func:`gen_v4_layer`, ``params`` its parameters) cut in two: the first
+    ``first[b]`` of request b's step tokens, then the rest (each request keeps at least one token in each step).
+    Returns ``(params1, inputs1, second)``: ``second(tensors1)`` gives ``(params2, inputs2)``, the second step's
+    inputs with every cache and state the first step wrote (:func:`carried`) taken from ``tensors1`` (what
+    :func:`qsfa.chain.run_chain` returned) - the second step's compressed history is derived from the state the
+    first step left. Each step's compressed rows are the compressor's packing for that step (its completed groups
+    request after request, then padding rows at slot -1)."""
+    kind = str(params.get("kind") or params.get("chain", "")).replace("v4-", "")
+    q_lens, kv_lens = [int(n) for n in params["q_lens"]], [int(n) for n in params["kv_lens"]]
+    first = [int(n) for n in first]
+    if len(first) != len(q_lens) or any(not 1 <= f < q for f, q in zip(first, q_lens)):
+        raise ChainError("first", first, f"must give each request 1 .. q_len - 1 tokens (q_lens {q_lens})")
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    ratio = RATIOS[kind]
+    full = _cmp_rows(q_lens, kv_lens, ratio)
+    at = {bj: i for i, bj in enumerate(full) if bj[0] >= 0}
+
+    def step(qs, kvs, token_rows):
+        p = dict(params, q_lens=qs, kv_lens=kvs)
+        out = dict(x)
+        for k in _TOKEN_ROWS:
+            if k in x:
+                out[k] = x[k][token_rows]
+        out.update(cu_seqlens_q=np.concatenate([[0], np.cumsum(qs)]).astype(np.int32),
+                   seqused_kv=np.asarray(kvs, np.int32))
+        if "actual_seq_lengths_query" in x:
+            out["actual_seq_lengths_query"] = np.cumsum(qs).astype(np.int32)
+        if "cmp_slot_mapping" in x:
+            rows = _cmp_rows(qs, kvs, ratio)
+            take = np.array([at[bj] if bj[0] >= 0 else 0 for bj in rows], np.int64)
+            for k in _CMP_ROW_INPUTS:
+                if k in x:
+                    out[k] = x[k][take]
+            out["cmp_slot_mapping"][[bj[0] < 0 for bj in rows]] = -1
+            out["start_pos"] = (np.asarray(kvs) - np.asarray(qs)).astype(np.int32)
+        return p, out
+
+    rows1 = np.concatenate([np.arange(cu[b], cu[b] + f) for b, f in enumerate(first)])
+    rows2 = np.concatenate([np.arange(cu[b] + f, cu[b + 1]) for b, f in enumerate(first)])
+    kv1 = [kv - q + f for kv, q, f in zip(kv_lens, q_lens, first)]
+    p1, x1 = step(first, kv1, rows1)
+
+    def second(tensors1: dict):
+        from .chain import get_chain
+
+        p2, x2 = step([q - f for q, f in zip(q_lens, first)], kv_lens, rows2)
+        for name, t in carried(get_chain(f"v4-{kind}", params, ignore_unknown=True)).items():
+            x2[name] = tensors1[t]
+        return p2, x2
+
+    return p1, x1, second
+

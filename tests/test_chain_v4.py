@@ -55,8 +55,8 @@ def test_links_and_operators_per_kind_and_path():
         ("hca", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
                          ("cmp_cache", "kv_compress_epilog_vllm"), ("attention", "kv_quant_sparse_attn_sharedkv")],
         ("csa", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
-                         ("cmp_cache", "kv_compress_epilog_vllm"), ("index_cache", "indexer_compress_epilog_v2"),
-                         ("indexer", "vllm_quant_lightning_indexer"),
+                         ("cmp_cache", "kv_compress_epilog_vllm"), ("index_compressor", "compressor"),
+                         ("index_cache", "indexer_compress_epilog_v2"), ("indexer", "vllm_quant_lightning_indexer"),
                          ("attention", "kv_quant_sparse_attn_sharedkv")],
     }
     for (kind, path), links in want.items():
@@ -74,8 +74,23 @@ def test_links_and_operators_per_kind_and_path():
         if kind == "csa":
             assert ["indexer.sparse_indices", "attention", "cmp_sparse_indices"] in ch.edges()
             assert ch.links[-2].args["cmp_ratio"] == 4
+        if (kind, path) == ("csa", "fp8"):  # the indexer's own C4Li compressor writes every indexer key
+            c = next(lk for lk in ch.links if lk.name == "index_compressor").args
+            assert (c["cmp_ratio"], c["coff"], c["cache_mode"]) == (4, 2, 1) == V.C4LI[:2] + (1,)
+            assert ["index_compressor.cmp_kv", "index_cache", "x"] in ch.edges()
+            assert ["input.cmp_slot_mapping", "index_cache", "slot_mapping"] in ch.edges()
+            assert "index_k_rows" not in ch.inputs and "index_state_cache" in ch.inputs
+        elif kind == "csa":
+            assert "index_k_rows" in ch.inputs
     with pytest.raises(C.ChainError, match="Invalid value for path, actual: 'fp4'"):
         C.get_chain("v4-csa", {"path": "fp4"})
+    # the 950's ring-buffer state: both compressors of the chain take it; the A3 path refuses it by name
+    ring = C.get_chain("v4-csa", {"path": "fp8", "cache_mode": 2})
+    assert [lk.args["cache_mode"] for lk in ring.links if lk.op == "compressor"] == [2, 2]
+    for bad, why in (({"path": "bf16", "cache_mode": 2}, "the A3 takes cache_mode 1 only"),
+                     ({"path": "fp8", "cache_mode": 3}, "must be 1 .paged compressor state. or 2")):
+        with pytest.raises(C.ChainError, match=f"Invalid value for cache_mode, actual: {bad['cache_mode']}.*{why}"):
+            C.get_chain("v4-hca", bad)
 
 
 def test_the_950_indexer_reads_the_codes_and_scales_regions_of_one_byte_cache():
@@ -92,7 +107,7 @@ def test_the_950_indexer_reads_the_codes_and_scales_regions_of_one_byte_cache():
     t = int(np.nonzero(x["cmp_slot_mapping"] >= 0)[0][0])
     s = int(x["cmp_slot_mapping"][t])
     back = codes[s // bs, s % bs, 0].astype(np.float32) * scales[s // bs, s % bs, 0]
-    want = x["index_k_rows"][t].astype(np.float32)
+    want = v["index_compressor.cmp_kv"][t].astype(np.float32)
     assert np.abs(back - want).max() <= np.abs(want).max() * 2.0 ** -4
     idx, _ = qsfa.vllm_quant_lightning_indexer(
         x["index_query"], codes, x["index_weights"], x["index_query_scale"], scales,
@@ -157,6 +172,19 @@ def test_a_decode_step_writes_the_compressors_packed_rows_and_skips_the_padding(
         assert v["attention.attention_out"].shape == (3, 64, 512)
 
 
+def test_compressor_slots_follow_vllm_ascends_compressor_metadata_kernel():
+    """Slots worked out by hand from vLLM-Ascend's compressor_metadata kernel (ratio 4, block size 2): request 0
+    (start 3, 14 tokens) fills compressed positions 0..3 (table 7, 7, 3, 3); request 1 has no token; request 2
+    (start 14, 11 tokens) fills positions 3..5, the last two in a block of id -1; request 3 (start 24, 4 tokens)
+    fills position 6, past its 3-column table row; request 4 starts at -1: nothing. Then padding, or truncation
+    at ``n_rows``."""
+    cu = [0, 14, 14, 25, 29, 32]
+    start = [3, 0, 14, 24, -1]
+    table = [[7, 3, 0], [5, 6, 9], [2, 4, -1], [1, 1, 1], [0, 0, 0]]
+    assert V.compressor_slots(cu, start, table, 2, 4, 10).tolist() == [14, 15, 6, 7, 9, -1, -1, -1, -1, -1]
+    assert V.compressor_slots(cu, start, table, 2, 4, 5).tolist() == [14, 15, 6, 7, 9]
+
+
 def test_the_compressor_link_reads_the_generated_state_and_the_steps_token():
     """Each completed row recomputed here in float64 from the chain inputs (the state rows of the group's earlier
     positions at state_block_table[b, p // 16], the step's token projected with wkv / wgate plus ape[p % r], a
@@ -211,17 +239,25 @@ def test_every_v4_set_is_registered_with_both_chips():
         for step in ("decode", "prefill"):
             cases = get_set(f"v4-layer-{kind}-{step}").cases()
             insts = sorted({c.name.split(".")[0] for c in cases})
-            assert insts == [f"{step}-950-fp8", f"{step}-a3-bf16"], (kind, step)
-            assert len(cases) == sum(len(C.get_chain(f"v4-{kind}", {"path": p}).links) for p in ("bf16", "fp8"))
+            ring = [f"{step}-950-fp8-ring"] if kind != "swa" else []  # the 950's ring-buffer compressor state
+            assert insts == [f"{step}-950-fp8"] + ring + [f"{step}-a3-bf16"], (kind, step)
+            assert len(cases) == sum(len(C.get_chain(f"v4-{kind}", {"path": p}).links)
+                                     for p in ("bf16", "fp8") + ("fp8",) * len(ring))
+            for c in cases:
+                if c.name == f"{step}-950-fp8-ring.compressor":
+                    ch = C.get_chain(f"v4-{kind}", c.params, ignore_unknown=True)
+                    assert {lk.args["cache_mode"] for lk in ch.links if lk.op == "compressor"} == {2}
 
 
 def test_v4_set_stores_every_intermediate_and_the_edges(csa_set, capsys):
     man = json.loads((csa_set / "manifest.json").read_text())
     (rec,) = man["chains"]
     assert rec["instance"] == "decode-950-fp8" and rec["chain"]["name"] == "v4-csa"
-    assert sorted(rec["cases"]) == ["attention", "cmp_cache", "compressor", "index_cache", "indexer", "ori_cache"]
+    assert sorted(rec["cases"]) == ["attention", "cmp_cache", "compressor", "index_cache", "index_compressor",
+                                    "indexer", "ori_cache"]
     edges = rec["chain"]["edges"]
-    for e in (["index_cache.indexer_compress_cache", "indexer", "key"],
+    for e in (["index_compressor.cmp_kv", "index_cache", "x"],
+              ["index_cache.indexer_compress_cache", "indexer", "key"],
               ["index_cache.indexer_compress_cache", "indexer", "key_dequant_scale"],
               ["cmp_cache.kv_compress_cache", "attention", "cmp_kv"],
               ["indexer.sparse_indices", "attention", "cmp_sparse_indices"]):
@@ -233,8 +269,10 @@ def test_v4_set_stores_every_intermediate_and_the_edges(csa_set, capsys):
     cache = np.fromfile(d / "decode-950-fp8.index_cache/out.indexer_compress_cache.bin", np.uint8).reshape(-1, 16 * 132)
     assert (d / "decode-950-fp8.indexer/in.key.bin").read_bytes() == cache[:, :16 * 128].tobytes()
     assert (d / "decode-950-fp8.indexer/in.key_dequant_scale.bin").read_bytes() == cache[:, 16 * 128:].tobytes()
+    assert (d / "decode-950-fp8.index_cache/in.x.bin").read_bytes() == \
+        (d / "decode-950-fp8.index_compressor/out.cmp_kv.bin").read_bytes()
     rc, out, err = cli(capsys, "verify", d, "--recompute", "-q")
-    assert rc == 0 and "6 recomputed" in out, out + err
+    assert rc == 0 and "7 recomputed" in out, out + err
 
 
 def test_compare_chain_identical_passes_and_a_cache_byte_names_its_link(csa_set, tmp_path, capsys):
@@ -250,7 +288,7 @@ def test_compare_chain_identical_passes_and_a_cache_byte_names_its_link(csa_set,
     rc, out, err = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--json", tmp_path / "r.json")
     assert rc == 1 and "first failing link: index_cache (own)" in out and "inputs matched" in out, out + err
     links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
-    assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "own", "PASS", "PASS"]
+    assert [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "PASS", "own", "PASS", "PASS"]
     assert slots["op"] == "indexer_compress_epilog_v2"
 
 
@@ -273,8 +311,8 @@ def test_indices_changed_upstream_of_the_attention_own_then_propagated(csa_set, 
     rc, out, _ = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--backend",
                      mirror_backend("v4-chain-right-device"), "--json", tmp_path / "r.json")
     links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
-    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "PASS", "own", "propagated"], out
-    assert links[5]["differing_inputs"] == ["cmp_sparse_indices = indexer.sparse_indices"]
+    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS"] * 5 + ["own", "propagated"], out
+    assert links[6]["differing_inputs"] == ["cmp_sparse_indices = indexer.sparse_indices"]
 
 
 def test_reordered_indices_pass_tie_fair_and_the_attention_bug_is_own(csa_set, tmp_path, capsys, mirror_backend):
@@ -300,10 +338,10 @@ def test_reordered_indices_pass_tie_fair_and_the_attention_bug_is_own(csa_set, t
     rc, out, _ = cli(capsys, "compare", csa_set, "--actual", a, "--chain", "--backend", be, "--json",
                      tmp_path / "r.json")
     links = json.loads((tmp_path / "r.json").read_text())["instances"][0]["links"]
-    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS", "PASS", "PASS", "PASS", "PASS", "own"], out
-    ix = links[4]["outputs"][0]
+    assert rc == 1 and [lk["verdict"] for lk in links] == ["PASS"] * 6 + ["own"], out
+    ix = links[5]["outputs"][0]
     assert ix["kind"] == "topk" and ix["topk"]["exact_rows"] == 3, ix
-    assert links[5]["rerun_passed"] is False
+    assert links[6]["rerun_passed"] is False
 
 
 def test_scores_table_ranks_to_the_v4_indexers_indices():
@@ -341,21 +379,21 @@ def edited(csa_set, tmp_path, edit):
 
 
 @pytest.mark.parametrize("edit, where, what", [
-    (lambda lk: lk[4].update(op="vllm_quant_lightning_indexer_v9"), "link 'indexer' op",
+    (lambda lk: lk[5].update(op="vllm_quant_lightning_indexer_v9"), "link 'indexer' op",
      "vllm_quant_lightning_indexer_v9"),
-    (lambda lk: lk[4]["args"].update(key="$attention.attention_out"), "link 'indexer' args.key", "a later one"),
-    (lambda lk: lk[4]["args"].update(key="$indexer.sparse_indices"), "link 'indexer' args.key", "a cycle"),
-    (lambda lk: lk[4]["args"]["key"].update(dtype="int8"), "link 'indexer' args.key",
+    (lambda lk: lk[5]["args"].update(key="$attention.attention_out"), "link 'indexer' args.key", "a later one"),
+    (lambda lk: lk[5]["args"].update(key="$indexer.sparse_indices"), "link 'indexer' args.key", "a cycle"),
+    (lambda lk: lk[5]["args"]["key"].update(dtype="int8"), "link 'indexer' args.key",
      "the recorded edge from index_cache.indexer_compress_cache gives int8 [4, 16, 1, 128], not the array"),
-    (lambda lk: lk[4]["args"]["key_dequant_scale"].update(columns=[2048, 4096]),
+    (lambda lk: lk[5]["args"]["key_dequant_scale"].update(columns=[2048, 4096]),
      "link 'indexer' args.key_dequant_scale columns", "outside the last dimension"),
-    (lambda lk: lk[5]["args"]["ori_kv"].update(reshape=[-1, 16, 1, 512]), "link 'attention' args.ori_kv",
+    (lambda lk: lk[6]["args"]["ori_kv"].update(reshape=[-1, 16, 1, 512]), "link 'attention' args.ori_kv",
      "cannot be reshaped to [-1, 16, 1, 512]"),
-    (lambda lk: lk[5]["args"].update(cmp_kv="$ori_cache.kv_compress_cache"), "link 'attention' args.cmp_kv",
+    (lambda lk: lk[6]["args"].update(cmp_kv="$ori_cache.kv_compress_cache"), "link 'attention' args.cmp_kv",
      "gives float8_e4m3fn [160, 1, 640], not the array the case stores"),
-    (lambda lk: lk[5]["args"].update(tile_size=32), "link 'attention' (kv_quant_sparse_attn_sharedkv): the operator "
+    (lambda lk: lk[6]["args"].update(tile_size=32), "link 'attention' (kv_quant_sparse_attn_sharedkv): the operator "
      "refuses", "Invalid value for tile_size, actual: 32"),
-    (lambda lk: lk[4]["args"].update(cmp_ratio=3), "link 'indexer' (vllm_quant_lightning_indexer): the operator "
+    (lambda lk: lk[5]["args"].update(cmp_ratio=3), "link 'indexer' (vllm_quant_lightning_indexer): the operator "
      "refuses", "Invalid value for cmp_ratio, actual: 3"),
 ])
 def test_a_recorded_v4_chain_the_operators_refuse_is_exit_2(csa_set, tmp_path, capsys, edit, where, what):
@@ -403,7 +441,7 @@ def test_chain_file_views_are_checked_by_name():
             ({"shape": "x"}, "args.key", "a view is"),
             ({"stride": 2}, "args.key", "a view is")):
         d = json.loads(json.dumps(base))
-        d["links"][4]["args"]["key"].update(change)
+        d["links"][5]["args"]["key"].update(change)
         with pytest.raises(C.ChainError, match=f"link 'indexer' {field}.*{reason}"):
             C.chain_from_dict(d)
 
@@ -439,15 +477,19 @@ def assert_alone_equals_batched(chain, x, p, r, chip):
     if kind != "swa":
         mine["cmp_cache"] = mine["index_cache"] = mine["index_scale"] = pages(x["cmp_block_table"][r],
                                                                               kv // V.RATIOS[kind])
-        # the compressor: its rows (alone: the first ones, the rest padding) and its state pages
+        # each compressor (the 950 CSA also has the indexer's C4Li): its rows (alone: the first ones, the rest
+        # padding) and its state pages
         n = crows.size
-        assert u8(alone["compressor.cmp_kv"][:n]).tobytes() == u8(batch["compressor.cmp_kv"][crows]).tobytes()
-        assert not alone["compressor.cmp_kv"][n:].astype(np.float32).any()
-        st = x["state_block_table"][r]
+        st = np.atleast_1d(x["state_block_table"][r])  # cache_mode 2: one ring block
         st = st[st > 0]
-        assert st.size and u8(alone["compressor.state_cache"][st]).tobytes() == \
-            u8(batch["compressor.state_cache"][st]).tobytes()
-        checked += 1
+        for cmp in ("compressor", "index_compressor"):
+            if f"{cmp}.cmp_kv" not in batch:
+                continue
+            assert u8(alone[f"{cmp}.cmp_kv"][:n]).tobytes() == u8(batch[f"{cmp}.cmp_kv"][crows]).tobytes(), cmp
+            assert not alone[f"{cmp}.cmp_kv"][n:].astype(np.float32).any(), cmp
+            assert st.size and u8(alone[f"{cmp}.state_cache"][st]).tobytes() == \
+                u8(batch[f"{cmp}.state_cache"][st]).tobytes(), cmp
+            checked += 1
     for key in batch:
         link = key.split(".")[0]
         if link in mine:
@@ -471,6 +513,15 @@ def test_batch_invariance_one_request_alone_equals_it_inside_an_uneven_batch(kin
     kind of bug vLLM-Ascend #9496 reported for the compressor, whose difference reached the compressed cache."""
     p, x, _ = case(kind, dict(shape, block_size=16), path, chip, seed=5)
     assert_alone_equals_batched(f"v4-{kind}", x, p, 1 if len(shape["q_lens"]) > 2 else 0, chip)
+
+
+@pytest.mark.parametrize("kind, shape", [("csa", {"q_lens": [2, 3, 1], "kv_lens": [9, 41, 24]}),
+                                         ("hca", {"q_lens": [1, 1, 1], "kv_lens": [256, 130, 5]})])
+def test_batch_invariance_with_the_950_ring_buffer_state(kind, shape):
+    """The same with the compressors' ring-buffer state (cache_mode 2, one block per request): its ring block too."""
+    p, x, _ = case(kind, dict(shape, block_size=16, cache_mode=2), "fp8", "950", seed=5)
+    assert x["state_block_table"].shape == (3,)
+    assert_alone_equals_batched(f"v4-{kind}", x, p, 1, "950")
 
 
 def v4_case_strategy(max_requests=2):
@@ -526,6 +577,8 @@ def test_a_perturbed_compressor_is_own_and_the_links_after_it_propagated(tmp_pat
     def bug(ref):
         def impl(*args, **kw):
             out, state = ref(*args, **kw)
+            if out.shape[-1] != 512:
+                return out, state
             out = np.array(out)
             u = out.view(np.uint16)  # every non-zero element times 16 (exponent + 4): zero padding rows stay
             u += np.where(u & 0x7F80, np.uint16(0x200), np.uint16(0))
@@ -533,7 +586,7 @@ def test_a_perturbed_compressor_is_own_and_the_links_after_it_propagated(tmp_pat
         return impl
 
     be = mirror_backend("v4-chain-compressor", {"compressor": bug})
-    for path, chip in PATHS:
+    for path, chip in PATHS:  # (the 950 CSA's index_compressor is a compressor too: D 128, left right here)
         p, x, ch = case("csa", DECODE, path, chip, seed=4)
         C.write_chain_golden(ch, x, str(tmp_path / f"g-{path}"))
         C.write_chain_golden(ch, x, str(tmp_path / f"a-{path}"), backend=be)
@@ -581,3 +634,102 @@ def test_a_v4_chain_folder_round_trips_and_a_changed_scale_names_the_indexer(tmp
     rep = C.compare_chain_dirs(str(g), str(a))
     first = rep.first_failure
     assert first.link == "index_cache" and first.inputs_matched, str(rep)
+
+
+def test_a_perturbed_c4li_compressor_is_own_and_the_indexer_after_it_propagated(tmp_path, mirror_backend):
+    """A 950 device whose indexer compressor (C4Li, D 128) negates the rows it completes: compared link by link,
+    index_compressor is the first failing link, its own error; the index cache written from its rows, the indexer
+    reading that cache (515 and 522 candidates for top-512: the negated keys change the selected set) fail with
+    inputs that already differed, and each passes re-run on golden inputs on that device: propagated. The
+    attention's compressor and the caches it writes pass; so does the attention, over a few other low-ranked
+    tokens."""
+    def bug(ref):
+        def impl(*args, **kw):
+            out, state = ref(*args, **kw)
+            if out.shape[-1] != 128:
+                return out, state
+            out = np.array(out)
+            out.view(np.uint16)[...] ^= np.uint16(0x8000)
+            return out, state
+        return impl
+
+    be = mirror_backend("v4-chain-c4li", {"compressor": bug})
+    p, x, ch = case("csa", {"q_lens": [1, 8], "kv_lens": [2060, 2088], "block_size": 16}, "fp8", "950", seed=4)
+    C.write_chain_golden(ch, x, str(tmp_path / "g"))
+    C.write_chain_golden(ch, x, str(tmp_path / "a"), backend=be)
+    rep = C.compare_chain_dirs(str(tmp_path / "g"), str(tmp_path / "a"), rerun_backend=be)
+    verdicts = {lk.link: lk.verdict.split(":")[0] for lk in rep.links}
+    assert rep.first_failure.link == "index_compressor", str(rep)
+    assert verdicts == {"compressor": "PASS", "ori_cache": "PASS", "cmp_cache": "PASS",
+                        "index_compressor": "FAIL (own error", "index_cache": "FAIL (propagated",
+                        "indexer": "FAIL (propagated", "attention": "PASS"}, verdicts
+    # the attention read other indices (its input differs), yet the few lowest-ranked tokens swapped keep its output
+    # within the float criterion
+    assert not rep.links[-1].inputs_matched
+
+
+# --------------------------------------------------------------------------------------------------
+# two steps over the same caches: the second step's compressed history derived from the first step's state
+
+
+_FRESH = ("csa", {"q_lens": [8, 5], "kv_lens": [8, 5]}, [7, 4])  # a fresh prefill, then a decode step
+_CHUNKS = ("csa", {"q_lens": [6, 5], "kv_lens": [6, 29]}, [3, 2])  # two chunks, one over a cached prefix
+_HCA = ("hca", {"q_lens": [3, 2], "kv_lens": [129, 140]}, [1, 1])
+
+
+@pytest.mark.parametrize("kind, shape, first, path, chip, cache_mode", [
+    _FRESH + ("bf16", "A3", 1), _FRESH + ("fp8", "950", 1), _FRESH + ("fp8", "950", 2),
+    _CHUNKS + ("fp8", "950", 2), _HCA + ("fp8", "950", 1), _HCA + ("bf16", "A3", 1)])
+def test_two_steps_over_the_same_caches_equal_one_step(kind, shape, first, path, chip, cache_mode):
+    """A step cut in two (v4_two_steps): the first ``first[b]`` tokens of each request, then the rest, the second
+    step reading every cache and state the first one wrote. Request 0 of the first CSA case completes group 1 (tokens
+    4..7) in its decode step from the state of tokens 4..6 (and group 0's, coff 2) that its prefill left: the caches
+    and states after both steps, the indices and the attention rows equal one step over all the tokens, byte for
+    byte. The same second step fed the state as it was before the first step gives other compressor rows. With the
+    950's ring-buffer state (cache_mode 2) a call writes only the tokens of the last coff groups it reaches, so the
+    first step leaves rows one step does not write: there the state rows of those tokens are compared."""
+    p, x, ch = case(kind, dict(shape, block_size=16, cache_mode=cache_mode), path, chip, seed=7)
+    p = dict(p, kind=kind)
+    one = C.run_chain(ch, x, chip=chip)
+    p1, x1, second = V.v4_two_steps(x, p, first)
+    t1 = C.run_chain(ch, x1, chip=chip)
+    p2, x2 = second(t1)
+    assert p2["q_lens"] == [q - f for q, f in zip(shape["q_lens"], first)] and p2["kv_lens"] == shape["kv_lens"]
+    t2 = C.run_chain(ch, x2, chip=chip)
+    carry = V.carried(ch)
+    assert {"state_cache", "ori_cache", "cmp_cache"} <= set(carry)
+    assert ("index_state_cache" in carry) == ((kind, path) == ("csa", "fp8"))
+    r, coff = V.RATIOS[kind], V.CMP_SCENARIOS[kind][1]
+    for name, t in carry.items():
+        if cache_mode == 2 and name.endswith("state_cache"):
+            assert x[name].shape[1] == coff * r + max(shape["q_lens"]) - 1  # the contract's least ring size
+            for b, (q, kv) in enumerate(zip(shape["q_lens"], shape["kv_lens"])):
+                pos = [p_ for p_ in range(kv - q, kv) if p_ // r >= kv // r - (coff - 1)]
+                blk, at = x["state_block_table"][b], np.asarray(pos) % x[name].shape[1]
+                assert pos and u8(t2[t][blk, at]).tobytes() == u8(one[t][blk, at]).tobytes(), (name, b)
+            continue
+        assert u8(t2[t]).tobytes() == u8(one[t]).tobytes(), name
+    cu = np.concatenate([[0], np.cumsum(shape["q_lens"])])
+    rows1 = np.concatenate([np.arange(cu[b], cu[b] + f) for b, f in enumerate(first)])
+    rows2 = np.concatenate([np.arange(cu[b] + f, cu[b + 1]) for b, f in enumerate(first)])
+    for k in ("indexer.sparse_indices", "attention.attention_out"):
+        if k in one:
+            assert u8(t1[k]).tobytes() == u8(one[k][rows1]).tobytes(), k
+            assert u8(t2[k]).tobytes() == u8(one[k][rows2]).tobytes(), k
+    # the second step's completed rows come from the first step's state: the state before it gives other rows
+    done = int((x2["cmp_slot_mapping"] >= 0).sum())
+    assert done
+    stale = C.run_chain(ch, dict(x2, state_cache=x["state_cache"]), chip=chip, until="ori_cache")
+    assert u8(stale["compressor.cmp_kv"][:done]).tobytes() != u8(t2["compressor.cmp_kv"][:done]).tobytes()
+    if "index_state_cache" in carry:  # the same for the indexer's C4Li compressor
+        stale = C.run_chain(ch, dict(x2, index_state_cache=x["index_state_cache"]), chip=chip, until="index_cache")
+        assert u8(stale["index_compressor.cmp_kv"][:done]).tobytes() != \
+            u8(t2["index_compressor.cmp_kv"][:done]).tobytes()
+
+
+def test_two_steps_refuses_a_split_that_leaves_a_step_empty():
+    p, x, _ = case("csa", PREFILL, "fp8", "950")
+    for first in ([5, 1], [0, 1], [2]):
+        with pytest.raises(C.ChainError, match=r"Invalid value for first, actual: .*must give each request 1 \.\. "
+                                               r"q_len - 1 tokens \(q_lens \[5, 3\]\)"):
+            V.v4_two_steps(x, dict(p, kind="csa"), first)

@@ -9,12 +9,12 @@ backend, never a result of the reference:
   (``cu_seqlens``) run alone - its x rows, its seqused / start_pos entries and its state pages (block-table row,
   or ring block) - gives the same ``cmp_kv`` rows (the rows of its completed groups, packed batch after batch in
   the whole call) and the same bytes in its state pages as inside the batch;
-* ``compressor.speculative_state`` / ``vllm_compressor.speculative_state`` (vLLM-Ascend #9111): a request's tokens in one call equal the same tokens in
-  one-token calls, each carrying the state the previous one left - the rows of the groups they complete and the
-  state bytes of its pages (cache_mode 1: the ring buffer of cache_mode 2 stores only the last ``coff`` groups a
-  call reaches, so serial calls store rows a single call leaves alone; a block-table entry 0, "do not write", is
-  given a page of its own holding block 0's bytes, since a skipped write is state the next one-token call cannot
-  read);
+* ``compressor.speculative_state`` / ``quant_compressor.speculative_state`` / ``vllm_compressor.speculative_state``
+  (vLLM-Ascend #9111): a request's tokens in one call equal the same tokens in one-token calls, each carrying the
+  state the previous one left - the rows of the groups they complete and the state bytes of its pages (cache_mode
+  1: the ring buffer of cache_mode 2 stores only the last ``coff`` groups a call reaches, so serial calls store rows
+  a single call leaves alone; a block-table entry 0, "do not write", is given a page of its own holding block 0's
+  bytes, since a skipped write is state the next one-token call cannot read);
 * ``<op>.batch_slices`` of the five V4 attention operators: each batch of a BSND query run alone (its query rows,
   top-k rows, seqused / residual entries, and its BSND caches or its block-table rows over the shared paged caches)
   gives the same output and LSE bytes (faithful; exact mode's float64 sums span the call's widest row).
@@ -209,7 +209,7 @@ def batch_properties(have: set, P, examples) -> list:
     for op in (CMP, QCMP, VCMP):
         if op in have:
             out.append(_batch_slices(op, P, examples))
-    for op in (CMP, VCMP):
+    for op in (CMP, QCMP, VCMP):
         if op in have:
             out.append(_speculative_state(P, examples, op))
     for op in V4_ATTN:

@@ -730,11 +730,13 @@ def _v4_layer_cases(kind: str, step: str) -> list[Case]:
 
     set_name = f"v4-layer-{kind}-{step}"
     out = []
-    for tag, path in _V4_PATHS:
+    ring = (("950-fp8-ring", {"chip": "950", "path": "fp8", "cache_mode": 2}),) if kind != "swa" else ()
+    for tag, path in _V4_PATHS + ring:  # the compressors' ring-buffer state (cache_mode 2) is the 950's
         inst = f"{step}-{tag}"
         params = {**_V4_SHAPES[kind][step], **path, "block_size": 16}
         out += chain_cases(f"v4-{kind}", inst, params, seed=seed_of(f"{set_name}.{inst}"),
-                           description=f"v4-{kind} {step}, {path['chip']} {path['path']} caches")
+                           description=f"v4-{kind} {step}, {path['chip']} {path['path']} caches"
+                           + (", ring-buffer compressor state" if path.get("cache_mode") == 2 else ""))
     return out
 
 

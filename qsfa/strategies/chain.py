@@ -58,8 +58,9 @@ def _v4_cases(draw, chain: str, *, chip: str | None = None, max_requests: int = 
               max_q: int = 4) -> dict:
     """A V4 layer chain case: 1 .. ``max_requests`` requests of 1 .. ``max_kv`` tokens after the step (default 48;
     v4-hca 300, so that some requests hold compressed tokens), 1 (decode) or up to ``max_q`` new tokens each (a
-    fresh request or a chunk over its history), the chip (A3 first: the bf16 path; 950: FP8) and, for v4-csa, the
-    indexer's top-k (the attention's K: 512 on A3, 512 or 1024 on the 950)."""
+    fresh request or a chunk over its history), the chip (A3 first: the bf16 path; 950: FP8), for v4-csa the
+    indexer's top-k (the attention's K: 512 on A3, 512 or 1024 on the 950) and, for v4-csa / v4-hca on the 950,
+    the compressors' ``cache_mode`` (1 paged, 2 ring buffer)."""
     from ..golden.generators import get_generator
 
     chip = chip or draw(st.sampled_from(("A3", "950")))
@@ -72,6 +73,8 @@ def _v4_cases(draw, chain: str, *, chip: str | None = None, max_requests: int = 
     params = {"q_lens": q_lens, "kv_lens": kv_lens, "path": path, "block_size": 16}
     if chain == "v4-csa":
         params["sparse_count"] = draw(st.sampled_from(topks))
+    if chain != "v4-swa" and chip == "950":  # the compressors' state: paged first, or the 950's ring buffer
+        params["cache_mode"] = draw(st.sampled_from((1, 2)))
     seed = draw(st.integers(0, 2 ** 32 - 1))
     inputs = get_generator(chain)(dict(params, chip=chip), np.random.default_rng(seed))
     return {"chain": chain, "chip": chip, "params": params, "seed": seed, "inputs": inputs}
