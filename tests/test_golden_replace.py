@@ -156,7 +156,19 @@ def test_an_error_or_interrupt_during_the_swap_moves_everything_back(old, monkey
     assert_unchanged(g, before)
 
 
-def test_a_ctrl_c_during_the_swap_waits_for_it(old, tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def interactive_ctrl_c():
+    """SIGINT as in an interactive terminal (Python's KeyboardInterrupt handler, unblocked) for the test. pytest
+    started in the background (``cmd &`` in a script, nohup) inherits SIGINT ignored, and the command then rightly
+    leaves Ctrl-C alone: a test that raises SIGINT in-process would see a run that was never interrupted."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    signal.signal(signal.SIGINT, handler)
+
+
+def test_a_ctrl_c_during_the_swap_waits_for_it(old, tmp_path, monkeypatch, capsys, interactive_ctrl_c):
     """SIGINT while the files are being moved: the swap finishes (the new set is whole), then the command is
     interrupted - never a half-swapped folder."""
     g, _ = old
