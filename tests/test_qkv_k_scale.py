@@ -165,7 +165,7 @@ def test_golden_set_files_match_the_plain_model(tmp_path):
     out = tmp_path / "qkvs"
     assert main(["golden", "generate", "--set", "qkv-rms-norm-rope-cache-with-k-scale", "--out", str(out), "-q"]) == 0
     man = load_manifest(out)
-    assert not man["skipped"] and len(man["cases"]) == 5
+    assert not man["skipped"] and len(man["cases"]) == 7
     for case in man["cases"]:
         arr = {}
         for e in case["arrays"]:
@@ -188,6 +188,13 @@ def test_golden_set_files_match_the_plain_model(tmp_path):
             assert arr[("output", "q_out")].view(np.uint16).tobytes() == want[0].view(np.uint16).tobytes()
             for name, w in zip(("k_cache", "v_cache", "k_scale_cache"), want[1:]):
                 assert arr[("output", name)].tobytes() == w.tobytes(), name
+        if case["name"] == "qkvs-mx-16-t11":
+            args = {n: v for (role, n), v in arr.items() if role == "input"}
+            args.update(head_nums=p["head_nums"], mrope_section=p["mrope_section"], epsilon=1e-6,
+                        mx_aiv_num=p["mx_aiv_num"])
+            want = _plain_mx(args, 9)
+            for name, w in zip(("q_out", "q_scale", "k_cache", "v_cache", "k_scale_cache"), want):
+                assert arr[("output", name)].view(np.uint8).tobytes() == w.tobytes(), name
         if case["name"] != "qkvs-ntd-ntd":
             continue
         args = {n: v for (role, n), v in arr.items() if role == "input"}
