@@ -360,14 +360,15 @@ def _rules():
     for p in ("mx_aiv_num", "mx_ub_bytes"):
         r.append(rule(n, f"{p}_value", p, "value", "must be >= 1 (a platform figure the MX host tiling reads; "
                       "docs/numerics/open-facts.md#qkv-mx-platform)",
-                      (lambda p_: lambda a: None if int(a.get(p_)) >= 1 else a.get(p_))(p),
+                      (lambda p_: lambda a: None if a.get(p_) is None or int(a.get(p_)) >= 1 else a.get(p_))(p),
                       edit(n, setting(**{p: 0})), source=MX_SOURCE))
 
     def tile_ok(a):
         if not _mx(a):
             return None
         nq, nk, _ = _heads(a)
-        return None if _ref.mx_token_tile(_t(a), nq, nk, int(a.mx_ub_bytes)) else Raw(f"{int(a.mx_ub_bytes)} bytes")
+        ub = _ref.MX_UB_BYTES if a.get("mx_ub_bytes") is None else int(a.mx_ub_bytes)
+        return None if _ref.mx_token_tile(_t(a), nq, nk, ub) else Raw(f"{ub} bytes")
 
     r.append(rule(n, "mx_ub_tile", "mx_ub_bytes", "value",
                   "must hold the M-RoPE MX kernel's UB layout for a token tile of 1 (the host fails NO_UB_TILE)",
@@ -382,11 +383,14 @@ QKV_CONTRACT = Contract(
     params=params("qkv:array q_gamma:array k_gamma:array cos_sin:array slot_mapping:array k_cache:array v_cache:array"
                   " k_scale_cache:array query_start_loc:array? seq_lens:array? head_nums:any rotation:array?"
                   " v_scale:array? layout_qkv:str layout_q_out:str epsilon:float32 mrope_position:array?"
-                  " mrope_section:any? q_quant_mode:str q_out_dtype:str k_quant_mode:str zero_head:str mx_aiv_num:int"
-                  " mx_ub_bytes:int"))
+                  " mrope_section:any? q_quant_mode:str q_out_dtype:str k_quant_mode:str zero_head:str mx_aiv_num:int?"
+                  " mx_ub_bytes:int?"))
 
 
 def _reference(**args):
+    for p, default in (("mx_aiv_num", _ref.MX_AIV_NUM), ("mx_ub_bytes", _ref.MX_UB_BYTES)):
+        if args.get(p) is None:  # a caller of run() without the platform figures: the 950 defaults
+            args[p] = default
     return _ref.qkv_rms_norm_rope_cache_with_k_scale(**args)
 
 
