@@ -67,7 +67,7 @@ def qkv_case(*, t=4, nq=16, nk=2, batch=2, layout_qkv="TND", layout_q_out="NTD",
                 v_scale=rng.uniform(0.5, 2.0, nk).astype(np.float32), layout_qkv=layout_qkv,
                 layout_q_out=layout_q_out, epsilon=1e-6, mrope_position=None, mrope_section=None,
                 q_quant_mode="PerTokenPerHead", q_out_dtype="float8_e4m3fn", k_quant_mode="PerTokenPerHead",
-                zero_head="zero", mx_aiv_num=64, mx_ub_bytes=262144)
+                zero_head="zero", mx_aiv_num=None, mx_ub_bytes=None)
 
 
 def mrope_case(*, t=4, nq=16, nk=2, block_num=2, block_size=16, max_seq=32, section=(22, 12, 10), seed=0):
@@ -405,8 +405,8 @@ def qkv_rms_norm_rope_cache_with_k_scale(qkv, q_gamma, k_gamma, cos_sin, slot_ma
                                          v_scale=None, layout_qkv="TND", layout_q_out="NTD", epsilon=1e-6,
                                          mrope_position=None, mrope_section=None, q_quant_mode="PerTokenPerHead",
                                          q_out_dtype="float8_e4m3fn", k_quant_mode="PerTokenPerHead",
-                                         zero_head="zero", mx_aiv_num=_ref.MX_AIV_NUM,
-                                         mx_ub_bytes=_ref.MX_UB_BYTES, chip=None, backend="reference"):
+                                         zero_head="zero", mx_aiv_num=None, mx_ub_bytes=None, chip=None,
+                                         backend="reference"):
     """``cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_`` (Ascend 950), the RoPE scenario
     (docs/numerics/cache-writers.md#qkv_rms_norm_rope_cache_with_k_scale), or the M-RoPE scenario when
     ``mrope_position`` is given (docs/numerics/cache-writers.md#m-rope-scenario). RoPE: writes ``k_cache`` / ``v_cache``
@@ -428,7 +428,7 @@ def qkv_rms_norm_rope_cache_with_k_scale(qkv, q_gamma, k_gamma, cos_sin, slot_ma
     "Mx", q_out_dtype "float8_e4m3fn", rotation None, k_cache float8_e4m3fn and k_scale_cache float8_e8m0fnu
     ``[BlockNum, Nk, BlockSize, 4]``; returns q_out float8_e4m3fn ``[T, Nq, 128]`` and q_scale float8_e8m0fnu
     ``[T, Nq, 4]``. Which rows are normalised first (row path) or late (16-row batch path) follows the host tiling,
-    which reads ``mx_aiv_num`` (vector cores) and ``mx_ub_bytes`` (UB size) from the platform: defaults 64 and
+    which reads ``mx_aiv_num`` (vector cores) and ``mx_ub_bytes`` (UB size) from the platform: None means 64 and
     262144 (OPEN, docs/numerics/open-facts.md#qkv-mx-platform). zero_head also names the code of a 0 x Inf product
     of the batch path.
     """
