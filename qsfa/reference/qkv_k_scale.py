@@ -30,6 +30,12 @@ head:
 (two roundings: a ``y`` just below a half, such as 3.4995, becomes 3.5 in fp16 and then 4). V is scaled per head and
 lane (``v_scale [Nv, 128]``).
 
+The M-RoPE MX scenario (``q_quant_mode = k_quant_mode = "Mx"``; recursion-ascend/ops-transformer@a093e95
+``op_kernel/arch35/..._mrope_mx_*.h``, ``op_host/op_tiling/arch35/..._base_tiling.cpp``) has no rotation: MXFP8 Q and
+K with an E8M0 byte per 32 lanes built from the amax's bits, on a row path (normalise first) or a 16-row batch path
+(normalise late through ``RN32(2^-e / rms)``) that the host tiling picks (:func:`mx_heads`, :func:`mx_k_batch_tokens`,
+docs/numerics/cache-writers.md#m-rope-mx-scenario).
+
 The rotation GEMM's fp32 accumulation order inside the cube is not published: each output is modelled as the
 correctly rounded sum of its 128 exact bf16 x bf16 products (docs/numerics/open-facts.md#qkv-rotation-sum), as
 the indexers' cube sums are. The Reduce SUM of RMSNorm is modelled the same way. Positions: token ``i`` of batch
