@@ -155,7 +155,8 @@ def _scenario_rules():
               edit(n, lambda a: a.update(query_start_loc=np.array([0, 4], np.int32)), mrope=True), source=src)]
     r.append(rule(n, "q_quant_mode_by_scenario", "q_quant_mode", "value",
                   "must be 'PerTokenPerHead' in the RoPE scenario and 'NoQuant' or 'Mx' in the M-RoPE scenarios",
-                  lambda a: None if (a.get("q_quant_mode") in ("NoQuant", "Mx")) == _mrope(a) else a.get("q_quant_mode"),
+                  lambda a: None if (a.get("q_quant_mode") in ("NoQuant", "Mx")) == _mrope(a)
+                  else a.get("q_quant_mode"),
                   edit(n, setting(q_quant_mode="PerTokenPerHead"), mrope=True), source=src))
     want_q = {"rope": "float8_e4m3fn", "int8": "bfloat16", "mx": "float8_e4m3fn"}
     r.append(rule(n, "q_out_dtype_by_scenario", "q_out_dtype", "value",
@@ -245,7 +246,8 @@ def _rules():
     for p, dts in (("qkv", ("bfloat16",)), ("q_gamma", ("float32",)), ("k_gamma", ("float32",)),
                    ("cos_sin", ("float32",)), ("slot_mapping", ("int32",)),
                    ("k_cache", ("float8_e4m3fn", "int8")), ("mrope_position", ("int32",)),
-                   ("v_cache", ("float8_e4m3fn",)), ("k_scale_cache", ("float32", "float8_e8m0fnu")), ("query_start_loc", ("int32",)),
+                   ("v_cache", ("float8_e4m3fn",)), ("k_scale_cache", ("float32", "float8_e8m0fnu")),
+                   ("query_start_loc", ("int32",)),
                    ("seq_lens", ("int32",)), ("rotation", ("bfloat16",)), ("v_scale", ("float32",))):
         r.append(dtype_in(QKV, p, dts, source=QKV_SOURCE))
     for p in ("rotation", "v_scale"):  # keyword arguments defaulting to None, read by the RoPE scenario
