@@ -614,3 +614,32 @@ def test_qkv_mrope_int8_k_rounds_twice():
     assert scale.tolist() == [1.0]
     assert codes[0, :8].tolist() == [127, 4, 2, 2, 0, -2, 126, 0] and not codes[0, 8:].any()
     assert np.rint(r[0, [1, 6]]).tolist() == [3.0, 127.0]  # what a single rounding would give
+
+
+def test_qkv_mx_e8m0_scale_is_the_ceiling():
+    """qkv_rms_norm_rope_cache_with_k_scale, M-RoPE MX (950; recursion-ascend/ops-transformer@a093e95
+    op_kernel/arch35/qkv_rms_norm_rope_cache_with_k_scale_mrope_mx_vf.h, MxQuantCublasScaleD32x4): the E8M0 byte
+    is built from amax's bits, ((bits + 0x1FFFFF) >> 23) - 8 above 0x04600001. The tie amax = 448 x 2^k keeps 2^k
+    (byte k + 127: the group's amax lands exactly on 448); one ulp more takes 2^(k+1); 300 takes 2^0 where rounding
+    log2(300 / 448) = -0.58 to nearest would take 2^-1 and saturate. At or below bits 0x04600001 the byte is 0
+    (locked edge: 0x04600001 is one ulp above 448 x 2^-127, so its 2^-127 scale saturates the group's top code)."""
+    from qsfa.reference.qkv_k_scale import mx_heads, mx_reciprocal, mx_scale_bytes
+
+    f32 = np.float32
+    amax = np.array([448.0, np.nextafter(f32(448), f32(1000)), 300.0, 224.0, 449.0, 448.0 * 2.0 ** -20,
+                     0.0, np.inf], np.float32)
+    edge = np.array([0x04600000, 0x04600001, 0x04600002], np.uint32).view(np.float32)
+    assert mx_scale_bytes(amax).tolist() == [127, 128, 127, 126, 128, 107, 0, 255]
+    assert mx_scale_bytes(edge).tolist() == [0, 0, 1]
+    assert mx_reciprocal(np.array([127, 128, 0, 247], np.uint8)).tolist() == [1.0, 0.5, 2.0 ** 127, 2.0 ** -120]
+    assert mx_scale_bytes(np.array([np.finfo(np.float32).max], np.float32)).tolist() == [247]  # the largest byte
+    # through the row path: lanes 14, 8 x 28, 7, 3, 1 | 1 (squares add to 2048: rms exactly 4 with eps 0), gamma 1,
+    # cos 1, sin 0; y = x / 4 puts amax 3.5 = 448 x 2^-7 on group 0 (the tie: byte 120, codes y x 2^7 with 3.5 -> 448)
+    # and 0.25 on group 1 (2^-10 x 448 = 0.4375 >= 0.25 > 0.21875: byte 117, code 256)
+    x = np.zeros((1, 1, 128), np.float32)
+    x[0, 0, :33] = [14.0] + [8.0] * 28 + [7.0, 3.0, 1.0, 1.0]
+    codes, scales = mx_heads(x.astype(ml_dtypes.bfloat16), np.ones(128, np.float32), np.ones((1, 1, 64), np.float32),
+                             np.zeros((1, 1, 64), np.float32), 0.0, False)
+    assert scales[0, 0].tolist() == [120, 117, 0, 0]
+    vals = codes[0, 0].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert vals[[0, 1, 29, 30, 31, 32]].tolist() == [448.0, 256.0, 224.0, 96.0, 32.0, 256.0] and not vals[33:].any()

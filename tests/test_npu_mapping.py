@@ -888,6 +888,19 @@ def test_qkv_mrope_mapping_passes_the_scenario_arguments():
         None, None, "PerTokenPerHead", torch.float8_e4m3fn)
 
 
+def test_qkv_mx_is_refused_by_name_where_the_recorded_schema_has_no_k_quant_mode():
+    """The recorded schema (hicann/ops-transformer@c0dda0b) has q_quant_mode but no k_quant_mode, so the M-RoPE MX
+    scenario cannot reach the device through it: the mapping says so instead of calling with K's mode dropped."""
+    from qsfa._dispatch import operators
+    from qsfa.ops.qkv_k_scale import mx_case
+
+    assert "k_quant_mode" not in signatures.signature(mapping.QKV_OP).parameters
+    assert "q_quant_mode" in signatures.signature(mapping.QKV_OP).parameters
+    a = _torch_args(dict(operators()["qkv_rms_norm_rope_cache_with_k_scale"].contract.validate(mx_case())))
+    with pytest.raises(ValueError, match="k_quant_mode argument, which the recorded schema"):
+        mapping.map_call("qkv_rms_norm_rope_cache_with_k_scale", a, NpuContext(chip="950"))
+
+
 def test_qli2_exact_precision_is_refused_by_the_npu_limits():
     a = _qli2_args()
     lim = device.backend_limits("quant_lightning_indexer_v2", chip="A3", custom_ops=frozenset())

@@ -1362,6 +1362,26 @@ def _qkv_k_scale():
     _add(f"{QKVS}.mrope_h_w_sections_swapped", QKVS, "M-RoPE lanes: the H and W section sizes swapped",
          _patch((Q, "mrope_lane_axes", h_w_swapped)))
 
+    def nearest_scale(orig):
+        def f(amax):
+            a = np.abs(np.asarray(amax, np.float64))
+            with np.errstate(divide="ignore"):
+                k = np.where(a > 0, np.rint(np.log2(np.where(a > 0, a, 1.0) / 448.0)), -127)
+            return np.where(np.isfinite(a), np.clip(k + 127, 0, 254), 255).astype(np.uint8)
+
+        return f
+
+    _add(f"{QKVS}.mx_scale_rounded_to_nearest", QKVS,
+         "M-RoPE MX: the E8M0 exponent log2(amax / 448) rounded to nearest instead of up",
+         _patch((Q, "mx_scale_bytes", nearest_scale)))
+
+    def rows_only(orig):
+        return lambda t, nq, nk, aiv_num=None, ub_bytes=None: np.zeros(t, bool)
+
+    _add(f"{QKVS}.mx_k_always_row_path", QKVS,
+         "M-RoPE MX: every K row normalised first (the 16-row batch path of Nk = 2 / 4 ignored)",
+         _patch((Q, "mx_k_batch_tokens", rows_only)))
+
 
 def _compressor():
     C, CMP = _m("compressor"), "compressor"

@@ -419,6 +419,14 @@ def qkv_rms_norm_rope_cache_with_k_scale_cases() -> list[Case]:
             block_num=2, block_size=16, max_seq=48, query_start_loc=None, seq_lens=None, mrope_section=sec,
             q_quant_mode="NoQuant", q_out_dtype="bfloat16")
           for tag, sec, nq, t in (("22-12-10", [22, 12, 10], 16, 6), ("0-21-21", [0, 21, 21], 8, 5))),
+        *(c(f"qkvs-mx-{tag}", f"M-RoPE MX: MXFP8 Q and K with E8M0 scales per 32 lanes, no rotation; Nq {nq} / Nk "
+            f"{nq // 8}, T {t}, mrope_section {sec}, mx_aiv_num {aiv} ({what})", nq, t=t, layout_qkv="TND",
+            layout_q_out="TND", block_num=1, block_size=16, max_seq=48, query_start_loc=None, seq_lens=None,
+            rotation=None, mrope_section=sec, q_quant_mode="Mx", k_quant_mode="Mx", q_out_dtype="float8_e4m3fn",
+            mx_aiv_num=aiv)
+          for tag, sec, nq, t, aiv, what in (
+              ("16-t11", [22, 12, 10], 16, 11, 1, "one core: K tokens 0-7 fill a 16-row batch, 8-10 go row by row"),
+              ("24-t5", [16, 21, 21], 24, 5, 64, "16 Q heads batched, the 8-head Q tail and every K row by row"))),
     ]
 
 

@@ -734,17 +734,18 @@ def gen_quant_lightning_indexer_v2(params, rng):
 def gen_qkv_rms_norm_rope_cache_with_k_scale(params, rng):
     """The arrays of :func:`qsfa.ops.qkv_k_scale.qkv_case` for ``params`` (t, nq, batch, layout_qkv, layout_q_out,
     block_num, block_size, max_seq) with a seed drawn from ``rng``; Nk = Nv = nq / 8. With a non-empty
-    ``mrope_section`` those of :func:`qsfa.ops.qkv_k_scale.mrope_case` (the M-RoPE scenario)."""
+    ``mrope_section`` those of :func:`qsfa.ops.qkv_k_scale.mrope_case` (the M-RoPE scenario), or of
+    :func:`qsfa.ops.qkv_k_scale.mx_case` when ``q_quant_mode`` is "Mx" (the M-RoPE MX scenario)."""
     from ..ops.qkv_k_scale import qkv_case
 
     keys = ("t", "batch", "layout_qkv", "layout_q_out", "block_num", "block_size", "max_seq")
-    if params.get("mrope_section"):  # the M-RoPE scenario: mrope_case's arrays (its section from the params)
-        from ..ops.qkv_k_scale import mrope_case
+    if params.get("mrope_section"):  # the M-RoPE scenarios: mrope_case's / mx_case's arrays (section from the params)
+        from ..ops.qkv_k_scale import mrope_case, mx_case
 
-        args = mrope_case(seed=int(rng.integers(2**31)), nq=params["nq"], nk=params["nq"] // 8,
-                          section=tuple(params["mrope_section"]),
-                          **{k: params[k] for k in keys if k in params and k not in ("batch", "layout_qkv",
-                                                                                      "layout_q_out")})
+        make = mx_case if params.get("q_quant_mode") == "Mx" else mrope_case
+        args = make(seed=int(rng.integers(2**31)), nq=params["nq"], nk=params["nq"] // 8,
+                    section=tuple(params["mrope_section"]),
+                    **{k: params[k] for k in keys if k in params and k not in ("batch", "layout_qkv", "layout_q_out")})
     else:
         args = qkv_case(seed=int(rng.integers(2**31)), nq=params["nq"], nk=params["nq"] // 8,
                         **{k: params[k] for k in keys if k in params})

@@ -178,8 +178,12 @@ IGNORED = {
     "softmax_max_out": "a NumPy output buffer of the reference (as attention_out)",
     "softmax_sum_out": "a NumPy output buffer of the reference (as attention_out)",
     "zero_head": "OPEN fact of the reference model (docs/numerics/open-facts.md#zero_head); the device does what it does",
-    "k_quant_mode": "the contract accepts only 'PerTokenPerHead' (the M-RoPE MX scenario is not modelled); the "
-                    "package's qkv_rms_norm_rope_cache_with_k_scale_ schema has no K quant-mode argument",
+    "k_quant_mode": "the package's qkv_rms_norm_rope_cache_with_k_scale_ schema recorded from hicann/ops-transformer@"
+                    "c0dda0b has no K quant-mode argument: 'PerTokenPerHead' is its only mode, and the mapping refuses "
+                    "'Mx' (the M-RoPE MX scenario) by name",
+    "mx_aiv_num": "platform figure of the reference's MX tiling model (docs/numerics/open-facts.md#qkv-mx-platform); "
+                  "the device reads its own",
+    "mx_ub_bytes": "platform figure of the reference's MX tiling model (as mx_aiv_num); the device reads its own",
 }
 
 #: Operators the npu backend does not implement, with the reason (reported by the backend).
@@ -920,6 +924,10 @@ def map_qkv_rms_norm_rope_cache_with_k_scale(a: Mapping, ctx: NpuContext) -> Npu
     _check_params("qkv_rms_norm_rope_cache_with_k_scale", a, _QKV_TENSORS + (
         "head_nums", "rotation", "v_scale", "layout_qkv", "layout_q_out", "epsilon", "mrope_position", "mrope_section",
         "q_quant_mode", "q_out_dtype"))
+    if a.get("k_quant_mode", "PerTokenPerHead") == "Mx" or a.get("q_quant_mode") == "Mx":
+        raise ValueError(f"the M-RoPE MX scenario (k_quant_mode 'Mx') needs {QKV_OP}'s k_quant_mode argument, which "
+                         "the recorded schema (hicann/ops-transformer@c0dda0b) lacks; recursion-ascend/ops-transformer@"
+                         "a093e95 torch_extension adds it between q_quant_mode and q_out_dtype")
     mrope = a.get("mrope_position") is not None
     args = [a[n] for n in _QKV_TENSORS]
     args[5] = _as_format(a["k_cache"], "int8" if mrope else "float8_e4m3fn")

@@ -3,11 +3,13 @@
 ``cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_`` (aclnnQkvRmsNormRopeCacheWithKScale), its RoPE
 scenario: RMSNorm + RoPE + a bf16 rotation GEMM + per-token-head FP8 quantisation of Q and K, V scaled per head to
 FP8, K / V / K-scale caches written by slot; and its M-RoPE scenario (``mrope_position`` / ``mrope_section``: three
-position streams, bf16 Q, INT8 K). Reference :mod:`qsfa.reference.qkv_k_scale` (which writes the caches through
+position streams, bf16 Q, INT8 K) and its M-RoPE MX scenario (``q_quant_mode = k_quant_mode = "Mx"``: MXFP8 Q and K with
+E8M0 scales per 32 lanes, no rotation). Reference :mod:`qsfa.reference.qkv_k_scale` (which writes the caches through
 :mod:`qsfa.reference.k_scale_cache`); tests tests/test_qkv_k_scale.py. Sources: cannmirror/ops-transformer@c4f5cf7
 ``posembedding/qkv_rms_norm_rope_cache_with_k_scale/`` (README.md, op_kernel/arch35/); the M-RoPE scenario from
 hicann/ops-transformer@c0dda0b (``op_host/op_api/..._checker.h``, ``torch_extension/cann_ops_transformer/docs/zh/
-qkv_rms_norm_rope_cache_with_k_scale.md``). The M-RoPE MX scenario of later sources is not modelled.
+qkv_rms_norm_rope_cache_with_k_scale.md``); the MX scenario from recursion-ascend/ops-transformer@a093e95
+(``op_host/op_tiling/arch35/..._base_tiling.cpp``, ``op_kernel/arch35/..._mrope_mx_*.h``).
 """
 
 from __future__ import annotations
@@ -23,16 +25,20 @@ from .._errors import Raw
 from ..reference import qkv_k_scale as _ref
 from ._attention_rules import choice_rule, edit, finite_rule, is_int, Names, rule, setting
 
-__all__ = ["qkv_rms_norm_rope_cache_with_k_scale", "qkv_case", "mrope_case", "QKV_CONTRACT"]
+__all__ = ["qkv_rms_norm_rope_cache_with_k_scale", "qkv_case", "mrope_case", "mx_case", "QKV_CONTRACT"]
 
 QKV = "qkv_rms_norm_rope_cache_with_k_scale"
 QKV_SOURCE = ("docs/numerics/cache-writers.md#qkv_rms_norm_rope_cache_with_k_scale; cannmirror/ops-transformer@c4f5cf7 "
               "posembedding/qkv_rms_norm_rope_cache_with_k_scale/README.md")
 MROPE_SOURCE = ("docs/numerics/cache-writers.md#m-rope-scenario; hicann/ops-transformer@c0dda0b "
                 "torch_extension/cann_ops_transformer/docs/zh/qkv_rms_norm_rope_cache_with_k_scale.md")
+MX_SOURCE = ("docs/numerics/cache-writers.md#m-rope-mx-scenario; recursion-ascend/ops-transformer@a093e95 "
+             "posembedding/qkv_rms_norm_rope_cache_with_k_scale/op_host/op_tiling/arch35/"
+             "qkv_rms_norm_rope_cache_with_k_scale_base_tiling.cpp")
 D = 128
 _BF16 = ml_dtypes.bfloat16
 _E4M3 = ml_dtypes.float8_e4m3fn
+_E8M0 = ml_dtypes.float8_e8m0fnu
 
 
 def qkv_case(*, t=4, nq=16, nk=2, batch=2, layout_qkv="TND", layout_q_out="NTD", block_num=2, block_size=16,
@@ -61,7 +67,7 @@ def qkv_case(*, t=4, nq=16, nk=2, batch=2, layout_qkv="TND", layout_q_out="NTD",
                 v_scale=rng.uniform(0.5, 2.0, nk).astype(np.float32), layout_qkv=layout_qkv,
                 layout_q_out=layout_q_out, epsilon=1e-6, mrope_position=None, mrope_section=None,
                 q_quant_mode="PerTokenPerHead", q_out_dtype="float8_e4m3fn", k_quant_mode="PerTokenPerHead",
-                zero_head="zero")
+                zero_head="zero", mx_aiv_num=None, mx_ub_bytes=None)
 
 
 def mrope_case(*, t=4, nq=16, nk=2, block_num=2, block_size=16, max_seq=32, section=(22, 12, 10), seed=0):
@@ -78,8 +84,20 @@ def mrope_case(*, t=4, nq=16, nk=2, block_num=2, block_size=16, max_seq=32, sect
     return a
 
 
-def _case(mrope=False, **kw):
-    return mrope_case(**kw) if mrope else qkv_case(**kw)
+def mx_case(*, t=4, nq=16, nk=2, block_num=2, block_size=16, max_seq=32, section=(22, 12, 10), seed=0):
+    """A small valid argument set of the M-RoPE MX scenario: ``mrope_case``'s arrays with ``q_quant_mode =
+    k_quant_mode = "Mx"``, ``q_out_dtype`` float8_e4m3fn, no rotation, an FP8 K cache and an E8M0 K-scale cache
+    ``[BlockNum, Nk, BlockSize, 4]`` pre-filled with a marker byte."""
+    a = mrope_case(t=t, nq=nq, nk=nk, block_num=block_num, block_size=block_size, max_seq=max_seq, section=section,
+                   seed=seed)
+    a.update(q_quant_mode="Mx", k_quant_mode="Mx", q_out_dtype="float8_e4m3fn", rotation=None,
+             k_cache=np.full(a["k_cache"].shape, 0x11, np.uint8).view(_E4M3),
+             k_scale_cache=np.full(a["k_cache"].shape[:3] + (4,), 0x33, np.uint8).view(_E8M0))
+    return a
+
+
+def _case(mrope=False, mx=False, **kw):
+    return mx_case(**kw) if mx else mrope_case(**kw) if mrope else qkv_case(**kw)
 
 
 _N = Names(QKV, _case, source=QKV_SOURCE)
@@ -87,6 +105,15 @@ _N = Names(QKV, _case, source=QKV_SOURCE)
 
 def _mrope(a) -> bool:
     return a.get("mrope_position") is not None
+
+
+def _mx(a) -> bool:
+    """The M-RoPE MX scenario (the host's ``ResolveScene``: M-RoPE with q_quant_mode and k_quant_mode "Mx")."""
+    return _mrope(a) and a.get("q_quant_mode") == "Mx"
+
+
+def _scene(a) -> str:
+    return ("mx" if _mx(a) else "int8") if _mrope(a) else "rope"
 
 
 def _heads(a):
@@ -99,7 +126,8 @@ def _t(a) -> int:
 
 def _shape_rule(cid, p, reason, want, change, **variant):
     return rule(_N, cid, p, "shape", reason,
-                lambda a: None if tuple(a[p].shape) == tuple(want(a)) else tuple(a[p].shape), edit(_N, change, **variant))
+                lambda a: None if a[p] is None or tuple(a[p].shape) == tuple(want(a)) else tuple(a[p].shape),
+                edit(_N, change, **variant))
 
 
 def _section(a):
@@ -125,18 +153,38 @@ def _scenario_rules():
               lambda a: None if all((a.get(p) is None) == _mrope(a) for p in ("query_start_loc", "seq_lens"))
               else ("not None" if _mrope(a) else "None"),
               edit(n, lambda a: a.update(query_start_loc=np.array([0, 4], np.int32)), mrope=True), source=src)]
-    for p, rope, mrope, bad in (("q_quant_mode", "PerTokenPerHead", "NoQuant", "PerTokenPerHead"),
-                                ("q_out_dtype", "float8_e4m3fn", "bfloat16", "float8_e4m3fn")):
-        r.append(rule(n, f"{p}_by_scenario", p, "value",
-                      f"must be {rope!r} in the RoPE scenario and {mrope!r} in the M-RoPE scenario",
-                      (lambda p_, ro, mr: lambda a: None if a.get(p_) == (mr if _mrope(a) else ro) else a.get(p_))(
-                          p, rope, mrope), edit(n, setting(**{p: bad}), mrope=True), source=src))
+    r.append(rule(n, "q_quant_mode_by_scenario", "q_quant_mode", "value",
+                  "must be 'PerTokenPerHead' in the RoPE scenario and 'NoQuant' or 'Mx' in the M-RoPE scenarios",
+                  lambda a: None if (a.get("q_quant_mode") in ("NoQuant", "Mx")) == _mrope(a)
+                  else a.get("q_quant_mode"),
+                  edit(n, setting(q_quant_mode="PerTokenPerHead"), mrope=True), source=src))
+    want_q = {"rope": "float8_e4m3fn", "int8": "bfloat16", "mx": "float8_e4m3fn"}
+    r.append(rule(n, "q_out_dtype_by_scenario", "q_out_dtype", "value",
+                  "must be 'float8_e4m3fn' in the RoPE and M-RoPE MX scenarios and 'bfloat16' in the M-RoPE INT8 one",
+                  lambda a: None if a.get("q_out_dtype") == want_q[_scene(a)] else a.get("q_out_dtype"),
+                  edit(n, setting(q_out_dtype="float8_e4m3fn"), mrope=True), source=src))
+    r.append(rule(n, "k_quant_mode_by_scenario", "k_quant_mode", "value",
+                  "must be 'Mx' exactly when q_quant_mode is 'Mx' (the host resolves three scenes: RoPE with "
+                  "PerTokenPerHead / PerTokenPerHead, M-RoPE with NoQuant / PerTokenPerHead, M-RoPE with Mx / Mx)",
+                  lambda a: None if (a.get("k_quant_mode") == "Mx") == _mx(a) else a.get("k_quant_mode"),
+                  edit(n, setting(k_quant_mode="PerTokenPerHead"), mx=True), source=MX_SOURCE))
     r.append(rule(n, "k_cache_dtype_by_scenario", "k_cache", "dtype",
-                  "must be float8_e4m3fn in the RoPE scenario and int8 in the M-RoPE scenario",
-                  lambda a: None if dtype_name(a.k_cache) == ("int8" if _mrope(a) else "float8_e4m3fn")
+                  "must be float8_e4m3fn in the RoPE and M-RoPE MX scenarios and int8 in the M-RoPE INT8 scenario",
+                  lambda a: None if dtype_name(a.k_cache) == ("int8" if _scene(a) == "int8" else "float8_e4m3fn")
                   else dtype_name(a.k_cache),
                   edit(n, lambda a: a.update(k_cache=np.zeros(a["k_cache"].shape, np.uint8).view(_E4M3)), mrope=True),
                   dtype=True, source=src))
+    r.append(rule(n, "k_scale_cache_dtype_by_scenario", "k_scale_cache", "dtype",
+                  "must be float8_e8m0fnu in the M-RoPE MX scenario and float32 otherwise (the host's scene traits)",
+                  lambda a: None if dtype_name(a.k_scale_cache) == ("float8_e8m0fnu" if _mx(a) else "float32")
+                  else dtype_name(a.k_scale_cache),
+                  edit(n, lambda a: a.update(k_scale_cache=np.zeros(a["k_scale_cache"].shape, np.float32)), mx=True),
+                  dtype=True, source=MX_SOURCE))
+    r.append(rule(n, "rotation_absent_mx", "rotation", "value",
+                  "must be None in the M-RoPE MX scenario (the host requires rotation present exactly when the scene "
+                  "rotates; MX does not)",
+                  lambda a: None if not _mx(a) or a.get("rotation") is None else "given",
+                  edit(n, lambda a: a.update(rotation=np.eye(D, dtype=_BF16)), mx=True), source=MX_SOURCE))
     r.append(rule(n, "mrope_layouts", "layout_q_out", "value",
                   "the M-RoPE scenario supports only layout_qkv TND -> layout_q_out TND",
                   lambda a: None if not _mrope(a) or (a.layout_qkv, a.layout_q_out) == ("TND", "TND")
@@ -156,8 +204,9 @@ def _scenario_rules():
                   "must be [t, h, w] with t, h, w >= 0, h <= 21, w <= 21 and t + h + w <= 64 (D = 128)", section_ok,
                   edit(n, setting(mrope_section=[22, 22, 10]), mrope=True), source=src))
     r.append(rule(n, "zero_head_mrope", "zero_head", "value",
-                  "must be 'zero' in the M-RoPE scenario (its K is INT8, which has no NaN code; Q is not quantised)",
-                  lambda a: None if not _mrope(a) or a.get("zero_head", "zero") == "zero" else a.zero_head,
+                  "must be 'zero' in the M-RoPE INT8 scenario (its K is INT8, which has no NaN code; Q is not "
+                  "quantised)",
+                  lambda a: None if _scene(a) != "int8" or a.get("zero_head", "zero") == "zero" else a.zero_head,
                   edit(n, setting(zero_head="nan"), mrope=True), source="docs/numerics/open-facts.md#qkv-zero-head"))
     return r
 
@@ -197,16 +246,17 @@ def _rules():
     for p, dts in (("qkv", ("bfloat16",)), ("q_gamma", ("float32",)), ("k_gamma", ("float32",)),
                    ("cos_sin", ("float32",)), ("slot_mapping", ("int32",)),
                    ("k_cache", ("float8_e4m3fn", "int8")), ("mrope_position", ("int32",)),
-                   ("v_cache", ("float8_e4m3fn",)), ("k_scale_cache", ("float32",)), ("query_start_loc", ("int32",)),
+                   ("v_cache", ("float8_e4m3fn",)), ("k_scale_cache", ("float32", "float8_e8m0fnu")),
+                   ("query_start_loc", ("int32",)),
                    ("seq_lens", ("int32",)), ("rotation", ("bfloat16",)), ("v_scale", ("float32",))):
         r.append(dtype_in(QKV, p, dts, source=QKV_SOURCE))
     for p in ("rotation", "v_scale"):  # keyword arguments defaulting to None, read by the RoPE scenario
         r.append(rule(n, f"{p}_required", p, "value", "must be given (the RoPE scenario reads it; README)",
-                      (lambda p_: lambda a: None if a.get(p_) is not None else "None")(p), edit(n, setting(**{p: None}))))
-    r.append(choice_rule(n, "q_quant_mode", ("PerTokenPerHead", "NoQuant"), source=MROPE_SOURCE))
+                      (lambda p_: lambda a: None if a.get(p_) is not None or (p_ == "rotation" and _mx(a))
+                       else "None")(p), edit(n, setting(**{p: None}))))
+    r.append(choice_rule(n, "q_quant_mode", ("PerTokenPerHead", "NoQuant", "Mx"), source=MX_SOURCE))
     r.append(choice_rule(n, "q_out_dtype", ("float8_e4m3fn", "bfloat16"), bad="float16", source=MROPE_SOURCE))
-    r.append(choice_rule(n, "k_quant_mode", ("PerTokenPerHead",), bad="Mx",
-                         source=QKV_SOURCE + " (the M-RoPE MX scenario is not modelled)"))
+    r.append(choice_rule(n, "k_quant_mode", ("PerTokenPerHead", "Mx"), bad="MX", source=MX_SOURCE))
     r.append(choice_rule(n, "layout_qkv", ("TND", "NTD")))
     r.append(choice_rule(n, "layout_q_out", ("TND", "NTD")))
     r.append(rule(n, "layout_pair", "layout_q_out", "value",
@@ -249,8 +299,9 @@ def _rules():
                   edit(n, lambda a: a.update(k_cache=np.ascontiguousarray(a["k_cache"][:, :1])))))
     r.append(_shape_rule("v_cache_shape", "v_cache", "must have k_cache's shape [BlockNum, Nv, BlockSize, 128]",
                          lambda a: a.k_cache.shape, lambda a: a.update(v_cache=np.ascontiguousarray(a["v_cache"][:1]))))
-    r.append(_shape_rule("k_scale_cache_shape", "k_scale_cache", "must be [BlockNum, Nk, BlockSize, 1] (README)",
-                         lambda a: a.k_cache.shape[:3] + (1,),
+    r.append(_shape_rule("k_scale_cache_shape", "k_scale_cache", "must be [BlockNum, Nk, BlockSize, 1] (README), "
+                         "[BlockNum, Nk, BlockSize, 4] in the M-RoPE MX scenario (one E8M0 byte per 32 lanes)",
+                         lambda a: a.k_cache.shape[:3] + (4 if _mx(a) else 1,),
                          lambda a: a.update(k_scale_cache=np.ascontiguousarray(a["k_scale_cache"][:1]))))
     r.append(_shape_rule("slot_mapping_shape", "slot_mapping", "must be [T]", lambda a: (_t(a),),
                          lambda a: a.update(slot_mapping=a["slot_mapping"][:-1].copy())))
@@ -308,6 +359,22 @@ def _rules():
     r.append(rule(n, "epsilon_value", "epsilon", "value", "must be a finite float32 > 0",
                   lambda a: None if np.isfinite(a.epsilon) and a.epsilon > 0 else a.epsilon,
                   edit(n, setting(epsilon=-1.0))))
+    for p in ("mx_aiv_num", "mx_ub_bytes"):
+        r.append(rule(n, f"{p}_value", p, "value", "must be >= 1 (a platform figure the MX host tiling reads; "
+                      "docs/numerics/open-facts.md#qkv-mx-platform)",
+                      (lambda p_: lambda a: None if a.get(p_) is None or int(a.get(p_)) >= 1 else a.get(p_))(p),
+                      edit(n, setting(**{p: 0})), source=MX_SOURCE))
+
+    def tile_ok(a):
+        if not _mx(a):
+            return None
+        nq, nk, _ = _heads(a)
+        ub = _ref.MX_UB_BYTES if a.get("mx_ub_bytes") is None else int(a.mx_ub_bytes)
+        return None if _ref.mx_token_tile(_t(a), nq, nk, ub) else Raw(f"{ub} bytes")
+
+    r.append(rule(n, "mx_ub_tile", "mx_ub_bytes", "value",
+                  "must hold the M-RoPE MX kernel's UB layout for a token tile of 1 (the host fails NO_UB_TILE)",
+                  tile_ok, edit(n, setting(mx_ub_bytes=4096), mx=True), source=MX_SOURCE))
     r.append(rule(n, "a2a3_unsupported", "qkv", "value", f"{QKV} runs on Ascend 950 only (README)",
                   lambda a: "Atlas A2/A3", edit(n), chips=("A2", "A3")))
     return r
@@ -318,10 +385,14 @@ QKV_CONTRACT = Contract(
     params=params("qkv:array q_gamma:array k_gamma:array cos_sin:array slot_mapping:array k_cache:array v_cache:array"
                   " k_scale_cache:array query_start_loc:array? seq_lens:array? head_nums:any rotation:array?"
                   " v_scale:array? layout_qkv:str layout_q_out:str epsilon:float32 mrope_position:array?"
-                  " mrope_section:any? q_quant_mode:str q_out_dtype:str k_quant_mode:str zero_head:str"))
+                  " mrope_section:any? q_quant_mode:str q_out_dtype:str k_quant_mode:str zero_head:str mx_aiv_num:int?"
+                  " mx_ub_bytes:int?"))
 
 
 def _reference(**args):
+    for p, default in (("mx_aiv_num", _ref.MX_AIV_NUM), ("mx_ub_bytes", _ref.MX_UB_BYTES)):
+        if args.get(p) is None:  # a caller of run() without the platform figures: the 950 defaults
+            args[p] = default
     return _ref.qkv_rms_norm_rope_cache_with_k_scale(**args)
 
 
@@ -336,7 +407,8 @@ def qkv_rms_norm_rope_cache_with_k_scale(qkv, q_gamma, k_gamma, cos_sin, slot_ma
                                          v_scale=None, layout_qkv="TND", layout_q_out="NTD", epsilon=1e-6,
                                          mrope_position=None, mrope_section=None, q_quant_mode="PerTokenPerHead",
                                          q_out_dtype="float8_e4m3fn", k_quant_mode="PerTokenPerHead",
-                                         zero_head="zero", chip=None, backend="reference"):
+                                         zero_head="zero", mx_aiv_num=None, mx_ub_bytes=None, chip=None,
+                                         backend="reference"):
     """``cann_ops_transformer.qkv_rms_norm_rope_cache_with_k_scale_`` (Ascend 950), the RoPE scenario
     (docs/numerics/cache-writers.md#qkv_rms_norm_rope_cache_with_k_scale), or the M-RoPE scenario when
     ``mrope_position`` is given (docs/numerics/cache-writers.md#m-rope-scenario). RoPE: writes ``k_cache`` / ``v_cache``
@@ -353,10 +425,19 @@ def qkv_rms_norm_rope_cache_with_k_scale(qkv, q_gamma, k_gamma, cos_sin, slot_ma
     M-RoPE: query_start_loc = seq_lens = None, mrope_position int32 ``[T, 3]`` (T / H / W rows of cos_sin per
     token), mrope_section ``[t, h, w]``, q_quant_mode "NoQuant", q_out_dtype "bfloat16", k_cache int8, v_scale
     float32 ``[Nv, 128]``, TND -> TND only; returns q_out bfloat16 ``[T, Nq, 128]`` and q_scale None.
+
+    M-RoPE MX (docs/numerics/cache-writers.md#m-rope-mx-scenario): as M-RoPE with q_quant_mode = k_quant_mode =
+    "Mx", q_out_dtype "float8_e4m3fn", rotation None, k_cache float8_e4m3fn and k_scale_cache float8_e8m0fnu
+    ``[BlockNum, Nk, BlockSize, 4]``; returns q_out float8_e4m3fn ``[T, Nq, 128]`` and q_scale float8_e8m0fnu
+    ``[T, Nq, 4]``. Which rows are normalised first (row path) or late (16-row batch path) follows the host tiling,
+    which reads ``mx_aiv_num`` (vector cores) and ``mx_ub_bytes`` (UB size) from the platform: None means 64 and
+    262144 (OPEN, docs/numerics/open-facts.md#qkv-mx-platform). zero_head also names the code of a 0 x Inf product
+    of the batch path.
     """
     args = dict(qkv=qkv, q_gamma=q_gamma, k_gamma=k_gamma, cos_sin=cos_sin, slot_mapping=slot_mapping,
                 k_cache=k_cache, v_cache=v_cache, k_scale_cache=k_scale_cache, query_start_loc=query_start_loc,
                 seq_lens=seq_lens, head_nums=head_nums, rotation=rotation, v_scale=v_scale, layout_qkv=layout_qkv,
                 layout_q_out=layout_q_out, epsilon=epsilon, mrope_position=mrope_position, mrope_section=mrope_section,
-                q_quant_mode=q_quant_mode, q_out_dtype=q_out_dtype, k_quant_mode=k_quant_mode, zero_head=zero_head)
+                q_quant_mode=q_quant_mode, q_out_dtype=q_out_dtype, k_quant_mode=k_quant_mode, zero_head=zero_head,
+                mx_aiv_num=mx_aiv_num, mx_ub_bytes=mx_ub_bytes)
     return run(QKV, args, backend, chip=chip)

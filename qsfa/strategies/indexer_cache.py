@@ -19,7 +19,10 @@ before the random draws):
   ``zero_head``, ``v_saturate``, ``layout_qkv:NTD``, ``history``, ``rotation:identity`` (see their pins); its M-RoPE
   scenario: ``mrope`` (positions drawn over 48 rows, section [24, 12, 8]), ``mrope:zero_k`` (every K head all zero: scale 0),
   ``mrope:int8_ties`` (K rows ``+-1 x gamma`` with amax ``127 x 2^k``: scale exactly ``2^k`` and INT8 midpoints
-  ``n + 0.5``) and ``mrope:pow2_amax`` (the same rows with amax exactly ``2^k``).
+  ``n + 0.5``) and ``mrope:pow2_amax`` (the same rows with amax exactly ``2^k``); its M-RoPE MX scenario: ``mx``,
+  ``mx:zero_k`` (every K input zero on one core, 8 tokens, Nk 2: the batch path's 0 x Inf next to the row path's
+  +-0), ``mx:pow2_amax`` (K rows ``+-gamma`` with every 32-lane amax a power of two) and ``mx:tie`` (every amax
+  ``448 x 2^k``: the scale keeps ``2^k`` and the group's top code is 448).
 """
 
 from __future__ import annotations
@@ -197,7 +200,8 @@ QKVS = "qkv_rms_norm_rope_cache_with_k_scale"
 # edges: every Q head all zero (scale 0: docs/numerics/open-facts.md#qkv-zero-head), V past the FP8 range (SAT),
 # the NTD input layout, a long history (positions far from 0), the identity rotation (the bf16 operand unchanged)
 _E.EDGES.setdefault(QKVS, ("zero_head", "v_saturate", "layout_qkv:NTD", "history", "rotation:identity", "mrope",
-                           "mrope:zero_k", "mrope:int8_ties", "mrope:pow2_amax"))
+                           "mrope:zero_k", "mrope:int8_ties", "mrope:pow2_amax", "mx", "mx:zero_k", "mx:pow2_amax",
+                           "mx:tie"))
 _E._PINS.update({
     (QKVS, "zero_head"): dict(zero_q=True),
     (QKVS, "v_saturate"): dict(v_scale_big=True),
@@ -208,7 +212,24 @@ _E._PINS.update({
     (QKVS, "mrope:zero_k"): dict(mrope=True, zero_k=True),
     (QKVS, "mrope:int8_ties"): dict(mrope=True, exact_k="ties"),
     (QKVS, "mrope:pow2_amax"): dict(mrope=True, exact_k="pow2"),
+    (QKVS, "mx"): dict(mrope=True, mx=True),
+    (QKVS, "mx:zero_k"): dict(mrope=True, mx=True, zero_k_input=True, aiv=1, nq=16, t=8),
+    (QKVS, "mx:pow2_amax"): dict(mrope=True, mx=True, exact_mx="pow2"),
+    (QKVS, "mx:tie"): dict(mrope=True, mx=True, exact_mx="tie"),
 })
+
+
+def _exact_mx_rows(a, kind, k, seed):
+    """Make every K head's M-RoPE row exactly ``+-k_gamma``: qkv rows of +-1 (RMS exactly 1), cos 1 / sin 0 in every
+    cos_sin row, and a k_gamma whose every 32-lane amax is ``2^k`` ("pow2") or ``448 x 2^k`` ("tie")."""
+    rng = np.random.default_rng(seed)
+    qkv = np.where(rng.random(a["qkv"].shape) < 0.5, -1.0, 1.0).astype(a["qkv"].dtype)
+    cs = np.zeros_like(a["cos_sin"])
+    cs[:, :64] = 1.0
+    top = 1.0 if kind == "pow2" else 448.0
+    g = rng.uniform(-top, top, 128)
+    g[np.arange(4) * 32 + rng.integers(0, 32, 4)] = top
+    a.update(qkv=qkv, cos_sin=cs, epsilon=float(np.float32(1e-45)), k_gamma=(g * 2.0 ** k).astype(np.float32))
 
 
 def _exact_k_rows(a, kind, k, seed):
@@ -231,8 +252,8 @@ def qkv_rms_norm_rope_cache_with_k_scale_args(draw, bounds: Bounds | None = None
     """``qkv_rms_norm_rope_cache_with_k_scale`` (RoPE scenario): bf16 QKV with Nq in {8, 16, 32, 64} (Nk = Nv =
     Nq / 8), TND or NTD, requests cut at random with a history before them, a random orthogonal bf16 rotation,
     unique slots scattered over one or two spare blocks; one draw in four the M-RoPE scenario (TND, drawn T / H / W
-    positions and section, INT8 K cache); the edges above."""
-    from ..ops.qkv_k_scale import mrope_case, qkv_case
+    positions and section, INT8 K cache; half of those the MX scenario with a drawn core count); the edges above."""
+    from ..ops.qkv_k_scale import mrope_case, mx_case, qkv_case
 
     pins, edge = _E.take(draw, QKVS, pins)
     b = _b(bounds)
@@ -242,13 +263,22 @@ def qkv_rms_norm_rope_cache_with_k_scale_args(draw, bounds: Bounds | None = None
         block_size = int(_choose(draw, pins, "block_size", (16, 32)))
         h, w = draw(st.integers(0, 21)), draw(st.integers(0, 21))
         section = tuple(pins.get("section", (draw(st.integers(0, 64 - h - w)), h, w)))
-        a = mrope_case(t=t, nq=nq, nk=nq // 8, block_num=-(-t // block_size) + draw(st.integers(0, 1)),
-                       block_size=block_size, max_seq=max(t, int(pins.get("max_seq", t + draw(st.integers(0, 47))))),
-                       section=section, seed=draw(st.integers(0, 2**32 - 1)))
+        mx = pins.get("mx", False if pins.get("exact_k") or pins.get("zero_k") else draw(st.booleans()))
+        t = int(pins.get("t", t))
+        make = mx_case if mx else mrope_case
+        a = make(t=t, nq=nq, nk=nq // 8, block_num=-(-t // block_size) + draw(st.integers(0, 1)),
+                 block_size=block_size, max_seq=max(t, int(pins.get("max_seq", t + draw(st.integers(0, 47))))),
+                 section=section, seed=draw(st.integers(0, 2**32 - 1)))
         if pins.get("zero_k"):
             a["k_gamma"] = np.zeros_like(a["k_gamma"])
         if pins.get("exact_k"):
             _exact_k_rows(a, pins["exact_k"], draw(st.integers(-20, 20)), draw(st.integers(0, 2**32 - 1)))
+        if mx:
+            a["mx_aiv_num"] = int(pins.get("aiv", draw(st.sampled_from((1, 2, 64)))))
+            if pins.get("zero_k_input"):
+                a["qkv"][:, nq:nq + nq // 8] = 0
+            if pins.get("exact_mx"):
+                _exact_mx_rows(a, pins["exact_mx"], draw(st.integers(-20, 20)), draw(st.integers(0, 2**32 - 1)))
         return a
     nq = int(_choose(draw, pins, "nq", tuple(h for h in (8, 16, 32, 64) if h <= max(8, b.max_heads))))
     layout_qkv = _choose(draw, pins, "layout_qkv", ("TND", "NTD"))
