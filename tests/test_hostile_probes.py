@@ -215,6 +215,8 @@ def test_requires_grad_output_buffer_is_refused_and_input_is_read():
     (lambda: qsfa.compare.ulp_distance(np.zeros(3), np.zeros(3), "bogus"), "dtype"),
     (lambda: qsfa.compare.cos_diff(np.zeros(3), np.zeros(4)), "golden"),
     (lambda: qsfa.compare.compare_bytes(np.zeros(3), np.zeros(3), max_report=-1), "max_report"),
+    (lambda: qsfa.compare.compare_bytes(np.zeros(3, np.uint8), np.zeros(3, np.uint8), fmt="fp8"), "fmt"),
+    (lambda: qsfa.compare.compare(np.zeros(3, np.uint8), np.zeros(3, np.uint8), fmt="fp8"), "fmt"),
     (lambda: qsfa.resolve_chip("bogus_op"), "op"),
     (lambda: qsfa.resolve_chip("kv_quant_sparse_flash_attention", 1, 2), "arguments"),
 ])
