@@ -422,3 +422,13 @@ def test_replay_refuses_the_options_of_a_run_it_would_ignore(wrong, tmp_path, ca
         assert "--backend-module" in err, err
     assert not (tmp_path / "r.json").exists()
     assert main(["conformance", "--replay", r.case_file, "-q", "--backend", wrong]) == 1  # the options it takes
+
+
+def test_a_negative_bound_is_told_its_range_not_the_syntax(capsys):
+    """--bound max_kv_tokens=-3 is NAME=INTEGER; it used to be told "must be NAME=INTEGER with NAME one of ...", as if
+    the name or the syntax were wrong, while =0 was told the range."""
+    for value in ("-3", "0"):
+        err = _one_line_usage_error(capsys, ["conformance", "--ops", "formats.pack_fp4", "--bound",
+                                             f"max_kv_tokens={value}"], f"max_kv_tokens, actual: {value}", ">= 1")
+        assert "NAME=INTEGER" not in err, err
+    _one_line_usage_error(capsys, ["conformance", "--bound", "max_kv_tokens=3.5"], "NAME=INTEGER")

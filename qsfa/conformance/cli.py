@@ -229,10 +229,14 @@ def _main(args) -> int:
         kw = b.to_dict()
         for item in args.bound:
             name, _, value = item.partition("=")
-            if name not in kw or not value.strip().isdigit():
+            try:  # a negative number is an integer: Bounds says the range ("-3" used to get the syntax message)
+                number = int(value)
+            except ValueError:
+                number = None
+            if name not in kw or number is None:
                 raise _usage(f"Invalid value for --bound, actual: {item!r}, reason: must be NAME=INTEGER with NAME "
                              f"one of {', '.join(kw)}.")
-            kw[name] = int(value)
+            kw[name] = number
         try:
             b = Bounds(**kw)
         except ValueError as e:
