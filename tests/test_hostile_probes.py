@@ -224,6 +224,16 @@ def test_public_helpers_refuse_bad_arguments_by_name(call, param):
     _refused(call, param)
 
 
+@pytest.mark.parametrize("call", [lambda: layouts.unpack_rows(np.zeros((), np.uint8)),
+                                  lambda: layouts.dequant_rows(np.zeros((), np.uint8)),
+                                  lambda: layouts.qsfa_to_flashmla_v32(np.zeros((), np.uint8)),
+                                  lambda: layouts.flashmla_v32_to_qsfa(np.zeros((), np.uint8))])
+def test_a_zero_dim_row_array_is_told_its_dimensions_not_its_dtype(call):
+    """a 0-d uint8 array has the right dtype: it was refused as "Invalid dtype for rows, actual: ()" (unpack_rows,
+    dequant_rows) or raised IndexError (the FlashMLA V32 conversions)."""
+    assert _refused(call, "rows").startswith("Invalid dim for rows, actual: 0, reason: needs at least one dimension")
+
+
 def test_public_helpers_still_take_numbers_lists_and_numpy_integers():
     assert formats.group_amax([[1.0, -3.0, 2.0]], np.uint8(2)).tolist() == [[3.0, 2.0]]
     assert layouts.flashmla_model1_block_bytes(np.uint16(64)) == 37440
