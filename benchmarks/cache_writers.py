@@ -120,8 +120,15 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
+    import argparse
     import sys
 
     from .__main__ import main
 
-    sys.exit(main(["--only", "cache_writers"] + (["--quick"] if "--quick" in sys.argv else [])))
+    # its own options, checked (a --help or a misspelt option used to start the full run and overwrite
+    # benchmarks/results.json); the run and its files go through python -m benchmarks
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cache_writers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one small run (for CI)")
+    p.add_argument("--out", help="folder for results.json / results.md (default: the benchmarks folder)")
+    a = p.parse_args()
+    sys.exit(main(["--only", "cache_writers"] + (["--quick"] if a.quick else []) + (["--out", a.out] if a.out else [])))

@@ -14,7 +14,8 @@ Which chip a call models (:func:`resolve_chip`, the same rule the dispatch layer
 1. an explicit ``chip=`` (validated against that chip's limits);
 2. else the npu backend's device chip (an explicit chip that differs from it is an error);
 3. else **"950" when the call breaks a limit of Atlas A2/A3 that the 950 does not have** (a rule with
-   ``chips={"A2", "A3"}``: e.g. an FP8 or HiFloat8 KV, Q_N = 48), **otherwise "A2"** (also when every chip
+   ``chips={"A2", "A3"}``: e.g. an FP8 or HiFloat8 KV, Q_N = 48), else **"A3" when it breaks a limit of Atlas A2
+   that A3 does not have** (an A3-only operator: ``sparse_attn_sharedkv``), **otherwise "A2"** (also when every chip
    rejects the call and only the reference, which accepts the union, runs it). A2 and A3 build the same
    kernel sources (the non-``arch35`` ``op_kernel`` files), so "A2" stands for both; their numerics are
    identical.
@@ -174,6 +175,9 @@ def chip_for_args(contract, args: Mapping) -> str:
     for c in contract.constraints:
         if c.chips is not None and "A2" in c.chips and "950" not in c.chips and c.check(a) is not None:
             return "950"
+    for c in contract.constraints:  # an Atlas A3-only call (sparse_attn_sharedkv): A3 (A2 refused it, so goldens failed)
+        if c.chips is not None and "A2" in c.chips and "A3" not in c.chips and c.check(a) is not None:
+            return "A3"
     return "A2"
 
 

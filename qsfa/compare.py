@@ -24,6 +24,11 @@ import numpy as np
 from ._arrays import dtype_name, is_ml_dtype, is_torch, to_numpy
 from ._errors import InvalidArgument, Raw
 from ._public import checked, nonnegative_int, one_of_values
+from .reference.formats import FORMAT_NAMES
+
+#: ``fmt=`` of compare_bytes / compare: a qsfa.formats name (a bad one passed silently while the bytes matched and
+#: raised from formats.decode only once an element differed)
+_FMT_RULE = (one_of_values(FORMAT_NAMES), f"must be None or a qsfa.formats name, one of {list(FORMAT_NAMES)}")
 
 __all__ = [
     "Tolerance",
@@ -130,7 +135,8 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint8).reshape(a.shape + (a.dtype.itemsize,)) if a.dtype.itemsize > 1 else a.view(np.uint8)
 
 
-@checked("actual:values golden:values name:str fmt:str? max_report:int", max_report=(nonnegative_int, "must be >= 0"))
+@checked("actual:values golden:values name:str fmt:str? max_report:int", max_report=(nonnegative_int, "must be >= 0"),
+         fmt=_FMT_RULE)
 def compare_bytes(actual, golden, *, name: str = "", fmt: str | None = None, max_report: int = 10) -> CompareResult:
     """Byte-for-byte comparison; ``fmt`` (a qsfa.formats name) adds decoded values to the report."""
     a, g = _host(actual), _host(golden)
@@ -286,7 +292,7 @@ def compare_float(actual, golden, *, dtype: str | None = None, tol: Tolerance | 
     return res
 
 
-@checked("actual:values golden:values name:str fmt:str? dtype:str?")
+@checked("actual:values golden:values name:str fmt:str? dtype:str?", fmt=_FMT_RULE)
 def compare(actual, golden, *, name: str = "", fmt: str | None = None, tol: Tolerance | None = None,
             dtype: str | None = None, standard=None, exact=None, benchmark=None,
             standard_params: dict | None = None) -> CompareResult:

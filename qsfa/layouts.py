@@ -26,7 +26,6 @@ from .reference.packing import (
     SCALE_BYTES,
     dequant_rows,
     flashmla_v32_to_qsfa,
-    nd_to_nz,
     nz_to_nd,
     nz_view,
     pack_rows,
@@ -37,6 +36,7 @@ from .reference.packing import (
 )
 from .ops.layouts import flashmla_model1_dequantize, flashmla_model1_quantize
 from .reference.flashmla_model1 import block_bytes as _block_bytes
+from .reference.packing import nd_to_nz as _nd_to_nz
 from .reference.packing import nz_columns as _nz_columns
 from .reference.scatter import slot_positions  # checks its own arguments
 from ._public import checked, positive_int
@@ -59,6 +59,9 @@ flashmla_model1_block_bytes = checked("block_size:int", block_size=(positive_int
 nz_columns = checked("dtype:any", dtype=(_nz_dtype_ok, "must be a NumPy dtype (or name) of one or two bytes: "
                                                         "NZ caches are one-byte (32 columns) or two-byte (16)"))(
     _nz_columns)
+# c = 0 raised ZeroDivisionError, a negative c NumPy's reshape error, True was taken as 1
+nd_to_nz = checked("c:int?", c=(positive_int, "must be a positive integer (the columns of an NZ fractal; default: "
+                                              "nz_columns of the dtype)"))(_nd_to_nz)
 
 __all__ = [
     "SCALE_BYTES",

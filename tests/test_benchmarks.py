@@ -80,3 +80,21 @@ def test_sharedkv_prefill_refuses_sizes_it_cannot_run_by_name(argv, capsys):
     with pytest.raises(SystemExit) as ei:
         sharedkv_prefill.main(["--quick", *argv])
     assert ei.value.code == 2 and f"argument {argv[0]}: must be an integer >= " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["cache_writers", "scaling"])
+def test_a_benchmark_module_run_alone_checks_its_options(name, tmp_path):
+    """``python -m benchmarks.<name> --help`` prints the usage (argparse, so a misspelt option is refused too):
+    it used to start the full run (``--quick`` was looked up in sys.argv, everything else ignored) and overwrite
+    benchmarks/results.json."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    try:
+        p = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"benchmarks.{name} --help ran the benchmark instead of printing its usage")
+    assert p.returncode == 0 and p.stdout.startswith(f"usage: python -m benchmarks.{name}"), (p.stdout, p.stderr)
+    assert "--quick" in p.stdout and "--out" in p.stdout and "== " not in p.stdout, p.stdout  # nothing ran

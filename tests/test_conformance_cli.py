@@ -406,3 +406,29 @@ def test_the_hypothesis_folder_of_a_command_is_restored_in_process(monkeypatch, 
     with hypothesis_storage():
         assert os.environ[STORAGE_VAR] == str(tmp_path)
     assert os.environ[STORAGE_VAR] == str(tmp_path)
+
+
+def test_replay_refuses_the_options_of_a_run_it_would_ignore(wrong, tmp_path, capsys):
+    """--replay re-runs the case as recorded (its chip, its arguments, qsfa's criterion): a --chip, --profile,
+    --report, ... beside it used to be dropped without a word (a user asking for the 950 got the recorded chip)."""
+    r = run_property(get("formats.encode.vs_reference"), wrong, max_examples=5, cases_dir=str(tmp_path))
+    assert r.status == "failed" and r.case_file
+    for extra, needle in ((["--chip", "950"], "--chip 950"), (["--profile", "nightly"], "--profile nightly"),
+                          (["--report", str(tmp_path / "r.json")], "--report "),
+                          (["--standard", "all", "--repeat", "3"], "--standard all, --repeat 3"),
+                          (["--workers", "2"], "--workers 2"), (["--list"], "--list")):
+        err = _one_line_usage_error(capsys, ["conformance", "--replay", r.case_file] + extra,
+                                    "Invalid option for --replay", needle)
+        assert "--backend-module" in err, err
+    assert not (tmp_path / "r.json").exists()
+    assert main(["conformance", "--replay", r.case_file, "-q", "--backend", wrong]) == 1  # the options it takes
+
+
+def test_a_negative_bound_is_told_its_range_not_the_syntax(capsys):
+    """--bound max_kv_tokens=-3 is NAME=INTEGER; it used to be told "must be NAME=INTEGER with NAME one of ...", as if
+    the name or the syntax were wrong, while =0 was told the range."""
+    for value in ("-3", "0"):
+        err = _one_line_usage_error(capsys, ["conformance", "--ops", "formats.pack_fp4", "--bound",
+                                             f"max_kv_tokens={value}"], f"max_kv_tokens, actual: {value}", ">= 1")
+        assert "NAME=INTEGER" not in err, err
+    _one_line_usage_error(capsys, ["conformance", "--bound", "max_kv_tokens=3.5"], "NAME=INTEGER")

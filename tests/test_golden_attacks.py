@@ -380,3 +380,18 @@ def test_damage_counts_lost_changed_and_left_files(tmp_path):
     (tmp_path / "d" / "b").write_bytes(b"B")
     (tmp_path / "d" / ".qsfa-staging-1").mkdir()
     assert damage(before, snapshot(tmp_path)) == ["left d/.qsfa-staging-1", "lost d/a", "lost d/b"]
+
+
+def test_a_manifest_format_that_names_no_format_is_a_malformed_field(template, tmp_path, capsys):
+    """An array's "format" (the qsfa.formats name its codes are decoded by) outside the formats: compare said PASS
+    while the bytes matched and, once one differed, exit 2 from the decoder without naming the file or field."""
+    g = tmp_path / "g"
+    shutil.copytree(template, g)
+    man = json.loads((g / "manifest.json").read_text())
+    j = next(j for j, e in enumerate(man["cases"][0]["arrays"]) if e["role"] == "output")
+    man["cases"][0]["arrays"][j]["format"] = "fp8"
+    (g / "manifest.json").write_text(json.dumps(man))
+    for argv in (["compare", str(g), "--actual", str(g), "-q"], ["verify", str(g), "-q"]):
+        rc, out, err, _ = run(capsys, argv)
+        assert rc == 2 and err.count("\n") == 1, (argv, rc, out, err)
+        assert str(g / "manifest.json") in err and f"cases[0].arrays[{j}].format, actual: 'fp8'" in err, err

@@ -238,3 +238,20 @@ def test_an_unwritable_json_destination_is_refused_before_the_work(g, tmp_path, 
     out, err = refused(capsys, "compare", g, "--actual", g, "--histogram", tmp_path / "missing" / "h.png",
                        expect=("--histogram",))
     assert out == ""
+
+
+def test_the_examples_set_makes_a_golden_of_an_atlas_a3_only_operator(tmp_path):
+    """sparse_attn_sharedkv runs on Atlas A3 only: its call without a chip modelled A2 (qsfa.resolve_chip), which
+    refuses it, so `qsfa golden generate --set examples` stopped with exit 2 at example-sparse_attn_sharedkv."""
+    import qsfa
+    from qsfa._dispatch import operator
+    from qsfa.cli import main
+
+    ex = operator("sparse_attn_sharedkv").contract.example(np.random.default_rng(0))
+    assert qsfa.resolve_chip("sparse_attn_sharedkv", **ex) == "A3"
+    assert qsfa.chips.chip_violation("sparse_attn_sharedkv", **{**ex, "chip": "A3"}) is None
+    out = tmp_path / "g"
+    assert main(["golden", "generate", "--set", "examples", "--only", "example-sparse_attn_sharedkv", "--out",
+                 str(out), "-q"]) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert [(c["name"], c["chip"]) for c in man["cases"]] == [("example-sparse_attn_sharedkv", "A3")]

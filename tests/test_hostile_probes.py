@@ -208,10 +208,15 @@ def test_requires_grad_output_buffer_is_refused_and_input_is_read():
     (lambda: layouts.flashmla_model1_block_bytes(1.5), "block_size"),
     (lambda: layouts.nz_columns("bogus"), "dtype"),
     (lambda: layouts.nz_columns(np.float32), "dtype"),
+    (lambda: layouts.nd_to_nz(np.zeros((1, 16, 1, 32), np.float16), 0), "c"),
+    (lambda: layouts.nd_to_nz(np.zeros((1, 16, 1, 32), np.float16), -16), "c"),
+    (lambda: layouts.nd_to_nz(np.zeros((1, 16, 1, 32), np.float16), True), "c"),
     (lambda: qsfa.compare.compare("a", "b"), "actual"),
     (lambda: qsfa.compare.ulp_distance(np.zeros(3), np.zeros(3), "bogus"), "dtype"),
     (lambda: qsfa.compare.cos_diff(np.zeros(3), np.zeros(4)), "golden"),
     (lambda: qsfa.compare.compare_bytes(np.zeros(3), np.zeros(3), max_report=-1), "max_report"),
+    (lambda: qsfa.compare.compare_bytes(np.zeros(3, np.uint8), np.zeros(3, np.uint8), fmt="fp8"), "fmt"),
+    (lambda: qsfa.compare.compare(np.zeros(3, np.uint8), np.zeros(3, np.uint8), fmt="fp8"), "fmt"),
     (lambda: qsfa.resolve_chip("bogus_op"), "op"),
     (lambda: qsfa.resolve_chip("kv_quant_sparse_flash_attention", 1, 2), "arguments"),
 ])
@@ -219,10 +224,21 @@ def test_public_helpers_refuse_bad_arguments_by_name(call, param):
     _refused(call, param)
 
 
+@pytest.mark.parametrize("call", [lambda: layouts.unpack_rows(np.zeros((), np.uint8)),
+                                  lambda: layouts.dequant_rows(np.zeros((), np.uint8)),
+                                  lambda: layouts.qsfa_to_flashmla_v32(np.zeros((), np.uint8)),
+                                  lambda: layouts.flashmla_v32_to_qsfa(np.zeros((), np.uint8))])
+def test_a_zero_dim_row_array_is_told_its_dimensions_not_its_dtype(call):
+    """a 0-d uint8 array has the right dtype: it was refused as "Invalid dtype for rows, actual: ()" (unpack_rows,
+    dequant_rows) or raised IndexError (the FlashMLA V32 conversions)."""
+    assert _refused(call, "rows").startswith("Invalid dim for rows, actual: 0, reason: needs at least one dimension")
+
+
 def test_public_helpers_still_take_numbers_lists_and_numpy_integers():
     assert formats.group_amax([[1.0, -3.0, 2.0]], np.uint8(2)).tolist() == [[3.0, 2.0]]
     assert layouts.flashmla_model1_block_bytes(np.uint16(64)) == 37440
     assert layouts.nz_columns(np.int8) == 32 and layouts.nz_columns("bfloat16") == 16
+    assert layouts.nd_to_nz(np.zeros((1, 16, 1, 32), np.float16), np.int64(32)).shape == (1, 1, 16, 1, 32)
     assert formats.e8m0_byte(1.0).reshape(-1).tolist() == [127]
     assert qsfa.compare.cos_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
 

@@ -89,6 +89,30 @@ def _usage(msg):
     return UsageError(msg)
 
 
+#: options a run takes and --replay does not (attribute, flag, value when not given): a replay re-runs the saved
+#: case as recorded - its arguments, its chip, qsfa's criterion - so it would ignore them silently
+REPLAY_IGNORES = (("ops", "--ops", None), ("properties", "--properties", None), ("kind", "--kind", None),
+                  ("chip", "--chip", None), ("max_examples", "--max-examples", None), ("seed", "--seed", None),
+                  ("profile", "--profile", None), ("bound", "--bound", None), ("shard", "--shard", None),
+                  ("report", "--report", None), ("cases_dir", "--cases-dir", None), ("list", "--list", False),
+                  ("time_budget", "--time-budget", None), ("standard", "--standard", None),
+                  ("verdict_by", "--verdict-by", None), ("repeat", "--repeat", 1), ("workers", "--workers", None),
+                  ("scheduler", "--scheduler", None), ("seed_shards", "--seed-shards", 1))
+
+
+def replay_ignored(args) -> list[str]:
+    """The options of ``args`` that ``--replay`` would not use, as ``--flag value`` strings."""
+    out = []
+    for attr, flag, unset in REPLAY_IGNORES:
+        v = getattr(args, attr, unset)
+        if v is None or v is False or v == unset:
+            continue
+        if isinstance(v, list):  # nargs="+" / action="append" (lists of lists for --report)
+            v = " ".join(" ".join(map(str, x)) if isinstance(x, list) else str(x) for x in v)
+        out.append(flag if v is True else f"{flag} {v}")
+    return out
+
+
 #: hypothesis' storage folder (its example database, the constants cache ``.hypothesis/constants``), read by
 #: hypothesis from this variable where it is set (``hypothesis.configuration.storage_directory``)
 STORAGE_VAR = "HYPOTHESIS_STORAGE_DIRECTORY"
@@ -138,6 +162,11 @@ def _main(args) -> int:
     from .runner import DEFAULT_CASES_DIR, EXIT_ERROR, parse_shard, replay_case, run_conformance
 
     if args.replay:
+        ignored = replay_ignored(args)
+        if ignored:
+            raise _usage(f"Invalid option for --replay, actual: {', '.join(ignored)}, reason: a replay re-runs the "
+                         "saved case as recorded (its arguments, its chip, qsfa's criterion); it takes only --backend, "
+                         "--backend-module, --triton-interpret and -q.")
         if not os.path.exists(args.replay):
             raise _usage(f"Invalid value for --replay, actual: {args.replay!r}, reason: no such file.")
         from ..golden.io import GoldenInputError
@@ -200,10 +229,14 @@ def _main(args) -> int:
         kw = b.to_dict()
         for item in args.bound:
             name, _, value = item.partition("=")
-            if name not in kw or not value.strip().isdigit():
+            try:  # a negative number is an integer: Bounds says the range ("-3" used to get the syntax message)
+                number = int(value)
+            except ValueError:
+                number = None
+            if name not in kw or number is None:
                 raise _usage(f"Invalid value for --bound, actual: {item!r}, reason: must be NAME=INTEGER with NAME "
                              f"one of {', '.join(kw)}.")
-            kw[name] = int(value)
+            kw[name] = number
         try:
             b = Bounds(**kw)
         except ValueError as e:

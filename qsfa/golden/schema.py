@@ -26,6 +26,7 @@ import re
 from . import io as gio
 from .guard import check_component, declared_nbytes, field_error, max_array_bytes
 from .io import GoldenInputError
+from ..reference.formats import FORMAT_NAMES
 
 __all__ = ["check_manifest", "check_shape", "check_dtype", "ARRAY_NAME", "ROLE_PREFIX", "WRITTEN_NAME"]
 
@@ -132,6 +133,9 @@ def _check_array(e, c_name: str, files: dict, file_format, path, where: str) -> 
         _typed(e.get(k), str, path, f"{where}.{k}", "a string or null", none=True)
     if e.get("compare") not in (None, "bytes", "float"):
         raise _err(path, f"{where}.compare", e["compare"], "must be 'bytes' or 'float'")
+    if e.get("format") is not None and e["format"] not in FORMAT_NAMES:  # compare / verify decode codes by it
+        raise _err(path, f"{where}.format", e["format"], f"must be null or a qsfa.formats name, one of "
+                   f"{list(FORMAT_NAMES)}")
     _typed(e.get("layout", ""), str, path, f"{where}.layout", "a string")
     if "masked" in e:
         _typed(e["masked"], bool, path, f"{where}.masked", "true or false")

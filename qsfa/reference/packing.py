@@ -105,9 +105,11 @@ _NOPE_FORMATS = ("int8", "float8_e4m3fn", "hifloat8")
 
 def _one_byte_codes(x, name: str) -> np.ndarray:
     a = _array(x, name)
-    if a.dtype.itemsize != 1 or a.dtype.kind not in _CODE_KINDS or a.ndim == 0:
-        raise InvalidArgument("dtype", name, str(a.dtype) if a.ndim else tuple(a.shape),
+    if a.dtype.itemsize != 1 or a.dtype.kind not in _CODE_KINDS:
+        raise InvalidArgument("dtype", name, str(a.dtype),
                               "must be an array of one-byte codes (int8, uint8 or float8_e4m3fn; HiFloat8 as uint8)")
+    if a.ndim == 0:  # (a 0-d uint8 array was told "Invalid dtype ..., actual: ()")
+        raise InvalidArgument("dim", name, 0, "needs at least one dimension (the bytes of a row)")
     return a
 
 
@@ -213,6 +215,8 @@ def _v32_sizes(rows: np.ndarray, kv_lora_rank: int, tile_size: int, rope_head_di
     rows = np.asarray(rows)
     if rows.dtype.itemsize != 1:
         raise InvalidArgument("dtype", "rows", str(rows.dtype), "packed rows are one-byte elements")
+    if rows.ndim == 0:  # (was an IndexError from rows.shape[-1])
+        raise InvalidArgument("dim", "rows", 0, "needs at least one dimension (the bytes of a row)")
     if rows.shape[-1] != width:
         raise InvalidArgument("shape", "rows", tuple(rows.shape), f"last dimension must be {width} bytes")
     return kv_lora_rank, rope_head_dim * 2, (kv_lora_rank // tile_size) * SCALE_BYTES
