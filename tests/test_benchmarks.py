@@ -83,18 +83,26 @@ def test_sharedkv_prefill_refuses_sizes_it_cannot_run_by_name(argv, capsys):
 
 
 @pytest.mark.parametrize("name", ["cache_writers", "scaling"])
-def test_a_benchmark_module_run_alone_checks_its_options(name, tmp_path):
+def test_a_benchmark_module_run_alone_checks_its_options(name, monkeypatch, capsys):
     """``python -m benchmarks.<name> --help`` prints the usage (argparse, so a misspelt option is refused too):
     it used to start the full run (``--quick`` was looked up in sys.argv, everything else ignored) and overwrite
-    benchmarks/results.json."""
-    import os
-    import subprocess
+    benchmarks/results.json. Run in-process as ``__main__`` with the benchmark runner replaced by one that fails."""
+    import runpy
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    try:
-        p = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"benchmarks.{name} --help ran the benchmark instead of printing its usage")
-    assert p.returncode == 0 and p.stdout.startswith(f"usage: python -m benchmarks.{name}"), (p.stdout, p.stderr)
-    assert "--quick" in p.stdout and "--out" in p.stdout and "== " not in p.stdout, p.stdout  # nothing ran
+    import benchmarks.__main__ as runner
+
+    def must_not_run(argv=None):
+        pytest.fail(f"benchmarks.{name} {sys.argv[1:]} started the benchmark ({argv})")
+
+    monkeypatch.setattr(runner, "main", must_not_run)
+    for argv, code in ((["--help"], 0), (["--quik"], 2)):
+        monkeypatch.setattr(sys, "argv", [f"benchmarks/{name}.py", *argv])
+        with pytest.raises(SystemExit) as ei:
+            runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=False)
+        out, err = capsys.readouterr()
+        assert ei.value.code == code, (argv, out, err)
+        if code == 0:
+            assert out.startswith(f"usage: python -m benchmarks.{name}"), out
+            assert "--quick" in out and "--out" in out and "== " not in out, out  # nothing ran
+        else:
+            assert "unrecognized arguments: --quik" in err, err
