@@ -93,8 +93,22 @@ dynamic_block_scale = checked(
     min_scale=(lambda v, a: v >= 0, "must be >= 0 (0: no bound)"),
 )(_scales.dynamic_block_scale)
 fp8_group_scale = checked("amax:values")(_scales.fp8_group_scale)
-round_scale_pow2 = checked("s:values")(_scales.round_scale_pow2)
-e8m0_byte = checked("s:values")(_scales.e8m0_byte)
+
+def _no_negative(v, a) -> bool:
+    with np.errstate(invalid="ignore"):
+        return not np.any(_scales._f32(v) < 0)
+
+
+def _no_nan(v, a) -> bool:
+    return _no_negative(v, a) and not np.any(np.isnan(_scales._f32(v)))
+
+
+# a scale is >= 0: the bit formulas read a negative value's sign bit as part of the exponent (e8m0_byte(-1.0) gave
+# 127, round_scale_pow2(-1.0) a NaN) and a NaN's mantissa as a fraction (round_scale_pow2(nan) gave -0.0)
+round_scale_pow2 = checked("s:values", s=(_no_nan, "must be >= 0 (+Inf allowed) and not NaN: the power-of-two "
+                                                   "ceiling of a scale"))(_scales.round_scale_pow2)
+e8m0_byte = checked("s:values", s=(_no_negative, "must be >= 0 (a scale; NaN stores 0xFF, E8M0's NaN)"))(
+    _scales.e8m0_byte)
 fp4_group_scale = checked("amax:values")(_scales.fp4_group_scale)
 flashmla_v32_scale = checked("amax:values ceil_mode:str", ceil_mode=(one_of_values(("bits", "log2")),
                                                                      "must be one of ('bits', 'log2')"))(

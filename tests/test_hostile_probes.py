@@ -202,6 +202,9 @@ def test_requires_grad_output_buffer_is_refused_and_input_is_read():
     (lambda: formats.ocp_mx_scale_exponent(np.ones(3), "a"), "elem_emax"),
     (lambda: formats.e8m0_byte("a"), "s"),
     (lambda: formats.round_scale_pow2(np.ma.masked_array([1.0])), "s"),
+    (lambda: formats.round_scale_pow2(np.float32("nan")), "s"),
+    (lambda: formats.round_scale_pow2([1.0, -1.0]), "s"),
+    (lambda: formats.e8m0_byte(np.array([-1.0], np.float32)), "s"),
     (lambda: formats.int8_dynamic_scale(np.zeros(2, [("a", "f4")])), "amax"),
     (lambda: layouts.flashmla_model1_block_bytes(-5), "block_size"),
     (lambda: layouts.flashmla_model1_block_bytes("a"), "block_size"),
@@ -240,6 +243,8 @@ def test_public_helpers_still_take_numbers_lists_and_numpy_integers():
     assert layouts.nz_columns(np.int8) == 32 and layouts.nz_columns("bfloat16") == 16
     assert layouts.nd_to_nz(np.zeros((1, 16, 1, 32), np.float16), np.int64(32)).shape == (1, 1, 16, 1, 32)
     assert formats.e8m0_byte(1.0).reshape(-1).tolist() == [127]
+    assert formats.e8m0_byte([np.inf, np.nan, -0.0]).reshape(-1).tolist() == [0xFF, 0xFF, 0]
+    assert formats.round_scale_pow2([np.inf, 3.0, 0.0]).reshape(-1).tolist() == [np.inf, 4.0, 0.0]
     assert qsfa.compare.cos_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
 
 
