@@ -39,10 +39,11 @@ as in :mod:`qsfa.reference.attention` (same helpers), so the bytes do not depend
 accumulation order lands within a few fp32 ulps (docs/numerics/comparison.md#float-criterion).
 
 Vectorised over rows, heads and tokens; Python loops only over chunks of rows, over S2 tiles, and over a chunk's
-rows to copy their selected K rows (one ``np.take`` per row and cache). The faithful path packs each S2 tile to the tokens its rows select (a masked slot changes no fp32 result: every one is the
-correctly rounded value of an exact sum, to which it adds zero) and computes the scores' softmax steps for all
-tiles of a chunk at once; per tile remain the two certified products and the state update. Bytes: pinned by
-benchmarks/bytecheck.py (``sharedkv-*``); speed: benchmarks/sharedkv_decode.py.
+rows to copy their selected K rows (one ``np.take`` per row and cache). The faithful path packs each S2 tile to the
+tokens its rows select (a masked slot changes no fp32 result: every one is the correctly rounded value of an exact
+sum, to which it adds zero) and computes the scores' softmax steps for all tiles of a chunk at once; per tile
+remain the two certified products and the state update. Bytes: pinned by benchmarks/bytecheck.py (``sharedkv-*``);
+speed: benchmarks/sharedkv_decode.py.
 """
 
 from __future__ import annotations
