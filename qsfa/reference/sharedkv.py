@@ -308,7 +308,9 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
         k64 = k16.astype(np.float64) if exact else scratch("sharedkv_k64", k16.shape, np.float64)
         if not exact:  # (a kept buffer: a fresh one costs a page fault per 4 KiB)
             np.copyto(k64, k16)
-        q64 = rows[r].astype(np.float64)
+        q64 = rows[r].astype(np.float64) if exact else scratch("sharedkv_q64", rows[r].shape, np.float64)
+        if not exact:
+            np.copyto(q64, rows[r])
         if exact:
             o, l_ = _exact(q64, k64, selc, float(softmax_scale), sink.astype(np.float64))
         else:
@@ -356,7 +358,7 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     kmag = np.bitwise_and(k16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_kmag", k16.shape, np.uint16))
     kmag1 = np.subtract(kmag, np.uint16(1), out=scratch("sharedkv_kmag1", k16.shape, np.uint16))
     kf = (np.sqrt(np.einsum("...d,...d->...", k64, k64)) * (1 + 2.0 ** -40), _lq(kmag1.min(axis=-1), qdtype))
-    s = np.empty((c, n, k64.shape[1]), np.float32)
+    s = scratch("sharedkv_s", (c, n, k64.shape[1]), np.float32)  # (kept buffers: no page faults per call)
     for lo, hi in tiles:  # RN32(q . k)  [c, N, W]; one call per tile, as the candidate sets of _dot_f32 were
         _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]), out=s[..., lo:hi])
     s *= scale  # fp32 multiply
@@ -381,7 +383,8 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     with np.errstate(invalid="ignore"):
         for t, (lo, hi) in enumerate(tiles):
             np.subtract(s[..., lo:hi], m_use[..., t, None], out=s[..., lo:hi])
-        e = exp_f32(s, out64=scratch("sharedkv_e64", s.shape, np.float64))  # RN32(exp(s - m'))  [c, N, W]
+        e = exp_f32(s, out64=scratch("sharedkv_e64", s.shape, np.float64),
+                    out=scratch("sharedkv_e", s.shape, np.float32))  # RN32(exp(s - m'))  [c, N, W]
     if clean:
         l64 = np.add.reduceat(e, lo_t, axis=-1, dtype=np.float64)  # terms in [0, 1]: sum |e| = l64
         tsum = certified_f32(l64, sum_error_bound(int(wt.max()), l64), lambda idx: np.array(
@@ -395,13 +398,16 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     p64 = scratch("sharedkv_p64", p16.shape, np.float64)
     np.copyto(p64, p16)
     p_sum = np.add.reduceat(p64, lo_t, axis=-1) * (1 + 2.0 ** -40)
-    p_lq = _lq(np.minimum.reduceat((p16.view(np.uint16) & np.uint16(0x7FFF)) - np.uint16(1), lo_t, axis=-1),
-               qdtype)  # min_lq of each tile's P
+    p_mag1 = np.bitwise_and(p16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_pmag", p16.shape, np.uint16))
+    p_mag1 -= np.uint16(1)  # zero wraps to 0xFFFF
+    p_lq = _lq(np.minimum.reduceat(p_mag1, lo_t, axis=-1), qdtype)  # min_lq of each tile's P
     l = np.ones((c, n), np.float32)
-    acc = np.zeros((c, n, d), np.float32)
+    acc = scratch("sharedkv_acc", (c, n, d), np.float32)
+    acc.fill(0)
+    pv = scratch("sharedkv_pv", (c, n, d), np.float32)
     for t, (lo, hi) in enumerate(tiles):
-        pv = _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
-                      _col_facts(kmag, kmag1, lo, hi, qdtype))  # RN32(P @ V)  [c, N, D]
+        _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
+                 _col_facts(kmag, kmag1, lo, hi, qdtype), out=pv)  # RN32(P @ V)  [c, N, D]
         a = a_all[..., t]
         if any_t[:, t].all():
             l = a * l + tsum[..., t]
@@ -417,9 +423,12 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
 def _finish(m, l, acc, qdtype, out_rounding):
     """``out = round(O / l)``, ``lse = m + RN32(ln l)`` (0 and -inf where ``l`` is not positive)."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
+        if (l > 0).all():  # (the common case, in place)
+            o = np.divide(acc, l[..., None], out=acc)
+        else:
+            o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
         lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, np.float32(1))), -np.inf).astype(np.float32)
-    return round_q16(o.astype(np.float32), qdtype, out_rounding), lse
+    return round_q16(o.astype(np.float32, copy=False), qdtype, out_rounding), lse
 
 
 # ----------------------------------------------------------------------------------------------------
