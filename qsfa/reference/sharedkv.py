@@ -199,13 +199,17 @@ def _lq(mn, qdtype):
     return np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)
 
 
-def _col_facts(mag, mag1, lo, hi, qdtype):
-    """(max |entry|, lq) per column of V over the packed tokens ``[lo, hi)`` (see attention._dot_f32), from the
-    magnitude bits ``mag`` ([c, W, D] uint16, sign cleared) of the 16-bit values and ``mag1 = mag - 1`` (zero
-    wrapped to 0xFFFF: never a non-zero column's min): reduced along the token axis in place of a transposed copy
-    (the same facts as ``min_lq`` of the transposed bits)."""
-    vmax = mag[:, lo:hi].max(axis=1).view(_QDT[qdtype]).astype(np.float64)
-    return vmax, _lq(mag1[:, lo:hi].min(axis=1), qdtype)
+def _k_facts(k64, k16, tiles, qdtype):
+    """The facts of K (see attention._dot_f32): per row (2-norm bound, lq), and per packed tile ``[lo, hi)`` and
+    column of V (max |entry|, lq) - reduced along the token axis in place of a transposed copy (the same facts as
+    ``min_lq`` of the transposed bits). One pass makes the magnitude bits (sign cleared), a second turns them into
+    ``magnitude - 1`` in place (zero wraps to 0xFFFF: never the minimum of a row or column with a non-zero value)."""
+    mag = np.bitwise_and(k16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_kmag", k16.shape, np.uint16))
+    vmax = [mag[:, lo:hi].max(axis=1).view(_QDT[qdtype]).astype(np.float64) for lo, hi in tiles]
+    mag -= np.uint16(1)
+    cols = [(v, _lq(mag[:, lo:hi].min(axis=1), qdtype)) for v, (lo, hi) in zip(vmax, tiles)]
+    rows = (np.sqrt(np.einsum("...d,...d->...", k64, k64)) * (1 + 2.0 ** -40), _lq(mag.min(axis=-1), qdtype))
+    return rows, cols
 
 
 def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_block_table=None,
@@ -355,9 +359,7 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     lo_t = np.array([t[0] for t in tiles], np.int64)
     wt = np.array([t[1] - t[0] for t in tiles], np.int64)
     qf = row_facts(q64, q16.view(np.uint16), qdtype)
-    kmag = np.bitwise_and(k16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_kmag", k16.shape, np.uint16))
-    kmag1 = np.subtract(kmag, np.uint16(1), out=scratch("sharedkv_kmag1", k16.shape, np.uint16))
-    kf = (np.sqrt(np.einsum("...d,...d->...", k64, k64)) * (1 + 2.0 ** -40), _lq(kmag1.min(axis=-1), qdtype))
+    kf, vf = _k_facts(k64, k16, tiles, qdtype)
     s = scratch("sharedkv_s", (c, n, k64.shape[1]), np.float32)  # (kept buffers: no page faults per call)
     for lo, hi in tiles:  # RN32(q . k)  [c, N, W]; one call per tile, as the candidate sets of _dot_f32 were
         _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]), out=s[..., lo:hi])
@@ -407,7 +409,7 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     pv = scratch("sharedkv_pv", (c, n, d), np.float32)
     for t, (lo, hi) in enumerate(tiles):
         _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
-                 _col_facts(kmag, kmag1, lo, hi, qdtype), out=pv)  # RN32(P @ V)  [c, N, D]
+                 vf[t], out=pv)  # RN32(P @ V)  [c, N, D]
         a = a_all[..., t]
         if any_t[:, t].all():
             l = a * l + tsum[..., t]
