@@ -313,7 +313,8 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
         k16 = scratch("sharedkv_k16", (r.size, max(wc, 1), d), rows.dtype)
         br, st = bat[r].tolist(), start[r].tolist()
         for i, (no, a, nc) in enumerate(zip(n_o.tolist(), at.tolist(), n_cmp.tolist())):
-            _take(ori_flat, ori_row(br[i], st[i] + span[:no]), k16[i, :no])
+            if no:
+                _take(ori_flat, ori_row(br[i], st[i] + span[:no]), k16[i, :no])
             if nc:
                 _take(cmp_flat, cmp_row(br[i], cmp_toks[i, :nc]), k16[i, a:a + nc])
                 k16[i, no:a] = 0
