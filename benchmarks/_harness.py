@@ -7,11 +7,14 @@ the spread (min, max, interquartile range) is reported beside them.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import platform
+import threading
 import time
 import tracemalloc
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -62,6 +65,77 @@ def peak_memory(fn) -> tuple[object, int]:
     finally:
         tracemalloc.stop()
     return out, int(peak)
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status memory field in bytes (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:  # pragma: no cover
+        return False
+
+
+@dataclass
+class RssPeak:
+    """What :func:`peak_rss` saw (bytes): ``RssAnon`` before the block and its largest sample, the kernel's peak RSS
+    (``VmHWM``, file pages of memmaps included) after it, and whether VmHWM could be reset before the block."""
+    base_anon: int = 0
+    peak_anon: int = 0
+    hwm: int = 0
+    hwm_reset: bool = False
+
+
+@contextmanager
+def peak_rss(interval: float = 0.05):
+    """Peak resident memory of the process while the block runs (Linux ``/proc/self/status``; zeros elsewhere).
+
+    A thread samples the anonymous resident memory (``RssAnon``: what the code allocates; file pages of memmaps are
+    the page cache's) every ``interval`` seconds, and once more as the block ends; ``VmHWM`` is reset before the
+    block and read after it. Yields an :class:`RssPeak` filled in when the block ends. (Not to be confused with
+    :func:`peak_memory`, tracemalloc's count of Python / NumPy allocations.)"""
+    got = RssPeak(base_anon=_status("RssAnon"))
+    got.peak_anon = got.base_anon
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(interval):
+            got.peak_anon = max(got.peak_anon, _status("RssAnon"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    got.hwm_reset = _reset_peak_rss()
+    sampler.start()
+    try:
+        yield got
+    finally:
+        done.set()
+        sampler.join()
+        got.peak_anon = max(got.peak_anon, _status("RssAnon"))
+        got.hwm = _status("VmHWM")
+
+
+def at_least(lo: int):
+    """An argparse type: an integer >= lo (a size or count the benchmark cannot run with, or 0, which some of them
+    took for "not given" and silently replaced by the default, is refused by name before anything is built)."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+        return v
+
+    return parse
 
 
 def row(benchmark: str, case: str, ours: Timing, *, baseline_name: str | None = None,

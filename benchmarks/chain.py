@@ -34,7 +34,7 @@ import argparse
 
 import numpy as np
 
-from ._harness import row, timeit
+from ._harness import at_least, row, timeit
 
 NAME = "chain"
 
@@ -148,7 +148,7 @@ def run_v4(quick: bool = False, kv: int | None = None) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--kv", type=int,
+    ap.add_argument("--kv", type=at_least(1),
                     help="tokens per request after the step (default 65536; --quick 2048, V4 512 with B = 2)")
     ap.add_argument("--only", choices=("v32", "v4"), help="only the V3.2 chain or only the V4 chains")
     a = ap.parse_args(argv)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import threading
 import time
 
 import ml_dtypes
@@ -34,30 +33,9 @@ from qsfa._values import as_dtype
 from qsfa.reference.attention import _rows_per_chunk
 from qsfa.reference.parallel import workset_bytes_per_thread
 
-from ._harness import Timing, row
+from ._harness import Timing, peak_rss, row
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status memory field in bytes (0 where there is no /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return 0
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:  # pragma: no cover
-        return False
 
 
 def build(folder, tokens, heads=128, sparse=2048, cached=2048, seed=0, block=128):
@@ -105,31 +83,18 @@ def run(quick: bool = False, tokens: int | None = None, threads: int | None = No
             qsfa.set_num_threads(threads)
         if workset:
             qsfa.set_workset_mib(workset)
-        peak_anon = [_status("RssAnon")]
-        base_anon = peak_anon[0]
-        done = threading.Event()
-
-        def sample():
-            while not done.wait(0.05):
-                peak_anon[0] = max(peak_anon[0], _status("RssAnon"))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        reset = _reset_peak_rss()
         load0 = os.getloadavg()[0]
-        sampler.start()
-        t0 = time.perf_counter()
         try:
-            got = qsfa.kv_quant_sparse_flash_attention(**args, attention_out=out, **bufs)
+            with peak_rss() as mem:
+                t0 = time.perf_counter()
+                got = qsfa.kv_quant_sparse_flash_attention(**args, attention_out=out, **bufs)
+                elapsed = time.perf_counter() - t0
         finally:
-            elapsed = time.perf_counter() - t0
-            done.set()
-            sampler.join()
             n_threads = qsfa.get_num_threads()
             budget = qsfa.get_workset_mib()
             rows = _rows_per_chunk(2048, heads, sparse, budget=workset_bytes_per_thread(n_threads))
             qsfa.set_num_threads(None)
             qsfa.set_workset_mib(None)
-        hwm = _status("VmHWM")
         assert got[0] is out
         out.flush()
         # the last 64 rows as a sequence of their own: the same thresholds, the same bytes
@@ -146,12 +111,12 @@ def run(quick: bool = False, tokens: int | None = None, threads: int | None = No
         bufs.clear()
         out_bytes = out.nbytes
         del out, got
-    mib = peak_anon[0] / 2**20
+    mib, hwm, base = mem.peak_anon / 2**20, mem.hwm, mem.base_anon / 2**20
     note = (f"{elapsed:.1f} s; TND {tokens} tokens, Q_N={heads}, sparse={sparse}; {n_threads} thread(s); "
             f"workset {budget} MiB ({rows} row(s) a chunk){'; LSE to memmaps' if lse else ''}; load "
-            f"{load0:.2f}->{os.getloadavg()[0]:.2f}; peak RssAnon {mib:.0f} MiB ({(peak_anon[0] - base_anon) / 2**20:.0f}"
-            f" MiB above the {base_anon / 2**20:.0f} MiB before the call); peak RSS incl. memmap pages "
-            f"{hwm / 2**20:.0f} MiB{'' if reset else ' (VmHWM not reset: includes input generation)'}; output "
+            f"{load0:.2f}->{os.getloadavg()[0]:.2f}; peak RssAnon {mib:.0f} MiB ({mib - base:.0f}"
+            f" MiB above the {base:.0f} MiB before the call); peak RSS incl. memmap pages "
+            f"{hwm / 2**20:.0f} MiB{'' if mem.hwm_reset else ' (VmHWM not reset: includes input generation)'}; output "
             f"{out_bytes / 2**20:.0f} MiB on disk; last {r} rows byte-identical to an in-memory call")
     # figures in MiB (not seconds): ratio = peak anonymous memory / the 512 MiB budget
     return [row("long_prefill", f"prefill {tokens} tokens to a memmap: peak MiB vs budget",

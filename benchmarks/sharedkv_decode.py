@@ -31,7 +31,7 @@ import numpy as np
 
 from qsfa.reference.sharedkv import sharedkv_attention
 
-from ._harness import row
+from ._harness import at_least, row
 from .decode_floor import blas_info, measure
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -115,7 +115,7 @@ def run(quick: bool = False, rounds: int | None = None, clock: str = "wall") -> 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--rounds", type=int)
+    p.add_argument("--rounds", type=at_least(1), help="interleaved rounds (default 7, --quick 2)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: time.perf_counter; cpu: CPU time of this thread (time.thread_time)")
     a = p.parse_args(argv)

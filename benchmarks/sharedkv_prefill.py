@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import threading
 import time
 
 import ml_dtypes
@@ -37,8 +36,7 @@ import qsfa
 from qsfa.reference.attention import only_rows
 from qsfa.reference.sharedkv import sharedkv_attention
 
-from ._harness import Timing, row
-from .long_prefill import _reset_peak_rss, _status
+from ._harness import Timing, at_least, peak_rss, row
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 D = 512
@@ -92,28 +90,12 @@ def run(quick: bool = False, tokens: int | None = None, context: int | None = No
     with tempfile.TemporaryDirectory(dir=folder) as d:
         args = build(d, tokens, context, heads)
         out = np.lib.format.open_memmap(os.path.join(d, "out.npy"), mode="w+", dtype=BF16, shape=(tokens, heads, D))
-        peak_anon = [_status("RssAnon")]
-        base_anon = peak_anon[0]
-        done = threading.Event()
-
-        def sample():
-            while not done.wait(0.05):
-                peak_anon[0] = max(peak_anon[0], _status("RssAnon"))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        reset = _reset_peak_rss()
         load0 = os.getloadavg()[0]
-        sampler.start()
         door = {k: v for k, v in args.items() if k not in _CORE_NUMERICS}  # the door sets them for chip A2
-        t0 = time.perf_counter()
-        try:
-            with threadpool_limits(limits=1):
-                got, _ = qsfa.sparse_flash_mla(**door, chip="A2", attention_out=out)
-        finally:
+        with peak_rss() as mem, threadpool_limits(limits=1):
+            t0 = time.perf_counter()
+            got, _ = qsfa.sparse_flash_mla(**door, chip="A2", attention_out=out)
             elapsed = time.perf_counter() - t0
-            done.set()
-            sampler.join()
-        hwm = _status("VmHWM")
         assert got is out
         out.flush()
         r = min(32, tokens // 2)
@@ -123,12 +105,13 @@ def run(quick: bool = False, tokens: int | None = None, context: int | None = No
             raise AssertionError("the streamed output differs from the in-memory one: not reported")
         out_bytes = out.nbytes
         del out, got, want, args
-    mib = peak_anon[0] / 2**20
+    mib, hwm, base = mem.peak_anon / 2**20, mem.hwm, mem.base_anon / 2**20
     note = (f"{elapsed:.1f} s; TND, the last {tokens} of {context} tokens, Q_N={heads}, CSA window 128 + top-{TOPK} "
-            f"of {context // RATIO} compressed; 1 thread (threadpoolctl); load {load0:.2f}->{os.getloadavg()[0]:.2f}; peak RssAnon "
-            f"{mib:.0f} MiB ({(peak_anon[0] - base_anon) / 2**20:.0f} MiB above the {base_anon / 2**20:.0f} MiB before "
-            f"the call); peak RSS incl. memmap pages {hwm / 2**20:.0f} MiB"
-            f"{'' if reset else ' (VmHWM not reset: includes input generation)'}; output {out_bytes / 2**20:.0f} MiB "
+            f"of {context // RATIO} compressed; 1 thread (threadpoolctl); load {load0:.2f}->{os.getloadavg()[0]:.2f}; "
+            f"peak RssAnon {mib:.0f} MiB ({mib - base:.0f} MiB above the {base:.0f} MiB before the call); peak RSS "
+            f"incl. memmap pages {hwm / 2**20:.0f} MiB"
+            f"{'' if mem.hwm_reset else ' (VmHWM not reset: includes input generation)'}; output "
+            f"{out_bytes / 2**20:.0f} MiB "
             f"on disk; last {r} rows byte-identical to an in-memory call")
     return [row("sharedkv_prefill", f"V4 CSA prefill, {tokens} of {context} tokens to a memmap: peak MiB vs budget",
                 Timing(mib, mib, mib, 0.0, 1), baseline_name="512 MiB working-set budget (MiB, not s)",
@@ -136,26 +119,14 @@ def run(quick: bool = False, tokens: int | None = None, context: int | None = No
                 output_mib=out_bytes / 2**20, notes=note, goal="ratio < 1")]
 
 
-def _at_least(lo: int):
-    """An argparse type: an integer >= lo (0 / negative tokens or heads, or a context without TOPK compressed tokens,
-    raised IndexError / ValueError / AssertionError tracebacks from inside the run)."""
-    def parse(text: str) -> int:
-        v = int(text)
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--tokens", type=_at_least(1), help="query rows (the last of the context; default 2048, --quick 16)")
-    p.add_argument("--context", type=_at_least(RATIO * TOPK),
+    p.add_argument("--tokens", type=at_least(1), help="query rows (the last of the context; default 2048, --quick 16)")
+    p.add_argument("--context", type=at_least(RATIO * TOPK),
                    help=f"tokens of the request (at least {RATIO * TOPK}: top-{TOPK} of the 1 / {RATIO} compressed "
                         "ones; default 131072, --quick 4096)")
-    p.add_argument("--heads", type=_at_least(1), default=64)
+    p.add_argument("--heads", type=at_least(1), default=64)
     p.add_argument("--dir", help="folder for the memmap files (default: the system temp folder)")
     a = p.parse_args(argv)
     for r in run(quick=a.quick, tokens=a.tokens, context=a.context, heads=a.heads, folder=a.dir):

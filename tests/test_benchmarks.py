@@ -5,9 +5,11 @@ scripts from rotting, and checks that each one produced rows with a same-process
 """
 
 import json
+import os
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -106,3 +108,38 @@ def test_a_benchmark_module_run_alone_checks_its_options(name, monkeypatch, caps
             assert "--quick" in out and "--out" in out and "== " not in out, out  # nothing ran
         else:
             assert "unrecognized arguments: --quik" in err, err
+
+
+@pytest.mark.parametrize("module, argv", [("chain", ["--kv", "0"]), ("chain", ["--kv", "-3"]),
+                                          ("sharedkv_decode", ["--rounds", "0"]),
+                                          ("sharedkv_decode", ["--rounds", "-1"])])
+def test_benchmark_counts_of_zero_are_refused_by_name(module, argv, capsys):
+    """``--kv 0`` / ``--rounds 0`` were taken for "not given" and silently ran the defaults (a 64K-token chain, 7
+    rounds); argparse now refuses them before anything is built (exit 2, the option named)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        mod = importlib.import_module(f"benchmarks.{module}")
+    finally:
+        sys.path.remove(str(ROOT))
+    with pytest.raises(SystemExit) as ei:
+        mod.main(["--quick", *argv])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"argument {argv[0]}: must be an integer >= 1, got {argv[1]}" in err
+
+
+def test_peak_rss_sees_memory_the_block_holds():
+    """benchmarks._harness.peak_rss (the RSS sampler of the two prefill benchmarks): 64 MiB touched inside the block
+    and still held when it ends are in the peak (the last sample is taken as the block ends, not by the timer)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks._harness import peak_rss
+    finally:
+        sys.path.remove(str(ROOT))
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc")
+    with peak_rss() as mem:
+        held = np.ones(64 << 17)  # 64 MiB of float64, every page touched
+    assert mem.peak_anon - mem.base_anon >= 60 << 20 and mem.hwm >= mem.peak_anon  # VmHWM >= RSS >= RssAnon
+    assert held[-1] == 1.0

@@ -254,7 +254,7 @@ def sum_error_bound(n_terms: int, abs_total):
     return (4.0 * max(int(n_terms), 1) * _U64) * abs_total
 
 
-def certified_f32(approx, bound, exact, *, relative=False):
+def certified_f32(approx, bound, exact, *, relative=False, out=None):
     """fp32 round-to-nearest-even ``RN32(x)`` of real values ``x`` known through float64 ``approx``.
 
     ``|approx - x| <= bound`` (an array broadcastable to approx, or with ``relative=True`` a float: the bound is
@@ -262,10 +262,11 @@ def certified_f32(approx, bound, exact, *, relative=False):
     means approx is x. Where ``fp32(approx - bound)`` and ``fp32(approx + bound)`` have the same bits, rounding is
     monotonic so RN32(x) is those bits, whatever the approximation was. Elsewhere (x closer than ``bound`` to an
     fp32 rounding boundary or to zero: a fraction of about ``bound / ulp32`` of the elements)
-    ``exact(flat_indices) -> float32`` supplies the values. Returns a new float32 array of approx's shape.
+    ``exact(flat_indices) -> float32`` supplies the values. Returns a new float32 array of approx's shape, or
+    ``out`` (a C-contiguous float32 array of that shape; its work array is then a kept scratch buffer too).
     """
-    lo = np.empty(approx.shape, np.float32)
-    hi = np.empty(approx.shape, np.float32)
+    lo = np.empty(approx.shape, np.float32) if out is None else out
+    hi = np.empty(approx.shape, np.float32) if out is None else scratch("certified_f32_hi", approx.shape, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         if relative:
             np.multiply(approx, 1.0 - bound, out=lo, casting="same_kind")
@@ -349,14 +350,15 @@ def _decimal_f32(x: np.ndarray, fn: str) -> np.ndarray:
     return res[inv.reshape(-1)]
 
 
-def exp_f32(x: np.ndarray, out64: np.ndarray | None = None) -> np.ndarray:
+def exp_f32(x: np.ndarray, out64: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """RN32(e^x) of float32 ``x``: float64 exp rounded once, certified with a 2^-48 relative margin (NumPy's
     float32 exp has CPU-dependent SIMD variants; its float64 exp differs by up to an ulp between them); the rare
     arguments whose e^x lies closer than that to an fp32 rounding boundary go through :mod:`decimal`.
-    ``out64``: optional float64 scratch of x's shape."""
+    ``out64``: optional float64 scratch of x's shape; ``out``: optional float32 result array (see
+    :func:`certified_f32`)."""
     y = np.exp(x, out=out64, dtype=np.float64)
     return certified_f32(y, _TRANSCENDENTAL_MARGIN, lambda idx: _decimal_f32(x.reshape(-1)[idx], "exp"),
-                         relative=True)
+                         relative=True, out=out)
 
 
 def log_f32(x: np.ndarray) -> np.ndarray:

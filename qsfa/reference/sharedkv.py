@@ -38,11 +38,12 @@ cores (flash decode, chosen by the metadata) merges partial results in another o
 as in :mod:`qsfa.reference.attention` (same helpers), so the bytes do not depend on the BLAS; the kernel's
 accumulation order lands within a few fp32 ulps (docs/numerics/comparison.md#float-criterion).
 
-Vectorised over rows, heads and tokens; Python loops only over chunks of rows and over S2 tiles. The faithful
-path packs each S2 tile to the tokens its rows select (a masked slot changes no fp32 result: every one is the
-correctly rounded value of an exact sum, to which it adds zero) and computes the scores' softmax steps for all
-tiles of a chunk at once; per tile remain the two certified products and the state update. Bytes: pinned by
-benchmarks/bytecheck.py (``sharedkv-*``); speed: benchmarks/sharedkv_decode.py.
+Vectorised over rows, heads and tokens; Python loops only over chunks of rows, over S2 tiles, and over a chunk's
+rows to copy their selected K rows (one ``np.take`` per row and cache). The faithful path packs each S2 tile to the
+tokens its rows select (a masked slot changes no fp32 result: every one is the correctly rounded value of an exact
+sum, to which it adds zero) and computes the scores' softmax steps for all tiles of a chunk at once; per tile
+remain the two certified products and the state update. Bytes: pinned by benchmarks/bytecheck.py (``sharedkv-*``);
+speed: benchmarks/sharedkv_decode.py.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import (
-    _ROW_RANGE, _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16,
+    _ROW_RANGE, _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, round_q16,
     row_facts, sum_error_bound,
 )
 from ._workspace import scratch
@@ -166,29 +167,62 @@ def select_tokens(bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, cm
     return zero, start, n_ori, toks[:, : int(n_cmp.max(initial=0))], n_cmp
 
 
-def _tile_layout(sel, tile):
-    """The selected slots of every S2 tile packed to the tile's front, in slot order: (dest [c, w]: the packed
-    position of each selected slot, tiles: [(lo, hi)] of the packed tiles that hold a selected slot, packed width).
-    A packed tile is as wide as its most populated row (rows with fewer tokens are masked there)."""
-    c, w = sel.shape
-    n_t = -(-w // tile)
-    rank = np.cumsum(np.pad(sel, ((0, 0), (0, n_t * tile - w))).reshape(c, n_t, tile), axis=2) - 1
-    wt = rank[:, :, -1].max(axis=0) + 1  # [n_t]
-    off = np.concatenate([[0], np.cumsum(wt)[:-1]])
-    dest = (off[None, :, None] + rank).reshape(c, -1)[:, :w]
+def _take(flat, rows, out):
+    """``out[...] = flat[rows]`` (rows of a flat cache, or of :class:`LazyRows`); an array's rows in range are
+    copied straight into ``out`` (``np.take`` buffers its output unless told how to treat indices out of range)."""
+    if isinstance(flat, np.ndarray) and (rows.size == 0 or (rows.min() >= 0 and rows.max() < flat.shape[0])):
+        np.take(flat, rows, axis=0, out=out, mode="clip")
+    else:
+        out[...] = flat[rows]
+
+
+def _tile_layout(n_ori, ori_slots, n_cmp, tile):
+    """The S2 tiles of a chunk of rows packed to their selected slots. A row selects the slots ``[0, n_ori)`` (its
+    window) and ``[ori_slots, ori_slots + n_cmp)`` (its compressed tokens, from a tile boundary); a packed tile is
+    as wide as its most populated row (rows with fewer tokens are masked there), so every tile a row fills keeps
+    the full width and a row's window lands at ``[0, n_ori)``, its compressed tokens at ``[at, at + n_cmp)``.
+    Returns (tiles: [(lo, hi)] of the packed tiles that hold a selected slot, packed width, at [c])."""
+    n_t = -(-int((ori_slots + n_cmp).max(initial=0)) // tile)
+    t0 = np.arange(n_t, dtype=np.int64)[None, :] * tile  # first slot of each tile
+    cnt = np.clip(n_ori[:, None] - t0, 0, tile) + np.clip(n_cmp[:, None] - (t0 - ori_slots[:, None]), 0, tile) * (
+        t0 >= ori_slots[:, None])
+    wt = cnt.max(axis=0, initial=0)  # [n_t]
+    off = np.concatenate([[0], np.cumsum(wt)])
     tiles = [(int(off[t]), int(off[t] + wt[t])) for t in range(n_t) if wt[t] > 0]
-    return dest, tiles, int(wt.sum())
+    return tiles, int(off[-1]), off[np.minimum(ori_slots // tile, n_t)]
 
 
-def _col_facts(mag, lo, hi, qdtype):
-    """(max |entry|, lq) per column of V over the packed tokens ``[lo, hi)`` (see attention._dot_f32), from the
-    magnitude bits ``mag`` ([c, W, D] uint16, sign cleared) of the 16-bit values: reduced along the token axis
-    in place of a transposed copy (the same facts as ``min_lq`` of the transposed bits)."""
-    t = mag[:, lo:hi]
-    vmax = t.max(axis=1).view(_QDT[qdtype]).astype(np.float64)
-    mn = (t - np.uint16(1)).min(axis=1).astype(np.int32)  # zero wraps to 0xFFFF: never a non-zero column's min
+def _lq(mn, qdtype):
+    """min_lq from the minimum of ``magnitude bits - 1`` (uint16, zero wrapped to 0xFFFF) of 16-bit values."""
+    mn = mn.astype(np.int32)
     shift, low = _FIELD16[qdtype]
-    return vmax, np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)
+    return np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)
+
+
+def _widen(k16, k64, block=128):
+    """``k64[...] = k16`` and the sum of squares of every row (float64), ``block`` rows at a time so that the sums
+    read the rows just written from cache (the same sums as one pass over all rows)."""
+    d = k16.shape[-1]
+    src, dst = k16.reshape(-1, d), k64.reshape(-1, d)
+    sq = np.empty(src.shape[0])
+    for a in range(0, src.shape[0], block):
+        np.copyto(dst[a:a + block], src[a:a + block])
+        np.einsum("nd,nd->n", dst[a:a + block], dst[a:a + block], out=sq[a:a + block])
+    return sq.reshape(k16.shape[:-1])
+
+
+def _k_facts(k_sq, k16, tiles, qdtype):
+    """The facts of K (see attention._dot_f32) from its rows' sums of squares ``k_sq`` and its 16-bit values: per
+    row (2-norm bound, lq), and per packed tile ``[lo, hi)`` and column of V (max |entry|, lq) - reduced along the
+    token axis in place of a transposed copy (the same facts as ``min_lq`` of the transposed bits). One pass makes
+    the magnitude bits (sign cleared), a second turns them into ``magnitude - 1`` in place (zero wraps to 0xFFFF:
+    never the minimum of a row or column with a non-zero value)."""
+    mag = np.bitwise_and(k16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_kmag", k16.shape, np.uint16))
+    vmax = [mag[:, lo:hi].max(axis=1).view(_QDT[qdtype]).astype(np.float64) for lo, hi in tiles]
+    mag -= np.uint16(1)
+    cols = [(v, _lq(mag[:, lo:hi].min(axis=1), qdtype)) for v, (lo, hi) in zip(vmax, tiles)]
+    rows = (np.sqrt(k_sq) * (1 + 2.0 ** -40), _lq(mag.min(axis=-1), qdtype))
+    return rows, cols
 
 
 def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_block_table=None,
@@ -257,42 +291,50 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
             z = np.flatnonzero(idle[a:a + 4096]) + a
             if z.size:
                 out[z] = 0
-    per_row = max(int(ori_slots[live].max(initial=0)) + cmp_bound, 1) * d * 8 * 2
+    # K bytes per row: faithful packs a row's window to [0, n_ori) (see _tile_layout), exact keeps the slot layout
+    ori_w = ori_slots if exact else n_ori
+    per_row = max(int(ori_w[live].max(initial=0)) + cmp_bound, 1) * d * 8 * 2
     step = max(1, _CHUNK_BYTES // per_row)
+    span = np.arange(int(n_ori[live].max(initial=0)), dtype=np.int64)
     for c0 in range(0, live.size, step):
         r = live[c0:c0 + step]
         _, _, _, cmp_toks, n_cmp = select_tokens(bat[r], pos[r], s1_act[r], valid[r], ori_len, cmp_len,
                                                  cmp_residual_kv, None if idx is None else idx[r],
                                                  has_cmp=has_cmp, **masks)
-        w = max(int((ori_slots[r] + n_cmp).max(initial=0)), 1)
-        slot = np.arange(w, dtype=np.int64)[None, :]
-        in_ori = slot < n_ori[r, None]
-        cpos = slot - ori_slots[r, None]
-        in_cmp = (cpos >= 0) & (cpos < n_cmp[:, None])
-        sel = in_ori | in_cmp
+        n_o, slots_o = n_ori[r], ori_slots[r]
         # faithful: every S2 tile compacted to its selected slots (a masked slot adds exactly nothing: e = 0, P = 0,
         # and every fp32 result is RN32 of an exact value); exact: the slot layout (its float64 sums see the zeros)
-        dest, tiles, wc = _tile_layout(sel, tile) if not exact else (None, [(0, w)], w)
-        k16 = np.zeros((r.size, max(wc, 1), d), rows.dtype)
-        selc = np.zeros((r.size, max(wc, 1)), bool)
-        br = bat[r]
-        ri, si = np.nonzero(in_ori)
-        di = si if exact else dest[ri, si]
-        k16[ri, di] = ori_flat[ori_row(br[ri], start[r][ri] + si)]
-        selc[ri, di] = True
-        if has_cmp:
-            ri, si = np.nonzero(in_cmp)
-            di = si if exact else dest[ri, si]
-            k16[ri, di] = cmp_flat[cmp_row(br[ri], cmp_toks[ri, si - ori_slots[r][ri]])]
-            selc[ri, di] = True
-        k64 = k16.astype(np.float64) if exact else scratch("sharedkv_k64", k16.shape, np.float64)
-        if not exact:  # (a kept buffer: a fresh one costs a page fault per 4 KiB)
-            np.copyto(k64, k16)
-        q64 = rows[r].astype(np.float64)
+        if exact:
+            wc = max(int((slots_o + n_cmp).max(initial=0)), 1)
+            tiles, at = [(0, wc)], slots_o
+        else:
+            tiles, wc, at = _tile_layout(n_o, slots_o, n_cmp, tile)
+        # row i: window at [0, n_o), compressed tokens at [at, at + n_cmp), zeros elsewhere
+        k16 = scratch("sharedkv_k16", (r.size, max(wc, 1), d), rows.dtype)
+        br, st = bat[r].tolist(), start[r].tolist()
+        for i, (no, a, nc) in enumerate(zip(n_o.tolist(), at.tolist(), n_cmp.tolist())):
+            if no:
+                _take(ori_flat, ori_row(br[i], st[i] + span[:no]), k16[i, :no])
+            if nc:
+                _take(cmp_flat, cmp_row(br[i], cmp_toks[i, :nc]), k16[i, a:a + nc])
+                k16[i, no:a] = 0
+                k16[i, a + nc:] = 0
+            else:
+                k16[i, no:] = 0
+        j = np.arange(k16.shape[1], dtype=np.int64)[None, :]
+        selc = (j < n_o[:, None]) | ((j >= at[:, None]) & (j < (at + n_cmp)[:, None]))
+        if exact:
+            k64 = k16.astype(np.float64)
+        else:  # (a kept buffer: a fresh one costs a page fault per 4 KiB)
+            k64 = scratch("sharedkv_k64", k16.shape, np.float64)
+            k_sq = _widen(k16, k64)
+        q64 = rows[r].astype(np.float64) if exact else scratch("sharedkv_q64", rows[r].shape, np.float64)
+        if not exact:
+            np.copyto(q64, rows[r])
         if exact:
             o, l_ = _exact(q64, k64, selc, float(softmax_scale), sink.astype(np.float64))
         else:
-            o, l_ = _faithful(q64, rows[r], k64, k16, selc, np.float32(softmax_scale), sink, qdtype, tiles,
+            o, l_ = _faithful(q64, rows[r], k64, k16, k_sq, selc, np.float32(softmax_scale), sink, qdtype, tiles,
                               p_rounding, out_rounding)
         out[r] = o
         lse[r] = l_
@@ -319,7 +361,7 @@ def _exact(q64, k64, sel, scale, sink):
     return o, np.where(den > 0, lse, -np.inf)
 
 
-def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
+def _faithful(q64, q16, k64, k16, k_sq, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
     """The online softmax over the packed tiles ``[(lo, hi)]`` of ``k64`` (see :func:`_tile_layout`); ``sel``
     [c, W] marks the selected tokens. Vectorised over rows, heads and tiles: the scores of all tiles land in one
     block (one ``_dot_f32`` call per tile, so its certification sees the candidate sets it always saw), and the
@@ -333,10 +375,8 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     lo_t = np.array([t[0] for t in tiles], np.int64)
     wt = np.array([t[1] - t[0] for t in tiles], np.int64)
     qf = row_facts(q64, q16.view(np.uint16), qdtype)
-    kbits = k16.view(np.uint16)
-    kf = row_facts(k64, kbits, qdtype)
-    kmag = kbits & np.uint16(0x7FFF)
-    s = np.empty((c, n, k64.shape[1]), np.float32)
+    kf, vf = _k_facts(k_sq, k16, tiles, qdtype)
+    s = scratch("sharedkv_s", (c, n, k64.shape[1]), np.float32)  # (kept buffers: no page faults per call)
     for lo, hi in tiles:  # RN32(q . k)  [c, N, W]; one call per tile, as the candidate sets of _dot_f32 were
         _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]), out=s[..., lo:hi])
     s *= scale  # fp32 multiply
@@ -359,8 +399,10 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     clean = bool(np.isfinite(m_use).all())  # no +inf / NaN score: s - m is finite or -inf (masked), exp +0
     fin = None if clean else np.isfinite(s)
     with np.errstate(invalid="ignore"):
-        np.subtract(s, np.repeat(m_use, wt, axis=-1), out=s)
-        e = exp_f32(s, out64=scratch("sharedkv_e64", s.shape, np.float64))  # RN32(exp(s - m'))  [c, N, W]
+        for t, (lo, hi) in enumerate(tiles):
+            np.subtract(s[..., lo:hi], m_use[..., t, None], out=s[..., lo:hi])
+        e = exp_f32(s, out64=scratch("sharedkv_e64", s.shape, np.float64),
+                    out=scratch("sharedkv_e", s.shape, np.float32))  # RN32(exp(s - m'))  [c, N, W]
     if clean:
         l64 = np.add.reduceat(e, lo_t, axis=-1, dtype=np.float64)  # terms in [0, 1]: sum |e| = l64
         tsum = certified_f32(l64, sum_error_bound(int(wt.max()), l64), lambda idx: np.array(
@@ -374,14 +416,16 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     p64 = scratch("sharedkv_p64", p16.shape, np.float64)
     np.copyto(p64, p16)
     p_sum = np.add.reduceat(p64, lo_t, axis=-1) * (1 + 2.0 ** -40)
-    mn = np.minimum.reduceat((p16.view(np.uint16) & np.uint16(0x7FFF)) - np.uint16(1), lo_t, axis=-1).astype(np.int32)
-    shift, low = _FIELD16[qdtype]
-    p_lq = np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)  # min_lq of each tile's P
+    p_mag1 = np.bitwise_and(p16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_pmag", p16.shape, np.uint16))
+    p_mag1 -= np.uint16(1)  # zero wraps to 0xFFFF
+    p_lq = _lq(np.minimum.reduceat(p_mag1, lo_t, axis=-1), qdtype)  # min_lq of each tile's P
     l = np.ones((c, n), np.float32)
-    acc = np.zeros((c, n, d), np.float32)
+    acc = scratch("sharedkv_acc", (c, n, d), np.float32)
+    acc.fill(0)
+    pv = scratch("sharedkv_pv", (c, n, d), np.float32)
     for t, (lo, hi) in enumerate(tiles):
-        pv = _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
-                      _col_facts(kmag, lo, hi, qdtype))  # RN32(P @ V)  [c, N, D]
+        _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
+                 vf[t], out=pv)  # RN32(P @ V)  [c, N, D]
         a = a_all[..., t]
         if any_t[:, t].all():
             l = a * l + tsum[..., t]
@@ -397,9 +441,12 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
 def _finish(m, l, acc, qdtype, out_rounding):
     """``out = round(O / l)``, ``lse = m + RN32(ln l)`` (0 and -inf where ``l`` is not positive)."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
+        if (l > 0).all():  # (the common case, in place)
+            o = np.divide(acc, l[..., None], out=acc)
+        else:
+            o = np.where(l[..., None] > 0, acc / np.where(l > 0, l, np.float32(1))[..., None], np.float32(0))
         lse = np.where(l > 0, m + log_f32(np.where(l > 0, l, np.float32(1))), -np.inf).astype(np.float32)
-    return round_q16(o.astype(np.float32), qdtype, out_rounding), lse
+    return round_q16(o.astype(np.float32, copy=False), qdtype, out_rounding), lse
 
 
 # ----------------------------------------------------------------------------------------------------
