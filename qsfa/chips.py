@@ -26,6 +26,7 @@ manifests record it per case as ``"chip"``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import Any, Mapping
@@ -39,20 +40,12 @@ __all__ = [
     "ATTENTION_ROUNDING",
     "KRR_HIFLOAT8_OVERFLOW",
     "attention_rounding",
-    "qsfa_numerics",
-    "sfa_numerics",
-    "krr_numerics",
-    "dbq_numerics",
     "DYNAMIC_BLOCK_QUANT_ORDER",
     "C8_SCALE_ORDER",
-    "c8_numerics",
     "check_chip",
-    "chip_for_args",
     "resolve_chip",
     "chip_violation",
-    "front_door",
     "SHAREDKV_NUMERICS",
-    "sharedkv_numerics",
     "QS_NUMERICS",
 ]
 
@@ -106,6 +99,29 @@ SHAREDKV_NUMERICS["A3"] = SHAREDKV_NUMERICS["A2"]
 QS_NUMERICS = {"s2_tile": 128, "p_scale": 16.0, "out_rounding": "round"}
 
 
+
+def _numerics_hook(*needs: str):
+    """The ``Operator.numerics`` hooks below are called by the dispatch layer with a valid chip and arguments that
+    passed the contract; called directly, a bad chip or an argument mapping that lacks what the hook reads is the
+    project's error (issue 27: the helpers of qsfa.chips go through the operators' rules), never a KeyError."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def hook(chip, args):
+            if not isinstance(chip, str) or chip not in CHIPS:
+                raise InvalidArgument("value", "chip", chip, "must be 'A2', 'A3' or '950' (a numerics hook models one chip)")
+            if not isinstance(args, Mapping) or any(k not in args for k in needs):
+                raise InvalidArgument("value", "args", Raw(type(args).__name__), "must be a mapping of the operator's "
+                                      f"arguments holding {list(needs)}")
+            try:
+                return fn(chip, args)
+            except KeyError as e:  # a dtype the chip's table has no entry for
+                raise InvalidArgument("value", "args", Raw(f"{e.args[0]!r}"), "no numerics of this chip for that "
+                                      "value: the arguments are not a valid call of the operator") from None
+        return hook
+    return deco
+
+
+@_numerics_hook("q")
 def sharedkv_numerics(chip: str, args: Mapping) -> dict:
     """``Operator.numerics`` of the V4 shared-KV attention: S2 tile and the P / output rounding modes."""
     from ._arrays import dtype_name
@@ -139,6 +155,7 @@ def attention_rounding(chip: str | None, qdtype: str, *, dequant: bool = True) -
     return out
 
 
+@_numerics_hook("query")
 def qsfa_numerics(chip: str, args: Mapping) -> dict:
     """``Operator.numerics`` of kv_quant_sparse_flash_attention: the three attention rounding modes."""
     from ._arrays import dtype_name
@@ -146,6 +163,7 @@ def qsfa_numerics(chip: str, args: Mapping) -> dict:
     return attention_rounding(chip, dtype_name(args["query"]))
 
 
+@_numerics_hook("query")
 def sfa_numerics(chip: str, args: Mapping) -> dict:
     """``Operator.numerics`` of sparse_flash_attention (K is not dequantised: P and output modes)."""
     from ._arrays import dtype_name
@@ -153,16 +171,19 @@ def sfa_numerics(chip: str, args: Mapping) -> dict:
     return attention_rounding(chip, dtype_name(args["query"]), dequant=False)
 
 
+@_numerics_hook()
 def krr_numerics(chip: str, args: Mapping) -> dict:
     """``Operator.numerics`` of kv_rmsnorm_rope_cache: the HiFloat8 cache's overflow rule."""
     return {"hifloat8_overflow": KRR_HIFLOAT8_OVERFLOW[chip]}
 
 
+@_numerics_hook()
 def dbq_numerics(chip: str, args: Mapping) -> dict:
     """``Operator.numerics`` of dynamic_block_quant: the chip's scale order where the caller left it None."""
     return {} if args.get("scale_order") is not None else {"scale_order": DYNAMIC_BLOCK_QUANT_ORDER[chip]}
 
 
+@_numerics_hook()
 def c8_numerics(chip: str, args: Mapping) -> dict:
     """``Operator.numerics`` of the C8 writers: the chip's scale order where the caller left it None."""
     return {} if args.get("scale_order") is not None else {"scale_order": C8_SCALE_ORDER[chip]}

@@ -220,6 +220,11 @@ def test_requires_grad_output_buffer_is_refused_and_input_is_read():
     (lambda: qsfa.compare.compare_bytes(np.zeros(3), np.zeros(3), max_report=-1), "max_report"),
     (lambda: qsfa.compare.compare_bytes(np.zeros(3, np.uint8), np.zeros(3, np.uint8), fmt="fp8"), "fmt"),
     (lambda: qsfa.compare.compare(np.zeros(3, np.uint8), np.zeros(3, np.uint8), fmt="fp8"), "fmt"),
+    (lambda: qsfa.chips.qsfa_numerics("A9", {}), "chip"),
+    (lambda: qsfa.chips.sharedkv_numerics("A2", {}), "args"),
+    (lambda: qsfa.chips.sharedkv_numerics("950", {"q": np.zeros(2, np.float32)}), "args"),
+    (lambda: qsfa.chips.krr_numerics(None, {}), "chip"),
+    (lambda: qsfa.chips.dbq_numerics("A2", None), "args"),
     (lambda: qsfa.resolve_chip("bogus_op"), "op"),
     (lambda: qsfa.resolve_chip("kv_quant_sparse_flash_attention", 1, 2), "arguments"),
 ])
