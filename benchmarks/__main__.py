@@ -46,14 +46,15 @@ def _table(rows) -> list[str]:
     lines = ["| benchmark | case | ours | baseline | ratio (ours/baseline) | notes |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        base = f"{r.get('baseline_name', '-')}: {fmt_s(r['baseline_s'])}" if "baseline_s" in r else "-"
+        fmt = fmt_s if r.get("unit", "s") == "s" else (lambda v, u=r["unit"]: "-" if v is None else f"{v:.1f} {u}")
+        base = f"{r.get('baseline_name', '-')}: {fmt(r['baseline_s'])}" if "baseline_s" in r else "-"
         ratio = f"{r['ratio']:.3g}" if "ratio" in r else "-"
         notes = r.get("notes", "")
         if "peak_mib" in r:
             notes = (notes + "; " if notes else "") + f"peak {r['peak_mib']:.0f} MiB"
         if "skipped" in r:
             notes = f"skipped: {r['skipped']}"
-        ours = fmt_s(r["ours_s"]) if r.get("ours_s") is not None else "-"
+        ours = fmt(r["ours_s"]) if r.get("ours_s") is not None else "-"
         lines.append(f"| {r['benchmark']} | {r['case']} | {ours} | {base} | {ratio} | {notes} |")
     return lines
 

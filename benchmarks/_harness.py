@@ -140,7 +140,9 @@ def at_least(lo: int):
 
 def row(benchmark: str, case: str, ours: Timing, *, baseline_name: str | None = None,
         baseline: Timing | None = None, higher_is_better: bool = False, **extra) -> dict:
-    """One result row. ``ratio`` = ours / baseline (time): below 1 means faster than the baseline."""
+    """One result row. ``ratio`` = ours / baseline (time): below 1 means faster than the baseline. A row whose
+    figures are not seconds says so with ``unit=`` ("MiB": the prefill benchmarks' peak memory against a budget);
+    results.md prints them in that unit."""
     r = {"benchmark": benchmark, "case": case, "ours_s": ours.median_s, "ours": ours.to_dict()}
     if baseline is not None:
         r["baseline_name"] = baseline_name

@@ -114,7 +114,7 @@ def run(quick: bool = False, tokens: int | None = None, context: int | None = No
             f"{out_bytes / 2**20:.0f} MiB "
             f"on disk; last {r} rows byte-identical to an in-memory call")
     return [row("sharedkv_prefill", f"V4 CSA prefill, {tokens} of {context} tokens to a memmap: peak MiB vs budget",
-                Timing(mib, mib, mib, 0.0, 1), baseline_name="512 MiB working-set budget (MiB, not s)",
+                Timing(mib, mib, mib, 0.0, 1), baseline_name="512 MiB working-set budget", unit="MiB",
                 baseline=Timing(512.0, 512.0, 512.0, 0.0, 0), seconds=elapsed, peak_mib=mib, vmhwm_mib=hwm / 2**20,
                 output_mib=out_bytes / 2**20, notes=note, goal="ratio < 1")]
 

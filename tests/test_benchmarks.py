@@ -143,3 +143,20 @@ def test_peak_rss_sees_memory_the_block_holds():
         held = np.ones(64 << 17)  # 64 MiB of float64, every page touched
     assert mem.peak_anon - mem.base_anon >= 60 << 20 and mem.hwm >= mem.peak_anon  # VmHWM >= RSS >= RssAnon
     assert held[-1] == 1.0
+
+
+def test_results_table_prints_a_memory_row_in_its_unit():
+    """The prefill benchmarks' rows hold MiB (peak against the 512 MiB budget): results.md printed them as seconds
+    ("435.20 s | 512 MiB working-set budget (MiB, not s): 512.00 s")."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.__main__ import _table
+        from benchmarks._harness import Timing, row
+    finally:
+        sys.path.remove(str(ROOT))
+    mib = row("p", "case", Timing(435.2, 435.2, 435.2, 0.0, 1), baseline_name="512 MiB working-set budget",
+              baseline=Timing(512.0, 512.0, 512.0, 0.0, 0), unit="MiB")
+    secs = row("t", "case", Timing(1.5, 1.5, 1.5, 0.0, 1), baseline_name="floor", baseline=Timing(0.5, 0.5, 0.5, 0.0, 1))
+    lines = _table([mib, secs])
+    assert "| p | case | 435.2 MiB | 512 MiB working-set budget: 512.0 MiB | 0.85 |" in lines[2], lines[2]
+    assert "| t | case | 1.50 s | floor: 500.00 ms | 3 |" in lines[3], lines[3]
