@@ -546,3 +546,13 @@ def test_get_chain_refuses_unknown_and_non_dict_params():
     with pytest.raises(C.ChainError, match="for params, actual: 'list'"):
         C.get_chain("v32-mla-c8", [("key_dtype", "int8")])
     assert C.get_chain("v32-mla-c8", {"batch": 2, "key_dtype": "int8"}, ignore_unknown=True).name == "v32-mla-c8"
+
+
+def test_a_truncated_intermediate_is_named_unreadable_not_missing(decode_set, tmp_path, capsys):
+    """A dump of the wrong size is there: it was reported as a "missing intermediate" (review F13)."""
+    a = actual_copy(decode_set, tmp_path)
+    f = a / "decode-a3-int8.index_cache/out.cache.bin"
+    f.write_bytes(f.read_bytes()[:100])
+    rc, out, err = cli(capsys, "compare", decode_set, "--actual", a, "--chain", "--json", tmp_path / "r.json")
+    assert rc == 2 and "link index_cache: unreadable intermediate" in err and "100 bytes" in err, err
+    assert not (tmp_path / "r.json").exists()

@@ -195,7 +195,9 @@ def compare_chain(golden: str, actual: str, *, backend: str | None = None, insta
         except GoldenInputError as e:
             text = str(e)
             bad = next((n for n in link_of if f"{n}/out." in text), None)
-            where = f"link {link_of[bad]}: missing intermediate" if bad else "intermediates"
+            what = ("missing intermediate" if "no actual output" in text or "file not found" in text else
+                    "unreadable intermediate")  # a file of the wrong size is there, not missing (review F13)
+            where = f"link {link_of[bad]}: {what}" if bad else "intermediates"
             raise GoldenInputError(f"chain instance {inst}: {where}: {text}") from None
         per_link = {}
         for name, link in link_of.items():
