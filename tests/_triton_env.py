@@ -80,8 +80,10 @@ def share_interpreter_patch() -> bool:
     attention launch, whose kernel calls helper functions hundreds of times.
 
     Here a nested call skips the patch when the running launch already patched every language module the
-    helper sees; any other call (a helper seeing a module the kernel does not) goes to Triton's own code, as
-    before. Nothing else changes: the kernels, their results and the launch's restore are Triton's.
+    helper sees, in the launch's own patch or in an earlier helper's; any other call (the first helper of the
+    launch that sees a module the kernel does not, such as ``tl.zeros`` in ``triton.language.standard``, which
+    sees ``tl.core``) goes to Triton's own code, as before. A helper's patch is never restored by Triton, so
+    once it ran every later patch of the same modules in the launch changes nothing either. Nothing else changes: the kernels, their results and the launch's restore are Triton's.
     Returns True when installed (or already installed); False, leaving Triton untouched, when the interpreter
     does not have the shape this relies on (another Triton version).
     """
@@ -98,14 +100,14 @@ def share_interpreter_patch() -> bool:
     active: list = []
 
     def langs(fn) -> frozenset:  # the language modules _patch_lang(fn) patches, by identity
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (itp.tl, itp.tl.core))
+        return frozenset(map(id, fn.__globals__.values())) & {id(itp.tl), id(itp.tl.core)}
 
     def patch_lang(fn):
         if active and active[-1] is not None and langs(fn) <= active[-1]:
-            return itp._LangPatchScope()  # an empty scope: the launch's scope holds (and restores) these patches
+            return itp._LangPatchScope()  # an empty scope: an earlier patch of this launch holds these patches
         scope = real_patch(fn)
-        if active and active[-1] is None:  # the launch's own patch
-            active[-1] = langs(fn)
+        if active:  # the launch's own patch, or a helper's that patched a module more (tl.core for tl.zeros)
+            active[-1] = langs(fn) | (active[-1] or frozenset())
         return scope
 
     def launch(self, *args, **kwargs):

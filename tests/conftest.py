@@ -12,6 +12,18 @@ try:
 except ProfileError:  # a bad QSFA_HYPOTHESIS_PROFILE: the plugin's pytest_configure stops with a usage error
     pass
 
+try:  # speed only: NumPy's BLAS at one thread in each pytest process (`_ONE_BLAS_THREAD`)
+    from threadpoolctl import threadpool_limits
+except ImportError:
+    _ONE_BLAS_THREAD = None
+else:
+    # `pytest -n 2` runs a worker process per core, so BLAS threads of their own only compete with the other worker
+    # (and whatever else runs): on a busy machine OpenBLAS's pool spins on the oracle's small float64 GEMMs at up to
+    # 20x the CPU time of one thread. No result depends on it: the oracle's bytes do not depend on the thread count
+    # (tests/test_parallel.py), and the tests of the thread knob set the BLAS limit they need themselves. Limited
+    # once, at import, in this (the main) thread - the one tests run on; subprocesses start with their own default.
+    _ONE_BLAS_THREAD = threadpool_limits(limits=1, user_api="blas")
+
 
 @pytest.fixture(autouse=True)
 def _triton_interpret_only_in_triton_modules(request):

@@ -285,15 +285,18 @@ def test_attention_independent_naive_agrees_with_reference():
             assert r.passed, str(r)
 
 
-@pytest.mark.parametrize("fault", ["threshold_off_by_one", "ignore_stop"])
+@pytest.mark.parametrize("fault", [None, "threshold_off_by_one", "ignore_stop"])
 def test_broken_kernel_fails_check_attention(fault, monkeypatch):
-    """check_attention catches a kernel whose causal threshold is off by one / that reads past a -1."""
+    """check_attention catches a kernel whose causal threshold is off by one / that reads past a -1; the real
+    kernel (fault None) passes it on the same case."""
     from qsfa.kernels import qsfa_attention
 
     args = qsfa_case(layout_query="BSND", layout_kv="PA_BSND", n_heads=2, sparse=24, kv_s=24, q_s=4,
                      explicit_lengths=True, seed=3)
     args["sparse_indices"][0, 1, 0, 5] = -1  # one row stops mid-row, with valid entries after the -1
-    check_attention(args)  # the real kernel passes
+    if fault is None:
+        check_attention(args)  # the real kernel passes
+        return
     real = qsfa_attention.launch_qsfa_attention
     monkeypatch.setattr(qsfa_attention, "launch_qsfa_attention",
                         lambda *a, **k: real(*a, **k, _fault=fault))

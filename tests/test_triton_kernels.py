@@ -566,7 +566,8 @@ def _launch(args, **kw):
 
 
 def check_attention_naive(args, **launch_kw):
-    """The kernel against naive_qsfa under the docs/numerics/comparison.md#float-criterion criterion; raises AssertionError."""
+    """The kernel against naive_qsfa under the docs/numerics/comparison.md#float-criterion criterion; raises AssertionError.
+    Returns the kernel's outputs (torch tensors), for a test that compares them further."""
     out, smax, ssum = _launch(args, **launch_kw)
     w_out, w_max, w_sum = naive_qsfa(**args)
     dtype = "bfloat16" if args["query"].dtype == BF16 else "float16"
@@ -578,6 +579,7 @@ def check_attention_naive(args, **launch_kw):
             assert r.passed, str(r)
     else:
         assert tuple(smax.shape) == (0,) and tuple(ssum.shape) == (0,)
+    return out, smax, ssum
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda x: "+".join(x))
@@ -623,14 +625,17 @@ def _prefill_case(dtype="bfloat16", rope=64, sbs=1):
                 actual_seq_lengths_kv=np.array([kv - 3], np.int32))
 
 
-@pytest.mark.parametrize("fault", ["threshold_off_by_one", "ignore_stop"])
+@pytest.mark.parametrize("fault", [None, "threshold_off_by_one", "ignore_stop"])
 def test_attention_check_catches_broken_kernel(fault):
+    """The real kernel (fault None) passes check_attention_naive on this case; each planted fault fails it."""
     args = _prefill_case()
     args["sparse_indices"] = np.tile(np.arange(32, dtype=np.int32), (1, 4, 1, 1))  # lowest first
     args["sparse_indices"][0, 1, 0, 3] = -1
-    check_attention_naive(args)
-    with pytest.raises(AssertionError):
-        check_attention_naive(args, _fault=fault)
+    if fault is None:
+        check_attention_naive(args)
+    else:
+        with pytest.raises(AssertionError):
+            check_attention_naive(args, _fault=fault)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -728,11 +733,10 @@ def test_attention_split_kv_matches_naive(two_pass, chunk):
     real = qsfa_split.split_plan
     qsfa_split.split_plan = lambda *a: plans.append(real(*a)) or plans[-1]
     try:
-        check_attention_naive(args, config=cfg, split_kv=chunk)
+        split = [_np(x) for x in check_attention_naive(args, config=cfg, split_kv=chunk)]
     finally:
         qsfa_split.split_plan = real
     assert plans == [chunk] and -(-48 // chunk) >= 2  # K 24 x sbs 2 = 48 positions: the path really split
-    split = [_np(x) for x in _launch(args, config=cfg, split_kv=chunk)]
     whole = [_np(x) for x in _launch(args, config=cfg, split_kv="off")]
     for a, b, dt in zip(split, whole, ("bfloat16", "float32", "float32")):
         r = compare_float(a, b, dtype=dt)
