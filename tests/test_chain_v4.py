@@ -191,6 +191,32 @@ def test_compressor_slots_follow_vllm_ascends_compressor_metadata_kernel():
     table = [[7, 3, 0], [5, 6, 9], [2, 4, -1], [1, 1, 1], [0, 0, 0]]
     assert V.compressor_slots(cu, start, table, 2, 4, 10).tolist() == [14, 15, 6, 7, 9, -1, -1, -1, -1, -1]
     assert V.compressor_slots(cu, start, table, 2, 4, 5).tolist() == [14, 15, 6, 7, 9]
+    # the cos / sin rows: row p * 4 (the group's first token) of the full tables where the slot is valid, cos 1 /
+    # sin 0 (no rotation) for the rows of slot -1 (invalid block, past the table, padding)
+    full_cos = np.arange(13, dtype=np.float32)[:, None] + np.zeros((1, 64), np.float32) + 10
+    cos, sin, slots = V.compressor_metadata(cu, start, table, 2, 4, 10, full_cos, -full_cos)
+    assert slots.tolist() == [14, 15, 6, 7, 9, -1, -1, -1, -1, -1]
+    assert cos[:, 0].tolist() == [10, 14, 18, 22, 22] + [1] * 5 and (cos == cos[:, :1]).all()
+    assert sin[:, 0].tolist() == [-10, -14, -18, -22, -22] + [0] * 5 and cos.dtype == np.float32
+    with pytest.raises(C.ChainError, match="must cover RoPE position 12"):
+        V.compressor_metadata(cu, start, table, 2, 4, 10, full_cos[:12], -full_cos[:12])
+
+
+def test_the_compressed_rope_table_is_vllm_ascends_yarn_table():
+    """compress_rope_table against frequencies worked out here from YaRN's rule (base 160000, factor 16, original
+    length 65536, beta 32 / 1): pair k turns by the base's own frequency 160000^(-k/32) below the ramp (k < 15),
+    by that divided by 16 from k = 25 on; every lane pair shares its angle."""
+    cos, sin = V.compress_rope_table(3000)
+    assert cos.shape == sin.shape == (3000, 64) and cos.dtype == np.float32
+    assert (cos[:, 0::2] == cos[:, 1::2]).all() and (sin[:, 0::2] == sin[:, 1::2]).all()
+    pos = np.arange(3000.0)[:, None]
+    for k, inv in ((0, 1.0), (14, 160000.0 ** (-14 / 32)), (25, 160000.0 ** (-25 / 32) / 16),
+                   (31, 160000.0 ** (-31 / 32) / 16)):
+        # fp32 frequency and angle: within a few fp32 ulps of the angle, times the position
+        tol = 3000 * inv * 2.0 ** -21 + 2.0 ** -22
+        assert np.abs(cos[:, 2 * k] - np.cos(pos[:, 0] * inv)).max() <= tol, k
+        assert np.abs(sin[:, 2 * k] - np.sin(pos[:, 0] * inv)).max() <= tol, k
+    assert cos[0].tolist() == [1.0] * 64 and sin[0].tolist() == [0.0] * 64
 
 
 def test_the_compressor_link_reads_the_generated_state_and_the_steps_token():
