@@ -22,32 +22,33 @@ Paths (builder parameter ``path``):
   float8_e4m3fn ``[blocks, block_size, 1, 128]`` and its scales region as float32 ``[blocks, block_size, 1]``);
   attention ``kv_quant_sparse_attn_sharedkv`` (kv_quant_mode 1, tile 64, rope 64).
 
-The CSA and HCA chains start with link ``compressor``: the ``vllm_compressor`` operator (C4A ``cmp_ratio`` 4 / ``coff``
-2 on CSA, C128A 128 / 1 on HCA, D 512) called as vLLM-Ascend's ``Compressor.forward`` calls
+The CSA and HCA chains start with link ``compressor``: the ``vllm_compressor`` operator (C4A ``cmp_ratio`` 4 /
+``coff`` 2 on CSA, C128A 128 / 1 on HCA, D 512) called as vLLM-Ascend's ``Compressor.forward`` calls
 ``torch.ops._C_ascend.compressor`` (vllm-project/vllm-ascend@182b75e vllm_ascend/models/deepseek_v4/compressor.py
 l.212-231: RMSNorm weight ``norm_weight`` - bf16 on A3, fp32 on the 950 -, eps :data:`NORM_EPS`, rope_head_dim 64,
 rotary_mode 2, cache_mode 1, seqused None; the cos / sin rows ``compress_cos`` / ``compress_sin`` that
-``compressor_metadata`` gathers from :func:`compress_rope_table`), fed the step's hidden rows ``x`` (TH, the query's ``cu_seqlens_q``), ``wkv`` / ``wgate`` / ``ape``, the fp32 ``state_cache`` with its
-``state_block_table`` and ``start_pos`` (each request's length before the step); link ``cmp_cache`` writes its
-``cmp_kv`` (:data:`CMP_ROWS`) as it comes. The compressor packs its rows: one per group the step completes, request
-after request, then padding up to ``min(T, T // cmp_ratio + B)`` rows. ``cmp_slot_mapping`` has one entry per
-compressor row: the cache slot of the i-th completed group, -1 for every padding row (so a decode step of B
-requests writes B rows, the completed groups first; a request completing none writes nothing). This is the rule of
-vLLM-Ascend's ``compressor_metadata`` kernel, which makes the slot mapping the compressor's rows are scattered with
-and their cos / sin rows (:func:`compressor_metadata`; the generator computes ``cmp_slot_mapping``, ``compress_cos``
-and ``compress_sin`` with it).
+``compressor_metadata`` gathers from :func:`compress_rope_table`), fed the step's hidden rows ``x`` (TH, the query's
+``cu_seqlens_q``), ``wkv`` / ``wgate`` / ``ape``, the fp32 ``state_cache`` with its ``state_block_table`` and
+``start_pos`` (each request's length before the step); link ``cmp_cache`` writes its ``cmp_kv`` (:data:`CMP_ROWS`)
+as it comes. The compressor packs its rows: one per group the step completes, request after request, then padding up
+to ``min(T, T // cmp_ratio + B)`` rows. ``cmp_slot_mapping`` has one entry per compressor row: the cache slot of the
+i-th completed group, -1 for every padding row (so a decode step of B requests writes B rows, the completed groups
+first; a request completing none writes nothing). This is the rule of vLLM-Ascend's ``compressor_metadata`` kernel,
+which makes the slot mapping the compressor's rows are scattered with and their cos / sin rows
+(:func:`compressor_metadata`; the generator computes ``cmp_slot_mapping``, ``compress_cos`` and ``compress_sin``
+with it).
 
 The indexer's keys on the 950 path come from its own compressor, as in vLLM-Ascend (vllm-project/vllm-ascend@182b75e
 vllm_ascend/models/deepseek_v4/indexer.py ``DeepseekV4Indexer._indexer_qkv_prepare``: the indexer's
-``Compressor(4, 128)`` gives its rows and their slot mapping, and ``quantize_key_and_update_cache`` - the A5
-adaptor's ``indexer_quant_scatter_part1`` - passes the rows to ``indexer_compress_epilog_v2``). Link
-``index_compressor`` (the same ``vllm_compressor`` call with the C4Li triple: cmp_ratio 4, coff 2, D 128; the step's
-``x``, the same cos / sin rows, its own ``index_wkv`` / ``index_wgate`` / ``index_ape`` / ``index_norm_weight`` and
-fp32 ``index_state_cache``, paged by the same ``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link ``index_cache`` with the same
-``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
-modelled between the two: the Hadamard rotation (``rotate_activation``) of the indexer's key rows. On the A3 path the keys are int8 codes with fp16 scales
-from ``npu_dynamic_quant`` (no qsfa operator), so the indexer's key rows (``index_k_rows``, ``index_k_scale_rows``)
-stay chain inputs there, in the compressor's row order.
+``Compressor(4, 128)`` gives its rows and their slot mapping, and ``quantize_key_and_update_cache`` - the A5 adaptor's
+``indexer_quant_scatter_part1`` - passes the rows to ``indexer_compress_epilog_v2``). Link ``index_compressor`` (the
+same ``vllm_compressor`` call with the C4Li triple: cmp_ratio 4, coff 2, D 128; the step's ``x``, the same cos / sin
+rows, its own ``index_wkv`` / ``index_wgate`` / ``index_ape`` / ``index_norm_weight`` and fp32
+``index_state_cache``, paged by the same ``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link
+``index_cache`` with the same ``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
+modelled between the two: the Hadamard rotation (``rotate_activation``) of the indexer's key rows. On the A3 path
+the keys are int8 codes with fp16 scales from ``npu_dynamic_quant`` (no qsfa operator), so the indexer's key rows
+(``index_k_rows``, ``index_k_scale_rows``) stay chain inputs there, in the compressor's row order.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def _compressor(name: str, prefix: str, ratio: int, coff: int, cache_mode: int) 
                      "state_cache": f"$input.{prefix}state_cache", "ape": f"$input.{prefix}ape",
                      "norm_weight": f"$input.{prefix}norm_weight", "rope_sin": "$input.compress_sin",
                      "rope_cos": "$input.compress_cos", "state_block_table": "$input.state_block_table",
-                     "cu_seqlens": "$input.cu_seqlens_q", "seqused": None,
-                     "start_pos": "$input.start_pos", "rope_head_dim": ROPE_DIM, "cmp_ratio": ratio, "coff": coff, "norm_eps": NORM_EPS,
+                     "cu_seqlens": "$input.cu_seqlens_q", "seqused": None, "start_pos": "$input.start_pos",
+                     "rope_head_dim": ROPE_DIM, "cmp_ratio": ratio, "coff": coff, "norm_eps": NORM_EPS,
                      "rotary_mode": ROTARY_MODE, "cache_mode": int(cache_mode)}}
 
 
