@@ -13,13 +13,14 @@ Baselines, measured in this process on operands of the link's shapes:
   ``[B, Q_N, K] @ [B, K, 512]``;
 * ``cache`` / ``index_cache`` (writers, no GEMM): copying the bytes they write into a cache of the same size.
 
-V4 layer chains (qsfa.chain_v4, the 950 FP8 path: kv_compress_epilog_vllm caches, indexer_compress_epilog_v2,
-vllm_quant_lightning_indexer, kv_quant_sparse_attn_sharedkv): a decode step, B = 4 requests with a 64K-token
-context each, 64 query heads, ``v4-csa`` (cmp_ratio 4, the indexer's top-1024 plus the 128-token window) and
-``v4-hca`` (cmp_ratio 128, every compressed token plus the window). Baselines per link:
+V4 layer chains (qsfa.chain_v4, the 950 FP8 path: vllm_compressor, kv_compress_epilog_vllm caches,
+indexer_compress_epilog_v2, vllm_quant_lightning_indexer, kv_quant_sparse_attn_sharedkv): a decode step, B = 4
+requests with a 64K-token context each, 64 query heads, ``v4-csa`` (cmp_ratio 4, the indexer's top-1024 plus the
+128-token window) and ``v4-hca`` (cmp_ratio 128, every compressed token plus the window). Baselines per link:
 
-* ``compressor``: the float64 GEMM of its two projections, ``[B, 1024] @ [1024, 2 * coff * 512]`` (coff 2 on CSA,
-  1 on HCA; the chain's hidden size is 1024);
+* ``compressor`` (``vllm_compressor``, as vLLM-Ascend calls it): the float64 GEMM of its two projections,
+  ``[B, 1024] @ [1024, 2 * coff * 512]`` (coff 2 on CSA, 1 on HCA; the chain's hidden size is 1024; the RMSNorm and
+  RoPE of its rows add no GEMM); ``index_compressor`` (CSA, the C4Li call): ``[B, 1024] @ [1024, 512]``;
 * ``indexer``: the float64 GEMM of its scores over the compressed keys, ``[B, 64, 128] @ [B, 128, S_kv / 4]``;
 * ``attention``: the two float64 GEMMs over the tokens one row attends, ``[B, 64, 512] @ [B, 512, K]`` and
   ``[B, 64, K] @ [B, K, 512]``, K = 128 + 1024 (CSA) or 128 + S_kv / 128 (HCA);

@@ -22,29 +22,33 @@ Paths (builder parameter ``path``):
   float8_e4m3fn ``[blocks, block_size, 1, 128]`` and its scales region as float32 ``[blocks, block_size, 1]``);
   attention ``kv_quant_sparse_attn_sharedkv`` (kv_quant_mode 1, tile 64, rope 64).
 
-The CSA and HCA chains start with link ``compressor`` (the ``compressor`` operator, cache_mode 1, C4A ``cmp_ratio`` 4
-/ ``coff`` 2 on CSA, C128A 128 / 1 on HCA, D 512), fed the step's hidden
-rows ``x`` (TH, the query's ``cu_seqlens_q``), ``wkv`` / ``wgate`` / ``ape``, the fp32 ``state_cache`` with its
-``state_block_table`` and ``start_pos`` (each request's length before the step); link ``cmp_cache`` writes its
-``cmp_kv`` (:data:`CMP_ROWS`) as it comes. The compressor packs its rows: one per group the step completes, request
-after request, then padding up to ``min(T, T // cmp_ratio + B)`` rows. ``cmp_slot_mapping`` has one entry per
-compressor row: the cache slot of the i-th completed group, -1 for every padding row (so a decode step of B
-requests writes B rows, the completed groups first; a request completing none writes nothing). This is the rule of
-vLLM-Ascend's ``compressor_metadata`` kernel, which makes the slot mapping the compressor's rows are scattered with
-(:func:`compressor_slots`; the generator computes ``cmp_slot_mapping`` with it).
+The CSA and HCA chains start with link ``compressor``: the ``vllm_compressor`` operator (C4A ``cmp_ratio`` 4 /
+``coff`` 2 on CSA, C128A 128 / 1 on HCA, D 512) called as vLLM-Ascend's ``Compressor.forward`` calls
+``torch.ops._C_ascend.compressor`` (vllm-project/vllm-ascend@182b75e vllm_ascend/models/deepseek_v4/compressor.py
+l.212-231: RMSNorm weight ``norm_weight`` - bf16 on A3, fp32 on the 950 -, eps :data:`NORM_EPS`, rope_head_dim 64,
+rotary_mode 2, cache_mode 1, seqused None; the cos / sin rows ``compress_cos`` / ``compress_sin`` that
+``compressor_metadata`` gathers from :func:`compress_rope_table`), fed the step's hidden rows ``x`` (TH, the query's
+``cu_seqlens_q``), ``wkv`` / ``wgate`` / ``ape``, the fp32 ``state_cache`` with its ``state_block_table`` and
+``start_pos`` (each request's length before the step); link ``cmp_cache`` writes its ``cmp_kv`` (:data:`CMP_ROWS`)
+as it comes. The compressor packs its rows: one per group the step completes, request after request, then padding up
+to ``min(T, T // cmp_ratio + B)`` rows. ``cmp_slot_mapping`` has one entry per compressor row: the cache slot of the
+i-th completed group, -1 for every padding row (so a decode step of B requests writes B rows, the completed groups
+first; a request completing none writes nothing). This is the rule of vLLM-Ascend's ``compressor_metadata`` kernel,
+which makes the slot mapping the compressor's rows are scattered with and their cos / sin rows
+(:func:`compressor_metadata`; the generator computes ``cmp_slot_mapping``, ``compress_cos`` and ``compress_sin``
+with it).
 
 The indexer's keys on the 950 path come from its own compressor, as in vLLM-Ascend (vllm-project/vllm-ascend@182b75e
 vllm_ascend/models/deepseek_v4/indexer.py ``DeepseekV4Indexer._indexer_qkv_prepare``: the indexer's
-``Compressor(4, 128)`` gives its rows and their slot mapping, and ``quantize_key_and_update_cache`` - the A5
-adaptor's ``indexer_quant_scatter_part1`` - passes the rows to ``indexer_compress_epilog_v2``). Link
-``index_compressor`` (the ``compressor`` operator's C4Li triple: cmp_ratio 4, coff 2, D 128; the step's ``x``, its
-own ``index_wkv`` / ``index_wgate`` / ``index_ape`` and fp32 ``index_state_cache``, paged by the same
-``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link ``index_cache`` with the same
-``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
-modelled between the two: the RMSNorm and RoPE that ``_C_ascend.compressor`` applies to its rows, and the Hadamard
-rotation (``rotate_activation``) of the indexer's key rows. On the A3 path the keys are int8 codes with fp16 scales
-from ``npu_dynamic_quant`` (no qsfa operator), so the indexer's key rows (``index_k_rows``, ``index_k_scale_rows``)
-stay chain inputs there, in the compressor's row order.
+``Compressor(4, 128)`` gives its rows and their slot mapping, and ``quantize_key_and_update_cache`` - the A5 adaptor's
+``indexer_quant_scatter_part1`` - passes the rows to ``indexer_compress_epilog_v2``). Link ``index_compressor`` (the
+same ``vllm_compressor`` call with the C4Li triple: cmp_ratio 4, coff 2, D 128; the step's ``x``, the same cos / sin
+rows, its own ``index_wkv`` / ``index_wgate`` / ``index_ape`` / ``index_norm_weight`` and fp32
+``index_state_cache``, paged by the same ``state_block_table``) feeds its packed rows (:data:`INDEX_ROWS`) to link
+``index_cache`` with the same ``cmp_slot_mapping`` (both compressors have ratio 4, so the same rows complete). Not
+modelled between the two: the Hadamard rotation (``rotate_activation``) of the indexer's key rows. On the A3 path
+the keys are int8 codes with fp16 scales from ``npu_dynamic_quant`` (no qsfa operator), so the indexer's key rows
+(``index_k_rows``, ``index_k_scale_rows``) stay chain inputs there, in the compressor's row order.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ import numpy as np
 from .chain import Chain, ChainError, chain_from_dict, register_chain
 
 __all__ = ["v4_layer", "v4_swa", "v4_csa", "v4_hca", "gen_v4_layer", "v4_request_alone", "CMP_ROWS", "CMP_SCENARIOS",
-           "RATIOS", "V4_PATHS", "V4_CHAINS", "C4LI", "INDEX_ROWS", "compressor_slots", "carried", "v4_two_steps"]
+           "RATIOS", "V4_PATHS", "V4_CHAINS", "C4LI", "INDEX_ROWS", "compressor_slots", "carried", "v4_two_steps",
+           "compressor_metadata", "compress_rope_table", "NORM_EPS", "ROPE_DIM", "ROTARY_MODE", "COMPRESS_ROPE"]
 
 #: what link cmp_cache writes: the compressor link's packed rows (module docstring)
 CMP_ROWS = "$compressor.cmp_kv"
@@ -69,6 +74,12 @@ RATIOS = {"swa": 1, "csa": 4, "hca": 128}
 #: path -> (chip of the golden sets, attention operator)
 V4_PATHS = {"bf16": ("A3", "sparse_attn_sharedkv"), "fp8": ("950", "kv_quant_sparse_attn_sharedkv")}
 HEADS, INDEX_HEADS, D, INDEX_D = 64, 64, 512, 128
+#: the compressors' RMSNorm epsilon (DeepSeek-V4 ``rms_norm_eps``), RoPE lanes (``qk_rope_head_dim``) and rotary
+#: mode (vLLM-Ascend passes 2, interleaved pairs)
+NORM_EPS, ROPE_DIM, ROTARY_MODE = 1e-6, 64, 2
+#: the compressed layers' RoPE table as vLLM-Ascend builds it (:func:`compress_rope_table`): base
+#: ``compress_rope_theta``, YaRN factor, original length, beta_fast, beta_slow of DeepSeek-V4's configuration
+COMPRESS_ROPE = (160000.0, 16.0, 65536, 32.0, 1.0)
 ROW_640 = 640  # kv_compress_epilog_vllm layout 1, d 512, group 64: 128 RoPE bytes + 448 codes + 7 scales, padded
 
 
@@ -79,6 +90,20 @@ def _writer(name: str, path: str, cache: str, rows: str, slots: str) -> dict:
     return {"name": name, "op": "kv_compress_epilog_vllm",
             "args": {"kv_compress_cache": cache, "x": rows, "slot_mapping": slots, "quant_group_size": 64,
                      "quant_mode": 2, "round_scale_flag": True, "layout": 1}}
+
+
+def _compressor(name: str, prefix: str, ratio: int, coff: int, cache_mode: int) -> dict:
+    """A compressor link as vLLM-Ascend's ``Compressor.forward`` calls ``_C_ascend.compressor`` (module docstring):
+    its own weights, ape, state and RMSNorm weight (names prefixed ``prefix``), the shared state table, start
+    positions and cos / sin rows, rope_head_dim 64, rotary_mode 2, norm_eps :data:`NORM_EPS`."""
+    return {"name": name, "op": "vllm_compressor",
+            "args": {"x": "$input.x", "wkv": f"$input.{prefix}wkv", "wgate": f"$input.{prefix}wgate",
+                     "state_cache": f"$input.{prefix}state_cache", "ape": f"$input.{prefix}ape",
+                     "norm_weight": f"$input.{prefix}norm_weight", "rope_sin": "$input.compress_sin",
+                     "rope_cos": "$input.compress_cos", "state_block_table": "$input.state_block_table",
+                     "cu_seqlens": "$input.cu_seqlens_q", "seqused": None, "start_pos": "$input.start_pos",
+                     "rope_head_dim": ROPE_DIM, "cmp_ratio": ratio, "coff": coff, "norm_eps": NORM_EPS,
+                     "rotary_mode": ROTARY_MODE, "cache_mode": int(cache_mode)}}
 
 
 def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: int = 512,
@@ -104,12 +129,8 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
     if kind != "swa":
         inputs += ["x", "wkv", "wgate", "ape", "state_cache", "state_block_table", "start_pos", "cmp_slot_mapping",
                    "cmp_cache", "cmp_block_table"]
-        links.insert(0, {"name": "compressor", "op": "compressor",
-                         "args": {"x": "$input.x", "wkv": "$input.wkv", "wgate": "$input.wgate",
-                                  "state_cache": "$input.state_cache", "ape": "$input.ape",
-                                  "state_block_table": "$input.state_block_table", "cu_seqlens": "$input.cu_seqlens_q",
-                                  "start_pos": "$input.start_pos", "cmp_ratio": ratio,
-                                  "coff": CMP_SCENARIOS[kind][1], "cache_mode": int(cache_mode)}})
+        inputs += ["norm_weight", "compress_cos", "compress_sin"]
+        links.insert(0, _compressor("compressor", "", ratio, CMP_SCENARIOS[kind][1], cache_mode))
         links.append(_writer("cmp_cache", path, "$input.cmp_cache", CMP_ROWS, "$input.cmp_slot_mapping"))
     if kind == "csa":
         inputs += ["index_query", "index_query_scale", "index_weights", "index_cache", "actual_seq_lengths_query"]
@@ -124,15 +145,10 @@ def v4_layer(kind: str, path: str = "bf16", block_size: int = 16, sparse_count: 
             key = "$index_cache.cache"
             key_scale = {"from": "$index_scale.cache", "reshape": [-1, bs, 1]}
         else:
-            inputs += ["index_wkv", "index_wgate", "index_ape", "index_state_cache"]
+            inputs += ["index_wkv", "index_wgate", "index_ape", "index_state_cache", "index_norm_weight"]
             # one uint8 block cache: every slot's 128 codes, then every slot's fp32 scale (A5 adaptor), written
             # from the packed rows of the indexer's own C4Li compressor (module docstring)
-            links.append({"name": "index_compressor", "op": "compressor",
-                          "args": {"x": "$input.x", "wkv": "$input.index_wkv", "wgate": "$input.index_wgate",
-                                   "state_cache": "$input.index_state_cache", "ape": "$input.index_ape",
-                                   "state_block_table": "$input.state_block_table",
-                                   "cu_seqlens": "$input.cu_seqlens_q", "start_pos": "$input.start_pos",
-                                   "cmp_ratio": ratio, "coff": C4LI[1], "cache_mode": int(cache_mode)}})
+            links.append(_compressor("index_compressor", "index_", ratio, C4LI[1], cache_mode))
             links.append({"name": "index_cache", "op": "indexer_compress_epilog_v2",
                           "args": {"indexer_compress_cache": "$input.index_cache", "x": INDEX_ROWS,
                                    "slot_mapping": "$input.cmp_slot_mapping", "layout": 2}})
@@ -198,35 +214,84 @@ def _cmp_rows(q_lens, kv_lens, ratio: int):
 
 
 def compressor_slots(cu_seqlens, start_pos, block_table, block_size: int, cmp_ratio: int, n_rows: int) -> np.ndarray:
-    """The cache slot of each packed row of a compressor call, as vLLM-Ascend's ``compressor_metadata`` kernel
-    computes them in its flat format (vllm-project/vllm-ascend@182b75e
+    """The slot mapping of :func:`compressor_metadata` alone (no cos / sin tables)."""
+    return compressor_metadata(cu_seqlens, start_pos, block_table, block_size, cmp_ratio, n_rows)[2]
+
+
+def compressor_metadata(cu_seqlens, start_pos, block_table, block_size: int, cmp_ratio: int, n_rows: int,
+                        rope_cos=None, rope_sin=None):
+    """``(compress_cos, compress_sin, slot_mapping)`` of a compressor call's packed rows, as vLLM-Ascend's
+    ``compressor_metadata`` kernel computes them in its flat format (vllm-project/vllm-ascend@182b75e
     ``csrc/attention/compressor_metadata/op_kernel/compressor_metadata.h``: ``BuildCompressedPrefix``,
-    ``ProcessValidRows``, ``ProcessTile``, ``WriteSlotTile``, ``WriteInvalidTile``): request b fills
-    ``(start_pos[b] + len_b) // r - start_pos[b] // r`` rows (none when its start is negative or it has no token),
-    request after request; its i-th row is compressed position ``p = start_pos[b] // r + i``, at slot
-    ``block_table[b, p // block_size] * block_size + p % block_size``; -1 where that table column is past the table
-    or holds a negative block id, and for every row past the filled ones (padding up to ``n_rows``). The kernel also
-    writes -1 where a row's RoPE position lies past its cos / sin tables; the chain has none (the RoPE of
-    ``_C_ascend.compressor`` is not modelled)."""
+    ``ProcessValidRows``, ``ProcessTile``, ``CopyRopeTile``, ``WriteSlotTile``, ``WriteInvalidTile``): request b
+    fills ``(start_pos[b] + len_b) // r - start_pos[b] // r`` rows (none when its start is negative or it has no
+    token), request after request; its i-th row is compressed position ``p = start_pos[b] // r + i``, at slot
+    ``block_table[b, p // block_size] * block_size + p % block_size`` with the RoPE row of the group's first token,
+    ``rope_cos[p * r]`` / ``rope_sin[p * r]``. Slot -1 with cos 1 / sin 0 (no rotation) where that table column is
+    past the table or holds a negative block id, and for every row past the filled ones (padding up to
+    ``n_rows``). The kernel also writes an invalid row where the group's RoPE position lies past the cos / sin
+    tables (per tile); that is refused here (the chain's tables cover every position). Without tables, the cos /
+    sin results are None."""
     cu = np.asarray(cu_seqlens, np.int64)
     starts = np.asarray(start_pos, np.int64)
     table = np.asarray(block_table, np.int64)
     r, bs = int(cmp_ratio), int(block_size)
     out = np.full(int(n_rows), -1, np.int64)
+    pos = np.full(int(n_rows), -1, np.int64)  # the RoPE row of each valid row
     row = 0
     for b in range(starts.size):
         n = int(cu[b + 1] - cu[b])
         s = int(starts[b])
         filled = (s + n) // r - s // r if s >= 0 and n > 0 else 0
-        for i in range(filled):
-            if row >= out.size:
-                return out
+        for i in range(min(filled, out.size - row)):
             p = s // r + i
             col = p // bs
             if col < table.shape[1] and table[b, col] >= 0:
                 out[row] = table[b, col] * bs + p % bs
+                pos[row] = p * r
             row += 1
-    return out
+    if rope_cos is None:
+        return None, None, out
+    rope_cos, rope_sin = np.asarray(rope_cos), np.asarray(rope_sin)
+    if pos.max(initial=-1) >= rope_cos.shape[0]:
+        raise ChainError("rope_cos", f"{rope_cos.shape[0]} rows", f"must cover RoPE position {int(pos.max())}")
+    cos = np.ones((out.size, rope_cos.shape[-1]), rope_cos.dtype)
+    sin = np.zeros((out.size, rope_sin.shape[-1]), rope_sin.dtype)
+    ok = pos >= 0
+    cos[ok], sin[ok] = rope_cos[pos[ok]], rope_sin[pos[ok]]
+    return cos, sin, out
+
+
+def compress_rope_table(n_pos: int, base: float = COMPRESS_ROPE[0], factor: float = COMPRESS_ROPE[1],
+                        original: int = COMPRESS_ROPE[2], beta_fast: float = COMPRESS_ROPE[3],
+                        beta_slow: float = COMPRESS_ROPE[4]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows 0 .. ``n_pos - 1`` of the compressed layers' full RoPE table, fp32 ``[n_pos, 64]``, as vLLM-Ascend builds
+    it (vllm-project/vllm-ascend@182b75e vllm_ascend/ops/rope_dsv4.py l.195-210 ``ComplexExpRotaryEmbedding``,
+    l.243-289 ``precompute_freqs_cis``, called with ``original_max_position_embeddings`` for both lengths:
+    vllm_ascend/models/deepseek_v4/model.py l.522-538, l.663): YaRN-blended fp32 inverse frequencies, fp32 angles
+    ``t * inv_freq``, cos / sin, each repeated for the two lanes of a pair (interleaved, rotary_mode 2). The cos /
+    sin here are float64 results rounded to fp32 (the device's fp32 cos may differ in the last bit; the tables are
+    chain inputs, stored with every set)."""
+    import math
+
+    dim = ROPE_DIM
+
+    def corr(rot):
+        return dim * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extra = np.float32(1) / pos_freqs
+    inter = np.float32(1) / (np.float32(factor) * pos_freqs)
+    mask = np.float32(1) - ramp.astype(np.float32)
+    inv = inter * (np.float32(1) - mask) + extra * mask
+    ang = (np.arange(int(n_pos), dtype=np.float32)[:, None] * inv[None, :]).astype(np.float64)
+    cos = np.repeat(np.cos(ang).astype(np.float32), 2, axis=-1)
+    sin = np.repeat(np.sin(ang).astype(np.float32), 2, axis=-1)
+    return cos, sin
 
 
 def _weights(rng, shape):
@@ -241,6 +306,21 @@ def _weights(rng, shape):
 
 
 def gen_v4_layer(params, rng):
+    """The inputs of chain ``v4-<kind>`` (:func:`_gen_v4_layer`), then the compressors' RMSNorm weights ``1 + 0.1
+    N(0, 1)``: bf16 (x's dtype) on the A3 path, fp32 on the 950's (vLLM-Ascend's ``Compressor`` builds its
+    ``RMSNorm`` in fp32 on A5); drawn last, so every other input is the same as without them."""
+    import ml_dtypes
+
+    out = _gen_v4_layer(params, rng)
+    if "x" in out:
+        dt = np.float32 if params.get("path", "bf16") == "fp8" else ml_dtypes.bfloat16
+        for pre, d in (("", D), ("index_", INDEX_D)):
+            if pre == "" or "index_wkv" in out:
+                out[f"{pre}norm_weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(dt)
+    return out
+
+
+def _gen_v4_layer(params, rng):
     """The inputs of chain ``v4-<kind>`` (params ``chain`` or ``kind``; ``path``, ``q_lens``, ``kv_lens`` tokens per
     request after the step, ``block_size``, ``chip``, ``cache_mode``): request b's tokens ``kv_lens[b] - q_lens[b]`` .. ``kv_lens[b]
     - 1`` are this step's; the history is already in the caches, written by the same writers (the state a previous
@@ -309,7 +389,8 @@ def gen_v4_layer(params, rng):
     step = _cmp_rows(q_lens, kv_lens, ratio)
     first = np.concatenate([[0], np.cumsum(n_cmp)])
     pick = np.array([first[b] + j if j >= 0 else -1 for b, j in step], np.int64)
-    step_slots = compressor_slots(out["cu_seqlens_q"], kv_lens - q_lens, ctable, bs, ratio, len(step))
+    step_cos, step_sin, step_slots = compressor_metadata(out["cu_seqlens_q"], kv_lens - q_lens, ctable, bs, ratio,
+                                                         len(step), *compress_rope_table(int(kv_lens.max())))
     # the compressor link: the step's hidden rows, weights (about randn 0.03: kv of std ~0.5), ape, and the fp32
     # state of each request's last coff groups before the step (the only positions the step's groups read; randn,
     # kv part * 0.5), in pages of block_size; every other table entry is 0 (block 0: not written, not read)
@@ -336,7 +417,8 @@ def gen_v4_layer(params, rng):
                wgate=_weights(rng, (cd, HIDDEN)),
                ape=rng.standard_normal((ratio, cd)).astype(np.float32), state_cache=state.astype(np.float32),
                state_block_table=stable, start_pos=start.astype(np.int32),
-               cmp_slot_mapping=step_slots.astype(np.int32 if fp8 else np.int64),
+               cmp_slot_mapping=step_slots.astype(np.int32 if fp8 else np.int64), compress_cos=step_cos,
+               compress_sin=step_sin,
                cmp_cache=write(new_cache(c_blocks + 1), cvals[cold], cslots[cold]), cmp_block_table=ctable)
     if kind != "csa":
         return out
@@ -407,10 +489,10 @@ def v4_request_alone(x: dict, params: dict, r: int) -> tuple[dict, slice, np.nda
         mine = np.array([i for i, (b, _) in enumerate(step) if b == r], np.int64)
         n_alone = len(_cmp_rows(q_lens[r:r + 1], kv_lens[r:r + 1], ratio))
         take = np.concatenate([mine, np.zeros(n_alone - mine.size, np.int64)])  # padding: any row, slot -1
-        for k in ("cmp_slot_mapping", "index_k_rows", "index_k_scale_rows"):
+        for k in _CMP_ROW_INPUTS:
             if k in x:
                 out[k] = x[k][take]
-        out["cmp_slot_mapping"][mine.size:] = -1
+        _pad_rows(out, np.arange(take.size) >= mine.size)
         out.update(cmp_block_table=x["cmp_block_table"][r:r + 1], state_block_table=x["state_block_table"][r:r + 1],
                    start_pos=x["start_pos"][r:r + 1])
     return out, rows, mine
@@ -419,7 +501,15 @@ def v4_request_alone(x: dict, params: dict, r: int) -> tuple[dict, slice, np.nda
 #: per-token (TH row) inputs of the V4 chains
 _TOKEN_ROWS = ("q", "kv_rows", "slot_mapping", "x", "index_query", "index_query_scale", "index_weights")
 #: the compressor's packed rows: one entry per compressor output row
-_CMP_ROW_INPUTS = ("cmp_slot_mapping", "index_k_rows", "index_k_scale_rows")
+_CMP_ROW_INPUTS = ("cmp_slot_mapping", "index_k_rows", "index_k_scale_rows", "compress_cos", "compress_sin")
+
+
+def _pad_rows(out: dict, pad) -> None:
+    """Padding rows of the compressors (``pad`` True) as compressor_metadata writes them: slot -1, cos 1, sin 0."""
+    out["cmp_slot_mapping"][pad] = -1
+    if "compress_cos" in out:
+        out["compress_cos"][pad] = 1
+        out["compress_sin"][pad] = 0
 
 
 def carried(chain: Chain) -> dict[str, str]:
@@ -471,7 +561,7 @@ def v4_two_steps(x: dict, params: dict, first) -> tuple[dict, dict, object]:
             for k in _CMP_ROW_INPUTS:
                 if k in x:
                     out[k] = x[k][take]
-            out["cmp_slot_mapping"][[bj[0] < 0 for bj in rows]] = -1
+            _pad_rows(out, np.array([bj[0] < 0 for bj in rows], bool))
             out["start_pos"] = (np.asarray(kvs) - np.asarray(qs)).astype(np.int32)
         return p, out
 

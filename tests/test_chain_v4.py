@@ -45,17 +45,17 @@ def u8(a):
 def test_links_and_operators_per_kind_and_path():
     want = {
         ("swa", "bf16"): [("ori_cache", "scatter_by_slot"), ("attention", "sparse_attn_sharedkv")],
-        ("hca", "bf16"): [("compressor", "compressor"), ("ori_cache", "scatter_by_slot"),
+        ("hca", "bf16"): [("compressor", "vllm_compressor"), ("ori_cache", "scatter_by_slot"),
                           ("cmp_cache", "scatter_by_slot"), ("attention", "sparse_attn_sharedkv")],
-        ("csa", "bf16"): [("compressor", "compressor"), ("ori_cache", "scatter_by_slot"),
+        ("csa", "bf16"): [("compressor", "vllm_compressor"), ("ori_cache", "scatter_by_slot"),
                           ("cmp_cache", "scatter_by_slot"), ("index_cache", "scatter_by_slot"),
                           ("index_scale", "scatter_by_slot"),
                           ("indexer", "vllm_quant_lightning_indexer"), ("attention", "sparse_attn_sharedkv")],
         ("swa", "fp8"): [("ori_cache", "kv_compress_epilog_vllm"), ("attention", "kv_quant_sparse_attn_sharedkv")],
-        ("hca", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
+        ("hca", "fp8"): [("compressor", "vllm_compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
                          ("cmp_cache", "kv_compress_epilog_vllm"), ("attention", "kv_quant_sparse_attn_sharedkv")],
-        ("csa", "fp8"): [("compressor", "compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
-                         ("cmp_cache", "kv_compress_epilog_vllm"), ("index_compressor", "compressor"),
+        ("csa", "fp8"): [("compressor", "vllm_compressor"), ("ori_cache", "kv_compress_epilog_vllm"),
+                         ("cmp_cache", "kv_compress_epilog_vllm"), ("index_compressor", "vllm_compressor"),
                          ("index_cache", "indexer_compress_epilog_v2"), ("indexer", "vllm_quant_lightning_indexer"),
                          ("attention", "kv_quant_sparse_attn_sharedkv")],
     }
@@ -71,6 +71,12 @@ def test_links_and_operators_per_kind_and_path():
             c = ch.links[0].args
             assert (c["cmp_ratio"], c["coff"], c["cache_mode"]) == ({"csa": (4, 2, 1), "hca": (128, 1, 1)}[kind])
             assert ["input.cu_seqlens_q", "compressor", "cu_seqlens"] in ch.edges()
+            # as vLLM-Ascend's Compressor.forward calls _C_ascend.compressor: its RMSNorm, interleaved RoPE of the
+            # last 64 lanes with compressor_metadata's cos / sin rows
+            assert (c["rope_head_dim"], c["norm_eps"], c["rotary_mode"], c["seqused"]) == (64, 1e-6, 2, None)
+            for e in (["input.norm_weight", "compressor", "norm_weight"], ["input.compress_sin", "compressor",
+                      "rope_sin"], ["input.compress_cos", "compressor", "rope_cos"]):
+                assert e in ch.edges()
         if kind == "csa":
             assert ["indexer.sparse_indices", "attention", "cmp_sparse_indices"] in ch.edges()
             assert ch.links[-2].args["cmp_ratio"] == 4
@@ -78,6 +84,8 @@ def test_links_and_operators_per_kind_and_path():
             c = next(lk for lk in ch.links if lk.name == "index_compressor").args
             assert (c["cmp_ratio"], c["coff"], c["cache_mode"]) == (4, 2, 1) == V.C4LI[:2] + (1,)
             assert ["index_compressor.cmp_kv", "index_cache", "x"] in ch.edges()
+            assert ["input.index_norm_weight", "index_compressor", "norm_weight"] in ch.edges()
+            assert ["input.compress_cos", "index_compressor", "rope_cos"] in ch.edges()
             assert ["input.cmp_slot_mapping", "index_cache", "slot_mapping"] in ch.edges()
             assert "index_k_rows" not in ch.inputs and "index_state_cache" in ch.inputs
         elif kind == "csa":
@@ -86,7 +94,7 @@ def test_links_and_operators_per_kind_and_path():
         C.get_chain("v4-csa", {"path": "fp4"})
     # the 950's ring-buffer state: both compressors of the chain take it; the A3 path refuses it by name
     ring = C.get_chain("v4-csa", {"path": "fp8", "cache_mode": 2})
-    assert [lk.args["cache_mode"] for lk in ring.links if lk.op == "compressor"] == [2, 2]
+    assert [lk.args["cache_mode"] for lk in ring.links if lk.op == "vllm_compressor"] == [2, 2]
     for bad, why in (({"path": "bf16", "cache_mode": 2}, "the A3 takes cache_mode 1 only"),
                      ({"path": "fp8", "cache_mode": 3}, "must be 1 .paged compressor state. or 2")):
         with pytest.raises(C.ChainError, match=f"Invalid value for cache_mode, actual: {bad['cache_mode']}.*{why}"):
@@ -183,13 +191,40 @@ def test_compressor_slots_follow_vllm_ascends_compressor_metadata_kernel():
     table = [[7, 3, 0], [5, 6, 9], [2, 4, -1], [1, 1, 1], [0, 0, 0]]
     assert V.compressor_slots(cu, start, table, 2, 4, 10).tolist() == [14, 15, 6, 7, 9, -1, -1, -1, -1, -1]
     assert V.compressor_slots(cu, start, table, 2, 4, 5).tolist() == [14, 15, 6, 7, 9]
+    # the cos / sin rows: row p * 4 (the group's first token) of the full tables where the slot is valid, cos 1 /
+    # sin 0 (no rotation) for the rows of slot -1 (invalid block, past the table, padding)
+    full_cos = np.arange(13, dtype=np.float32)[:, None] + np.zeros((1, 64), np.float32) + 10
+    cos, sin, slots = V.compressor_metadata(cu, start, table, 2, 4, 10, full_cos, -full_cos)
+    assert slots.tolist() == [14, 15, 6, 7, 9, -1, -1, -1, -1, -1]
+    assert cos[:, 0].tolist() == [10, 14, 18, 22, 22] + [1] * 5 and (cos == cos[:, :1]).all()
+    assert sin[:, 0].tolist() == [-10, -14, -18, -22, -22] + [0] * 5 and cos.dtype == np.float32
+    with pytest.raises(C.ChainError, match="must cover RoPE position 12"):
+        V.compressor_metadata(cu, start, table, 2, 4, 10, full_cos[:12], -full_cos[:12])
+
+
+def test_the_compressed_rope_table_is_vllm_ascends_yarn_table():
+    """compress_rope_table against frequencies worked out here from YaRN's rule (base 160000, factor 16, original
+    length 65536, beta 32 / 1): pair k turns by the base's own frequency 160000^(-k/32) below the ramp (k < 15),
+    by that divided by 16 from k = 25 on; every lane pair shares its angle."""
+    cos, sin = V.compress_rope_table(3000)
+    assert cos.shape == sin.shape == (3000, 64) and cos.dtype == np.float32
+    assert (cos[:, 0::2] == cos[:, 1::2]).all() and (sin[:, 0::2] == sin[:, 1::2]).all()
+    pos = np.arange(3000.0)[:, None]
+    for k, inv in ((0, 1.0), (14, 160000.0 ** (-14 / 32)), (25, 160000.0 ** (-25 / 32) / 16),
+                   (31, 160000.0 ** (-31 / 32) / 16)):
+        # fp32 frequency and angle: within a few fp32 ulps of the angle, times the position
+        tol = 3000 * inv * 2.0 ** -21 + 2.0 ** -22
+        assert np.abs(cos[:, 2 * k] - np.cos(pos[:, 0] * inv)).max() <= tol, k
+        assert np.abs(sin[:, 2 * k] - np.sin(pos[:, 0] * inv)).max() <= tol, k
+    assert cos[0].tolist() == [1.0] * 64 and sin[0].tolist() == [0.0] * 64
 
 
 def test_the_compressor_link_reads_the_generated_state_and_the_steps_token():
     """Each completed row recomputed here in float64 from the chain inputs (the state rows of the group's earlier
     positions at state_block_table[b, p // 16], the step's token projected with wkv / wgate plus ape[p % r], a
     per-column softmax over the group's slots; coff 2 also weighs the previous group in columns [0, D)) is the
-    compressor link's bf16 row within bf16 rounding: the chain feeds it the right state, positions and ape."""
+    compressor link's bf16 row within bf16 rounding once RMS-normed and rotated here too: the chain feeds it the
+    right state, positions, ape, norm weight and RoPE row."""
     for kind, shape in (("csa", DECODE), ("hca", {"q_lens": [1, 1, 1], "kv_lens": [256, 140, 37], "block_size": 16})):
         r, coff = V.CMP_SCENARIOS[kind]
         for path, chip in PATHS:
@@ -213,9 +248,19 @@ def test_the_compressor_link_reads_the_generated_state_and_the_steps_token():
                 kvs = np.take_along_axis(rows[:, :cd], col, 1)
                 sc = np.where((pos >= 0)[:, None], np.take_along_axis(rows[:, cd:], col, 1), -np.inf)
                 w = np.exp(sc - sc.max(0))
-                want = (w / w.sum(0) * kvs).sum(0)
-                err = np.abs(got[done] - want)
-                assert (err <= np.abs(want) * 2.0 ** -8 + 2.0 ** -20).all(), (kind, path, b, err.max())
+                c = (w / w.sum(0) * kvs).sum(0)
+                # vLLM-Ascend's compressor: RMSNorm (eps 1e-6), then the last 64 lanes' interleaved pairs rotated by
+                # the angles of the group's first position g * r (compressor_metadata: CopyRopeTile), whose first
+                # pair turns by exactly g * r radians (inverse frequency 1: the YaRN ramp is 0 there)
+                y = c / np.sqrt((c * c).mean() + 1e-6) * x["norm_weight"].astype(np.float64)
+                cos = V.compress_rope_table(g * r + 1)[0][g * r].astype(np.float64)
+                sin = V.compress_rope_table(g * r + 1)[1][g * r].astype(np.float64)
+                assert abs(cos[0] - np.cos(g * r)) <= 2.0 ** -23 and cos[0] == cos[1]
+                assert (x["compress_cos"][done] == cos).all() and (x["compress_sin"][done] == sin).all()
+                a, bb = y[448::2].copy(), y[449::2].copy()
+                y[448::2], y[449::2] = a * cos[::2] - bb * sin[::2], bb * cos[::2] + a * sin[::2]
+                err = np.abs(got[done] - y)
+                assert (err <= np.abs(y) * 2.0 ** -8 + 2.0 ** -14).all(), (kind, path, b, err.max())
                 done += 1
             assert done and not got[done:].any(), (kind, path)
 
@@ -246,7 +291,7 @@ def test_every_v4_set_is_registered_with_both_chips():
             for c in cases:
                 if c.name == f"{step}-950-fp8-ring.compressor":
                     ch = C.get_chain(f"v4-{kind}", c.params, ignore_unknown=True)
-                    assert {lk.args["cache_mode"] for lk in ch.links if lk.op == "compressor"} == {2}
+                    assert {lk.args["cache_mode"] for lk in ch.links if lk.op == "vllm_compressor"} == {2}
 
 
 def test_v4_set_stores_every_intermediate_and_the_edges(csa_set, capsys):
@@ -585,7 +630,7 @@ def test_a_perturbed_compressor_is_own_and_the_links_after_it_propagated(tmp_pat
             return out, state
         return impl
 
-    be = mirror_backend("v4-chain-compressor", {"compressor": bug})
+    be = mirror_backend("v4-chain-compressor", {"vllm_compressor": bug})
     for path, chip in PATHS:  # (the 950 CSA's index_compressor is a compressor too: D 128, left right here)
         p, x, ch = case("csa", DECODE, path, chip, seed=4)
         C.write_chain_golden(ch, x, str(tmp_path / f"g-{path}"))
@@ -653,7 +698,7 @@ def test_a_perturbed_c4li_compressor_is_own_and_the_indexer_after_it_propagated(
             return out, state
         return impl
 
-    be = mirror_backend("v4-chain-c4li", {"compressor": bug})
+    be = mirror_backend("v4-chain-c4li", {"vllm_compressor": bug})
     p, x, ch = case("csa", {"q_lens": [1, 8], "kv_lens": [2060, 2088], "block_size": 16}, "fp8", "950", seed=4)
     C.write_chain_golden(ch, x, str(tmp_path / "g"))
     C.write_chain_golden(ch, x, str(tmp_path / "a"), backend=be)
