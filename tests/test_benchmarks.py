@@ -99,6 +99,7 @@ def test_a_benchmark_module_run_alone_checks_its_options(name, monkeypatch, caps
     monkeypatch.setattr(runner, "main", must_not_run)
     for argv, code in ((["--help"], 0), (["--quik"], 2)):
         monkeypatch.setattr(sys, "argv", [f"benchmarks/{name}.py", *argv])
+        monkeypatch.delitem(sys.modules, f"benchmarks.{name}", raising=False)  # run afresh, as python -m does
         with pytest.raises(SystemExit) as ei:
             runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=False)
         out, err = capsys.readouterr()
