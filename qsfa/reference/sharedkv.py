@@ -364,7 +364,7 @@ def _exact(q64, k64, sel, scale, sink):
 def _faithful(q64, q16, k64, k16, k_sq, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
     """The online softmax over the packed tiles ``[(lo, hi)]`` of ``k64`` (see :func:`_tile_layout`); ``sel``
     [c, W] marks the selected tokens. Vectorised over rows, heads and tiles: the scores of all tiles land in one
-    block (one ``_dot_f32`` call per tile, so its certification sees the candidate sets it always saw), and the
+    block (one ``_dot_f32`` call; per tile where Q or K holds a non-finite value), and the
     running maxima (they depend on the scores only), the exponentials, the tile sums and P are computed for all
     tiles at once; per tile remain ``RN32(P @ V)`` and the state update."""
     c, n = q64.shape[:2]
@@ -377,8 +377,14 @@ def _faithful(q64, q16, k64, k16, k_sq, sel, scale, sink, qdtype, tiles, p_round
     qf = row_facts(q64, q16.view(np.uint16), qdtype)
     kf, vf = _k_facts(k_sq, k16, tiles, qdtype)
     s = scratch("sharedkv_s", (c, n, k64.shape[1]), np.float32)  # (kept buffers: no page faults per call)
-    for lo, hi in tiles:  # RN32(q . k)  [c, N, W]; one call per tile, as the candidate sets of _dot_f32 were
-        _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]), out=s[..., lo:hi])
+    if np.isfinite(qf[0]).all() and np.isfinite(k_sq).all():
+        # RN32(q . k)  [c, N, W] in one call over the tiles (they are contiguous from 0): with every value finite
+        # each score is the one RN32 of its exact dot product, whichever pairs are certified together
+        _dot_f32(q64, k64.transpose(0, 2, 1), qf, kf, out=s)
+    else:  # one call per tile: an inf / NaN term's NaN bits in the exact sums depend on the pairs summed with it
+        for lo, hi in tiles:
+            _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]),
+                     out=s[..., lo:hi])
     s *= scale  # fp32 multiply
     if not sel.all():
         np.copyto(s, np.float32(-np.inf), where=~sel[:, None, :])
