@@ -183,6 +183,31 @@ def test_faithful_several_tiles_match_the_fp32_loop_bytes(chip, qdtype):
     assert o.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
 
 
+@pytest.mark.parametrize("chip", ["A2", "950"])
+def test_faithful_scores_certified_across_tiles_match_the_fp32_loop_bytes(chip, monkeypatch):
+    """K rows holding +2^60 and -2^60 against equal query entries (the pair cancels exactly) in every tile: a
+    float64 matmul of such a row loses the rest of the sum to rounding, so the chunk's one Q.K product over all
+    tiles must certify (and sum exactly) pairs of several tiles together; the scores (and so the output) stay
+    those of the one-row-at-a-time loop."""
+    import qsfa.reference.attention as att
+
+    certified = []
+    real = att.certified_f32
+    monkeypatch.setattr(att, "certified_f32", lambda approx, *a, **k: (
+        certified.append(np.ndim(approx) == 1), real(approx, *a, **k))[1])
+    a = sfm_case(scenario="HCA", batch=1, s1=1, s2=300, n1=2, ratio=128)
+    a.update(ori_win_left=127 if chip != "950" else -1, chip=chip)
+    a["q"][..., 300] = a["q"][..., 0]
+    for kv, rows in (("ori_kv", slice(None, None, 7)), ("cmp_kv", slice(None))):
+        a[kv][0, rows, 0, 0] = 2.0 ** 60
+        a[kv][0, rows, 0, 300] = -2.0 ** 60
+    o, _ = _front(a)
+    assert any(certified)  # the candidate pairs of the Q.K product were certified
+    want = _loop_faithful(a["q"], a["ori_kv"], a["cmp_kv"], None, a["sinks"], a["softmax_scale"], chip=chip,
+                          **_sel(a))
+    assert o.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+
+
 @pytest.mark.parametrize("scenario", ["SWA", "CSA", "HCA"])
 @pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
 def test_faithful_within_its_error_bound_of_exact(scenario, qdtype):
