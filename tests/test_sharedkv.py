@@ -183,6 +183,56 @@ def test_faithful_several_tiles_match_the_fp32_loop_bytes(chip, qdtype):
     assert o.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
 
 
+@pytest.mark.parametrize("chip", ["A2", "950"])
+def test_faithful_scores_certified_across_tiles_match_the_fp32_loop_bytes(chip, monkeypatch):
+    """K rows holding +2^60 and -2^60 against equal query entries (the pair cancels exactly) in every tile: a
+    float64 matmul of such a row loses the rest of the sum to rounding, so the chunk's one Q.K product over all
+    tiles must certify (and sum exactly) pairs of several tiles together; the scores (and so the output) stay
+    those of the one-row-at-a-time loop."""
+    import qsfa.reference.attention as att
+
+    certified = []
+    real = att.certified_f32
+    monkeypatch.setattr(att, "certified_f32", lambda approx, *a, **k: (
+        certified.append(np.ndim(approx) == 1), real(approx, *a, **k))[1])
+    a = sfm_case(scenario="HCA", batch=1, s1=1, s2=300, n1=2, ratio=128)
+    a.update(ori_win_left=127 if chip != "950" else -1, chip=chip)
+    a["q"][..., 300] = a["q"][..., 0]
+    for kv, rows in (("ori_kv", slice(None, None, 7)), ("cmp_kv", slice(None))):
+        a[kv][0, rows, 0, 0] = 2.0 ** 60
+        a[kv][0, rows, 0, 300] = -2.0 ** 60
+    o, _ = _front(a)
+    assert any(certified)  # the candidate pairs of the Q.K product were certified
+    want = _loop_faithful(a["q"], a["ori_kv"], a["cmp_kv"], None, a["sinks"], a["softmax_scale"], chip=chip,
+                          **_sel(a))
+    assert o.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("where", ["q", "ori_kv"])
+def test_an_inf_in_another_row_leaves_a_rows_bytes(where):
+    """An inf in batch 1's query or K (the core's; the front doors refuse it) sends the chunk's Q.K product through
+    one call per S2 tile (other K facts); batch 0 computed alone takes the one call over all tiles: its bytes are
+    the same, with K rows (+-2^60 pairs that cancel) whose Q.K sums must be certified and summed exactly."""
+    from qsfa.reference.sharedkv import sharedkv_attention
+
+    c = sfm_case(scenario="HCA", batch=2, s1=1, s2=300, n1=2, ratio=128)
+    a = {k: c[k] for k in ("q", "ori_kv", "cmp_kv", "cmp_residual_kv", "sinks", "softmax_scale", "cmp_ratio",
+                           "ori_mask_mode", "cmp_mask_mode", "ori_win_right")}
+    a.update(ori_win_left=-1, s2_tile=128, return_softmax_lse=True)
+    a["q"][..., 300] = a["q"][..., 0]
+    for kv, rows in (("ori_kv", slice(None, None, 7)), ("cmp_kv", slice(None))):
+        a[kv][:, rows, 0, 0] = 2.0 ** 60
+        a[kv][:, rows, 0, 300] = -2.0 ** 60
+    a[where][1, 0, 0, 7] = np.inf
+    alone = {**a, **{k: a[k][:1] for k in ("q", "ori_kv", "cmp_kv", "cmp_residual_kv")}}
+    o, lse = sharedkv_attention(**a)
+    o0, lse0 = sharedkv_attention(**alone)
+    assert np.isneginf(lse[1]).any()  # the inf reached batch 1 (a NaN l: output 0, LSE -inf)
+    assert o[:1].view(np.uint16).tobytes() == o0.view(np.uint16).tobytes()
+    assert lse[:1].view(np.uint32).tobytes() == lse0.view(np.uint32).tobytes()
+
+
 @pytest.mark.parametrize("scenario", ["SWA", "CSA", "HCA"])
 @pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
 def test_faithful_within_its_error_bound_of_exact(scenario, qdtype):

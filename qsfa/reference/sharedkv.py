@@ -199,30 +199,40 @@ def _lq(mn, qdtype):
     return np.where(mn == 0xFFFF, _NO_LQ, ((mn + 1) >> shift) + low)
 
 
-def _widen(k16, k64, block=128):
-    """``k64[...] = k16`` and the sum of squares of every row (float64), ``block`` rows at a time so that the sums
-    read the rows just written from cache (the same sums as one pass over all rows)."""
-    d = k16.shape[-1]
-    src, dst = k16.reshape(-1, d), k64.reshape(-1, d)
+def _row_squares(k64, block=128):
+    """The sum of squares of every row of ``k64`` (float64), ``block`` rows at a time."""
+    d = k64.shape[-1]
+    src = k64.reshape(-1, d)
     sq = np.empty(src.shape[0])
     for a in range(0, src.shape[0], block):
-        np.copyto(dst[a:a + block], src[a:a + block])
-        np.einsum("nd,nd->n", dst[a:a + block], dst[a:a + block], out=sq[a:a + block])
-    return sq.reshape(k16.shape[:-1])
+        np.einsum("nd,nd->n", src[a:a + block], src[a:a + block], out=sq[a:a + block])
+    return sq.reshape(k64.shape[:-1])
 
 
-def _k_facts(k_sq, k16, tiles, qdtype):
-    """The facts of K (see attention._dot_f32) from its rows' sums of squares ``k_sq`` and its 16-bit values: per
-    row (2-norm bound, lq), and per packed tile ``[lo, hi)`` and column of V (max |entry|, lq) - reduced along the
-    token axis in place of a transposed copy (the same facts as ``min_lq`` of the transposed bits). One pass makes
-    the magnitude bits (sign cleared), a second turns them into ``magnitude - 1`` in place (zero wraps to 0xFFFF:
-    never the minimum of a row or column with a non-zero value)."""
+#: 16-bit magnitude bits (sign cleared) at or above which a value is inf / NaN
+_NONFINITE16 = {"bfloat16": 0x7F80, "float16": 0x7C00}
+
+
+def _k_facts(k64, k16, tiles, qdtype, q_finite):
+    """The facts of K (see attention._dot_f32) from its 16-bit values: per row (2-norm bound, lq), and per packed
+    tile ``[lo, hi)`` and column of V (max |entry|, lq) - reduced along the token axis in place of a transposed
+    copy (the same facts as ``min_lq`` of the transposed bits) - and whether Q (``q_finite``) and K are finite. One
+    pass makes the magnitude bits (sign cleared), a second turns them into ``magnitude - 1`` in place (zero wraps to
+    0xFFFF: never the minimum of a row or column with a non-zero value). A row's 2-norm bound is
+    ``sqrt(D) max |k|`` (its largest magnitude: one pass over the 2-byte bits, no float64 sums of squares); where Q
+    or K holds an inf / NaN (the per-tile Q.K calls of :func:`_faithful`) it is the square root of the row's float64
+    sum of squares, the facts those calls always saw."""
     mag = np.bitwise_and(k16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_kmag", k16.shape, np.uint16))
+    rmax = mag.max(axis=-1)
+    finite = q_finite and bool((rmax < _NONFINITE16[qdtype]).all())
     vmax = [mag[:, lo:hi].max(axis=1).view(_QDT[qdtype]).astype(np.float64) for lo, hi in tiles]
     mag -= np.uint16(1)
     cols = [(v, _lq(mag[:, lo:hi].min(axis=1), qdtype)) for v, (lo, hi) in zip(vmax, tiles)]
-    rows = (np.sqrt(k_sq) * (1 + 2.0 ** -40), _lq(mag.min(axis=-1), qdtype))
-    return rows, cols
+    if finite:  # |k|_2 <= sqrt(D) max |k_j|; the margin covers the two roundings of the product
+        norm = rmax.view(_QDT[qdtype]).astype(np.float64) * (np.sqrt(float(k16.shape[-1])) * (1 + 2.0 ** -40))
+    else:
+        norm = np.sqrt(_row_squares(k64)) * (1 + 2.0 ** -40)
+    return (norm, _lq(mag.min(axis=-1), qdtype)), cols, finite
 
 
 def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_block_table=None,
@@ -327,14 +337,14 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
             k64 = k16.astype(np.float64)
         else:  # (a kept buffer: a fresh one costs a page fault per 4 KiB)
             k64 = scratch("sharedkv_k64", k16.shape, np.float64)
-            k_sq = _widen(k16, k64)
+            np.copyto(k64, k16)
         q64 = rows[r].astype(np.float64) if exact else scratch("sharedkv_q64", rows[r].shape, np.float64)
         if not exact:
             np.copyto(q64, rows[r])
         if exact:
             o, l_ = _exact(q64, k64, selc, float(softmax_scale), sink.astype(np.float64))
         else:
-            o, l_ = _faithful(q64, rows[r], k64, k16, k_sq, selc, np.float32(softmax_scale), sink, qdtype, tiles,
+            o, l_ = _faithful(q64, rows[r], k64, k16, selc, np.float32(softmax_scale), sink, qdtype, tiles,
                               p_rounding, out_rounding)
         out[r] = o
         lse[r] = l_
@@ -361,10 +371,10 @@ def _exact(q64, k64, sel, scale, sink):
     return o, np.where(den > 0, lse, -np.inf)
 
 
-def _faithful(q64, q16, k64, k16, k_sq, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
+def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, out_rounding):
     """The online softmax over the packed tiles ``[(lo, hi)]`` of ``k64`` (see :func:`_tile_layout`); ``sel``
     [c, W] marks the selected tokens. Vectorised over rows, heads and tiles: the scores of all tiles land in one
-    block (one ``_dot_f32`` call per tile, so its certification sees the candidate sets it always saw), and the
+    block (one ``_dot_f32`` call; per tile where Q or K holds a non-finite value), and the
     running maxima (they depend on the scores only), the exponentials, the tile sums and P are computed for all
     tiles at once; per tile remain ``RN32(P @ V)`` and the state update."""
     c, n = q64.shape[:2]
@@ -375,10 +385,16 @@ def _faithful(q64, q16, k64, k16, k_sq, sel, scale, sink, qdtype, tiles, p_round
     lo_t = np.array([t[0] for t in tiles], np.int64)
     wt = np.array([t[1] - t[0] for t in tiles], np.int64)
     qf = row_facts(q64, q16.view(np.uint16), qdtype)
-    kf, vf = _k_facts(k_sq, k16, tiles, qdtype)
+    kf, vf, finite = _k_facts(k64, k16, tiles, qdtype, bool(np.isfinite(qf[0]).all()))
     s = scratch("sharedkv_s", (c, n, k64.shape[1]), np.float32)  # (kept buffers: no page faults per call)
-    for lo, hi in tiles:  # RN32(q . k)  [c, N, W]; one call per tile, as the candidate sets of _dot_f32 were
-        _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]), out=s[..., lo:hi])
+    if finite:
+        # RN32(q . k)  [c, N, W] in one call over the tiles (they are contiguous from 0): with every value finite
+        # each score is the one RN32 of its exact dot product, whichever pairs are certified together
+        _dot_f32(q64, k64.transpose(0, 2, 1), qf, kf, out=s)
+    else:  # one call per tile: an inf / NaN term's NaN bits in the exact sums depend on the pairs summed with it
+        for lo, hi in tiles:
+            _dot_f32(q64, k64[:, lo:hi].transpose(0, 2, 1), qf, (kf[0][:, lo:hi], kf[1][:, lo:hi]),
+                     out=s[..., lo:hi])
     s *= scale  # fp32 multiply
     if not sel.all():
         np.copyto(s, np.float32(-np.inf), where=~sel[:, None, :])
