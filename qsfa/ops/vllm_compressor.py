@@ -18,7 +18,7 @@ from .._dispatch import define_operator, run
 from .._errors import Raw
 from ..reference import compressor as _cr
 from ..reference import vllm_compressor as _vr
-from .compressor import BF16, _example as _cmp_example, _nb, _rules
+from .compressor import BF16, _example as _cmp_example, _nb, _numerics, _rules
 
 __all__ = ["vllm_compressor", "VCMP", "VCMP_CONTRACT", "vllm_compressor_case"]
 
@@ -188,10 +188,6 @@ def _reference(x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos,
                                cmp_ratio=int(cmp_ratio), coff=int(coff), norm_eps=float(norm_eps),
                                rotary_mode=int(rotary_mode), cache_mode=int(cache_mode), precision=precision,
                                reduce_order=reduce_order)
-
-
-def _numerics(chip, args):
-    return {"reduce_order": "sequential" if chip == "950" else "tree"}
 
 
 define_operator(VCMP, VCMP_CONTRACT, outputs=("cmp_kv", "state_cache"), reference=_reference, numerics=_numerics,

@@ -235,6 +235,17 @@ def _k_facts(k64, k16, tiles, qdtype, q_finite):
     return (norm, _lq(mag.min(axis=-1), qdtype)), cols, finite
 
 
+def output_rows(attention_out, n_rows: int, n_heads: int, d: int, odt) -> np.ndarray:
+    """The ``[rows, heads, d]`` output the chunks write: zeros, or a view of the caller's ``attention_out`` (its
+    contract checked dtype, size and C-contiguity before the call, so the reshape is a view, never a copy)."""
+    if attention_out is None:
+        return np.zeros((n_rows, n_heads, d), odt)
+    assert attention_out.dtype == odt and attention_out.size == n_rows * n_heads * d, attention_out.dtype
+    out = attention_out.reshape(n_rows, n_heads, d)
+    assert np.shares_memory(out, attention_out)
+    return out
+
+
 def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_block_table=None,
                        cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None,
                        seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None, sinks=None,
@@ -283,12 +294,7 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
     sink = np.full(n_heads, -np.inf, np.float32) if sinks is None else np.asarray(sinks, np.float32)
     fdt = np.float64 if exact else np.float32
     odt = np.float64 if exact else _QDT[qdtype]
-    if attention_out is None:
-        out = np.zeros((rows.shape[0], n_heads, d), odt)
-    else:
-        assert attention_out.dtype == odt and attention_out.size == rows.shape[0] * n_heads * d, attention_out.dtype
-        out = attention_out.reshape(rows.shape[0], n_heads, d)  # a view (C-contiguous)
-        assert np.shares_memory(out, attention_out)
+    out = output_rows(attention_out, rows.shape[0], n_heads, d, odt)
     lse = np.zeros((rows.shape[0], n_heads), fdt)
     live = np.nonzero(~zero)[0]
     row_range = _ROW_RANGE.get()

@@ -38,7 +38,7 @@ import numpy as np
 
 from .attention import _dot_f32, _QDT, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16, row_facts
 from .formats import decode, encode
-from .sharedkv import _exact, _kv_source, _query_rows, select_tokens
+from .sharedkv import _exact, _kv_source, _query_rows, output_rows, select_tokens
 
 __all__ = ["hif8_sharedkv_attention", "HIF8_P_SCALE", "S2_TILE_950", "descale_product"]
 
@@ -117,12 +117,7 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
     d_cmp = _one(cmp_kv_descale) if cmp_kv_descale is not None else np.float32(1)
     fdt = np.float64 if exact else np.float32
     odt = np.dtype(np.float64 if exact else _QDT["bfloat16"])
-    if attention_out is None:
-        out = np.zeros((rows.shape[0], n_heads, d), odt)
-    else:
-        assert attention_out.dtype == odt and attention_out.size == rows.shape[0] * n_heads * d, attention_out.dtype
-        out = attention_out.reshape(rows.shape[0], n_heads, d)  # a view (C-contiguous)
-        assert np.shares_memory(out, attention_out)
+    out = output_rows(attention_out, rows.shape[0], n_heads, d, odt)
     lse = np.zeros((rows.shape[0], n_heads), fdt)
     live = np.nonzero(~zero)[0]
     if attention_out is not None:  # rows no chunk writes (before the causal diagonal, past seqused_q) are zero
