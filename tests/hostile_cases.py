@@ -336,7 +336,19 @@ def _out_like(op: str, base: dict, name: str) -> np.ndarray:
     from qsfa._dispatch import operators
 
     if (op, name) not in _OUT_LIKE:
-        res = public_function(op)(**base)
+        from threadpoolctl import threadpool_limits
+
+        from qsfa.reference import parallel
+
+        # one thread, BLAS included: the campaign forks a child per case from this process, and a BLAS thread pool
+        # started here would leave each child waiting on its locks (every case a 20 s "hang")
+        saved = parallel._requested
+        parallel.set_num_threads(1)
+        try:
+            with threadpool_limits(limits=1, user_api="blas"):
+                res = public_function(op)(**base)
+        finally:
+            parallel.set_num_threads(saved)
         res = res if isinstance(res, tuple) else (res,)
         got = np.asarray(res[operators()[op].outputs.index(name)])
         _OUT_LIKE[(op, name)] = (got.shape, got.dtype)
@@ -446,6 +458,8 @@ def _run_forked(case, table, timeout_s, mem_bytes):
     if pid == 0:  # child
         os.close(r)
         try:
+            if "torch" in sys.modules:  # the parent's OpenMP team does not survive fork(): a parallel torch op would wait
+                sys.modules["torch"].set_num_threads(1)  # on it for ever (every torch case a 20 s "hang")
             with open("/proc/self/status") as f:  # the address space already mapped (torch maps a lot) + the budget
                 vm = next((int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:")), 0)
             resource.setrlimit(resource.RLIMIT_AS, (vm + mem_bytes, vm + mem_bytes))
