@@ -14,6 +14,7 @@ import pytest
 
 import qsfa
 from qsfa.ops import sharedkv as S
+from qsfa.ops._out_buffers import _aliased_with
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BUILD = {"sparse_flash_mla": S.sfm_case, "sparse_attn_sharedkv": S.sas_case,
@@ -77,16 +78,6 @@ def test_the_lse_is_unchanged_by_the_buffer():
     assert got[0] is buf and _same(buf, want[0]) and _same(got[1], want[1])
 
 
-def _in_shared_block(a, param, shape, dt):
-    """Move ``a[param]`` into a byte block and return a ``shape`` / ``dt`` buffer over the same bytes."""
-    v = a[param]
-    size = int(np.prod(shape)) * dt.itemsize
-    whole = np.zeros(max(v.nbytes, size), np.uint8)
-    a[param] = whole[:v.nbytes].view(v.dtype).reshape(v.shape)
-    a[param][...] = v
-    return whole[:size].view(dt).reshape(shape)
-
-
 def _bad_buffers(op, a, want):
     """(buffer or None, changes to the arguments, constraint id suffix, words of the message)."""
     shape, dt = want.shape, want.dtype
@@ -114,7 +105,7 @@ def test_bad_buffers_are_refused_by_name_before_anything_is_written(op):
     for buf, change, cid, words in _bad_buffers(op, base, want):
         a = dict(base)
         if isinstance(change, str):  # the buffer shares its bytes with that input
-            buf = _in_shared_block(a, change, want.shape, want.dtype)
+            buf = _aliased_with(change)(a, want.shape, want.dtype)  # the contract's own overlap maker
         else:
             a.update(change)
         before = {k: np.asarray(v).tobytes() for k, v in a.items() if isinstance(v, np.ndarray)}
