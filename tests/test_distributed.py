@@ -85,11 +85,12 @@ def _v4_case(set_name, case_name):
     return next(c for c in get_set(set_name).cases() if c.name == case_name)
 
 
-#: V4 shared-KV cases with several query rows (BSND with the LSE, TND over a paged cache, 640-byte FP8 rows)
+#: V4 shared-KV cases with several query rows (BSND with the LSE, TND over a paged cache, 640-byte FP8 rows, HiFloat8)
 V4_ROW_CASES = [
     _v4_case("v4-csa", "v4-csa-first-rows"),
     _v4_case("v4-hca", "v4-hca-prefill-TND-PA_BBND-bs128-bfloat16"),
     _v4_case("v4-kv-quant-sharedkv", "v4-kvq-swa-prefill-BSND-bs16"),
+    _v4_case("v4-quant", "v4-quant-csa-prefill-TND-PA_BBND-bs128"),  # HiFloat8 (qsfa.reference.sharedkv_hif8)
 ]
 
 

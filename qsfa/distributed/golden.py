@@ -32,7 +32,7 @@ __all__ = ["GoldenExecutor", "ROW_SPLIT_OPS", "ROW_TASK_WORK", "attention_rows"]
 ROW_SPLIT_OPS = ("kv_quant_sparse_flash_attention", "sparse_flash_attention",
                  # DeepSeek-V4 shared-KV attention (qsfa.reference.sharedkv honours only_rows too)
                  "sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla",
-                 "kv_quant_sparse_attn_sharedkv")
+                 "kv_quant_sparse_attn_sharedkv", "quant_sparse_flash_mla")
 
 #: default work of one row task, in query row x head x selected-token units: seconds of the reference on one
 #: core (of the order of a million units per second here)

@@ -296,7 +296,8 @@ for _op in ("sparse_flash_attention", "merge_attention_lse", "lightning_indexer"
     register_describer(_op, _float_outputs)
 # the DeepSeek-V4 shared-KV attention: its output and LSE carry the kernel's accumulation order too (a V4 layer
 # chain's attention link, compared from an NPU dump, is judged by the float criterion, not by bytes)
-for _op in ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv"):
+for _op in ("sparse_flash_mla", "sparse_attn_sharedkv", "mixed_quant_sparse_flash_mla", "kv_quant_sparse_attn_sharedkv",
+            "quant_sparse_flash_mla"):
     register_describer(_op, _float_outputs)
 
 
