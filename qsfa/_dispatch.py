@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ._arrays import caller_kind, is_torch, to_numpy, to_torch
+from ._arrays import caller_kind, is_torch, to_numpy, to_torch, torch_module
 from ._contract import Args, Constraint, Contract
 from ._errors import (
     BackendUnavailable,
@@ -364,6 +364,17 @@ def _prepare(op_name: str, args: Mapping[str, Any], backend: str, chip: str | No
     return op, be, impl, kind, host, normalised, chip
 
 
+def _device_array(v: np.ndarray, dev, *, output_only: bool):
+    """``v`` as a tensor on the backend's device ``dev``. An output buffer (``attention_out=`` and the like: written,
+    never read) is not uploaded to a device other than the CPU: an uninitialised tensor of its shape and dtype
+    takes the result, which is copied back into the caller's buffer after the call; on the CPU it is a zero-copy
+    view like every other array."""
+    if output_only and str(dev) != "cpu":
+        template = to_torch(np.empty((0,), v.dtype))  # (the torch dtype of v's, bf16 / fp8 included)
+        return torch_module().empty(v.shape, dtype=template.dtype, device=dev)
+    return to_torch(v, device=dev)
+
+
 def _run_checked(op, be, impl, kind, host, normalised, chip, args):
     """Steps 5-6 of :func:`run`: arguments in the backend's array kind (remembering in-place buffers that need
     copying back), the call, the copy-back and the outputs in the caller's kind."""
@@ -383,7 +394,7 @@ def _run_checked(op, be, impl, kind, host, normalised, chip, args):
             if is_torch(orig) and orig is not None and _same_device(orig.device, dev) and v is host.get(n):
                 call_args[n] = orig
             elif isinstance(v, np.ndarray):
-                call_args[n] = to_torch(v, device=dev)
+                call_args[n] = _device_array(v, dev, output_only=inplace and n not in op.contract.inplace)
                 if inplace:
                     copy_back[n] = (orig, call_args[n])
             else:

@@ -482,3 +482,34 @@ def test_an_operator_prints_as_its_name_outputs_and_backends():
     assert repr(enc) == f"Operator('formats.encode', outputs=('codes',), backends={sorted(enc.impls)!r})"
     assert "'reference'" in repr(enc)
     assert len(repr(ops)) < 200 * len(ops)  # the dataclass repr printed every contract (~300 KB)
+
+
+def test_an_output_buffer_is_not_uploaded_to_a_device():
+    """An output buffer (written, never read: ``attention_out=``) goes to a non-CPU device as an uninitialised tensor
+    of its shape and dtype - its bytes are not copied there; an in-place buffer's are (the kernel reads them); on
+    the CPU both are zero-copy views."""
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+
+    import qsfa._dispatch as D
+
+    seen = []
+    real = D.to_torch
+
+    def spy(a, device=None, like=None):
+        seen.append((np.asarray(a).size, str(device)))
+        return real(a, device=device, like=like)
+
+    buf = np.full((3, 4, 8), 7, ml_dtypes.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(D, "to_torch", spy)
+        t = D._device_array(buf, torch.device("meta"), output_only=True)
+        assert tuple(t.shape) == buf.shape and t.dtype == torch.bfloat16 and t.device.type == "meta"
+        assert all(size != buf.size for size, _ in seen)  # only a 0-element dtype template was converted
+        seen.clear()
+        t = D._device_array(buf, torch.device("meta"), output_only=False)
+        assert seen == [(buf.size, "meta")] and t.device.type == "meta"
+        seen.clear()
+        t = D._device_array(buf, "cpu", output_only=True)
+        assert seen == [(buf.size, "cpu")]
+        assert t.data_ptr() == buf.ctypes.data  # a view of the caller's buffer
