@@ -733,3 +733,25 @@ def test_a_chip_the_v4_entry_point_does_not_run_on_is_named_in_the_message():
         qsfa.quant_sparse_flash_mla(q, quant_mode, chip="A3", **kw)
     with pytest.raises(qsfa.InvalidArgument, match="^Invalid value for q, actual: 'Atlas A2 or Ascend 950', reason: "):
         qsfa.sparse_attn_sharedkv(**sas_case(), chip="950")
+
+
+@pytest.mark.parametrize("mode", ["round", "rint"])
+def test_p_rounded_on_the_fp32_bits_equals_the_bf16_cast(mode):
+    """The faithful path rounds P on e's fp32 bits in place (no NaN): the same P values and the same per-tile
+    minimum magnitude (the lq fact the P @ V exactness test reads) as the bf16 array, tiles of zeros included."""
+    from qsfa.reference.sharedkv import _round_p
+
+    rng = np.random.default_rng(4)
+    for _ in range(50):
+        e = np.exp(-rng.exponential(rng.choice([1.0, 10.0, 60.0, 100.0]), (3, 5, 40))).astype(np.float32)
+        e[rng.random(e.shape) < rng.choice([0.0, 0.3, 0.95])] = 0
+        e[0, 0, :] = 0
+        e[1, 1, :3] = np.float32(1.0)
+        e[2, 2, 5] = np.float32(2.0 ** -133)  # a bf16 subnormal
+        lo_t = np.array(sorted({0, *rng.choice(np.arange(1, 40), 3, replace=False).tolist()}))
+        want64, got64 = np.empty(e.shape), np.empty(e.shape)
+        want = _round_p(e.copy(), lo_t, "bfloat16", mode, False, want64)
+        got = _round_p(e.copy(), lo_t, "bfloat16", mode, True, got64)
+        assert want64.tobytes() == got64.tobytes()
+        assert np.array_equal(np.asarray(want, np.int64), np.asarray(got, np.int64))
+        assert (np.asarray(want) == 0xFFFF).any()  # a tile of zeros

@@ -54,6 +54,7 @@ from .attention import (
     _ROW_RANGE, _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, round_q16,
     row_facts, sum_error_bound,
 )
+from ._decode_blocks import bf16_bits_inplace
 from ._workspace import scratch
 
 __all__ = ["sharedkv_attention", "select_tokens", "S2_TILE", "PRECISIONS", "KV_LAYOUTS"]
@@ -161,19 +162,32 @@ def select_tokens(bat, pos, s1_act, valid, ori_len, cmp_len, cmp_residual_kv, cm
     p = np.arange(k, dtype=np.int64)[None, :]
     before_end = np.cumprod(idx != -1, axis=1).astype(bool)  # reading stops at the first -1
     keep = before_end & (p < np.minimum(k, thr_c)[:, None]) & (idx >= 0) & (idx < thr_c[:, None])
+    n_cmp = keep.sum(axis=1)
+    if n_cmp.sum() == keep.size:  # every entry kept (a decode's top-k): already in order
+        return zero, start, n_ori, idx, n_cmp
     order = np.argsort(~keep, axis=1, kind="stable")  # kept entries first, in index order
     toks = np.where(np.take_along_axis(keep, order, 1), np.take_along_axis(idx, order, 1), -1)
-    n_cmp = keep.sum(axis=1)
     return zero, start, n_ori, toks[:, : int(n_cmp.max(initial=0))], n_cmp
 
 
 def _take(flat, rows, out):
     """``out[...] = flat[rows]`` (rows of a flat cache, or of :class:`LazyRows`); an array's rows in range are
-    copied straight into ``out`` (``np.take`` buffers its output unless told how to treat indices out of range)."""
+    copied straight into ``out`` (``np.take`` buffers its output unless told how to treat indices out of range),
+    consecutive rows (a window, an HCA's compressed tokens) as one slice."""
     if isinstance(flat, np.ndarray) and (rows.size == 0 or (rows.min() >= 0 and rows.max() < flat.shape[0])):
-        np.take(flat, rows, axis=0, out=out, mode="clip")
+        if rows.size > 1 and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (np.diff(rows) == 1).all():
+            np.copyto(out, flat[int(rows[0]):int(rows[-1]) + 1])
+        else:
+            np.take(flat, rows, axis=0, out=out, mode="clip")
     else:
         out[...] = flat[rows]
+
+
+def _rows_of(a, r):
+    """``a[r]`` for sorted distinct row numbers ``r``: a view when they are consecutive (a decode's rows)."""
+    if r.size and int(r[-1]) - int(r[0]) + 1 == r.size:
+        return a[int(r[0]):int(r[-1]) + 1]
+    return a[r]
 
 
 def _tile_layout(n_ori, ori_slots, n_cmp, tile):
@@ -344,13 +358,14 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
         else:  # (a kept buffer: a fresh one costs a page fault per 4 KiB)
             k64 = scratch("sharedkv_k64", k16.shape, np.float64)
             np.copyto(k64, k16)
-        q64 = rows[r].astype(np.float64) if exact else scratch("sharedkv_q64", rows[r].shape, np.float64)
+        q16 = _rows_of(rows, r)
+        q64 = q16.astype(np.float64) if exact else scratch("sharedkv_q64", q16.shape, np.float64)
         if not exact:
-            np.copyto(q64, rows[r])
+            np.copyto(q64, q16)
         if exact:
             o, l_ = _exact(q64, k64, selc, float(softmax_scale), sink.astype(np.float64))
         else:
-            o, l_ = _faithful(q64, rows[r], k64, k16, selc, np.float32(softmax_scale), sink, qdtype, tiles,
+            o, l_ = _faithful(q64, q16, k64, k16, selc, np.float32(softmax_scale), sink, qdtype, tiles,
                               p_rounding, out_rounding)
         out[r] = o
         lse[r] = l_
@@ -434,13 +449,10 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
         e = np.where(fin, e, np.float32(0)).astype(np.float32)
         tsum = np.stack([exact_sum_f32(e[..., lo:hi].reshape(-1, hi - lo).astype(np.float64)).reshape(c, n)
                          for lo, hi in tiles], axis=-1)
-    p16 = round_q16(e, qdtype, p_rounding)  # P against the running max
-    p64 = scratch("sharedkv_p64", p16.shape, np.float64)
-    np.copyto(p64, p16)
+    p64 = scratch("sharedkv_p64", e.shape, np.float64)
+    mn = _round_p(e, lo_t, qdtype, p_rounding, clean, p64)  # P against the running max
     p_sum = np.add.reduceat(p64, lo_t, axis=-1) * (1 + 2.0 ** -40)
-    p_mag1 = np.bitwise_and(p16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_pmag", p16.shape, np.uint16))
-    p_mag1 -= np.uint16(1)  # zero wraps to 0xFFFF
-    p_lq = _lq(np.minimum.reduceat(p_mag1, lo_t, axis=-1), qdtype)  # min_lq of each tile's P
+    p_lq = _lq(mn, qdtype)  # min_lq of each tile's P
     l = np.ones((c, n), np.float32)
     acc = scratch("sharedkv_acc", (c, n, d), np.float32)
     acc.fill(0)
@@ -458,6 +470,27 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
             l = np.where(upd, a * l + tsum[..., t], l).astype(np.float32)
             acc = np.where(upd[..., None], a[..., None] * acc + pv, acc).astype(np.float32)
     return _finish(m, l, acc, qdtype, out_rounding)
+
+
+def _round_p(e, lo_t, qdtype, p_rounding, clean, p64):
+    """P = ``e`` (fp32 ``[c, N, W]``) rounded to ``qdtype`` with ``p_rounding``, written into ``p64`` (float64);
+    returns per tile (first slots ``lo_t``) the minimum of P's ``magnitude bits - 1`` (16-bit; 0xFFFF for a tile
+    of zeros: see :func:`_lq`). ``clean`` (e has no NaN) and bf16: rounded on e's fp32 bits in place (e then holds
+    P), the magnitudes read from the fp32 bits' top halves - the values and minima of the bf16 array
+    (tests/test_sharedkv.py)."""
+    if clean and qdtype == "bfloat16":
+        u = e.view(np.uint32)
+        bits = scratch("sharedkv_pbits", e.shape, np.uint32)
+        bf16_bits_inplace(u, p_rounding, bits)
+        np.copyto(p64, e)
+        mag1 = np.bitwise_and(u, np.uint32(0x7FFFFFFF), out=bits)
+        mag1 -= np.uint32(1)  # zero wraps to 0xFFFFFFFF
+        return (np.minimum.reduceat(mag1, lo_t, axis=-1).astype(np.int64) + 1 >> 16) - 1
+    p16 = round_q16(e, qdtype, p_rounding)
+    np.copyto(p64, p16)
+    mag1 = np.bitwise_and(p16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_pmag", p16.shape, np.uint16))
+    mag1 -= np.uint16(1)  # zero wraps to 0xFFFF
+    return np.minimum.reduceat(mag1, lo_t, axis=-1)
 
 
 def _finish(m, l, acc, qdtype, out_rounding):
