@@ -755,3 +755,46 @@ def test_p_rounded_on_the_fp32_bits_equals_the_bf16_cast(mode):
         assert want64.tobytes() == got64.tobytes()
         assert np.array_equal(np.asarray(want, np.int64), np.asarray(got, np.int64))
         assert (np.asarray(want) == 0xFFFF).any()  # a tile of zeros
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_v_facts_from_the_row_facts_or_the_columns_give_the_same_bytes(monkeypatch, tiny):
+    """P @ V's exactness facts come from the tile's row facts when those fit the P rows' room, from a reduction of
+    V's columns otherwise (qsfa.reference.sharedkv._k_facts): both give the bytes of a call that always reduces
+    the columns. ``tiny``: a 2^-100 value in one K row makes the tile-wide span too wide, so the columns are
+    reduced (and some products certified)."""
+    from qsfa.reference import sharedkv as S
+
+    a = sfm_case(scenario="CSA", layout_q="TND", batch=2, s1=3, s2=700, n1=4, k=512, seed=9)
+    for p in ("ori_sparse_indices", "metadata", "ori_topk_length", "cmp_topk_length", "topk_value_mode"):
+        a.pop(p)
+    a["return_softmax_lse"] = True
+    q, ori, cmp, idx = (a.pop(k) for k in ("q", "ori_kv", "cmp_kv", "cmp_sparse_indices"))
+    if tiny:
+        cmp = cmp.copy()
+        cmp.reshape(-1, cmp.shape[-1])[:, 7] = np.asarray(2.0 ** -100, cmp.dtype)
+    real = S._k_facts
+    used = []
+
+    def spy(*args):
+        kf, vf, finite = real(*args)
+
+        def vf_spy(t, room=None):
+            got = vf(t, room)
+            used.append(got[0].strides[-1] == 0)  # a broadcast: the tile-wide facts
+            return got
+
+        return kf, vf_spy, finite
+
+    monkeypatch.setattr(S, "_k_facts", spy)
+    got = S.sharedkv_attention(q, ori, cmp, idx, **a)
+    fast = list(used)
+
+    def columns_only(*args):
+        kf, vf, finite = real(*args)
+        return kf, (lambda t, room=None: vf(t)), finite
+
+    monkeypatch.setattr(S, "_k_facts", columns_only)
+    want = S.sharedkv_attention(q, ori, cmp, idx, **a)
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
+    assert fast and (not all(fast) if tiny else all(fast))  # (tiny: the window tile, from ori_kv, stays fast)

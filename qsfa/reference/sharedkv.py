@@ -228,25 +228,45 @@ _NONFINITE16 = {"bfloat16": 0x7F80, "float16": 0x7C00}
 
 
 def _k_facts(k64, k16, tiles, qdtype, q_finite):
-    """The facts of K (see attention._dot_f32) from its 16-bit values: per row (2-norm bound, lq), and per packed
-    tile ``[lo, hi)`` and column of V (max |entry|, lq) - reduced along the token axis in place of a transposed
-    copy (the same facts as ``min_lq`` of the transposed bits) - and whether Q (``q_finite``) and K are finite. One
-    pass makes the magnitude bits (sign cleared), a second turns them into ``magnitude - 1`` in place (zero wraps to
-    0xFFFF: never the minimum of a row or column with a non-zero value). A row's 2-norm bound is
-    ``sqrt(D) max |k|`` (its largest magnitude: one pass over the 2-byte bits, no float64 sums of squares); where Q
-    or K holds an inf / NaN (the per-tile Q.K calls of :func:`_faithful`) it is the square root of the row's float64
-    sum of squares, the facts those calls always saw."""
+    """The facts of K (see attention._dot_f32) from its 16-bit values: per row (2-norm bound, lq); V's facts for
+    tile t, ``vf(t)``; and whether Q (``q_finite``) and K are finite. One pass makes the magnitude bits (sign
+    cleared), a second turns them into ``magnitude - 1`` in place (zero wraps to 0xFFFF: never the minimum of a
+    row or column with a non-zero value). A row's 2-norm bound is ``sqrt(D) max |k|`` (its largest magnitude: one
+    pass over the 2-byte bits, no float64 sums of squares); where Q or K holds an inf / NaN (the per-tile Q.K
+    calls of :func:`_faithful`) it is the square root of the row's float64 sum of squares, the facts those calls
+    always saw.
+
+    ``vf(t, room)``: V's facts for P @ V over tile t, per column ``(max |entry|, lq)`` ``[c, D]``. When the tile's
+    largest magnitude and smallest lq over all its rows (from the row facts: no pass over V) already fit ``room``
+    (``[c]``, the smallest room of the tile's P rows: attention._dot_f32), every pair is exact with those
+    tile-wide facts, broadcast over the columns; otherwise the columns are reduced along the token axis (the
+    same facts as ``min_lq`` of the transposed bits). Either way the products are the same correctly rounded
+    values: the facts only choose between the exactness proof and the certified sums."""
     mag = np.bitwise_and(k16.view(np.uint16), np.uint16(0x7FFF), out=scratch("sharedkv_kmag", k16.shape, np.uint16))
     rmax = mag.max(axis=-1)
     finite = q_finite and bool((rmax < _NONFINITE16[qdtype]).all())
-    vmax = [mag[:, lo:hi].max(axis=1).view(_QDT[qdtype]).astype(np.float64) for lo, hi in tiles]
     mag -= np.uint16(1)
-    cols = [(v, _lq(mag[:, lo:hi].min(axis=1), qdtype)) for v, (lo, hi) in zip(vmax, tiles)]
+    rmin = mag.min(axis=-1)
+    c, d = k16.shape[0], k16.shape[-1]
+    lo_t = np.array([lo for lo, _ in tiles], np.int64)
+    t_max = np.maximum.reduceat(rmax, lo_t, axis=-1).view(_QDT[qdtype]).astype(np.float64)  # [c, T]
+    t_lq = _lq(np.minimum.reduceat(rmin, lo_t, axis=-1), qdtype)
+    with np.errstate(divide="ignore"):
+        t_span = np.log2(t_max) - t_lq
+
+    def vf(t, room=None):
+        if finite and room is not None and (t_span[:, t] <= room).all():
+            return (np.broadcast_to(t_max[:, t, None], (c, d)), np.broadcast_to(t_lq[:, t, None], (c, d)))
+        lo, hi = tiles[t]
+        m1 = mag[:, lo:hi]
+        vmax = (m1 + np.uint16(1)).max(axis=1).view(_QDT[qdtype]).astype(np.float64)  # (0xFFFF + 1 wraps to 0)
+        return vmax, _lq(m1.min(axis=1), qdtype)
+
     if finite:  # |k|_2 <= sqrt(D) max |k_j|; the margin covers the two roundings of the product
-        norm = rmax.view(_QDT[qdtype]).astype(np.float64) * (np.sqrt(float(k16.shape[-1])) * (1 + 2.0 ** -40))
+        norm = rmax.view(_QDT[qdtype]).astype(np.float64) * (np.sqrt(float(d)) * (1 + 2.0 ** -40))
     else:
         norm = np.sqrt(_row_squares(k64)) * (1 + 2.0 ** -40)
-    return (norm, _lq(mag.min(axis=-1), qdtype)), cols, finite
+    return (norm, _lq(rmin, qdtype)), vf, finite
 
 
 def output_rows(attention_out, n_rows: int, n_heads: int, d: int, odt) -> np.ndarray:
@@ -458,8 +478,10 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     acc.fill(0)
     pv = scratch("sharedkv_pv", (c, n, d), np.float32)
     for t, (lo, hi) in enumerate(tiles):
+        with np.errstate(divide="ignore"):  # (attention._dot_f32's room of each P row; 0 sums: +inf)
+            room = (p_lq[..., t] + 53 - np.log2(p_sum[..., t]) - 2.0 ** -20).min(axis=1)
         _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
-                 vf[t], out=pv)  # RN32(P @ V)  [c, N, D]
+                 vf(t, room), out=pv)  # RN32(P @ V)  [c, N, D]
         a = a_all[..., t]
         if any_t[:, t].all():
             l = a * l + tsum[..., t]
