@@ -199,3 +199,32 @@ def test_output_buffers_are_rejected_on_a_device_backend():
             assert e.value.param == k
     finally:
         qsfa.unregister_backend(Elsewhere.name)
+
+
+def test_row_ranges_fill_one_shared_set_of_buffers(tmp_path):
+    """Under ``only_rows`` (qsfa.distributed's row tasks) a call writes only the rows of its range into the caller's
+    buffers - output and statistics - and leaves the other rows' bytes alone, so ranges run one after another (or
+    in separate processes) into shared memmaps give the bytes of one whole call; rows of the range that select
+    nothing are zeroed."""
+    from qsfa.reference.attention import only_rows
+
+    args = {**qsfa_case(layout_query="TND", layout_kv="PA_BSND", n_heads=4, sparse=3), "return_softmax_lse": True}
+    idx = args["sparse_indices"].copy()
+    idx.reshape(-1, idx.shape[-1])[2] = -1  # row 2 selects nothing
+    args["sparse_indices"] = idx
+    want = qsfa.kv_quant_sparse_flash_attention(**args)
+    rows = want[0].shape[0]
+    assert rows >= 4 and not np.asarray(want[0])[2].astype(np.float32).any()
+    mms = [np.memmap(tmp_path / f"{k}.bin", dtype=w.dtype, mode="w+", shape=w.shape)
+           for k, w in zip(("out", "max", "sum"), want)]
+    for m in mms:
+        m[...] = 7
+    for lo in range(0, rows, 3):
+        with only_rows(lo, lo + 3):
+            qsfa.kv_quant_sparse_flash_attention(**args, attention_out=mms[0], softmax_max_out=mms[1],
+                                                 softmax_sum_out=mms[2])
+        for m in mms:  # the rows after the range: untouched so far
+            rest = np.asarray(m).reshape(rows, -1)[lo + 3:]
+            assert (rest.astype(np.float64) == 7).all()
+    for m, w in zip(mms, want):
+        assert _same(np.asarray(m), w)

@@ -537,8 +537,9 @@ def test_kv_quant_sharedkv_equals_sharedkv_on_the_dequantised_rows(scenario):
 
 def test_only_rows_and_attention_out_assemble_to_the_serial_bytes(tmp_path):
     """A call split into row ranges (qsfa.reference.attention.only_rows, as qsfa.distributed's row tasks run it),
-    each streamed into an attention_out= memmap, gives per range the bytes of one in-memory call; rows outside
-    the range are zero, LSE included."""
+    each streamed into an attention_out= memmap, gives per range the bytes of one in-memory call; the buffer's
+    rows outside the range keep their bytes (the returned LSE is zero there), so the ranges, run one after another
+    into one shared memmap, fill it with the bytes of the whole call."""
     from qsfa.reference.attention import only_rows
     from qsfa.reference.sharedkv import sharedkv_attention
 
@@ -551,17 +552,21 @@ def test_only_rows_and_attention_out_assemble_to_the_serial_bytes(tmp_path):
     want, want_lse = want.reshape(q.shape[0], -1), want_lse.reshape(q.shape[0], -1)
     assert np.abs(want.astype(np.float32)).min(axis=1).max() > 0
     buf = np.lib.format.open_memmap(tmp_path / "out.npy", mode="w+", dtype=q.dtype, shape=q.shape)
+    shared = np.lib.format.open_memmap(tmp_path / "shared.npy", mode="w+", dtype=q.dtype, shape=q.shape)
+    shared[:] = np.ones((), q.dtype)  # garbage the ranges together must overwrite
     for lo in range(0, q.shape[0], 5):
-        buf[:] = np.ones((), q.dtype)  # garbage the call must overwrite
+        buf[:] = np.ones((), q.dtype)  # garbage the call must overwrite in its range, and keep elsewhere
         with only_rows(lo, lo + 5):
             got, lse = sharedkv_attention(q, ori, cmp, idx, attention_out=buf, **a)
+            sharedkv_attention(q, ori, cmp, idx, attention_out=shared, **a)
         assert got is buf
         got, lse = np.asarray(got).reshape(q.shape[0], -1), lse.reshape(q.shape[0], -1)
         inside = np.zeros(q.shape[0], bool)
         inside[lo:lo + 5] = True
         assert got[inside].tobytes() == want[inside].tobytes()
         assert lse[inside].tobytes() == want_lse[inside].tobytes()
-        assert not got[~inside].view(np.uint16).any() and not lse[~inside].any()
+        assert (got[~inside] == np.ones((), q.dtype)).all() and not lse[~inside].any()
+    assert np.asarray(shared).reshape(q.shape[0], -1).tobytes() == want.tobytes()
 
 
 def test_rows_that_select_no_token_give_zero_and_the_sink_as_lse():

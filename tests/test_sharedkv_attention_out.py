@@ -69,9 +69,10 @@ def test_a_memmap_streams_and_rows_that_see_nothing_are_zeroed(op, tmp_path):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_only_rows_computes_its_range_into_the_buffer_and_zeroes_the_rest(op):
+def test_only_rows_computes_its_range_into_the_buffer_and_keeps_the_rest(op):
     """Under ``only_rows`` (qsfa.distributed's row tasks) every door computes the rows of the range only: with a
-    garbage buffer those rows get the bytes of the whole call, every other row (output and LSE) is zero."""
+    garbage buffer those rows get the bytes of the whole call, the buffer's other rows keep their bytes and the
+    returned LSE is zero there; the ranges together fill one shared buffer with the whole call's bytes."""
     from qsfa.reference.attention import only_rows
 
     a = {**_args(op, scenario="CSA", layout_q="TND", s1=5, s2=140, seed=11, layout_kv=S._PA[op], block_size=16),
@@ -80,16 +81,19 @@ def test_only_rows_computes_its_range_into_the_buffer_and_zeroes_the_rest(op):
     rows = want.shape[0]
     want2, lse2 = want.reshape(rows, -1), want_lse.reshape(rows, -1)
     assert np.abs(want2.astype(np.float64)).min(axis=1).max() > 0 and rows >= 6
-    for lo, hi in ((0, 3), (3, 7), (rows - 2, rows)):
+    shared = np.full(want.shape, 7, want.dtype)
+    for lo, hi in ((0, 3), (3, 7), (7, rows)):
         buf = np.full(want.shape, 7, want.dtype)
         with only_rows(lo, hi):
             got, lse = _call(op, **a, attention_out=buf)
+            _call(op, **a, attention_out=shared)
         assert got is buf
         g, l_ = buf.reshape(rows, -1), lse.reshape(rows, -1)
         inside = np.zeros(rows, bool)
         inside[lo:hi] = True
         assert g[inside].tobytes() == want2[inside].tobytes() and l_[inside].tobytes() == lse2[inside].tobytes()
-        assert not g[~inside].astype(np.float64).any() and not l_[~inside].any()
+        assert (g[~inside].astype(np.float64) == 7).all() and not l_[~inside].any()
+    assert _same(shared, want)
 
 
 def test_the_lse_is_unchanged_by_the_buffer():

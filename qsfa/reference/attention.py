@@ -515,16 +515,30 @@ _ROW_RANGE = contextvars.ContextVar("qsfa_attention_row_range", default=None)
 
 @contextlib.contextmanager
 def only_rows(start: int, stop: int):
-    """Within the block the attention oracles compute only the query rows ``start <= r < stop`` and leave the
-    other rows of every output zero. Rows are numbered in flattened order (``b * Q_S + s`` for BSND, the token
-    for TND): row ``r`` of every output is ``output.reshape(rows, -1)[r]``. A row's bytes do not depend on which
-    other rows are computed with it, so a call split into row ranges (``qsfa.distributed``) assembles to the same
-    bytes."""
+    """Within the block the attention oracles compute only the query rows ``start <= r < stop``; the other rows
+    of every output array they allocate are zero, and the other rows of a caller's output buffer
+    (``attention_out=``, ``softmax_max_out=``, ``softmax_sum_out=``) keep their bytes - so row ranges, run one after
+    another or in separate processes, fill one shared buffer (e.g. an ``np.memmap``). Rows are numbered in
+    flattened order (``b * Q_S + s`` for BSND, the token for TND): row ``r`` of every output is
+    ``output.reshape(rows, -1)[r]``. A row's bytes do not depend on which other rows are computed with it, so a
+    call split into row ranges (``qsfa.distributed``) assembles to the same bytes."""
     token = _ROW_RANGE.set((int(start), int(stop)))
     try:
         yield
     finally:
         _ROW_RANGE.reset(token)
+
+
+def idle_rows(n_rows: int, active: np.ndarray) -> np.ndarray:
+    """The rows a call writes as zero into a caller's output buffer: those of the :func:`only_rows` range (every
+    row without one) that no chunk computes (``active``: the rows computed). Rows outside the range are not the
+    call's: their bytes stay."""
+    row_range = _ROW_RANGE.get()
+    idle = np.zeros(n_rows, bool)
+    lo, hi = (0, n_rows) if row_range is None else (max(row_range[0], 0), min(row_range[1], n_rows))
+    idle[lo:max(hi, lo)] = True
+    idle[active] = False
+    return idle
 
 
 def row_workset_bytes(n_heads: int, width: int, dv: int = NOPE_DIM, kv_rows: int = 2) -> int:
@@ -724,12 +738,11 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
             mx[r] = m
             sm[r] = l
 
-    # rows no chunk writes (no selected token, or outside only_rows) are zero in the caller's buffers
+    # rows of the range no chunk writes (no selected token) are zero in the caller's buffers (idle_rows)
     zeroed = [b for b, given in ((out, out_buffer), (mx, lse_buffers[0]), (sm, lse_buffers[1]))
               if given is not None and (lse or b is out)]
     if zeroed:
-        idle = np.ones(n_rows, bool)
-        idle[active] = False
+        idle = idle_rows(n_rows, active)
         for a in range(0, n_rows, 4096):
             sel = np.flatnonzero(idle[a:a + 4096]) + a
             if sel.size:

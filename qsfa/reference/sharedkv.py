@@ -51,8 +51,8 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import (
-    _ROW_RANGE, _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, log_f32, round_q16,
-    row_facts, sum_error_bound,
+    _ROW_RANGE, _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, idle_rows,
+    log_f32, round_q16, row_facts, sum_error_bound,
 )
 from ._decode_blocks import bf16_bits_inplace
 from ._workspace import scratch
@@ -334,9 +334,8 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
     row_range = _ROW_RANGE.get()
     if row_range is not None:
         live = live[(live >= row_range[0]) & (live < row_range[1])]
-    if attention_out is not None:  # rows no chunk writes are zero
-        idle = np.ones(rows.shape[0], bool)
-        idle[live] = False
+    if attention_out is not None:  # rows of the range no chunk writes are zero (the others' bytes stay)
+        idle = idle_rows(rows.shape[0], live)
         for a in range(0, rows.shape[0], 4096):
             z = np.flatnonzero(idle[a:a + 4096]) + a
             if z.size:
