@@ -161,3 +161,51 @@ def test_results_table_prints_a_memory_row_in_its_unit():
     lines = _table([mib, secs])
     assert "| p | case | 435.2 MiB | 512 MiB working-set budget: 512.0 MiB | 0.85 |" in lines[2], lines[2]
     assert "| t | case | 1.50 s | floor: 500.00 ms | 3 |" in lines[3], lines[3]
+
+
+def _prefill_module():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import sharedkv_prefill
+    finally:
+        sys.path.remove(str(ROOT))
+    return sharedkv_prefill
+
+
+def test_sharedkv_prefill_row_tasks_fill_the_shared_output_with_the_serial_bytes(tmp_path):
+    """The row tasks of ``--workers`` / ``--scheduler`` (run here in this process) each stream their rows into one
+    shared output memmap, leaving the others' rows alone: together they give the bytes of one in-memory call; the
+    file comparison that judges the split sees a single differing byte."""
+    from qsfa.reference.sharedkv import sharedkv_attention
+
+    m = _prefill_module()
+    d = str(tmp_path)
+    args = m.build(d, tokens=9, context=4096, heads=4)
+    want, _ = sharedkv_attention(**{k: np.asarray(v) if isinstance(v, np.ndarray) else v for k, v in args.items()})
+    out = np.lib.format.open_memmap(os.path.join(d, "split.npy"), mode="w+", dtype=want.dtype, shape=want.shape)
+    out[:] = np.ones((), want.dtype)
+    out.flush()
+    del out
+    for lo, hi in ((4, 9), (0, 4)):
+        r = m.row_task(d, "split.npy", lo, hi)
+        assert (r["lo"], r["hi"]) == (lo, hi) and r["seconds"] >= 0
+    got = np.load(os.path.join(d, "split.npy")).view(want.dtype)
+    assert got.tobytes() == want.tobytes()
+    np.lib.format.open_memmap(os.path.join(d, "serial.npy"), mode="w+", dtype=want.dtype, shape=want.shape)[:] = want
+    assert m._same_files(os.path.join(d, "serial.npy"), os.path.join(d, "split.npy"), block=4096)
+    with open(os.path.join(d, "split.npy"), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert not m._same_files(os.path.join(d, "serial.npy"), os.path.join(d, "split.npy"), block=4096)
+
+
+def test_sharedkv_prefill_workers_run_on_a_local_cluster(tmp_path):
+    """``--quick --workers 1``: the serial run, then the row tasks on a local Dask cluster, byte-identical."""
+    pytest.importorskip("distributed")
+    m = _prefill_module()
+    rows = m.run(quick=True, folder=str(tmp_path), workers=1, task_rows=5)
+    assert len(rows) == 2 and "4 row tasks on 1 local worker:" in rows[1]["case"]
+    assert "byte-identical to the serial run's" in rows[1]["notes"] and "none re-run" in rows[1]["notes"]
+    assert not os.listdir(tmp_path)  # the temporary folder (inputs and both outputs) is gone
