@@ -15,13 +15,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _benchmarks():
+def _benchmarks(name: str = "__main__"):
+    """The module ``benchmarks.<name>`` of this checkout (the runner by default)."""
+    import importlib
+
     sys.path.insert(0, str(ROOT))
     try:
-        from benchmarks import __main__ as bm
+        return importlib.import_module(f"benchmarks.{name}")
     finally:
         sys.path.remove(str(ROOT))
-    return bm
 
 
 @pytest.mark.parametrize("name", sorted(_benchmarks().BENCHMARKS))
@@ -74,13 +76,8 @@ def test_the_v4_sharedkv_bytes_pinned_by_bytecheck_hold_here():
 def test_sharedkv_prefill_refuses_sizes_it_cannot_run_by_name(argv, capsys):
     """Such sizes ended in an IndexError / ValueError / AssertionError traceback (or, --tokens 0, silently ran the
     default 16 rows); argparse now refuses them before anything is built (exit 2, the option named)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks import sharedkv_prefill
-    finally:
-        sys.path.remove(str(ROOT))
     with pytest.raises(SystemExit) as ei:
-        sharedkv_prefill.main(["--quick", *argv])
+        _benchmarks("sharedkv_prefill").main(["--quick", *argv])
     assert ei.value.code == 2 and f"argument {argv[0]}: must be an integer >= " in capsys.readouterr().err
 
 
@@ -163,22 +160,13 @@ def test_results_table_prints_a_memory_row_in_its_unit():
     assert "| t | case | 1.50 s | floor: 500.00 ms | 3 |" in lines[3], lines[3]
 
 
-def _prefill_module():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks import sharedkv_prefill
-    finally:
-        sys.path.remove(str(ROOT))
-    return sharedkv_prefill
-
-
 def test_sharedkv_prefill_row_tasks_fill_the_shared_output_with_the_serial_bytes(tmp_path):
     """The row tasks of ``--workers`` / ``--scheduler`` (run here in this process) each stream their rows into one
     shared output memmap, leaving the others' rows alone: together they give the bytes of one in-memory call; the
     file comparison that judges the split sees a single differing byte."""
     from qsfa.reference.sharedkv import sharedkv_attention
 
-    m = _prefill_module()
+    m = _benchmarks("sharedkv_prefill")
     d = str(tmp_path)
     args = m.build(d, tokens=9, context=4096, heads=4)
     want, _ = sharedkv_attention(**{k: np.asarray(v) if isinstance(v, np.ndarray) else v for k, v in args.items()})
@@ -204,7 +192,7 @@ def test_sharedkv_prefill_row_tasks_fill_the_shared_output_with_the_serial_bytes
 def test_sharedkv_prefill_workers_run_on_a_local_cluster(tmp_path):
     """``--quick --workers 1``: the serial run, then the row tasks on a local Dask cluster, byte-identical."""
     pytest.importorskip("distributed")
-    m = _prefill_module()
+    m = _benchmarks("sharedkv_prefill")
     rows = m.run(quick=True, folder=str(tmp_path), workers=1, task_rows=5)
     assert len(rows) == 2 and "4 row tasks on 1 local worker:" in rows[1]["case"]
     assert "byte-identical to the serial run's" in rows[1]["notes"] and "none re-run" in rows[1]["notes"]
