@@ -469,6 +469,14 @@ def qsfa_row_facts(codes, scales, fmt: str, qdtype: str, rope_bits=None, rope64=
     return np.sqrt(k_sq) * (1 + 2.0 ** -40), k_lq, vmax, vlq
 
 
+def exact_room(facts):
+    """Per row of ``a`` in :func:`_dot_f32`, from its facts ``(norm, lq)``: the largest span ``log2(norm) - lq`` a
+    column of ``b`` may have for their dot product to be exact in float64 (+inf for a row of zeros)."""
+    norm, lq = facts
+    with np.errstate(divide="ignore"):
+        return lq + 53 - np.log2(norm) - 2.0 ** -20
+
+
 def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts, out=None) -> np.ndarray:
     """RN32 of the exact batched dot products ``a @ b`` (float64 ``[c, M, K] @ [c, K, N]`` holding 16-bit floats or
     one-byte codes, so every product is exact), the same bits whatever BLAS kernel computed the float64 matmul.
@@ -483,9 +491,9 @@ def _dot_f32(a: np.ndarray, b: np.ndarray, a_facts, b_facts, out=None) -> np.nda
     np.add(approx, 0.0, out=approx)  # an exact zero sum is +0 (a float64 pass: faster than a casting add)
     with np.errstate(over="ignore"):  # a sum beyond fp32's range rounds to +-inf, as the kernel's accumulator
         np.copyto(out, approx, casting="same_kind")  # one rounding
-    (an, aq), (bn, bq) = a_facts, b_facts
+    an, (bn, bq) = a_facts[0], b_facts
+    room = exact_room(a_facts)  # [c, M]: a column n is exact with row m if its span fits
     with np.errstate(divide="ignore"):
-        room = aq + 53 - np.log2(an) - 2.0 ** -20  # [c, M]: a column n is exact with row m if its span fits
         span = np.log2(bn) - bq  # [c, N]
     cand_c, cand_n = np.nonzero(span > room.min(axis=1)[:, None])  # columns some row cannot pair exactly with
     if cand_c.size == 0:
@@ -529,16 +537,30 @@ def only_rows(start: int, stop: int):
         _ROW_RANGE.reset(token)
 
 
-def idle_rows(n_rows: int, active: np.ndarray) -> np.ndarray:
-    """The rows a call writes as zero into a caller's output buffer: those of the :func:`only_rows` range (every
-    row without one) that no chunk computes (``active``: the rows computed). Rows outside the range are not the
-    call's: their bytes stay."""
+def rows_in_range(rows: np.ndarray) -> np.ndarray:
+    """The row numbers of ``rows`` (sorted) that the :func:`only_rows` range in force keeps (all without one)."""
+    row_range = _ROW_RANGE.get()
+    if row_range is None:
+        return rows
+    return rows[(rows >= row_range[0]) & (rows < row_range[1])]
+
+
+def zero_idle_rows(buffers, n_rows: int, active: np.ndarray, block: int = 4096) -> None:
+    """Zero, in each caller's output buffer of ``buffers`` (views ``[n_rows, ...]``), the rows of the
+    :func:`only_rows` range (every row without one) that no chunk computes (``active``: the rows computed), a
+    block of rows at a time. Rows outside the range are not the call's: their bytes stay."""
+    if not buffers:
+        return
     row_range = _ROW_RANGE.get()
     idle = np.zeros(n_rows, bool)
     lo, hi = (0, n_rows) if row_range is None else (max(row_range[0], 0), min(row_range[1], n_rows))
     idle[lo:max(hi, lo)] = True
     idle[active] = False
-    return idle
+    for a in range(0, n_rows, block):
+        sel = np.flatnonzero(idle[a:a + block]) + a
+        if sel.size:
+            for b in buffers:
+                b[sel] = 0
 
 
 def row_workset_bytes(n_heads: int, width: int, dv: int = NOPE_DIM, kv_rows: int = 2) -> int:
@@ -688,10 +710,7 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
             assert np.shares_memory(v, buf.reshape(-1)[:1]) and v.dtype == fdt
             lse_arrays.append(v)
     mx, sm = lse_arrays if lse else (np.zeros((0,), fdt), np.zeros((0,), fdt))
-    active = np.nonzero(limit > 0)[0]
-    row_range = _ROW_RANGE.get()
-    if row_range is not None:
-        active = active[(active >= row_range[0]) & (active < row_range[1])]
+    active = rows_in_range(np.nonzero(limit > 0)[0])
     n_threads = get_num_threads()
     step = _rows_per_chunk(chunk_size, n_heads, width, budget=workset_bytes_per_thread(n_threads), dv=dv,
                            kv_rows=kv_rows)
@@ -738,16 +757,9 @@ def _core(*, rows, kvm, indices, sparse_block_size, sparse_mode, n_heads, dv, lo
             mx[r] = m
             sm[r] = l
 
-    # rows of the range no chunk writes (no selected token) are zero in the caller's buffers (idle_rows)
-    zeroed = [b for b, given in ((out, out_buffer), (mx, lse_buffers[0]), (sm, lse_buffers[1]))
-              if given is not None and (lse or b is out)]
-    if zeroed:
-        idle = idle_rows(n_rows, active)
-        for a in range(0, n_rows, 4096):
-            sel = np.flatnonzero(idle[a:a + 4096]) + a
-            if sel.size:
-                for b in zeroed:
-                    b[sel] = 0
+    # rows of the range no chunk writes (no selected token) are zero in the caller's buffers
+    zero_idle_rows([b for b, given in ((out, out_buffer), (mx, lse_buffers[0]), (sm, lse_buffers[1]))
+                    if given is not None and (lse or b is out)], n_rows, active)
     run_chunks(chunk, range(0, active.size, step), n_threads)
     return out, mx, sm
 

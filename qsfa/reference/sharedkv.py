@@ -51,8 +51,8 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import (
-    _ROW_RANGE, _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_sum_f32, exp_f32, idle_rows,
-    log_f32, round_q16, row_facts, sum_error_bound,
+    _dot_f32, _FIELD16, _NO_LQ, _QDT, _qdt_name, certified_f32, exact_room, exact_sum_f32, exp_f32, log_f32,
+    round_q16, row_facts, rows_in_range, sum_error_bound, zero_idle_rows,
 )
 from ._decode_blocks import bf16_bits_inplace
 from ._workspace import scratch
@@ -330,16 +330,9 @@ def sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, ori_b
     odt = np.float64 if exact else _QDT[qdtype]
     out = output_rows(attention_out, rows.shape[0], n_heads, d, odt)
     lse = np.zeros((rows.shape[0], n_heads), fdt)
-    live = np.nonzero(~zero)[0]
-    row_range = _ROW_RANGE.get()
-    if row_range is not None:
-        live = live[(live >= row_range[0]) & (live < row_range[1])]
-    if attention_out is not None:  # rows of the range no chunk writes are zero (the others' bytes stay)
-        idle = idle_rows(rows.shape[0], live)
-        for a in range(0, rows.shape[0], 4096):
-            z = np.flatnonzero(idle[a:a + 4096]) + a
-            if z.size:
-                out[z] = 0
+    live = rows_in_range(np.nonzero(~zero)[0])
+    # rows of the range no chunk writes are zero (the others' bytes stay)
+    zero_idle_rows([] if attention_out is None else [out], rows.shape[0], live)
     # K bytes per row: faithful packs a row's window to [0, n_ori) (see _tile_layout), exact keeps the slot layout
     ori_w = ori_slots if exact else n_ori
     per_row = max(int(ori_w[live].max(initial=0)) + cmp_bound, 1) * d * 8 * 2
@@ -477,8 +470,7 @@ def _faithful(q64, q16, k64, k16, sel, scale, sink, qdtype, tiles, p_rounding, o
     acc.fill(0)
     pv = scratch("sharedkv_pv", (c, n, d), np.float32)
     for t, (lo, hi) in enumerate(tiles):
-        with np.errstate(divide="ignore"):  # (attention._dot_f32's room of each P row; 0 sums: +inf)
-            room = (p_lq[..., t] + 53 - np.log2(p_sum[..., t]) - 2.0 ** -20).min(axis=1)
+        room = exact_room((p_sum[..., t], p_lq[..., t])).min(axis=1)  # (the P rows' room _dot_f32 reads)
         _dot_f32(p64[..., lo:hi], k64[:, lo:hi], (p_sum[..., t], p_lq[..., t]),
                  vf(t, room), out=pv)  # RN32(P @ V)  [c, N, D]
         a = a_all[..., t]

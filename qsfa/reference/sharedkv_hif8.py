@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import (
-    _ROW_RANGE, _dot_f32, _QDT, exact_sum_f32, exp_f32, idle_rows, log_f32, min_lq, round_q16, row_facts,
+    _dot_f32, _QDT, exact_sum_f32, exp_f32, log_f32, min_lq, round_q16, row_facts, rows_in_range, zero_idle_rows,
 )
 from .formats import decode, encode
 from .sharedkv import _exact, _kv_source, _query_rows, output_rows, select_tokens
@@ -121,16 +121,9 @@ def hif8_sharedkv_attention(q, ori_kv, cmp_kv=None, cmp_sparse_indices=None, *, 
     odt = np.dtype(np.float64 if exact else _QDT["bfloat16"])
     out = output_rows(attention_out, rows.shape[0], n_heads, d, odt)
     lse = np.zeros((rows.shape[0], n_heads), fdt)
-    live = np.nonzero(~zero)[0]
-    row_range = _ROW_RANGE.get()
-    if row_range is not None:  # only_rows: the other rows are not computed (zero in the returned LSE)
-        live = live[(live >= row_range[0]) & (live < row_range[1])]
-    if attention_out is not None:  # rows of the range no chunk writes (before the causal diagonal, past
-        idle = idle_rows(rows.shape[0], live)  # seqused_q) are zero; the others' bytes stay
-        for a0 in range(0, rows.shape[0], _SELECT_ROWS):
-            z = np.flatnonzero(idle[a0:a0 + _SELECT_ROWS]) + a0
-            if z.size:
-                out[z] = 0
+    live = rows_in_range(np.nonzero(~zero)[0])  # only_rows: the other rows are not computed (zero LSE)
+    # rows of the range no chunk writes (before the causal diagonal, past seqused_q) are zero; the others' bytes stay
+    zero_idle_rows([] if attention_out is None else [out], rows.shape[0], live, _SELECT_ROWS)
     step = max(1, _CHUNK_BYTES // (max(int(width_all.max(initial=0)), 1) * d * 8 * 2))
     for c0 in range(0, live.size, step):
         r = live[c0:c0 + step]
